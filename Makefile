@@ -1,0 +1,26 @@
+# Local virtual environment, installed once and reused. TORCH_SPEC is pinned so a CPU-only
+# machine takes the CPU wheel; on a GPU machine set TORCH_SPEC to the CUDA build you want.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.stoker-installed
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

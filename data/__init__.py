@@ -1,0 +1,1 @@
+"""Stoker's input pipeline: datasets, samplers, per-rank loaders, device prefetching."""

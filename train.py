@@ -1,0 +1,20 @@
+"""Stoker entry point: Hydra composes conf/train.yaml with your overrides, trainer.run trains.
+
+    python train.py                                        # default job (digits, MLP)
+    python train.py debug=default                          # one process, debug settings
+    torchrun --standalone --nproc_per_node=4 train.py data.num_workers=8
+"""
+import hydra
+from omegaconf import DictConfig
+
+import trainer
+from trainer.cli import exit_on_error
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    trainer.run(cfg)
+
+
+if __name__ == "__main__":
+    exit_on_error(main)

@@ -1,0 +1,72 @@
+"""Turns configuration mistakes into one line on stderr and exit code 2.
+
+Hydra prints composition errors over several lines (or a traceback for errors in the task).
+`exit_on_error` asks Hydra to re-raise instead (HYDRA_FULL_ERROR) and condenses whatever
+describes a bad override, group choice or value into one line naming the key. Genuine bugs
+keep their full traceback. A user who sets HYDRA_FULL_ERROR=1 gets Hydra's own output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Callable, List
+
+from hydra.errors import HydraException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError
+from trainer.distributed import detect
+
+EXIT_CONFIG = 2
+
+
+def _lines(text: str) -> List[str]:
+    out = []
+    for line in str(text).splitlines():
+        line = line.strip()
+        if line.startswith("Config search path") or line.startswith("Set the environment"):
+            break
+        if line and not line.startswith(("reference_type", "object_type", "full_key")):
+            out.append(line)
+    return out
+
+
+def _valid_keys(e: OmegaConfBaseException) -> str:
+    obj = getattr(e, "object_type", None)
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+        return " (valid keys: " + ", ".join(f.name for f in dataclasses.fields(obj)) + ")"
+    return ""
+
+
+def describe(e: BaseException) -> str:
+    """One line for an exception and its causes, naming the key where one is known."""
+    parts: List[str] = []
+    cur: BaseException | None = e
+    while cur is not None:
+        lines = _lines(str(cur))
+        key = getattr(cur, "full_key", None)
+        text = " ".join(lines)
+        if key and key not in text:
+            text += f" (key: {key})"
+        if isinstance(cur, ConfigKeyError):
+            text += _valid_keys(cur)
+        if text and text not in parts:
+            parts.append(text)
+        cur = cur.__cause__
+    return ": ".join(parts) or type(e).__name__
+
+
+def exit_on_error(main: Callable[[], None]) -> None:
+    """Runs a @hydra.main function; configuration errors exit 2 with one line from rank 0."""
+    user_full = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (ConfigError, CheckpointError, HydraException, OmegaConfBaseException) as e:
+        if user_full:
+            raise
+        if detect().is_main:
+            print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)

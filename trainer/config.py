@@ -1,0 +1,199 @@
+"""Typed configuration schema, its registration with Hydra, and every semantic check.
+
+The dataclasses below back `conf/train.yaml` through Hydra's ConfigStore (`train_schema`), so a
+misspelt key (`data.num_worker=8`) or a wrong type (`data.num_workers=abc`) fails while Hydra
+composes the config, before any process group, dataset or model exists. Checks that need the
+environment (is CUDA here? how many ranks?) live in `resolve`, the one place where derived
+values such as the global batch are computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message is one line naming the key."""
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Strategy(Enum):
+    auto = "auto"  # ddp under torchrun/SLURM with world size > 1, else single
+    single = "single"
+    ddp = "ddp"
+    dp = "dp"
+
+
+class Accelerator(Enum):
+    auto = "auto"  # cuda when available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class DataConfig:
+    dataset: Any = MISSING  # _target_ node; called with split="train" and split="val"
+    input_shape: List[int] = MISSING  # shape of one sample, shared with the model config
+    num_classes: int = MISSING
+    batch_size: int = 64  # per rank
+    eval_batch_size: Optional[int] = None  # null: same as batch_size
+    num_workers: int = 2
+    pin_memory: bool = True  # only takes effect on CUDA
+    prefetch_factor: int = 2  # batches in flight per worker; ignored when num_workers=0
+    persistent_workers: bool = True  # ignored when num_workers=0
+    shuffle: bool = True
+    drop_last: bool = False
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
+    timeout_s: float = 1800.0  # process-group timeout for collectives
+
+
+@dataclass
+class TrainerConfig:
+    strategy: Strategy = Strategy.auto
+    accelerator: Accelerator = Accelerator.auto
+    precision: Precision = Precision.fp32
+    accumulate_grad_batches: int = 1
+    grad_clip: Optional[float] = None  # max global L2 norm of gradients; null: no clipping
+    max_epochs: int = 20
+    max_steps: int = -1  # optimizer steps; -1: no limit
+    val_every_n_epochs: int = 1
+    log_every_n_steps: int = 10
+    limit_train_batches: Optional[int] = None
+    limit_val_batches: Optional[int] = None
+    overfit_batches: int = 0  # >0: train (and validate) on the same first N batches
+    fast_dev_run: bool = False
+    deterministic: bool = False
+    detect_anomaly: bool = False
+    profile: bool = False
+    progress_bar: bool = True
+    tensorboard: bool = True
+    save_checkpoint: bool = True
+    resume: Optional[str] = None  # null | auto | path to a checkpoint
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 42
+    run_dir: str = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+
+
+def register() -> None:
+    """Registers the schema as `train_schema`; conf/train.yaml names it first in its defaults."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+register()
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Values derived from the config and the environment, computed once in `resolve`."""
+
+    device: torch.device
+    strategy: Strategy
+    precision: Precision
+    world_size: int
+    global_batch: int  # per-rank batch x accumulation x world size
+
+
+def _check(ok: bool, key: str, value: Any, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value}: {valid}")
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    d, t = cfg.data, cfg.trainer
+    _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
+    ebs = d.eval_batch_size
+    _check(ebs is None or ebs >= 1, "data.eval_batch_size", ebs, "must be >= 1 or null")
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
+    _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "must be >= 1")
+    acc = t.accumulate_grad_batches
+    _check(acc >= 1, "trainer.accumulate_grad_batches", acc, "must be >= 1")
+    clip = t.grad_clip
+    _check(clip is None or clip > 0, "trainer.grad_clip", clip, "must be > 0 or null")
+    _check(t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "must be >= 1")
+    _check(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps,
+           "must be -1 (no limit) or >= 1")
+    _check(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs,
+           "must be >= 1")
+    _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps,
+           "must be >= 1")
+    for key in ("limit_train_batches", "limit_val_batches"):
+        v = t[key]
+        _check(v is None or v >= 1, f"trainer.{key}", v, "must be >= 1 or null")
+    _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
+    _check(len(d.input_shape) >= 1 and all(s >= 1 for s in d.input_shape),
+           "data.input_shape", list(d.input_shape), "must be a non-empty list of sizes >= 1")
+    _check(d.num_classes >= 2, "data.num_classes", d.num_classes, "must be >= 2")
+
+
+def _pick_device(cfg: DictConfig, local_rank: int) -> torch.device:
+    acc = cfg.trainer.accelerator
+    cuda = torch.cuda.is_available()
+    _check(acc != Accelerator.cuda or cuda, "trainer.accelerator", "cuda",
+           "CUDA is not available on this machine; use auto or cpu")
+    if acc == Accelerator.cpu or not cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def _pick_strategy(cfg: DictConfig, world_size: int, launched: bool) -> Strategy:
+    s = cfg.trainer.strategy
+    if s == Strategy.auto:
+        return Strategy.ddp if launched and world_size > 1 else Strategy.single
+    _check(not (s == Strategy.single and world_size > 1), "trainer.strategy", "single",
+           f"cannot run in a job of {world_size} ranks; use auto or ddp")
+    _check(not (s == Strategy.dp and world_size > 1), "trainer.strategy", "dp",
+           f"DataParallel is one process over all GPUs, but this job has {world_size} ranks; "
+           "launch with plain `python train.py` or use trainer.strategy=ddp")
+    _check(not (s == Strategy.ddp and not launched), "trainer.strategy", "ddp",
+           "needs a torchrun or SLURM launch (e.g. torchrun --nproc_per_node=2 train.py); "
+           "use auto or single for one process")
+    return s
+
+
+def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
+            launched: bool = False) -> RunSpec:
+    """Checks every value that could not work and returns the derived values of the run.
+
+    Raises ConfigError (one line naming the key and what would be valid) on the first problem.
+    """
+    _check_ranges(cfg)
+    device = _pick_device(cfg, local_rank)
+    strategy = _pick_strategy(cfg, world_size, launched)
+    prec = cfg.trainer.precision
+    _check(prec != Precision.fp16 or device.type == "cuda", "trainer.precision", "fp16",
+           "needs CUDA (GradScaler); on CPU use bf16 or fp32")
+    _check(prec != Precision.bf16 or device.type != "cuda" or torch.cuda.is_bf16_supported(),
+           "trainer.precision", "bf16", "this GPU does not support bfloat16; use fp16")
+    _check(strategy != Strategy.dp or device.type == "cuda", "trainer.strategy", "dp",
+           "DataParallel needs CUDA devices; use single on CPU")
+    # Under dp the one process's batch is split across GPUs, so it still counts once.
+    global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
+    return RunSpec(device=device, strategy=strategy, precision=prec, world_size=world_size,
+                   global_batch=global_batch)

@@ -1,0 +1,92 @@
+"""Run outputs from rank 0: console, progress bar, TensorBoard, metrics.jsonl, profiler traces.
+
+Every other rank holds a silent RunLogger, so call sites never branch on rank: they log, and
+only rank 0 writes. Hydra already sends Python logging to the console and `<run dir>/train.log`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("stoker")
+
+
+class RunLogger:
+    """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, main: bool, write: bool, tensorboard: bool = True,
+                 progress_bar: bool = True):
+        self.main = main  # console and progress bar
+        self.write = write  # metrics.jsonl and TensorBoard (off in fast_dev_run)
+        self.show_progress = main and progress_bar
+        self._jsonl = None
+        self._tb = None
+        if not write:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: only on rank 0
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def info(self, msg: str, *args: Any) -> None:
+        if self.main:
+            log.info(msg, *args)
+
+    def metrics(self, split: str, step: int, values: Dict[str, Any]) -> None:
+        """Records `values` for `split` ("train" or "val") at optimizer step `step`."""
+        if not self.write:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in values.items()}
+        self._jsonl.write(json.dumps({"split": split, "step": step, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def progress(self, total: Optional[int], desc: str):
+        """A tqdm bar on rank 0 (when enabled), else a silent stand-in with the same methods."""
+        return tqdm(total=total, desc=desc, disable=not self.show_progress, leave=False,
+                    dynamic_ncols=True, unit="batch")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+class _NoProfiler(contextlib.nullcontext):
+    def __enter__(self) -> "_NoProfiler":
+        return self
+
+    def step(self) -> None:
+        pass
+
+
+def profiler(run_dir: Path, enabled: bool, device: torch.device):
+    """A torch.profiler over a few optimizer steps, traced for TensorBoard; else a no-op.
+
+    Call `.step()` once per optimizer step. Traces land in `<run dir>/profiler/`.
+    """
+    if not enabled:
+        return _NoProfiler()
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3),
+                   on_trace_ready=tensorboard_trace_handler(str(run_dir / "profiler")),
+                   record_shapes=True, profile_memory=True, with_stack=False)

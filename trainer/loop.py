@@ -1,0 +1,221 @@
+"""fit / train_epoch / evaluate: the training loop, readable top to bottom.
+
+Conventions: a *step* is an optimizer step; a *micro-batch* is one loader batch. With
+`accumulate_grad_batches=k`, k micro-batches form a window; each micro-batch's loss is
+weighted by its share of the window's samples, so k batches of b match one batch of k*b
+(a short last batch or window included). Host syncs (`.item()`, all-reduce of metrics) happen
+only at logging boundaries, never per step.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from data.prefetch import to_device
+from trainer import distributed
+from trainer.config import TrainerConfig
+from trainer.logging import RunLogger
+from trainer.precision import MixedPrecision
+from trainer.strategy import sync_context, unwrap
+
+
+@dataclass
+class FitState:
+    """Progress that a checkpoint must carry: epochs completed and optimizer steps taken."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+@dataclass
+class Window:
+    """Running sums over one logging window; read (with one sync) at a logging boundary."""
+
+    loss_sum: Optional[torch.Tensor] = None
+    samples: int = 0
+    wait_s: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        contrib = loss.float() * n
+        self.loss_sum = contrib if self.loss_sum is None else self.loss_sum + contrib
+        self.samples += n
+
+
+def batch_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
+               accumulate: int) -> List[Tuple[float, bool]]:
+    """(loss weight, is optimizer-step boundary) for each micro-batch of one epoch on one rank."""
+    sizes = [batch_size] * (num_samples // batch_size)
+    if not drop_last and num_samples % batch_size:
+        sizes.append(num_samples % batch_size)
+    if limit is not None:
+        sizes = sizes[:limit]
+    plan = []
+    for start in range(0, len(sizes), accumulate):
+        window = sizes[start:start + accumulate]
+        total = sum(window)
+        plan += [(n / total, i == len(window) - 1) for i, n in enumerate(window)]
+    return plan
+
+
+def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), target)
+
+
+def epoch_plan(loader: DataLoader, limit: Optional[int],
+               accumulate: int) -> List[Tuple[float, bool]]:
+    """`batch_plan` for this rank's shard of `loader` in one epoch."""
+    return batch_plan(len(loader.sampler), loader.batch_size, loader.drop_last, limit,
+                      accumulate)
+
+
+def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
+    return sum(1 for _, boundary in epoch_plan(loader, limit, accumulate) if boundary)
+
+
+class Loop:
+    """Runs epochs of training and validation over already-built components."""
+
+    def __init__(self, *, cfg: TrainerConfig, model: nn.Module, optimizer, scheduler,
+                 precision: MixedPrecision, train_loader: DataLoader, val_loader: DataLoader,
+                 device: torch.device, logger: RunLogger, profiler, state: FitState,
+                 train_limit: Optional[int], val_limit: Optional[int]):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.precision, self.device, self.logger, self.prof = precision, device, logger, profiler
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.state, self.train_limit, self.val_limit = state, train_limit, val_limit
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.run_wait_s = 0.0
+        self.run_train_s = 0.0
+        self.run_samples = 0
+        self.last_train: Dict[str, Any] = {}
+        self.last_val: Dict[str, Any] = {}
+
+    def _done(self) -> bool:
+        max_steps = self.cfg.max_steps
+        return (max_steps > 0 and self.state.step >= max_steps) or \
+            self.state.epoch >= self.cfg.max_epochs
+
+    def fit(self) -> Dict[str, Any]:
+        """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
+        validated_at = None
+        while not self._done():
+            epoch = self.state.epoch
+            self.train_epoch(epoch)
+            self.state.epoch += 1
+            if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
+                self.evaluate()
+                validated_at = self.state.step
+        if validated_at != self.state.step:  # e.g. resumed at the end: still report val
+            self.evaluate()
+        return {"epochs": self.state.epoch, "steps": self.state.step,
+                **self.last_train, **self.last_val, **self.run_rates()}
+
+    def run_rates(self) -> Dict[str, float]:
+        train_s = max(self.run_train_s, 1e-9)
+        return {"run_samples_per_s": self.run_samples / train_s,
+                "run_data_wait_frac": self.run_wait_s / train_s}
+
+    def train_epoch(self, epoch: int) -> None:
+        """One pass over this rank's shard; stops early at max_steps (on a step boundary)."""
+        self.model.train()
+        sampler = self.train_loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
+        plan = epoch_plan(self.train_loader, self.train_limit, self.cfg.accumulate_grad_batches)
+        window = Window()
+        bar = self.logger.progress(len(plan), f"epoch {epoch}")
+        batches = iter(self.train_loader)
+        epoch_start = time.perf_counter()
+        for weight, boundary in plan:
+            t0 = time.perf_counter()
+            batch = to_device(next(batches), self.device)
+            window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
+            loss = self._micro_step(batch, weight, boundary)
+            window.add(loss, len(batch[1]))
+            bar.update(1)
+            if not boundary:
+                continue
+            log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0
+            grad_norm = self._optimizer_step(want_norm=log_now)
+            if log_now:
+                self._log_window(window, epoch, grad_norm, bar)
+                window = Window()
+            if self.cfg.max_steps > 0 and self.state.step >= self.cfg.max_steps:
+                break
+        if window.samples:
+            self._log_window(window, epoch, None, bar)
+        bar.close()
+        self.run_train_s += time.perf_counter() - epoch_start
+
+    def _micro_step(self, batch, weight: float, boundary: bool) -> torch.Tensor:
+        inputs, target = batch
+        with sync_context(self.model, boundary):
+            with self.precision.autocast():
+                loss = classification_loss(self.model(inputs), target)
+            self.precision.backward(loss * weight)
+        return loss.detach()
+
+    def _optimizer_step(self, want_norm: bool) -> Optional[torch.Tensor]:
+        norm = self.precision.step(self.optimizer, self.params, self.cfg.grad_clip, want_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
+        self.state.step += 1
+        self.prof.step()
+        return norm
+
+    def _log_window(self, w: Window, epoch: int, grad_norm, bar) -> None:
+        """Averages the window over ranks (one all-reduce, one host sync) and records it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # wall time must include queued GPU work
+        wall = time.perf_counter() - w.start
+        loss_sum = w.loss_sum if w.loss_sum is not None else torch.zeros((), device=self.device)
+        stats = torch.stack([loss_sum.float().to(self.device), *(
+            torch.tensor(v, dtype=torch.float32, device=self.device)
+            for v in (w.samples, w.wait_s, wall))])
+        loss_sum, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
+        world = distributed.world_size()
+        self.run_wait_s += w.wait_s
+        self.run_samples += int(samples)
+        values = {"epoch": epoch, "loss": loss_sum / max(samples, 1),
+                  "lr": self.optimizer.param_groups[0]["lr"],
+                  "samples_per_s": samples / max(wall_sum / world, 1e-9),
+                  "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
+        if grad_norm is not None:
+            values["grad_norm"] = float(grad_norm)
+        self.last_train = {"train_loss": values["loss"]}
+        self.logger.metrics("train", self.state.step, values)
+        bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
+                        wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Exact loss and accuracy over the whole validation set (summed over ranks)."""
+        model = unwrap(self.model)  # no DDP collectives in evaluation
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for batch in itertools.islice(self.val_loader, self.val_limit):
+            inputs, target = to_device(batch, self.device)
+            with self.precision.autocast():
+                logits = model(inputs)
+            sums[0] += F.cross_entropy(logits.float(), target, reduction="sum")
+            sums[1] += (logits.argmax(dim=1) == target).sum()
+            sums[2] += target.numel()
+        loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
+        values = {"epoch": self.state.epoch - 1 if self.state.epoch else 0,
+                  "val_loss": loss_sum / count if count else math.nan,
+                  "val_acc": correct / count if count else math.nan}
+        self.last_val = {"val_loss": values["val_loss"], "val_acc": values["val_acc"]}
+        self.logger.metrics("val", self.state.step, values)
+        self.logger.info("epoch %d step %d: val_loss %.4f val_acc %.4f", values["epoch"],
+                         self.state.step, values["val_loss"], values["val_acc"])
+        model.train()
+        return values

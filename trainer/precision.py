@@ -1,0 +1,63 @@
+"""Mixed precision: the autocast context and the GradScaler, built once per run.
+
+fp32 runs without autocast. bf16 autocasts (CPU and CUDA) and needs no scaler: its exponent
+range is fp32's. fp16 autocasts on CUDA and uses a GradScaler so small gradients survive;
+gradients are unscaled before clipping so the clip threshold means the same in every precision.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Optional
+
+import torch
+
+from trainer.config import Precision
+
+_DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+
+class MixedPrecision:
+    """Owns autocast and the optional GradScaler; `step` does unscale, clip and step."""
+
+    def __init__(self, precision: Precision, device: torch.device):
+        self.precision = precision
+        self.device = device
+        self.scaler: Optional[torch.amp.GradScaler] = (
+            torch.amp.GradScaler(device.type) if precision == Precision.fp16 else None)
+
+    def autocast(self):
+        """Context for the forward pass and loss; a no-op in fp32."""
+        if self.precision == Precision.fp32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=_DTYPES[self.precision])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+             grad_clip: Optional[float], want_norm: bool) -> Optional[torch.Tensor]:
+        """Unscales (fp16), clips to `grad_clip`, steps the optimizer.
+
+        Returns the pre-clip global gradient norm as a device tensor when clipping or when
+        `want_norm` (no host sync here: the caller reads it at a logging boundary).
+        """
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+        norm = None
+        if grad_clip is not None or want_norm:
+            max_norm = grad_clip if grad_clip is not None else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+        if self.scaler:
+            self.scaler.step(optimizer)  # skips the step when the gradients are not finite
+            self.scaler.update()
+        else:
+            optimizer.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)

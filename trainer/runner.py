@@ -1,0 +1,172 @@
+"""run(cfg): environment -> seed -> data -> model -> strategy -> optimizer -> restore -> fit.
+
+This is the only place that builds components from the config; the loop receives them built.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from data.loader import build_loader
+from trainer import checkpoint, distributed, schedules
+from trainer.config import RunSpec, resolve
+from trainer.distributed import DistEnv
+from trainer.logging import RunLogger, profiler
+from trainer.loop import FitState, Loop, steps_per_epoch
+from trainer.precision import MixedPrecision
+from trainer.strategy import unwrap, wrap
+
+log = logging.getLogger("stoker")
+
+
+def run(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
+    """Trains as `cfg` says and returns the run summary (losses, accuracy, rates, paths).
+
+    Raises ConfigError for a value that cannot work and CheckpointError for an unusable
+    checkpoint, both before any training step; `trainer.cli` turns them into one line.
+    """
+    env = env or distributed.detect()
+    spec = resolve(cfg, env.world_size, env.local_rank, env.launched)
+    if cfg.trainer.fast_dev_run:  # one train and one val batch, then exit, nothing saved
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.max_epochs, cfg.trainer.max_steps = 1, 1
+        cfg.trainer.save_checkpoint = False
+    with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s):
+        return _train(cfg, env, spec)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every device's generator
+
+
+def _debug_flags(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    torch.autograd.set_detect_anomaly(bool(t.detect_anomaly))
+    if t.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
+    t = cfg.trainer
+    if t.fast_dev_run:
+        return 1, 1
+    if t.overfit_batches:
+        return t.overfit_batches, t.limit_val_batches
+    return t.limit_train_batches, t.limit_val_batches
+
+
+def _loaders(cfg: DictConfig, env: DistEnv, device: torch.device):
+    kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device)
+    train_set = instantiate(cfg.data.dataset, split="train")
+    val_set = instantiate(cfg.data.dataset, split="val")
+    # overfit mode repeats the same first batches every epoch, so no shuffling
+    shuffle = False if cfg.trainer.overfit_batches else None
+    return (build_loader(train_set, cfg.data, train=True, shuffle=shuffle, **kw),
+            build_loader(val_set, cfg.data, train=False, **kw))
+
+
+def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogger,
+                  run_dir: Path, n_train: int) -> None:
+    logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    if logger.write:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    logger.info("run dir %s | device %s | strategy %s | precision %s | world size %d",
+                run_dir, spec.device, spec.strategy.value, spec.precision.value, env.world_size)
+    logger.info("global batch %d = per-rank batch %d x accumulation %d x world size %d "
+                "| %d training samples", spec.global_batch, cfg.data.batch_size,
+                cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
+
+
+def _restore(cfg: DictConfig, run_dir: Path, model, optimizer, scheduler,
+             precision: MixedPrecision, logger: RunLogger) -> FitState:
+    path = checkpoint.find_resume(cfg.trainer.resume, run_dir)
+    if path is None:
+        return FitState()
+    state = checkpoint.load(path)
+    checkpoint.load_model_state(unwrap(model), state, path)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    precision.load_state_dict(state.get("scaler", {}))
+    logger.info("resumed from %s at epoch %d step %d", path, state["epoch"], state["step"])
+    return FitState(epoch=state["epoch"], step=state["step"])
+
+
+def _save_last(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> Optional[Path]:
+    if not cfg.trainer.save_checkpoint:
+        return None
+    path = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
+    if env.is_main:  # one writer; the others wait at the barrier so none exits early
+        checkpoint.save({
+            "model": unwrap(loop.model).state_dict(), "optimizer": loop.optimizer.state_dict(),
+            "scheduler": loop.scheduler.state_dict(), "scaler": loop.precision.state_dict(),
+            "epoch": loop.state.epoch, "step": loop.state.step, "world_size": env.world_size,
+            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}, path)
+    distributed.barrier()
+    return path
+
+
+def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger):
+    train_loader, val_loader = _loaders(cfg, env, spec.device)
+    _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
+    model = wrap(instantiate(cfg.model), spec.strategy, spec.device, cfg.trainer.ddp)
+    optimizer = instantiate(cfg.optim)([p for p in model.parameters() if p.requires_grad])
+    train_limit, val_limit = _limits(cfg)
+    per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
+    total = per_epoch * cfg.trainer.max_epochs
+    if cfg.trainer.max_steps > 0:
+        total = min(total, cfg.trainer.max_steps)
+    scheduler = schedules.build(instantiate(cfg.sched), optimizer, total)
+    precision = MixedPrecision(spec.precision, spec.device)
+    state = _restore(cfg, run_dir, model, optimizer, scheduler, precision, logger)
+    return Loop(cfg=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler,
+                precision=precision, train_loader=train_loader, val_loader=val_loader,
+                device=spec.device, logger=logger, profiler=None, state=state,
+                train_limit=train_limit, val_limit=val_limit)
+
+
+def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
+    t = cfg.trainer
+    run_dir = Path(cfg.run_dir)
+    _debug_flags(cfg)
+    seed_everything(cfg.seed)
+    logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
+                       tensorboard=t.tensorboard, progress_bar=t.progress_bar)
+    start = time.perf_counter()
+    try:
+        loop = _build(cfg, env, spec, run_dir, logger)
+        with profiler(run_dir, t.profile and env.is_main, spec.device) as prof:
+            loop.prof = prof
+            summary = loop.fit()
+        summary["checkpoint"] = str(_save_last(cfg, env, run_dir, loop) or "")
+        summary["wall_s"] = time.perf_counter() - start
+        summary["global_batch"] = spec.global_batch
+        _final_summary(summary, env)
+        return summary
+    finally:
+        logger.close()
+
+
+def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:
+    if not env.is_main:
+        return
+    val = (f"val_acc {s['val_acc']:.4f} val_loss {s['val_loss']:.4f}"
+           if "val_acc" in s else "no validation")
+    log.info("done: %d epochs, %d steps in %.1fs | %s | %.0f samples/s | waiting for data "
+             "%.1f%% of step time%s", s["epochs"], s["steps"], s["wall_s"], val,
+             s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
+             f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")

@@ -1,0 +1,46 @@
+"""Learning-rate schedules stepped once per optimizer step (not per micro-batch).
+
+`sched` configs are `_partial_: true` nodes. The trainer calls them with the optimizer and,
+when the callable accepts it, `total_steps` (the run's optimizer steps), so both these
+schedules and torch's own (`torch.optim.lr_scheduler.StepLR`, ...) plug in by `_target_`.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+
+def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
+                  min_lr_ratio: float = 0.0) -> LambdaLR:
+    """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio` x lr."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def constant(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
+    """Constant lr after an optional linear warmup."""
+    del total_steps  # accepted for a uniform call signature
+    return LambdaLR(optimizer, lambda s: (s + 1) / warmup_steps if s < warmup_steps else 1.0)
+
+
+def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
+          total_steps: int) -> LRScheduler:
+    """Calls a scheduler factory, passing `total_steps` only if it takes that argument."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "total_steps" in params:
+        return factory(optimizer, total_steps=total_steps)
+    return factory(optimizer)

@@ -1,0 +1,49 @@
+"""How the model is replicated: single device, DistributedDataParallel, or DataParallel.
+
+DDP (one process per device) is the default for multi-process jobs. DataParallel (one process
+scattering each batch over all visible GPUs) is kept only as a comparison mode: its
+single-process GIL and per-step replica broadcast are why DDP replaced it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import DDPConfig, Strategy
+
+
+def wrap(model: nn.Module, strategy: Strategy, device: torch.device, ddp: DDPConfig) -> nn.Module:
+    """Moves the model to `device` and wraps it for `strategy` (already resolved, never auto)."""
+    if strategy == Strategy.ddp and ddp.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    if strategy == Strategy.ddp:
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(
+            model, device_ids=ids, bucket_cap_mb=ddp.bucket_cap_mb,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+            static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters)
+    if strategy == Strategy.dp:
+        return nn.DataParallel(model)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module, without DDP/DP wrappers (state_dict keys carry no `module.`)."""
+    while isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def sync_context(model: nn.Module, is_boundary: bool):
+    """Skips DDP's gradient all-reduce on micro-steps inside an accumulation window.
+
+    Gradients still accumulate locally; the backward of the boundary micro-step all-reduces
+    the sum once, so accumulation costs one communication per optimizer step, not per batch.
+    """
+    if isinstance(model, DistributedDataParallel) and not is_boundary:
+        return model.no_sync()
+    return contextlib.nullcontext()
