@@ -78,7 +78,8 @@ class SyntheticDataset(Dataset):
         self.num_samples, self.shape = num_samples, tuple(input_shape)
         self.num_classes, self.noise, self.cost_ms = num_classes, noise, cost_ms
         self.dtype, self.seed = dtype, seed
-        self.split_offset = 0 if split == "train" else 1 << 40
+        # torch's CPU generator keeps 32 bits of a seed: mix (seed, split) into that range
+        self.stream = ((seed * 2 + SPLITS.index(split)) * 0x85EBCA77) & 0xFFFFFFFF
         gen = torch.Generator().manual_seed(seed)
         self.prototypes = torch.randn((num_classes, *self.shape), generator=gen)
 
@@ -89,7 +90,8 @@ class SyntheticDataset(Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(i)
         burn_cpu(self.cost_ms)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.split_offset + i)
+        # odd multiplier: distinct seeds for distinct indices of one split
+        gen = torch.Generator().manual_seed((i * 0x9E3779B1 + self.stream) & 0xFFFFFFFF)
         y = int(torch.randint(self.num_classes, (1,), generator=gen))
         x = self.prototypes[y] + self.noise * torch.randn(self.shape, generator=gen)
         if self.dtype == "uint8":

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
-from typing import Callable, List
+from typing import Callable, List, NoReturn
 
 from hydra.errors import HydraException
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import detect
 
 EXIT_CONFIG = 2
+# Hydra hints that do not apply to a typed schema or to this command line
+_NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_FULL_ERROR=1 to "
+                    r"see chained exception\.?")
 
 
 def _lines(text: str) -> List[str]:
@@ -47,10 +51,10 @@ def describe(e: BaseException) -> str:
     while cur is not None:
         lines = _lines(str(cur))
         key = getattr(cur, "full_key", None)
-        text = " ".join(lines)
+        text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
         if key and key not in text:
             text += f" (key: {key})"
-        if isinstance(cur, ConfigKeyError):
+        if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _valid_keys(cur)
         if text and text not in parts:
             parts.append(text)
@@ -58,15 +62,33 @@ def describe(e: BaseException) -> str:
     return ": ".join(parts) or type(e).__name__
 
 
+USER_ERRORS = (ConfigError, CheckpointError, HydraException, OmegaConfBaseException)
+
+
+def fail(e: BaseException) -> NoReturn:
+    """Prints `e` as one line (rank 0 only: every rank meets the same error) and exits 2.
+
+    Raised inside a Hydra task, SystemExit passes Hydra's job runner without its extra
+    "Error executing job" line.
+    """
+    if detect().is_main:
+        print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CONFIG)
+
+
+def wants_traceback() -> bool:
+    """True when the user set HYDRA_FULL_ERROR=1: then errors keep their full traceback."""
+    return os.environ.get("STOKER_TRACEBACK") == "1"
+
+
 def exit_on_error(main: Callable[[], None]) -> None:
-    """Runs a @hydra.main function; configuration errors exit 2 with one line from rank 0."""
-    user_full = bool(os.environ.get("HYDRA_FULL_ERROR"))
-    os.environ["HYDRA_FULL_ERROR"] = "1"
+    """Runs a @hydra.main function; composition errors exit 2 with one line from rank 0."""
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        os.environ["STOKER_TRACEBACK"] = "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     try:
         main()
-    except (ConfigError, CheckpointError, HydraException, OmegaConfBaseException) as e:
-        if user_full:
+    except USER_ERRORS as e:
+        if wants_traceback():
             raise
-        if detect().is_main:
-            print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG)
+        fail(e)

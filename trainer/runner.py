@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.loader import build_loader
 from trainer import checkpoint, distributed, schedules
+from trainer.cli import USER_ERRORS, fail, wants_traceback
 from trainer.config import RunSpec, resolve
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, profiler
@@ -29,11 +30,22 @@ from trainer.strategy import unwrap, wrap
 log = logging.getLogger("stoker")
 
 
-def run(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
+def run(cfg: DictConfig) -> Dict[str, Any]:
+    """Command-line entry: `train`, with configuration and checkpoint errors turned into one
+    line on stderr and exit code 2 (a traceback stays for anything else)."""
+    try:
+        return train(cfg)
+    except USER_ERRORS as e:
+        if wants_traceback():
+            raise
+        fail(e)
+
+
+def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
     """Trains as `cfg` says and returns the run summary (losses, accuracy, rates, paths).
 
     Raises ConfigError for a value that cannot work and CheckpointError for an unusable
-    checkpoint, both before any training step; `trainer.cli` turns them into one line.
+    checkpoint, both before any training step.
     """
     env = env or distributed.detect()
     spec = resolve(cfg, env.world_size, env.local_rank, env.launched)
@@ -57,8 +69,8 @@ def _debug_flags(cfg: DictConfig) -> None:
     if t.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(bool(t.deterministic))
 
 
 def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:

@@ -1,0 +1,41 @@
+"""Bad overrides and values end with one line on stderr naming the key, exit code 2."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tests.conftest import run_cli
+from trainer.cli import describe
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("data.num_worker=8", "data.num_worker"),  # typo: compose time
+    ("data.num_workers=abc", "data.num_workers"),  # type: compose time
+    ("data=nope", "digits"),  # bad group choice: lists the valid ones
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),  # semantic
+    ("trainer.precision=fp16", "trainer.precision"),  # fp16 without CUDA
+    ("trainer.resume=/no/such/file.pt", "trainer.resume"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
+    proc = run_cli([f"hydra.run.dir={tmp_path}", override])
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("stoker: error:") and needle in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_user_can_ask_for_the_full_traceback(tmp_path):
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "trainer.precision=fp16"],
+                   env_extra={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_describe_lists_valid_keys_for_a_typo(make_cfg):
+    with pytest.raises(ConfigCompositionException) as info:
+        make_cfg("data.batchsize=3")
+    line = describe(info.value)
+    assert "\n" not in line
+    assert "data.batchsize" in line and "valid keys:" in line and "batch_size" in line
+    assert "To append" not in line

@@ -1,0 +1,66 @@
+"""The typed schema rejects bad keys and types at compose time; resolve() checks semantics."""
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from trainer.config import ConfigError, Precision, Strategy, resolve
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.num_worker=8", "data.num_worker"),
+    ("data.num_workers=abc", "data.num_workers"),
+    ("trainer.precision=fp8", "trainer.precision"),
+    ("trainer.strategy=fsdp", "trainer.strategy"),
+    ("trainer.max_epochs=1.5", "trainer.max_epochs"),
+    ("sed=1", "sed"),
+])
+def test_schema_rejects_at_compose_time(make_cfg, override, key):
+    with pytest.raises(ConfigCompositionException) as info:
+        make_cfg(override)
+    cause = info.value.__cause__
+    assert getattr(cause, "full_key", None) == key
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("data.batch_size=0", "data.batch_size=0: must be >= 1"),
+    ("data.eval_batch_size=0", "data.eval_batch_size=0"),
+    ("data.num_workers=-1", "data.num_workers=-1: must be >= 0"),
+    ("data.prefetch_factor=0", "data.prefetch_factor=0"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),
+    ("trainer.grad_clip=0", "trainer.grad_clip=0"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0"),
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
+    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0"),
+    ("trainer.overfit_batches=-2", "trainer.overfit_batches=-2"),
+    ("data.num_classes=1", "data.num_classes=1"),
+    ("trainer.precision=fp16", "trainer.precision=fp16: needs CUDA"),
+    ("trainer.accelerator=cuda", "trainer.accelerator=cuda: CUDA is not available"),
+    ("trainer.strategy=ddp", "trainer.strategy=ddp: needs a torchrun or SLURM launch"),
+    ("trainer.strategy=dp", "trainer.strategy=dp: DataParallel needs CUDA"),
+])
+def test_semantic_checks_name_the_key(make_cfg, override, fragment):
+    with pytest.raises(ConfigError) as info:
+        resolve(make_cfg(override))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_global_batch_is_per_rank_x_accumulation_x_world(make_cfg):
+    cfg = make_cfg("data.batch_size=16", "trainer.accumulate_grad_batches=3")
+    spec = resolve(cfg, world_size=4, launched=True)
+    assert spec.global_batch == 16 * 3 * 4
+    assert spec.strategy == Strategy.ddp
+    assert resolve(cfg).strategy == Strategy.single
+
+
+def test_strategy_conflicts_with_world_size(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.strategy=single"):
+        resolve(make_cfg("trainer.strategy=single"), world_size=2, launched=True)
+
+
+def test_enum_values(make_cfg):
+    cfg = make_cfg("trainer.precision=bf16")
+    assert cfg.trainer.precision == Precision.bf16
+    assert resolve(cfg).precision == Precision.bf16

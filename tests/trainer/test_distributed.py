@@ -1,0 +1,39 @@
+"""Rank/world detection from torchrun and SLURM environments (faked), and no-op collectives."""
+from __future__ import annotations
+
+import torch
+
+from trainer import distributed
+from trainer.distributed import detect
+
+
+def test_plain_process_is_rank_0_of_1():
+    env = detect({})
+    assert (env.rank, env.world_size, env.launcher, env.is_main) == (0, 1, "none", True)
+
+
+def test_torchrun_variables():
+    env = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 2)
+    assert env.launcher == "torchrun" and env.launched and not env.is_main
+
+
+def test_slurm_variables_when_torchrun_is_absent():
+    env = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                  "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "4242",
+                  "SLURM_JOB_NODELIST": "gpu[07-08],cpu1"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert env.launcher == "slurm" and env.master_addr == "gpu07"
+    assert env.master_port == 15000 + 4242
+
+
+def test_torchrun_wins_over_slurm_and_single_task_slurm_is_one_process():
+    both = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    assert detect(both).launcher == "torchrun"
+    assert detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "none"
+
+
+def test_collectives_are_identity_without_a_group():
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(distributed.all_reduce_sum(t.clone()), t)
+    assert distributed.world_size() == 1 and distributed.broadcast_object(5) == 5

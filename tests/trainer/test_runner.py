@@ -1,0 +1,112 @@
+"""End to end through run(): the run dir's contents and each debug mode."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.conftest import run_cli
+from trainer.runner import train
+
+TRAIN_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "data_wait_frac"}
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_dir_holds_config_metrics_tensorboard_and_checkpoint(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train(make_cfg("trainer.max_epochs=2", "trainer.log_every_n_steps=5",
+                             "trainer.grad_clip=5.0"))
+    assert (run_dir / "config.yaml").read_text().count("num_workers: 0") == 1
+    rows = read_metrics(run_dir)
+    train_rows = [r for r in rows if r["split"] == "train"]
+    val_rows = [r for r in rows if r["split"] == "val"]
+    assert train_rows and all(TRAIN_KEYS <= r.keys() for r in train_rows)
+    assert any("grad_norm" in r for r in train_rows)
+    assert all(0.0 <= r["data_wait_frac"] <= 1.0 for r in train_rows)
+    assert [r["epoch"] for r in val_rows] == [0, 1]
+    assert all({"val_loss", "val_acc"} <= r.keys() for r in val_rows)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/data_wait_frac", "val/val_acc"} <= tags
+
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert summary["checkpoint"] == str(run_dir / "checkpoints" / "last.pt")
+    assert {"model", "optimizer", "scheduler", "scaler", "step", "epoch", "config"} <= state.keys()
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert state["step"] == summary["steps"] and state["epoch"] == 2
+    assert state["config"]["trainer"]["precision"] == "fp32"
+
+
+def test_debug_default_is_single_process_deterministic_and_logs_every_step(make_cfg, tmp_path):
+    summary = train(make_cfg("debug=default", "trainer.max_steps=4"))
+    rows = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.is_anomaly_enabled()
+    assert summary["steps"] == 4
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+
+
+def test_debug_default_config_values(make_cfg):
+    cfg = make_cfg("debug=default")
+    assert cfg.trainer.strategy.value == "single" and cfg.data.num_workers == 0
+    assert cfg.trainer.detect_anomaly and cfg.trainer.deterministic
+    assert cfg.trainer.log_every_n_steps == 1
+
+
+def test_fast_dev_run_takes_one_batch_each_and_saves_nothing(make_cfg, tmp_path):
+    summary = train(make_cfg("debug=fdr"))
+    assert summary["steps"] == 1 and summary["epochs"] == 1
+    assert summary["checkpoint"] == ""
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert not (run_dir / "tensorboard").exists()
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+
+
+def test_overfit_drives_the_loss_towards_zero(make_cfg, tmp_path):
+    summary = train(make_cfg("debug=overfit"))
+    rows = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert rows[0]["loss"] > 1.0
+    assert summary["train_loss"] < 0.01, summary
+
+
+def test_profile_writes_a_trace(make_cfg, tmp_path):
+    summary = train(make_cfg("debug=profile"))
+    assert summary["steps"] == 10
+    traces = list((tmp_path / "run" / "profiler").glob("*.pt.trace.json*"))
+    assert traces, "no profiler trace written"
+
+
+def test_resume_continues_from_last_checkpoint(make_cfg, tmp_path):
+    """2 epochs, then resume to 3, equals 3 epochs straight (constant lr: same schedule)."""
+    full = train(make_cfg("trainer.max_epochs=3", "sched=constant", run_dir=tmp_path / "full"))
+    train(make_cfg("trainer.max_epochs=2", "sched=constant", run_dir=tmp_path / "part"))
+    resumed = train(make_cfg("trainer.max_epochs=3", "sched=constant", "trainer.resume=auto",
+                             run_dir=tmp_path / "part"))
+    assert resumed["steps"] == full["steps"] == 69
+    a = torch.load(full["checkpoint"], weights_only=True)["model"]
+    b = torch.load(resumed["checkpoint"], weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+
+
+def test_cli_trains_the_default_job(tmp_path):
+    """`python train.py` as the README says: real digits, >= 95% validation accuracy."""
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "trainer.progress_bar=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done:" in proc.stdout and "global batch 64" in proc.stdout
+    val = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if '"val"' in line]
+    assert val[-1]["val_acc"] >= 0.95
+    assert (tmp_path / "train.log").read_text().count("done:") == 1
