@@ -14,6 +14,7 @@ import sys
 from typing import Callable, List, NoReturn
 
 from hydra.errors import HydraException
+from torch.distributed.elastic.multiprocessing.errors import record
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
@@ -87,7 +88,8 @@ def exit_on_error(main: Callable[[], None]) -> None:
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     try:
-        main()
+        # under torchrun, record() writes a crash's traceback where the agent reports it
+        record(main)()
     except USER_ERRORS as e:
         if wants_traceback():
             raise

@@ -8,13 +8,16 @@ values such as the global batch are computed.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from trainer import distributed
 
 
 class ConfigError(ValueError):
@@ -101,9 +104,23 @@ class TrainConfig:
     sched: Any = MISSING
 
 
+def _rank0_only(value: Any) -> Any:
+    """`value` on the job's rank 0, null on every other rank (so only rank 0 writes)."""
+    return value if distributed.detect().is_main else None
+
+
+def _log_file(run_dir: str) -> str:
+    return f"{run_dir}/train.log" if distributed.detect().is_main else os.devnull
+
+
 def register() -> None:
-    """Registers the schema as `train_schema`; conf/train.yaml names it first in its defaults."""
+    """Registers the schema as `train_schema` (conf/train.yaml names it first in its defaults)
+    and the resolvers the Hydra settings use to keep one run dir, written by rank 0 alone."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("stoker_stamp", lambda: distributed.run_stamp(),
+                                    use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("stoker_rank0", _rank0_only, replace=True)
+    OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
 
 
 register()
@@ -193,6 +210,11 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
            "trainer.precision", "bf16", "this GPU does not support bfloat16; use fp16")
     _check(strategy != Strategy.dp or device.type == "cuda", "trainer.strategy", "dp",
            "DataParallel needs CUDA devices; use single on CPU")
+    _check(not (cfg.trainer.ddp.sync_batchnorm and strategy == Strategy.ddp
+                and device.type != "cuda"), "trainer.ddp.sync_batchnorm", True,
+           "SyncBatchNorm needs CUDA devices; set it to false on CPU")
+    _check(cfg.trainer.ddp.timeout_s > 0, "trainer.ddp.timeout_s", cfg.trainer.ddp.timeout_s,
+           "must be > 0 seconds")
     # Under dp the one process's batch is split across GPUs, so it still counts once.
     global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
     return RunSpec(device=device, strategy=strategy, precision=prec, world_size=world_size,

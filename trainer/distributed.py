@@ -9,10 +9,12 @@ tested) on a CPU-only machine.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
@@ -74,30 +76,79 @@ def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv()
 
 
+def _process_start(pid: int) -> float:
+    """Wall-clock start time of process `pid` (Linux /proc); raises OSError elsewhere."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
+    with open("/proc/stat") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_stamp(environ: Mapping[str, str] = os.environ, fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:
+    """A name for this run's directory that every rank of the job computes alike.
+
+    Ranks start a moment apart, so each one's own clock could split the run dir. Under
+    torchrun on one node the stamp is the start time of the torchrun agent (every rank's
+    parent, which also survives --max-restarts, so a restarted job finds its checkpoints);
+    across nodes it is the rendezvous id (`--rdzv-id`); under SLURM the job id.
+    """
+    if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
+        run_id = environ["TORCHELASTIC_RUN_ID"]
+        if int(environ.get("GROUP_WORLD_SIZE", "1")) > 1 and run_id not in ("", "none"):
+            return f"rdzv-{run_id}"
+        try:
+            return time.strftime(fmt, time.localtime(_process_start(os.getppid())))
+        except (OSError, ValueError, IndexError, StopIteration):
+            pass
+    elif "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return f"slurm-{environ['SLURM_JOB_ID']}"
+    return time.strftime(fmt)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 @contextlib.contextmanager
 def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
-    """Initialises the default process group for a multi-process job; destroys it on any exit.
+    """Joins the default process group for a multi-process job (no-op for one process).
 
-    A single process gets no group, so collectives below become no-ops through `is_active`.
+    The group lives as long as the process: the jobs of a Hydra sweep (`-m`) run one after
+    another in the same processes and reuse it, since re-creating a group on torchrun's
+    store deadlocks on the previous group's keys. It is destroyed at exit, or at once when
+    the job raises, so a failing rank never leaves a live group behind.
     """
     if env.world_size <= 1:
         yield
         return
+    backend = backend_for(device)
+    if not is_active():
+        _init(env, device, backend, timeout_s)
+    elif dist.get_backend() != backend:
+        raise RuntimeError(f"this process already joined a {dist.get_backend()} group; "
+                           f"a sweep cannot switch to {backend} between jobs")
+    try:
+        yield
+    except BaseException:
+        _destroy()
+        raise
+
+
+def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {}
     if env.launcher == "slurm":
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(backend=backend_for(device), rank=env.rank,
-                            world_size=env.world_size,
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    try:
-        yield
-    finally:
+    atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if is_active():
         dist.destroy_process_group()
 
 
@@ -121,6 +172,18 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
     return t
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Copies rank 0's buffers (e.g. BatchNorm running stats) to every rank.
+
+    DDP broadcasts buffers at the start of each training forward, and that forward then
+    updates them locally, so after training the ranks' buffers differ slightly: evaluation
+    and checkpoints use rank 0's.
+    """
+    if is_active():
+        for buf in module.buffers():
+            dist.broadcast(buf, src=0)
 
 
 def barrier() -> None:

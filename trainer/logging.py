@@ -26,6 +26,7 @@ class RunLogger:
         self.main = main  # console and progress bar
         self.write = write  # metrics.jsonl and TensorBoard (off in fast_dev_run)
         self.show_progress = main and progress_bar
+        self.run_dir = run_dir
         self._jsonl = None
         self._tb = None
         if not write:
@@ -52,6 +53,11 @@ class RunLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and k not in ("step", "epoch"):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
+
+    def summary(self, values: Dict[str, Any]) -> None:
+        """Writes the run's final numbers to `summary.json` (read by the scripts/ tools)."""
+        if self.write:
+            (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2) + "\n")
 
     def progress(self, total: Optional[int], desc: str):
         """A tqdm bar on rank 0 (when enabled), else a silent stand-in with the same methods."""

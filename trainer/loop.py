@@ -200,6 +200,7 @@ class Loop:
     def evaluate(self) -> Dict[str, float]:
         """Exact loss and accuracy over the whole validation set (summed over ranks)."""
         model = unwrap(self.model)  # no DDP collectives in evaluation
+        distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for batch in itertools.islice(self.val_loader, self.val_limit):

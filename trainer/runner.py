@@ -48,6 +48,8 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
     checkpoint, both before any training step.
     """
     env = env or distributed.detect()
+    if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
+        logging.getLogger().setLevel(logging.WARNING)
     spec = resolve(cfg, env.world_size, env.local_rank, env.launched)
     if cfg.trainer.fast_dev_run:  # one train and one val batch, then exit, nothing saved
         cfg = copy.deepcopy(cfg)
@@ -165,12 +167,23 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
             loop.prof = prof
             summary = loop.fit()
         summary["checkpoint"] = str(_save_last(cfg, env, run_dir, loop) or "")
-        summary["wall_s"] = time.perf_counter() - start
-        summary["global_batch"] = spec.global_batch
+        summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
+                       world_size=env.world_size, strategy=spec.strategy.value,
+                       peak_mem_mb=peak_memory_mb(spec.device))
+        logger.summary(summary)
         _final_summary(summary, env)
         return summary
     finally:
         logger.close()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:

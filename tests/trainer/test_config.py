@@ -64,3 +64,13 @@ def test_enum_values(make_cfg):
     cfg = make_cfg("trainer.precision=bf16")
     assert cfg.trainer.precision == Precision.bf16
     assert resolve(cfg).precision == Precision.bf16
+
+
+def test_dp_refuses_a_multi_rank_job(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.strategy=dp: DataParallel is one process"):
+        resolve(make_cfg("trainer.strategy=dp"), world_size=2, launched=True)
+
+
+def test_sync_batchnorm_needs_cuda(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.ddp.sync_batchnorm"):
+        resolve(make_cfg("trainer.ddp.sync_batchnorm=true"), world_size=2, launched=True)

@@ -37,3 +37,12 @@ def test_collectives_are_identity_without_a_group():
     t = torch.tensor([1.0, 2.0])
     assert torch.equal(distributed.all_reduce_sum(t.clone()), t)
     assert distributed.world_size() == 1 and distributed.broadcast_object(5) == 5
+
+
+def test_run_stamp_is_shared_by_the_ranks_of_a_job():
+    torchrun = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "1"}
+    # one node: the torchrun agent's start time, the same for each of its ranks
+    assert distributed.run_stamp(torchrun) == distributed.run_stamp({**torchrun, "RANK": "0"})
+    assert distributed.run_stamp({**torchrun, "GROUP_WORLD_SIZE": "2"}) == "rdzv-abc"
+    assert distributed.run_stamp({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"}) == "slurm-9"
+    assert len(distributed.run_stamp({})) == len("2026-01-01/00-00-00")

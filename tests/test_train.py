@@ -1,0 +1,135 @@
+"""train.py launched as users launch it: torchrun (one node and the multi-node form), srun-style
+SLURM variables, sweeps, and a failing rank. Real processes, gloo on CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, compose_cfg
+from tests.trainer.test_strategy import free_port
+from trainer.runner import train
+
+pytestmark = pytest.mark.slow
+QUIET = ["trainer.progress_bar=false", "data.num_workers=0"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def launch(cmd, cwd, timeout=180, env=None):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))},
+           "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(nproc, args, cwd, timeout=180, multirun=False):
+    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
+                      *(["-m"] if multirun else []), *QUIET, *args]
+    return launch(cmd, cwd, timeout)
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_ddp_two_ranks_match_one_process_and_share_one_run_dir(tmp_path):
+    proc = torchrun(2, ["data.batch_size=16", "trainer.max_steps=20"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs  # both ranks, one timestamped dir
+    run = runs[0]
+    assert {p.name for p in run.iterdir()} == {
+        ".hydra", "config.yaml", "train.log", "metrics.jsonl", "summary.json", "tensorboard",
+        "checkpoints"}
+    assert proc.stdout.count("global batch 32 = per-rank batch 16 x accumulation 1 x "
+                             "world size 2") == 1  # rank 1 says nothing at INFO
+    assert "[rank 1]" not in (run / "train.log").read_text()
+    s = summary_of(run)
+    assert s["world_size"] == 2 and s["strategy"] == "ddp" and s["steps"] == 20
+    ddp = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    single = train(compose_cfg(tmp_path / "single", "data.batch_size=32",
+                               "trainer.max_steps=20"))
+    ref = torch.load(single["checkpoint"], weights_only=True)["model"]
+    for k in ref:
+        torch.testing.assert_close(ddp[k], ref[k], rtol=1e-4, atol=1e-5)
+
+
+def test_validation_is_exact_over_an_uneven_split(tmp_path):
+    """359 validation samples over 3 ranks (120, 120, 119): no padded duplicates counted."""
+    single = train(compose_cfg(tmp_path / "single", "trainer.max_epochs=1"))
+    run = tmp_path / "ddp3"
+    proc = torchrun(3, [f"hydra.run.dir={run}", "trainer.max_epochs=1",
+                        f"trainer.resume={single['checkpoint']}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary_of(run)
+    assert s["world_size"] == 3
+    assert s["val_acc"] == single["val_acc"]
+    assert s["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+
+
+def test_a_failing_rank_ends_the_job_quickly_with_its_error(tmp_path):
+    start = time.monotonic()
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=60",
+                        "data.dataset._target_=tests.helpers.FailingOnRankDigits",
+                        "+data.dataset.fail_index=100"], cwd=ROOT, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "injected failure on rank 1" in proc.stderr
+
+
+def test_sweep_runs_each_job_as_a_ddp_job_with_its_own_dir(tmp_path):
+    proc = torchrun(2, ["optim.lr=0.001,0.003", "trainer.max_steps=5"], cwd=tmp_path,
+                    multirun=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweeps = list((tmp_path / "multirun").glob("*/*"))
+    assert len(sweeps) == 1
+    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    lrs = [json.loads((j / "config.yaml").read_text().split("lr: ")[1].split()[0])
+           for j in jobs]
+    assert lrs == [0.001, 0.003]
+    assert all(summary_of(j)["world_size"] == 2 and summary_of(j)["steps"] == 5 for j in jobs)
+
+
+def test_multi_node_form_on_one_machine(tmp_path):
+    """Two 'nodes' of one process each, joined through the c10d rendezvous."""
+    port = free_port()
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stoker-test",
+                      str(ROOT / "train.py"), *QUIET, "trainer.max_steps=5"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))}
+    nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [n.communicate(timeout=180)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    run = tmp_path / "outputs" / "rdzv-stoker-test"  # named by the rendezvous id
+    assert summary_of(run)["world_size"] == 2
+
+
+def slurm_tasks(tmp_path, ntasks, args, timeout=180):
+    port = free_port()
+    procs = []
+    for rank in range(ntasks):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("HYDRA_", "STOKER_", "RANK", "WORLD_SIZE"))}
+        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
+                   SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_JOB_ID="4242",
+                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
+
+
+def test_srun_style_slurm_launch_without_torchrun(tmp_path):
+    codes, outs = slurm_tasks(tmp_path, 2, ["trainer.max_steps=5"])
+    assert codes == [0, 0], outs
+    s = summary_of(tmp_path / "outputs" / "slurm-4242")
+    assert s["world_size"] == 2 and s["strategy"] == "ddp"
