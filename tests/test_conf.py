@@ -38,3 +38,13 @@ def test_option_composes_and_instantiates(make_cfg, group, option):
     scheduler = schedules.build(instantiate(cfg.sched), optimizer, total_steps=10)
     optimizer.step()
     scheduler.step()
+
+
+def test_slurm_launcher_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "run_dir=x"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node

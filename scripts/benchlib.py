@@ -1,0 +1,74 @@
+"""Helpers shared by the benchmark scripts: machine description, tables, JSON, launching runs."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> Dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def table(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain-text table; floats get 3 significant decimals, missing cells a dash."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: Dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def run_train(args: List[str], run_dir: Path, nproc: int = 1,
+              timeout: float = 600) -> Dict[str, Any]:
+    """Runs train.py (under torchrun when nproc > 1) and returns its summary.json.
+
+    Raises RuntimeError with the tail of the output when the run fails.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))}
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+            *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                           + (proc.stderr or proc.stdout)[-3000:])
+    return json.loads((run_dir / "summary.json").read_text())
