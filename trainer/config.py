@@ -213,6 +213,12 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
     _check(not (cfg.trainer.ddp.sync_batchnorm and strategy == Strategy.ddp
                 and device.type != "cuda"), "trainer.ddp.sync_batchnorm", True,
            "SyncBatchNorm needs CUDA devices; set it to false on CPU")
+    # PyTorch's DDP asserts (and, patched, silently stops all-reducing) when static_graph
+    # meets no_sync(), which accumulation uses (pytorch/pytorch#143580)
+    _check(not (cfg.trainer.ddp.static_graph and strategy == Strategy.ddp
+                and cfg.trainer.accumulate_grad_batches > 1), "trainer.ddp.static_graph", True,
+           "cannot be combined with trainer.accumulate_grad_batches > 1 (DDP's no_sync); "
+           "set one of them back")
     _check(cfg.trainer.ddp.timeout_s > 0, "trainer.ddp.timeout_s", cfg.trainer.ddp.timeout_s,
            "must be > 0 seconds")
     # Under dp the one process's batch is split across GPUs, so it still counts once.

@@ -74,3 +74,10 @@ def test_dp_refuses_a_multi_rank_job(make_cfg):
 def test_sync_batchnorm_needs_cuda(make_cfg):
     with pytest.raises(ConfigError, match="trainer.ddp.sync_batchnorm"):
         resolve(make_cfg("trainer.ddp.sync_batchnorm=true"), world_size=2, launched=True)
+
+
+def test_static_graph_refuses_accumulation_under_ddp(make_cfg):
+    cfg = make_cfg("trainer.ddp.static_graph=true", "trainer.accumulate_grad_batches=2")
+    with pytest.raises(ConfigError, match="trainer.ddp.static_graph=True: cannot be combined"):
+        resolve(cfg, world_size=2, launched=True)
+    resolve(make_cfg("trainer.ddp.static_graph=true"), world_size=2, launched=True)

@@ -41,9 +41,13 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, steps: int, accumula
     runner.wrap = counting_wrap
     cfg = compose_cfg(os.path.join(out, "run"), "data.batch_size=8",
                       f"trainer.accumulate_grad_batches={accumulate}",
-                      f"trainer.max_steps={steps}", "trainer.log_every_n_steps=100")
+                      f"trainer.max_steps={steps}", "trainer.log_every_n_steps=100",
+                      "trainer.ddp.bucket_cap_mb=2", "trainer.ddp.find_unused_parameters=true")
     summary = runner.train(cfg)
+    ddp = wrapped[0]
     torch.save({"calls": len(calls), "steps": summary["steps"],
+                "knobs": (ddp.bucket_bytes_cap, ddp.find_unused_parameters,
+                          ddp.gradient_as_bucket_view),
                 "params": unwrap(wrapped[0]).state_dict()}, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -53,6 +57,7 @@ def test_ddp_all_reduces_once_per_optimizer_step_and_replicas_agree(tmp_path):
     mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path), steps, accumulate), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for res in results:
+        assert res["knobs"] == (2 * 1024 * 1024, True, True)  # trainer.ddp.* reached DDP
         assert res["steps"] == steps
         # the MLP's gradients fit in one bucket: one all-reduce per optimizer step, not one
         # per micro-batch (which would be steps * accumulate = 20)
