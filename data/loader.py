@@ -47,12 +47,40 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
         batch_size = cfg.eval_batch_size or cfg.batch_size
     workers = cfg.num_workers
     extra = {}
-    if workers > 0:  # these two are errors for the DataLoader when there are no workers
+    if workers > 0:  # these are errors for the DataLoader when there are no workers
         extra = dict(prefetch_factor=cfg.prefetch_factor,
-                     persistent_workers=cfg.persistent_workers)
+                     persistent_workers=cfg.persistent_workers,
+                     multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         drop_last=cfg.drop_last if train else False,
-        # seeds the workers' base seed: reproducible from the run's seed, distinct per rank
+        # Worker seeding: each pass over the loader draws a base seed from this generator and
+        # worker w seeds python's `random`, numpy and torch with base + w. So random
+        # augmentations differ per worker, per epoch (a new base seed per pass; persistent
+        # workers continue their streams) and per rank, yet repeat exactly for the same seed.
         generator=torch.Generator().manual_seed(seed + 7919 * rank), **extra)
+
+
+def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float,
+                 suggested_workers: int) -> str:
+    """One line of concrete advice for a run whose steps waited `wait_frac` of their time."""
+    pct = f"{100 * wait_frac:.0f}%"
+    n = cfg.num_workers
+    if n < suggested_workers:
+        fix = f"raise data.num_workers from {n} to {suggested_workers}"
+    elif n > 0 and not cfg.persistent_workers:
+        fix = "set data.persistent_workers=true (workers restart every epoch)"
+    elif device.type == "cuda" and not cfg.pin_memory:
+        fix = "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
+    elif device.type == "cuda" and not cfg.device_prefetch:
+        fix = "enable data.device_prefetch=true (copy the next batch during the step)"
+    elif n > 0 and cfg.prefetch_factor < 4:
+        fix = f"raise data.prefetch_factor from {cfg.prefetch_factor} to {2 * cfg.prefetch_factor}"
+    elif cfg.cache == "none":
+        fix = ("pay per-sample work once: data.cache=shm if the data fits in memory, else "
+               "scripts/prepare_data.py and data=memmap")
+    else:
+        fix = (f"the loader is CPU-bound at {n} workers: make per-sample work lighter or "
+               "move augmentation to the device")
+    return f"steps waited for data {pct} of the time: {fix}"

@@ -60,3 +60,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def make_memmap_root(root: Path, n: int = 40, shape=(3, 8, 8), classes: int = 4,
+                     dtype: str = "float32") -> Path:
+    """A small prepared dataset (as scripts/prepare_data.py writes it) under `root`."""
+    import json
+
+    from data.cache import write_arrays
+    from data.datasets import SyntheticDataset
+
+    for split in ("train", "val"):
+        write_arrays(SyntheticDataset(split, num_samples=n, input_shape=shape,
+                                      num_classes=classes, dtype=dtype), root / split)
+    (root / "meta.json").write_text(json.dumps(
+        {"input_shape": list(shape), "num_classes": classes, "splits": {}}))
+    return root

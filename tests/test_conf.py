@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from tests.conftest import CONF
+from tests.conftest import CONF, make_memmap_root
 from trainer import schedules
 from trainer.config import resolve
 
@@ -18,8 +18,10 @@ def test_every_group_has_options():
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_and_instantiates(make_cfg, group, option):
+def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
     overrides = [f"{group}={option}"]
+    if option == "memmap":
+        overrides.append(f"data.dataset.root={make_memmap_root(tmp_path / 'mm')}")
     if group == "model" and option == "cnn":
         overrides.append("data=synthetic")  # the CNN needs [C, H, W] images, as both give
     cfg = make_cfg(*overrides)

@@ -50,12 +50,23 @@ class DataConfig:
     num_classes: int = MISSING
     batch_size: int = 64  # per rank
     eval_batch_size: Optional[int] = None  # null: same as batch_size
-    num_workers: int = 2
+    num_workers: int = 2  # `auto` on the command line, ${auto_workers:} in YAML
     pin_memory: bool = True  # only takes effect on CUDA
     prefetch_factor: int = 2  # batches in flight per worker; ignored when num_workers=0
     persistent_workers: bool = True  # ignored when num_workers=0
     shuffle: bool = True
     drop_last: bool = False
+    timeout: float = 0.0  # seconds to wait for a batch from a worker; 0: forever
+    multiprocessing_context: Optional[str] = None  # null (platform default) | fork | spawn | forkserver
+    cache: str = "none"  # none | memory | shm: materialise the dataset once before training
+    device_prefetch: bool = True  # CUDA: copy the next batch on a side stream during the step
+    normalize_mean: Optional[List[float]] = None  # per channel, applied on the device
+    normalize_std: Optional[List[float]] = None
+    channels_last: bool = False  # 4-D inputs in channels_last memory format
+
+
+MP_CONTEXTS = (None, "fork", "spawn", "forkserver")
+CACHE_MODES = ("none", "memory", "shm")
 
 
 @dataclass
@@ -113,6 +124,12 @@ def _log_file(run_dir: str) -> str:
     return f"{run_dir}/train.log" if distributed.detect().is_main else os.devnull
 
 
+def _dataset_meta(root: str, key: str) -> Any:
+    from data.datasets import read_meta  # lazy: only memmap configs need it
+
+    return read_meta(root)[key]
+
+
 def register() -> None:
     """Registers the schema as `train_schema` (conf/train.yaml names it first in its defaults)
     and the resolvers the Hydra settings use to keep one run dir, written by rank 0 alone."""
@@ -121,6 +138,10 @@ def register() -> None:
                                     use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_rank0", _rank0_only, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
+    OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
+    OmegaConf.register_new_resolver(
+        "auto_workers", lambda: distributed.auto_num_workers(distributed.detect().local_world_size),
+        replace=True)
 
 
 register()
@@ -149,6 +170,15 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(ebs is None or ebs >= 1, "data.eval_batch_size", ebs, "must be >= 1 or null")
     _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
     _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "must be >= 1")
+    _check(d.timeout >= 0, "data.timeout", d.timeout, "must be >= 0 seconds")
+    _check(d.multiprocessing_context in MP_CONTEXTS, "data.multiprocessing_context",
+           d.multiprocessing_context, "must be null, fork, spawn or forkserver")
+    _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory or shm")
+    mean, std = d.normalize_mean, d.normalize_std
+    _check((mean is None) == (std is None), "data.normalize_mean", mean,
+           "set data.normalize_mean and data.normalize_std together")
+    _check(std is None or (len(std) == len(mean) and all(v > 0 for v in std)),
+           "data.normalize_std", std, "needs one value > 0 per data.normalize_mean entry")
     acc = t.accumulate_grad_batches
     _check(acc >= 1, "trainer.accumulate_grad_batches", acc, "must be >= 1")
     clip = t.grad_clip

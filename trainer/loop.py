@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from data.prefetch import to_device
+from data.prefetch import DevicePrefetcher
 from trainer import distributed
 from trainer.config import TrainerConfig
 from trainer.logging import RunLogger
@@ -85,12 +85,13 @@ class Loop:
     """Runs epochs of training and validation over already-built components."""
 
     def __init__(self, *, cfg: TrainerConfig, model: nn.Module, optimizer, scheduler,
-                 precision: MixedPrecision, train_loader: DataLoader, val_loader: DataLoader,
+                 precision: MixedPrecision, train_feed: DevicePrefetcher,
+                 val_feed: DevicePrefetcher,
                  device: torch.device, logger: RunLogger, profiler, state: FitState,
                  train_limit: Optional[int], val_limit: Optional[int]):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.precision, self.device, self.logger, self.prof = precision, device, logger, profiler
-        self.train_loader, self.val_loader = train_loader, val_loader
+        self.train_feed, self.val_feed = train_feed, val_feed
         self.state, self.train_limit, self.val_limit = state, train_limit, val_limit
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.run_wait_s = 0.0
@@ -127,17 +128,18 @@ class Loop:
     def train_epoch(self, epoch: int) -> None:
         """One pass over this rank's shard; stops early at max_steps (on a step boundary)."""
         self.model.train()
-        sampler = self.train_loader.sampler
+        sampler = self.train_feed.loader.sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
-        plan = epoch_plan(self.train_loader, self.train_limit, self.cfg.accumulate_grad_batches)
+        plan = epoch_plan(self.train_feed.loader, self.train_limit,
+                          self.cfg.accumulate_grad_batches)
         window = Window()
         bar = self.logger.progress(len(plan), f"epoch {epoch}")
-        batches = iter(self.train_loader)
+        batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         for weight, boundary in plan:
             t0 = time.perf_counter()
-            batch = to_device(next(batches), self.device)
+            batch = next(batches)  # on the device already (copied on a side stream on CUDA)
             window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
             loss = self._micro_step(batch, weight, boundary)
             window.add(loss, len(batch[1]))
@@ -203,8 +205,7 @@ class Loop:
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for batch in itertools.islice(self.val_loader, self.val_limit):
-            inputs, target = to_device(batch, self.device)
+        for inputs, target in itertools.islice(self.val_feed, self.val_limit):
             with self.precision.autocast():
                 logits = model(inputs)
             sums[0] += F.cross_entropy(logits.float(), target, reduction="sum")

@@ -17,7 +17,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from data.loader import build_loader
+from data.cache import cache_dataset
+from data.loader import build_loader, stall_advice
+from data.prefetch import DevicePrefetcher, InputTransform
 from trainer import checkpoint, distributed, schedules
 from trainer.cli import USER_ERRORS, fail, wants_traceback
 from trainer.config import RunSpec, resolve
@@ -28,6 +30,7 @@ from trainer.precision import MixedPrecision
 from trainer.strategy import unwrap, wrap
 
 log = logging.getLogger("stoker")
+STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
 
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
@@ -84,14 +87,21 @@ def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
     return t.limit_train_batches, t.limit_val_batches
 
 
-def _loaders(cfg: DictConfig, env: DistEnv, device: torch.device):
+def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
+    """Per-rank train and val loaders, each behind a device prefetcher."""
+    d = cfg.data
     kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device)
-    train_set = instantiate(cfg.data.dataset, split="train")
-    val_set = instantiate(cfg.data.dataset, split="val")
+    sets = [cache_dataset(instantiate(d.dataset, split=split), d.cache,
+                          f"{OmegaConf.to_yaml(d.dataset, resolve=True)}|{split}",
+                          local_rank=env.local_rank, num_workers=d.num_workers)
+            for split in ("train", "val")]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
-    return (build_loader(train_set, cfg.data, train=True, shuffle=shuffle, **kw),
-            build_loader(val_set, cfg.data, train=False, **kw))
+    loaders = (build_loader(sets[0], d, train=True, shuffle=shuffle, **kw),
+               build_loader(sets[1], d, train=False, **kw))
+    transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last)
+    return tuple(DevicePrefetcher(ld, device, transform, enabled=d.device_prefetch)
+                 for ld in loaders)
 
 
 def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogger,
@@ -135,8 +145,12 @@ def _save_last(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> Opti
 
 
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger):
-    train_loader, val_loader = _loaders(cfg, env, spec.device)
+    train_feed, val_feed = _feeds(cfg, env, spec.device)
+    train_loader = train_feed.loader
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
+    # re-seed so the initial weights depend on the seed alone, not on how much randomness
+    # building the datasets and loaders happened to draw
+    seed_everything(cfg.seed)
     model = wrap(instantiate(cfg.model), spec.strategy, spec.device, cfg.trainer.ddp)
     optimizer = instantiate(cfg.optim)([p for p in model.parameters() if p.requires_grad])
     train_limit, val_limit = _limits(cfg)
@@ -148,7 +162,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     precision = MixedPrecision(spec.precision, spec.device)
     state = _restore(cfg, run_dir, model, optimizer, scheduler, precision, logger)
     return Loop(cfg=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler,
-                precision=precision, train_loader=train_loader, val_loader=val_loader,
+                precision=precision, train_feed=train_feed, val_feed=val_feed,
                 device=spec.device, logger=logger, profiler=None, state=state,
                 train_limit=train_limit, val_limit=val_limit)
 
@@ -172,6 +186,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
                        peak_mem_mb=peak_memory_mb(spec.device))
         logger.summary(summary)
         _final_summary(summary, env)
+        if summary["run_data_wait_frac"] > STALL_ADVICE_ABOVE:
+            logger.info("%s", stall_advice(cfg.data, spec.device, summary["run_data_wait_frac"],
+                                           distributed.auto_num_workers(env.local_world_size)))
         return summary
     finally:
         logger.close()
