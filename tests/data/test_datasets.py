@@ -53,3 +53,50 @@ def test_synthetic_is_learnable_labels_follow_prototypes():
     hits = sum(int(((d.prototypes - x).flatten(1).norm(dim=1)).argmin()) == int(y)
                for x, y in (d[i] for i in range(200)))
     assert hits == 200
+
+
+def test_memmap_opens_lazily_and_matches_the_source(tmp_path):
+    from data.datasets import MemmapDataset
+    from tests.conftest import make_memmap_root
+
+    root = make_memmap_root(tmp_path / "mm", n=12, dtype="uint8")
+    source = SyntheticDataset("val", num_samples=12, input_shape=(3, 8, 8), num_classes=4,
+                              dtype="uint8")
+    ds = MemmapDataset("val", str(root))
+    assert ds.x._mm is None and len(ds) == 12  # length from the header, nothing mapped
+    for i in (0, 5, 11):
+        x, y = ds[i]
+        assert x.dtype == torch.uint8 and torch.equal(x, source[i][0])
+        assert int(y) == int(source[i][1])
+    assert ds.x._mm is not None
+
+
+def test_memmap_is_mapped_anew_in_each_worker(tmp_path):
+    import pickle
+
+    from data.datasets import MemmapDataset
+    from tests.conftest import make_memmap_root
+
+    ds = MemmapDataset("train", str(make_memmap_root(tmp_path / "mm", n=8)))
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))  # what a spawned worker receives
+    assert clone.x._mm is None
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    xs = torch.cat([x for x, _ in loader])
+    assert torch.equal(xs, torch.stack([ds[i][0] for i in range(8)]))
+
+
+def test_memmap_missing_files_name_the_key(tmp_path):
+    from data.datasets import MemmapDataset
+
+    with pytest.raises(FileNotFoundError, match="data.dataset.root=.*prepare_data"):
+        MemmapDataset("train", str(tmp_path))
+
+
+def test_heavy_config_is_the_classic_benchmark():
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg("unused", "data=heavy")
+    assert cfg.data.dataset.num_samples == 1024 and cfg.data.dataset.cost_ms == 5.0
+    assert list(cfg.data.input_shape) == [3, 224, 224] and cfg.data.batch_size == 64
+    assert list(cfg.data.dataset.input_shape) == [3, 224, 224]

@@ -3,7 +3,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
-from data.loader import EvalShardSampler, build_loader
+import pytest
+
+from data.loader import EvalShardSampler, build_loader, stall_advice
 from trainer.config import DataConfig
 
 
@@ -39,3 +41,74 @@ def test_worker_settings_only_with_workers_and_no_pinning_on_cpu():
     ld = build_loader(ds, cfg(num_workers=1, prefetch_factor=3), train=False)
     assert ld.prefetch_factor == 3 and ld.persistent_workers
     assert torch.cat([b[0] for b in ld]).tolist() == list(range(8))
+
+
+class RandomSamples(torch.utils.data.Dataset):
+    """Each sample draws from python's, numpy's and torch's global RNGs, as augmentations do."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([random.random(), float(np.random.rand()), torch.rand(()).item(),
+                             info.id if info else -1])
+
+
+def draws(seed, epochs=2, persistent=False, rank=0):
+    ld = build_loader(RandomSamples(), cfg(num_workers=2, batch_size=2, shuffle=False,
+                                           persistent_workers=persistent),
+                      train=True, seed=seed, rank=rank, world_size=1)
+    out = []
+    for epoch in range(epochs):
+        ld.sampler.set_epoch(epoch)
+        out.append(torch.cat(list(ld)))
+    return out
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_seeding_is_reproducible_and_distinct(persistent):
+    a, b = draws(1, persistent=persistent), draws(1, persistent=persistent)
+    for ea, eb in zip(a, b):
+        assert torch.equal(ea, eb)  # same seed: the same random stream
+    e0, e1 = a
+    w0, w1 = e0[e0[:, 3] == 0, :3], e0[e0[:, 3] == 1, :3]
+    assert not torch.equal(w0, w1)  # workers differ (python, numpy and torch alike)
+    assert (w0[:, 0] != w1[:, 0]).all() and (w0[:, 1] != w1[:, 1]).all()
+    assert not torch.equal(e0[:, :3], e1[:, :3])  # epochs differ
+    assert not torch.equal(draws(2, epochs=1)[0], a[0])  # another seed, other draws
+
+
+def test_persistent_workers_survive_epochs():
+    ds = TensorDataset(torch.arange(8))
+    ld = build_loader(ds, cfg(num_workers=2, persistent_workers=True), train=True)
+    list(ld)
+    first = ld._iterator
+    list(ld)
+    assert ld._iterator is first  # the same worker processes served both epochs
+
+
+def test_loader_passes_timeout_and_context():
+    ds = TensorDataset(torch.arange(8))
+    ld = build_loader(ds, cfg(num_workers=1, timeout=5.0, multiprocessing_context="spawn"),
+                      train=False)
+    assert ld.timeout == 5.0 and ld.multiprocessing_context.get_start_method() == "spawn"
+    assert torch.cat([b[0] for b in ld]).tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("overrides,device,expected", [
+    (dict(num_workers=0), "cpu", "raise data.num_workers from 0 to 4"),
+    (dict(num_workers=4, persistent_workers=False), "cpu", "data.persistent_workers=true"),
+    (dict(num_workers=4, pin_memory=False), "cuda", "data.pin_memory=true"),
+    (dict(num_workers=4, device_prefetch=False), "cuda", "data.device_prefetch=true"),
+    (dict(num_workers=4, prefetch_factor=2), "cpu", "data.prefetch_factor from 2 to 4"),
+    (dict(num_workers=4, prefetch_factor=4), "cpu", "data.cache=shm"),
+    (dict(num_workers=4, prefetch_factor=4, cache="shm"), "cpu", "CPU-bound at 4 workers"),
+])
+def test_stall_advice_names_the_fix(overrides, device, expected):
+    line = stall_advice(cfg(**overrides), torch.device(device), 0.37, suggested_workers=4)
+    assert line.startswith("steps waited for data 37% of the time: ") and expected in line

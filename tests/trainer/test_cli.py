@@ -39,3 +39,21 @@ def test_describe_lists_valid_keys_for_a_typo(make_cfg):
     assert "\n" not in line
     assert "data.batchsize" in line and "valid keys:" in line and "batch_size" in line
     assert "To append" not in line
+
+
+def test_num_workers_auto_becomes_a_typed_interpolation(make_cfg):
+    from trainer.cli import expand_auto
+    from trainer.distributed import auto_num_workers
+
+    assert expand_auto(["data.num_workers=auto", "x=auto"]) == [
+        "data.num_workers=${auto_workers:}", "x=auto"]
+    assert expand_auto(["data.num_workers=0,auto"]) == ["data.num_workers=0,${auto_workers:}"]
+    cfg = make_cfg(*expand_auto(["data.num_workers=auto"]))
+    assert cfg.data.num_workers == auto_num_workers(1) >= 1
+    assert auto_num_workers(1000) == 1 and auto_num_workers(1) <= 16
+
+
+def test_cli_accepts_num_workers_auto(tmp_path):
+    proc = run_cli([f"hydra.run.dir={tmp_path}", "data.num_workers=auto", "debug=fdr"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "num_workers: " in proc.stdout and "${auto_workers" not in proc.stdout

@@ -70,3 +70,13 @@ def test_scheduler_steps_per_optimizer_step(make_cfg, tmp_path):
     state = torch.load(summary["checkpoint"], weights_only=True)
     assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.003 / 4)
     assert state["scheduler"]["last_epoch"] == 10
+
+
+def test_stall_meter_tells_a_slow_dataset_from_an_in_memory_one(make_cfg, tmp_path):
+    """Relative, not timed: 10 ms of CPU per sample in the loop's own process vs cached data."""
+    common = ["data=synthetic", "model=cnn", "data.dataset.num_samples=64",
+              "data.input_shape=[3,16,16]", "data.batch_size=16", "trainer.max_epochs=2"]
+    slow = train(make_cfg(*common, "data.dataset.cost_ms=10", run_dir=tmp_path / "slow"))
+    fast = train(make_cfg(*common, "data.cache=memory", run_dir=tmp_path / "fast"))
+    assert slow["run_data_wait_frac"] > 0.7
+    assert fast["run_data_wait_frac"] < slow["run_data_wait_frac"] / 2
