@@ -106,6 +106,9 @@ class SyntheticDataset(Dataset):
         return x, torch.tensor(y)
 
 
+_FAULT_AROUND = max(mmap.PAGESIZE, 65536)  # Linux's default fault_around_bytes
+
+
 class NpyRows:
     """Rows of a .npy file, memory-mapped lazily in each process that reads them.
 
@@ -149,8 +152,11 @@ class NpyRows:
         mm = self._map()
         start = self.offset + i * self.row_bytes
         row = np.frombuffer(mm, self.dtype, self.row_items, start).reshape(self.shape[1:]).copy()
-        page_start = start - start % mmap.PAGESIZE
-        mm.madvise(mmap.MADV_DONTNEED, page_start, start + self.row_bytes - page_start)
+        # the kernel maps up to 64 KiB around a faulting page ("fault-around"), so drop the
+        # whole 64 KiB-aligned window, or neighbours' pages would pile up in this process
+        lo = start - start % _FAULT_AROUND
+        hi = min(len(mm), -(-(start + self.row_bytes) // _FAULT_AROUND) * _FAULT_AROUND)
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         return row
 
 

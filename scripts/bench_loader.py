@@ -1,0 +1,214 @@
+"""The classic input-pipeline comparison on the heavy dataset, plus worker memory with memmap.
+
+    python scripts/bench_loader.py                      # 1024 x 3x224x224, 5 ms/sample, batch 64
+    python scripts/bench_loader.py --compute-ms 50 --workers 4 --out bench.json --png bench.png
+
+Configurations, each run for --epochs epochs (the median epoch is reported):
+  (a) sync       num_workers=0, no pinning
+  (b) workers    num_workers=W
+  (c) pipeline   num_workers=W + pin_memory (on CUDA) + persistent workers + DevicePrefetcher
+  (d) compute    the same steps on batches already in memory: the compute-only time
+Each step's compute is emulated as the classic benchmark does, by a fixed wait (--compute-ms)
+that stands for GPU work and leaves the CPU free for the workers, so the comparison means the
+same on a CPU-only machine. No pipeline can beat the bound
+    max(compute-only time, per-sample data cost x samples / W).
+The memory part writes the dataset as .npy once (MemmapDataset), reads one epoch with
+--memory-workers workers and reports the growth of the workers' proportional set size (PSS)
+against the dataset size.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchlib import machine, median, table, write_json  # noqa: E402
+from data.cache import write_arrays  # noqa: E402
+from data.datasets import MemmapDataset, SyntheticDataset  # noqa: E402
+from data.loader import build_loader  # noqa: E402
+from data.prefetch import DevicePrefetcher  # noqa: E402
+from trainer.config import DataConfig  # noqa: E402
+
+COLUMNS = ["config", "epoch_s", "samples_per_s", "speedup", "vs_bound"]
+
+
+def loader_cfg(batch: int, workers: int, pin: bool, persistent: bool, prefetch: int) -> DataConfig:
+    return DataConfig(dataset=None, input_shape=[1], num_classes=2, batch_size=batch,
+                      num_workers=workers, pin_memory=pin, persistent_workers=persistent,
+                      prefetch_factor=prefetch, shuffle=True, device_prefetch=True)
+
+
+def run_epochs(feed, epochs: int, compute_s: float) -> List[float]:
+    """Epoch wall times of a loop that takes a batch, then 'computes' for compute_s."""
+    times = []
+    for epoch in range(epochs):
+        sampler = getattr(getattr(feed, "loader", feed), "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        for _batch in feed:
+            time.sleep(compute_s)  # stands for the GPU's work on this batch
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def data_cost_s(dataset, samples: int = 16) -> float:
+    """Mean CPU seconds to produce one sample, measured in this process."""
+    dataset[0]
+    start = time.perf_counter()
+    for i in range(samples):
+        dataset[i % len(dataset)]
+    return (time.perf_counter() - start) / samples
+
+
+def worker_pss_mb() -> float:
+    """Sum of the PSS of this process's children (the loader workers), in MiB."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            except OSError:
+                continue
+            total += next(int(line.split()[1]) for line in text.splitlines()
+                          if line.startswith("Pss:"))
+    return total / 1024
+
+
+def _epoch_worker_pss(dataset, workers: int, batch: int) -> float:
+    """Peak PSS of the loader's workers while they read one epoch of `dataset`."""
+    loader = build_loader(dataset, loader_cfg(batch, workers, False, True, 2), train=True)
+    peak = 0.0
+    for _ in loader:
+        peak = max(peak, worker_pss_mb())
+    peak = max(peak, worker_pss_mb())
+    del loader  # ends the persistent workers before the next measurement
+    return peak
+
+
+class ZerosLike(torch.utils.data.Dataset):
+    """Samples of a MemmapDataset's shape and dtype made from nothing: the same workers,
+    batches in flight and allocations, without the file. The memory baseline."""
+
+    def __init__(self, mm: MemmapDataset):
+        self.n, self.shape, self.dtype = len(mm), tuple(mm.x.shape[1:]), mm[0][0].dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return torch.zeros(self.shape, dtype=self.dtype), torch.tensor(0)
+
+
+def measure_memory(dataset, workers: int, batch: int) -> Dict[str, float]:
+    """Writes `dataset` as .npy, reads one epoch through `workers` workers, and compares the
+    workers' peak PSS with that of the same loader over file-less samples of the same shape
+    (interpreter, torch, batches in flight), relative to the dataset's size."""
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-") as tmp:
+        write_arrays(dataset, Path(tmp) / "train", num_workers=max(1, workers // 2))
+        mm = MemmapDataset("train", tmp)
+        size_mb = (mm.x.row_bytes + mm.y.row_bytes) * len(mm) / 2**20
+        baseline = _epoch_worker_pss(ZerosLike(mm), workers, batch)
+        full = _epoch_worker_pss(mm, workers, batch)
+    extra = max(0.0, full - baseline)
+    return {"dataset_mb": size_mb, "workers": workers, "workers_pss_baseline_mb": baseline,
+            "workers_pss_memmap_mb": full, "extra_mb": extra,
+            "extra_frac_of_dataset": extra / size_mb}
+
+
+def plot(rows: List[Dict[str, Any]], bound: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["config"] for r in rows]
+    ax.bar(names, [r["epoch_s"] for r in rows], color=["#999", "#69c", "#2a7", "#ccc"])
+    ax.axhline(bound, color="#c33", linestyle="--", label=f"bound {bound:.2f} s")
+    ax.set_ylabel("epoch time (s, median)")
+    ax.set_title("input pipeline: epoch time per configuration")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
+    p.add_argument("--cost-ms", type=float, default=5.0, help="CPU work per sample")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--compute-ms", type=float, default=100.0, help="emulated GPU time per step")
+    p.add_argument("--workers", type=int, default=None, help="default: this machine's CPUs")
+    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--memory-workers", type=int, default=4, help="0 skips the memory part")
+    p.add_argument("--out", type=Path, default=Path("bench_loader.json"))
+    p.add_argument("--png", type=Path, default=None, help="default: --out with .png")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    a = parse(argv)
+    workers = a.workers or len(__import__("os").sched_getaffinity(0))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    ds = SyntheticDataset("train", num_samples=a.samples, input_shape=a.shape,
+                          cost_ms=a.cost_ms)
+    compute = a.compute_ms / 1000
+    configs = {
+        "a_sync": DevicePrefetcher(build_loader(ds, loader_cfg(a.batch, 0, False, False, 2),
+                                                train=True, device=device), device, enabled=False),
+        "b_workers": DevicePrefetcher(build_loader(
+            ds, loader_cfg(a.batch, workers, False, False, a.prefetch_factor), train=True,
+            device=device), device, enabled=False),
+        "c_pipeline": DevicePrefetcher(build_loader(
+            ds, loader_cfg(a.batch, workers, True, True, a.prefetch_factor), train=True,
+            device=device), device, enabled=True),
+    }
+    in_memory = [b for b in build_loader(ds, loader_cfg(a.batch, workers, False, False, 2),
+                                         train=True)]
+    in_memory = [[t.to(device) for t in b] for b in in_memory]
+    times: Dict[str, List[float]] = {}
+    for name, feed in configs.items():
+        times[name] = run_epochs(feed, a.epochs, compute)
+    times["d_compute_only"] = run_epochs(in_memory, a.epochs, compute)
+    per_sample = data_cost_s(ds)
+    bound = max(median(times["d_compute_only"]), per_sample * a.samples / workers)
+    base = median(times["a_sync"])
+    rows = [{"config": name, "epoch_s": median(t), "epochs_s": t,
+             "samples_per_s": a.samples / median(t), "speedup": base / median(t),
+             "vs_bound": median(t) / bound} for name, t in times.items()]
+    memory = (measure_memory(ds, a.memory_workers, a.batch) if a.memory_workers else None)
+    print(table(rows, COLUMNS))
+    print(f"bound {bound:.3f} s = max(compute-only {median(times['d_compute_only']):.3f} s, "
+          f"{1000 * per_sample:.2f} ms/sample x {a.samples} / {workers} workers); "
+          f"pinning {'on' if cuda else 'unavailable without CUDA'} in (c)")
+    if memory:
+        print(f"memmap, {memory['workers']} workers: workers' PSS grew {memory['extra_mb']:.1f} MB"
+              f" over an epoch = {100 * memory['extra_frac_of_dataset']:.2f}% of the "
+              f"{memory['dataset_mb']:.0f} MB dataset")
+    result = {"machine": machine(), "device": str(device), "workers": workers,
+              "samples": a.samples, "shape": a.shape, "cost_ms": a.cost_ms, "batch": a.batch,
+              "compute_ms": a.compute_ms, "epochs": a.epochs,
+              "prefetch_factor": a.prefetch_factor, "data_cost_ms_per_sample": 1000 * per_sample,
+              "bound_s": bound, "target_c_vs_bound": 1.15, "results": rows, "memory": memory}
+    write_json(a.out, result)
+    png = a.png or a.out.with_suffix(".png")
+    plot(rows, bound, png)
+    print(f"wrote {a.out} and {png}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

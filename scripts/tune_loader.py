@@ -1,0 +1,91 @@
+"""Find the loader settings that feed the configured dataset fastest on this machine.
+
+    python scripts/tune_loader.py                          # the default data config
+    python scripts/tune_loader.py data=heavy --workers 0 1 2 4 --prefetch 2 4
+    python scripts/tune_loader.py data=memmap data.dataset.root=data_cache/heavy
+
+Composes the data config as train.py does (overrides last), then for every
+num_workers x prefetch_factor (x pin_memory on CUDA) builds the rank's loader exactly as
+training would and measures how many samples per second it delivers, the first batch (worker
+start-up) excluded. Prints the table and the best setting as the override line to paste.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+
+import trainer.config  # noqa: E402,F401  (registers the schema)
+from benchlib import machine, table, write_json  # noqa: E402
+from data.loader import build_loader  # noqa: E402
+from data.prefetch import DevicePrefetcher  # noqa: E402
+
+COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
+
+
+def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[str, float]:
+    """Samples/s over up to `batches` batches after the first, and the first batch's wait."""
+    feed = DevicePrefetcher(build_loader(dataset, data_cfg, train=True, device=device), device)
+    it = iter(feed)
+    start = time.perf_counter()
+    next(it)
+    first = time.perf_counter() - start
+    start, samples = time.perf_counter(), 0
+    for _, batch in zip(range(batches), it):
+        samples += len(batch[1])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return {"samples_per_s": samples / elapsed if samples else 0.0, "first_batch_s": first}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cpus = len(os.sched_getaffinity(0))
+    p.add_argument("--workers", type=int, nargs="+",
+                   default=sorted({0, 1, 2, 4, 8, cpus} & set(range(0, 2 * cpus + 1))))
+    p.add_argument("--prefetch", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
+    p.add_argument("--out", type=Path, default=Path("tune_loader.json"))
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
+    a = p.parse_args(argv)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dataset = instantiate(cfg.data.dataset, split="train")
+    pins = [False, True] if device.type == "cuda" else [False]
+    rows = []
+    for workers in a.workers:
+        for prefetch in (a.prefetch if workers else a.prefetch[:1]):  # no effect without workers
+            for pin in pins:
+                data_cfg = cfg.data.copy()
+                data_cfg.num_workers, data_cfg.prefetch_factor = workers, prefetch
+                data_cfg.pin_memory, data_cfg.persistent_workers = pin, False
+                rows.append({"num_workers": workers, "prefetch_factor": prefetch,
+                             "pin_memory": pin,
+                             **throughput(dataset, data_cfg, device, a.batches)})
+    print(table(rows, COLUMNS))
+    best = max(rows, key=lambda r: r["samples_per_s"])
+    line = (f"data.num_workers={best['num_workers']} "
+            f"data.prefetch_factor={best['prefetch_factor']}"
+            + (f" data.pin_memory={str(best['pin_memory']).lower()}" if len(pins) > 1 else ""))
+    print(f"best: {best['samples_per_s']:.0f} samples/s with\n  {line}")
+    result = {"machine": machine(), "device": str(device), "overrides": a.overrides,
+              "batches": a.batches, "results": rows, "best": best, "best_overrides": line}
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
