@@ -58,11 +58,14 @@ class DigitsDataset(Dataset):
 
 
 def burn_cpu(ms: float) -> None:
-    """Busy-waits `ms` milliseconds of CPU time, as decoding or augmenting a sample would."""
+    """Spends `ms` milliseconds of this thread's CPU time, as decoding or augmenting would.
+
+    CPU time, not wall time: more workers than cores then slow down as real decoding does.
+    """
     if ms <= 0:
         return
-    end = time.perf_counter() + ms / 1000.0
-    while time.perf_counter() < end:
+    end = time.thread_time() + ms / 1000.0
+    while time.thread_time() < end:
         pass
 
 
