@@ -1,7 +1,7 @@
 """build_loader: the one function through which the trainer asks for data.
 
-Every rank builds its own DataLoader. Training shards with a DistributedSampler (seeded by the
-run's seed, re-shuffled through `set_epoch`); evaluation shards without padding, so every
+Every rank builds its own DataLoader. Training shards with a resumable DistributedSampler
+(seeded by the run's seed, re-shuffled through `set_epoch`, able to start mid-epoch); evaluation shards without padding, so every
 validation sample is seen exactly once across ranks and metrics summed over ranks are exact.
 """
 from __future__ import annotations
@@ -10,7 +10,9 @@ import math
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from data.sampler import ResumableDistributedSampler
 
 from trainer.config import DataConfig
 
@@ -38,8 +40,8 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     DataLoader's pin thread, never on the training loop's thread.
     """
     if train:
-        sampler: Sampler[int] = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, seed=seed,
+        sampler: Sampler[int] = ResumableDistributedSampler(
+            len(dataset), num_replicas=world_size, rank=rank, seed=seed,
             shuffle=cfg.shuffle if shuffle is None else shuffle, drop_last=cfg.drop_last)
         batch_size = cfg.batch_size
     else:

@@ -2,19 +2,24 @@
 
 A checkpoint is written to a temporary file in the destination directory, fsynced, then
 renamed over the real name, so a crash or a full disk mid-write never leaves a truncated file
-under a real name and never removes the previous good one.
+under a real name; older checkpoints are deleted only after the new one is complete.
+Layout: `checkpoints/step-NNNNNNNN.pt` (the newest `keep_last`), `last.pt` and `best.pt`
+(hard links to one of them).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"
+BEST = "best.pt"
 FORMAT_VERSION = 1
 
 
@@ -68,19 +73,33 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     return state
 
 
-def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """The checkpoint to resume from: null -> none, 'auto' -> this run's last.pt if present,
-    anything else -> that path, which must exist."""
+def candidates(run_dir: Path) -> List[Path]:
+    """This run's checkpoints, newest first: last.pt, then step-*.pt by step."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    steps = sorted(folder.glob("step-*.pt"), key=lambda p: p.name, reverse=True)
+    last = folder / LAST
+    return ([last] if last.is_file() else []) + steps
+
+
+def find_resume(resume: Optional[str], run_dir: Path,
+                warn=lambda msg: None) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The checkpoint to resume from, loaded: null -> none; 'auto' -> the newest readable one
+    in this run dir (a damaged one is reported through `warn` and the previous one tried;
+    none at all is a fresh start); anything else -> that file, which must load."""
     if resume is None:
         return None
-    if resume == "auto":
-        last = Path(run_dir) / CHECKPOINT_DIR / LAST
-        return last if last.is_file() else None
-    path = Path(resume)
-    if not path.is_file():
-        raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file "
-                              "(give a path to a .pt file, auto, or null)")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_file():
+            raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file "
+                                  "(give a path to a .pt file, auto, or null)")
+        return path, load(path)
+    for path in candidates(run_dir):
+        try:
+            return path, load(path)
+        except CheckpointError as e:
+            warn(f"{e}; trying the previous checkpoint")
+    return None
 
 
 def load_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
@@ -100,3 +119,77 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) 
                 parts.append(f"{name}: {shown}")
         raise CheckpointError(f"checkpoint {path} does not fit this model; " + "; ".join(parts))
     model.load_state_dict(theirs)
+
+
+def _link_over(src: Path, dst: Path) -> None:
+    """Points `dst` at `src`'s bytes atomically (hard link, else a copy, then rename)."""
+    tmp = dst.with_name(f".{dst.name}.link")
+    _unlink_quietly(str(tmp))
+    try:
+        os.link(src, tmp)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of `obj` whose tensors are detached CPU clones (safe to write later)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+class Checkpointer:
+    """Writes `step-NNNNNNNN.pt`, keeps the newest `keep_last`, points `last.pt` (and `best.pt`)
+    at them. With `async_save` the state is copied to CPU at once (the only stall) and
+    written on one background thread; a new save first waits for the previous one."""
+
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, enabled: bool):
+        self.folder = Path(run_dir) / CHECKPOINT_DIR
+        self.keep_last, self.async_save, self.enabled = keep_last, async_save, enabled
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last_saved_step: Optional[int] = None
+
+    def save(self, state: Dict[str, Any], step: int, best: bool = False) -> Path:
+        """Saves `state` as step `step` (only the caller on rank 0 passes enabled=True)."""
+        path = self.folder / f"step-{step:08d}.pt"
+        self.last_saved_step = step
+        if not self.enabled:
+            return path
+        self.wait()
+        if not self.async_save:
+            self._write(state, path, best)
+            return path
+        cpu_state = to_cpu(state)  # the training stall: a device-to-host copy, no disk I/O
+        self._thread = threading.Thread(target=self._write_guarded, args=(cpu_state, path, best),
+                                        name="stoker-checkpoint", daemon=True)
+        self._thread.start()
+        return path
+
+    def _write_guarded(self, state, path, best) -> None:
+        try:
+            self._write(state, path, best)
+        except BaseException as e:  # reported by the next wait()
+            self._error = e
+
+    def _write(self, state: Dict[str, Any], path: Path, best: bool) -> None:
+        save(state, path)
+        _link_over(path, self.folder / LAST)
+        if best:
+            _link_over(path, self.folder / BEST)
+        for old in sorted(self.folder.glob("step-*.pt"))[:-self.keep_last]:
+            _unlink_quietly(str(old))  # only after the new one is complete
+
+    def wait(self) -> None:
+        """Blocks until the background write (if any) is on disk; re-raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -66,15 +66,16 @@ def describe(e: BaseException) -> str:
 USER_ERRORS = (ConfigError, CheckpointError, HydraException, OmegaConfBaseException)
 
 
-def fail(e: BaseException) -> NoReturn:
-    """Prints `e` as one line (rank 0 only: every rank meets the same error) and exits 2.
+def fail(e: BaseException, code: int = EXIT_CONFIG) -> NoReturn:
+    """Prints `e` as one line (rank 0 only: every rank meets the same error) and exits
+    `code` (2: a configuration or checkpoint problem).
 
     Raised inside a Hydra task, SystemExit passes Hydra's job runner without its extra
     "Error executing job" line.
     """
     if detect().is_main:
         print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_CONFIG)
+    raise SystemExit(code)
 
 
 _AUTO_WORKERS = re.compile(r"^(\+{0,2}data\.num_workers)=(.+)$")

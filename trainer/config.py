@@ -80,6 +80,16 @@ class DDPConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # save every N optimizer steps; 0: off
+    every_n_epochs: int = 1  # save at the end of every N epochs; 0: off
+    keep_last: int = 3  # periodic checkpoints kept (last.pt and best.pt come on top)
+    monitor: Optional[str] = None  # val_acc | val_loss: also keep best.pt; null: off
+    mode: str = "max"  # max | min: which direction of `monitor` is better
+    async_save: bool = False  # copy to CPU, write on a background thread
+
+
+@dataclass
 class TrainerConfig:
     strategy: Strategy = Strategy.auto
     accelerator: Accelerator = Accelerator.auto
@@ -101,6 +111,8 @@ class TrainerConfig:
     tensorboard: bool = True
     save_checkpoint: bool = True
     resume: Optional[str] = None  # null | auto | path to a checkpoint
+    max_bad_steps: int = 20  # stop after this many optimizer steps in a row with a non-finite loss; 0: never
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
@@ -193,6 +205,14 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in ("limit_train_batches", "limit_val_batches"):
         v = t[key]
         _check(v is None or v >= 1, f"trainer.{key}", v, "must be >= 1 or null")
+    c = t.checkpoint
+    for key in ("every_n_steps", "every_n_epochs"):
+        _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
+    _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
+    _check(c.monitor in (None, "val_acc", "val_loss"), "trainer.checkpoint.monitor", c.monitor,
+           "must be null, val_acc or val_loss")
+    _check(c.mode in ("max", "min"), "trainer.checkpoint.mode", c.mode, "must be max or min")
+    _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
     _check(len(d.input_shape) >= 1 and all(s >= 1 for s in d.input_shape),
            "data.input_shape", list(d.input_shape), "must be a non-empty list of sizes >= 1")

@@ -29,10 +29,12 @@ from trainer.strategy import sync_context, unwrap
 
 @dataclass
 class FitState:
-    """Progress that a checkpoint must carry: epochs completed and optimizer steps taken."""
+    """Progress that a checkpoint must carry: the current epoch (= epochs completed),
+    optimizer steps taken, and global samples of the current epoch already consumed."""
 
     epoch: int = 0
     step: int = 0
+    position: int = 0
 
 
 @dataclass
@@ -81,6 +83,20 @@ def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -
     return sum(1 for _, boundary in epoch_plan(loader, limit, accumulate) if boundary)
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
+
+
+class NoEvents:
+    """Loop events without checkpointing (the default)."""
+
+    def after_step(self, loop) -> None:
+        pass
+
+    def after_epoch(self, loop, val) -> None:
+        pass
+
+
 class Loop:
     """Runs epochs of training and validation over already-built components."""
 
@@ -88,7 +104,7 @@ class Loop:
                  precision: MixedPrecision, train_feed: DevicePrefetcher,
                  val_feed: DevicePrefetcher,
                  device: torch.device, logger: RunLogger, profiler, state: FitState,
-                 train_limit: Optional[int], val_limit: Optional[int]):
+                 train_limit: Optional[int], val_limit: Optional[int], events=None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.precision, self.device, self.logger, self.prof = precision, device, logger, profiler
         self.train_feed, self.val_feed = train_feed, val_feed
@@ -99,6 +115,15 @@ class Loop:
         self.run_samples = 0
         self.last_train: Dict[str, Any] = {}
         self.last_val: Dict[str, Any] = {}
+        self.events = events or NoEvents()
+        self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
+        # non-finite guard, kept on the device: no host sync per step
+        self.step_loss = torch.zeros((), device=device)
+        self.bad_run = torch.zeros((), dtype=torch.int64, device=device)
+
+    def losses_finite(self) -> bool:
+        """False while the latest optimizer steps had a non-finite loss (one host sync)."""
+        return int(self.bad_run) == 0
 
     def _done(self) -> bool:
         max_steps = self.cfg.max_steps
@@ -110,13 +135,16 @@ class Loop:
         validated_at = None
         while not self._done():
             epoch = self.state.epoch
-            self.train_epoch(epoch)
-            self.state.epoch += 1
+            if not self.train_epoch(epoch):
+                break  # max_steps inside the epoch
+            self.state.epoch, self.state.position = epoch + 1, 0
+            val = None
             if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
-                self.evaluate()
+                val = self.evaluate(epoch)
                 validated_at = self.state.step
-        if validated_at != self.state.step:  # e.g. resumed at the end: still report val
-            self.evaluate()
+            self.events.after_epoch(self, val)
+        if validated_at != self.state.step:  # stopped mid-epoch, or resumed at the end
+            self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **self.last_train, **self.last_val, **self.run_rates()}
 
@@ -125,24 +153,42 @@ class Loop:
         return {"run_samples_per_s": self.run_samples / train_s,
                 "run_data_wait_frac": self.run_wait_s / train_s}
 
-    def train_epoch(self, epoch: int) -> None:
-        """One pass over this rank's shard; stops early at max_steps (on a step boundary)."""
-        self.model.train()
-        sampler = self.train_feed.loader.sampler
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
-        plan = epoch_plan(self.train_feed.loader, self.train_limit,
+    def _start_epoch(self, epoch: int) -> Tuple[List[Tuple[float, bool]], int]:
+        """Positions the sampler (mid-epoch after a resume); returns the plan and the
+        global samples one batch on every rank consumes."""
+        loader = self.train_feed.loader
+        sampler = loader.sampler
+        sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
+        per_batch = loader.batch_size * distributed.world_size()
+        start = self.state.position
+        if start:
+            sampler.set_start(start)
+        elif loader.generator is not None:  # its state before this epoch's iterator draws
+            self.loader_rng = loader.generator.get_state()
+        limit = self.train_limit
+        if limit is not None:
+            limit = max(0, limit - start // per_batch)
+        plan = batch_plan(len(sampler), loader.batch_size, loader.drop_last, limit,
                           self.cfg.accumulate_grad_batches)
+        return plan, per_batch
+
+    def train_epoch(self, epoch: int) -> bool:
+        """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""
+        self.model.train()
+        plan, per_batch = self._start_epoch(epoch)
         window = Window()
         bar = self.logger.progress(len(plan), f"epoch {epoch}")
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
-        for weight, boundary in plan:
+        complete = True
+        for i, (weight, boundary) in enumerate(plan):
             t0 = time.perf_counter()
             batch = next(batches)  # on the device already (copied on a side stream on CUDA)
             window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
             loss = self._micro_step(batch, weight, boundary)
             window.add(loss, len(batch[1]))
+            self.step_loss = self.step_loss + loss.float()
+            self.state.position += per_batch
             bar.update(1)
             if not boundary:
                 continue
@@ -151,12 +197,15 @@ class Loop:
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
                 window = Window()
+            self.events.after_step(self)
             if self.cfg.max_steps > 0 and self.state.step >= self.cfg.max_steps:
+                complete = i == len(plan) - 1
                 break
         if window.samples:
             self._log_window(window, epoch, None, bar)
         bar.close()
         self.run_train_s += time.perf_counter() - epoch_start
+        return complete
 
     def _micro_step(self, batch, weight: float, boundary: bool) -> torch.Tensor:
         inputs, target = batch
@@ -167,6 +216,9 @@ class Loop:
         return loss.detach()
 
     def _optimizer_step(self, want_norm: bool) -> Optional[torch.Tensor]:
+        finite = torch.isfinite(self.step_loss)
+        self.bad_run = torch.where(finite, torch.zeros_like(self.bad_run), self.bad_run + 1)
+        self.step_loss = torch.zeros((), device=self.device)
         norm = self.precision.step(self.optimizer, self.params, self.cfg.grad_clip, want_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
@@ -193,13 +245,24 @@ class Loop:
                   "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
+        if self.precision.scaler is not None:
+            values["skipped_steps"] = int(self.precision.skipped_steps)  # fp16 overflow
+        self._check_finite()
         self.last_train = {"train_loss": values["loss"]}
         self.logger.metrics("train", self.state.step, values)
         bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
                         wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
 
+    def _check_finite(self) -> None:
+        bad = int(self.bad_run)
+        if self.cfg.max_bad_steps and bad >= self.cfg.max_bad_steps:
+            raise NonFiniteLoss(
+                f"the loss was not finite for {bad} optimizer steps in a row (up to step "
+                f"{self.state.step}, trainer.max_bad_steps={self.cfg.max_bad_steps}); "
+                "stopped with the last good checkpoint intact")
+
     @torch.no_grad()
-    def evaluate(self) -> Dict[str, float]:
+    def evaluate(self, epoch: int) -> Dict[str, float]:
         """Exact loss and accuracy over the whole validation set (summed over ranks)."""
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
@@ -212,7 +275,7 @@ class Loop:
             sums[1] += (logits.argmax(dim=1) == target).sum()
             sums[2] += target.numel()
         loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
-        values = {"epoch": self.state.epoch - 1 if self.state.epoch else 0,
+        values = {"epoch": max(epoch, 0),
                   "val_loss": loss_sum / count if count else math.nan,
                   "val_acc": correct / count if count else math.nan}
         self.last_val = {"val_loss": values["val_loss"], "val_acc": values["val_acc"]}

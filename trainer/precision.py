@@ -25,6 +25,8 @@ class MixedPrecision:
         self.device = device
         self.scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(device.type) if precision == Precision.fp16 else None)
+        # optimizer steps the scaler skipped for inf/NaN gradients, counted on the device
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
 
     def autocast(self):
         """Context for the forward pass and loss; a no-op in fp32."""
@@ -49,11 +51,25 @@ class MixedPrecision:
             max_norm = grad_clip if grad_clip is not None else math.inf
             norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
         if self.scaler:
+            before = self._scale_tensor()
             self.scaler.step(optimizer)  # skips the step when the gradients are not finite
             self.scaler.update()
+            self._count_skip(before)
         else:
             optimizer.step()
         return norm
+
+    def _scale_tensor(self) -> Optional[torch.Tensor]:
+        # GradScaler's public get_scale() syncs; its async accessor returns the device tensor
+        scale = self.scaler._get_scale_async()
+        return None if scale is None else scale.clone()
+
+    def _count_skip(self, before) -> None:
+        """The scaler lowers its scale exactly when it skipped the step: count that on the
+        device (the scale is a device tensor; comparing it costs no host sync)."""
+        after = self._scale_tensor()
+        if before is not None and after is not None:
+            self.skipped_steps += (after < before).to(torch.int64)
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}

@@ -25,8 +25,10 @@ from trainer.cli import USER_ERRORS, fail, wants_traceback
 from trainer.config import RunSpec, resolve
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, profiler
-from trainer.loop import FitState, Loop, steps_per_epoch
+from trainer.loop import FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision
+from trainer.resilience import (EXIT_PREEMPTED, Checkpointing, Preempted, Preemption,
+                                set_rng_state)
 from trainer.strategy import unwrap, wrap
 
 log = logging.getLogger("stoker")
@@ -42,6 +44,13 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         if wants_traceback():
             raise
         fail(e)
+    except Preempted as e:
+        log.warning("%s", e)
+        raise SystemExit(EXIT_PREEMPTED) from None
+    except NonFiniteLoss as e:
+        if wants_traceback():
+            raise
+        fail(e, code=1)
 
 
 def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
@@ -116,32 +125,42 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
                 cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
 
 
-def _restore(cfg: DictConfig, run_dir: Path, model, optimizer, scheduler,
-             precision: MixedPrecision, logger: RunLogger) -> FitState:
-    path = checkpoint.find_resume(cfg.trainer.resume, run_dir)
-    if path is None:
-        return FitState()
-    state = checkpoint.load(path)
-    checkpoint.load_model_state(unwrap(model), state, path)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    precision.load_state_dict(state.get("scaler", {}))
-    logger.info("resumed from %s at epoch %d step %d", path, state["epoch"], state["step"])
-    return FitState(epoch=state["epoch"], step=state["step"])
+def _resume_setting(cfg: DictConfig, logger: RunLogger) -> Optional[str]:
+    """trainer.resume, except that a job torchrun restarted resumes on its own."""
+    resume = cfg.trainer.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        logger.info("torchrun restart %s: resuming from this run's newest checkpoint",
+                    os.environ["TORCHELASTIC_RESTART_COUNT"])
+        return "auto"
+    return resume
 
 
-def _save_last(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> Optional[Path]:
-    if not cfg.trainer.save_checkpoint:
-        return None
-    path = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
-    if env.is_main:  # one writer; the others wait at the barrier so none exits early
-        checkpoint.save({
-            "model": unwrap(loop.model).state_dict(), "optimizer": loop.optimizer.state_dict(),
-            "scheduler": loop.scheduler.state_dict(), "scaler": loop.precision.state_dict(),
-            "epoch": loop.state.epoch, "step": loop.state.step, "world_size": env.world_size,
-            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}, path)
-    distributed.barrier()
-    return path
+def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
+             logger: RunLogger) -> None:
+    """Loads the checkpoint `trainer.resume` names into the built loop, if any."""
+    found = checkpoint.find_resume(_resume_setting(cfg, logger), run_dir,
+                                   warn=lambda msg: distributed.warn(env, "%s", msg))
+    if found is None:
+        return
+    path, state = found
+    checkpoint.load_model_state(unwrap(loop.model), state, path)
+    loop.optimizer.load_state_dict(state["optimizer"])
+    loop.scheduler.load_state_dict(state["scheduler"])
+    loop.precision.load_state_dict(state.get("scaler", {}))
+    loop.state = FitState(epoch=state["epoch"], step=state["step"],
+                          position=state.get("position", 0))
+    rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
+    generator = loop.train_feed.loader.generator
+    if len(rngs) == env.world_size:
+        set_rng_state(rngs[env.rank], generator)
+        loop.loader_rng = rngs[env.rank].get("loader")
+    elif old_world != env.world_size:
+        logger.info("the checkpoint was written by %d ranks, this job has %d: the data "
+                    "position is kept in global samples (%d into epoch %d); random states "
+                    "start from the seed", old_world, env.world_size, loop.state.position,
+                    loop.state.epoch)
+    logger.info("resumed from %s at epoch %d step %d (%d samples into the epoch)", path,
+                state["epoch"], state["step"], loop.state.position)
 
 
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger):
@@ -160,11 +179,13 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
         total = min(total, cfg.trainer.max_steps)
     scheduler = schedules.build(instantiate(cfg.sched), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
-    state = _restore(cfg, run_dir, model, optimizer, scheduler, precision, logger)
-    return Loop(cfg=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler,
+    loop = Loop(cfg=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler,
                 precision=precision, train_feed=train_feed, val_feed=val_feed,
-                device=spec.device, logger=logger, profiler=None, state=state,
-                train_limit=train_limit, val_limit=val_limit)
+                device=spec.device, logger=logger, profiler=None, state=FitState(),
+                train_limit=train_limit, val_limit=val_limit,
+                events=Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint))
+    _restore(cfg, env, run_dir, loop, logger)
+    return loop
 
 
 def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
@@ -177,10 +198,14 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
     start = time.perf_counter()
     try:
         loop = _build(cfg, env, spec, run_dir, logger)
-        with profiler(run_dir, t.profile and env.is_main, spec.device) as prof:
-            loop.prof = prof
+        with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
+                Preemption(env) as preemption:
+            loop.prof, loop.events.preemption = prof, preemption
             summary = loop.fit()
-        summary["checkpoint"] = str(_save_last(cfg, env, run_dir, loop) or "")
+        loop.events.save(loop)  # the final state (skipped if this step is saved already)
+        loop.events.finish()
+        summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
+                                 if t.save_checkpoint else "")
         summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
                        world_size=env.world_size, strategy=spec.strategy.value,
                        peak_mem_mb=peak_memory_mb(spec.device))

@@ -64,8 +64,52 @@ def test_mismatched_model_lists_the_mismatches(tmp_path):
 def test_find_resume(tmp_path):
     assert checkpoint.find_resume(None, tmp_path) is None
     assert checkpoint.find_resume("auto", tmp_path) is None  # nothing yet: fresh start
-    last = checkpoint.save({"model": {}}, tmp_path / "checkpoints" / "last.pt")
-    assert checkpoint.find_resume("auto", tmp_path) == last
-    assert checkpoint.find_resume(str(last), tmp_path) == last
+    step = checkpoint.save({"model": {}, "step": 4}, tmp_path / "checkpoints" / "step-00000004.pt")
+    path, state = checkpoint.find_resume("auto", tmp_path)
+    assert path == step and state["step"] == 4
+    assert checkpoint.find_resume(str(step), tmp_path)[0] == step
     with pytest.raises(CheckpointError, match="trainer.resume=/nope.pt"):
         checkpoint.find_resume("/nope.pt", tmp_path)
+
+
+def test_auto_resume_falls_back_past_damaged_files(tmp_path):
+    folder = tmp_path / "checkpoints"
+    good = checkpoint.save({"model": {}, "step": 2}, folder / "step-00000002.pt")
+    checkpoint.save({"model": {}, "step": 4}, folder / "step-00000004.pt")
+    (folder / "step-00000004.pt").write_bytes(b"truncated")
+    (folder / "last.pt").write_bytes(b"")
+    warnings = []
+    path, state = checkpoint.find_resume("auto", tmp_path, warn=warnings.append)
+    assert path == good and state["step"] == 2
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+    assert "last.pt" in warnings[0] and "step-00000004.pt" in warnings[1]
+
+
+def test_checkpointer_keeps_the_last_k_and_links_last_and_best(tmp_path):
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
+    for step in (1, 2, 3, 4):
+        saver.save({"model": {"w": torch.full((2,), float(step))}, "step": step}, step,
+                   best=step == 2)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "best.pt", "last.pt", "step-00000003.pt", "step-00000004.pt"]
+    assert checkpoint.load(folder / "last.pt")["step"] == 4
+    assert checkpoint.load(folder / "best.pt")["step"] == 2  # outlives its step file
+
+
+def test_async_save_copies_first_and_writes_in_the_background(tmp_path):
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=True, enabled=True)
+    w = torch.zeros(1000)
+    saver.save({"model": {"w": w}}, 1)
+    w += 1  # training goes on: the checkpoint must hold the values at save time
+    saver.wait()
+    assert torch.equal(checkpoint.load(tmp_path / "checkpoints" / "last.pt")["model"]["w"],
+                       torch.zeros(1000))
+
+
+def test_async_write_errors_surface_on_the_next_wait(tmp_path, monkeypatch):
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=True, enabled=True)
+    monkeypatch.setattr(checkpoint, "save", lambda *a: (_ for _ in ()).throw(OSError("disk")))
+    saver.save({"model": {}}, 1)
+    with pytest.raises(OSError, match="disk"):
+        saver.wait()

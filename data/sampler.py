@@ -1,0 +1,72 @@
+"""A DistributedSampler that can start an epoch part-way through, counted in global samples.
+
+Epoch e's order is one permutation of the dataset (seeded by seed + e, the same for every
+world size), padded (or, with drop_last, cut) to a multiple of the number of ranks; rank r
+takes every world-size-th index from r. After n batches of b on each of w ranks the job has
+consumed the first n * b * w positions of that list, whatever the ranks were, so a resumed
+job skips exactly those and shards the rest over its own ranks: the same world size continues
+bit for bit, another world size continues with the same samples.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, List
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """This rank's indices for one epoch; `set_epoch` reshuffles, `set_start` skips."""
+
+    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside [0, {num_replicas})")
+        self.n, self.num_replicas, self.rank = num_samples, num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.start = 0  # global positions of this epoch already consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects epoch `epoch`'s order and starts it from the beginning."""
+        self.epoch = epoch
+        self.start = 0
+
+    def set_start(self, global_position: int) -> None:
+        """Skips the first `global_position` positions of the current epoch (all ranks')."""
+        self.start = global_position
+
+    def _epoch_order(self) -> List[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        return order
+
+    def _fit(self, indices: List[int]) -> List[int]:
+        """Pads (repeating from the front) or cuts `indices` to a multiple of the ranks."""
+        w = self.num_replicas
+        if self.drop_last:
+            return indices[:len(indices) - len(indices) % w]
+        pad = -len(indices) % w
+        while pad > 0 and indices:
+            indices = indices + indices[:pad]
+            pad = -len(indices) % w
+        return indices
+
+    def epoch_indices(self) -> List[int]:
+        """This rank's indices for the rest of the current epoch."""
+        rest = self._fit(self._epoch_order())[self.start:]
+        return self._fit(rest)[self.rank::self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices())
+
+    def __len__(self) -> int:
+        w = self.num_replicas
+        full = (self.n // w) * w if self.drop_last else math.ceil(self.n / w) * w
+        rest = max(0, full - self.start)
+        rest = (rest // w) * w if self.drop_last else math.ceil(rest / w) * w
+        return rest // w

@@ -1,0 +1,175 @@
+"""Surviving interruptions: full training state in and out of checkpoints, preemption signals.
+
+A checkpoint holds everything a run needs to continue as if never stopped: weights,
+optimizer, scheduler, GradScaler, progress (epoch, step, position inside the epoch in global
+samples), every rank's RNG states (python, numpy, torch CPU, every CUDA device, the loader's
+generator), the resolved config and the world size. Checkpoints are taken only at
+optimizer-step boundaries, never inside an accumulation window.
+"""
+from __future__ import annotations
+
+import random
+import signal
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checkpoint, distributed
+from trainer.distributed import DistEnv
+from trainer.strategy import unwrap
+
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
+
+
+class Preempted(Exception):
+    """Raised at an optimizer-step boundary after a preemption signal; a checkpoint is saved."""
+
+
+def rng_state(loader_state: Optional[torch.Tensor]) -> Dict[str, Any]:
+    """This process's random states, in types a weights-only load accepts; `loader_state`
+    is the state the loader's generator must have when the resumed epoch starts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if loader_state is not None:
+        state["loader"] = loader_state
+    return state
+
+
+def set_rng_state(state: Dict[str, Any], loader_generator: Optional[torch.Generator]) -> None:
+    random.setstate(_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if loader_generator is not None and "loader" in state:
+        loader_generator.set_state(state["loader"])
+
+
+def _tuples(obj):
+    """random.setstate needs tuples where a round trip may have produced lists."""
+    return tuple(_tuples(v) for v in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def gather(obj: Any) -> List[Any]:
+    """`obj` from every rank, in rank order (a one-element list in a single process)."""
+    if not distributed.is_active():
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def capture(loop, cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
+    """The full training state (collective: every rank must call it; rank 0 gets it all)."""
+    generator = loop.train_feed.loader.generator
+    # mid-epoch the loader must replay this epoch's iterator, so its generator state from
+    # the epoch's start; at an epoch's end, its state now
+    loader = loop.loader_rng if loop.state.position else (
+        generator.get_state() if generator is not None else None)
+    rngs = gather(rng_state(loader))
+    return {
+        "model": unwrap(loop.model).state_dict(), "optimizer": loop.optimizer.state_dict(),
+        "scheduler": loop.scheduler.state_dict(), "scaler": loop.precision.state_dict(),
+        "epoch": loop.state.epoch, "step": loop.state.step, "position": loop.state.position,
+        "rng": rngs, "world_size": env.world_size,
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+
+
+class Preemption:
+    """Turns SIGTERM/SIGUSR1 into a flag that all ranks agree on at step boundaries.
+
+    The ranks may see the signal at different steps, so they compare flags with one tiny
+    all-reduce per optimizer step on a CPU (gloo) group, which never syncs the GPU stream.
+    """
+
+    def __init__(self, env: DistEnv):
+        self.requested = False
+        self._previous = {}
+        self._group = None
+        if env.world_size > 1 and distributed.is_active():
+            self._group = (dist.new_group(backend="gloo")
+                           if dist.get_backend() != "gloo" else dist.group.WORLD)
+
+    def __enter__(self) -> "Preemption":
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
+        if self._group is None:
+            return self.requested
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+
+class Checkpointing:
+    """Decides when the loop saves: every N steps, every N epochs, on preemption, at the
+    end; tracks best.pt; never saves a state whose recent losses were not finite."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool):
+        c = cfg.trainer.checkpoint
+        self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
+        self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, c.async_save,
+                                             enabled=enabled and env.is_main)
+        self.enabled = enabled
+        self.best: Optional[float] = None
+        self.preemption: Optional[Preemption] = None
+
+    def save(self, loop, best: bool = False) -> None:
+        if not self.enabled or self.saver.last_saved_step == loop.state.step:
+            return
+        if not loop.losses_finite():
+            distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
+                             "finite; the last good checkpoint stays", loop.state.step)
+            return
+        self.saver.save(capture(loop, self.cfg, self.env), loop.state.step, best=best)
+        if not self.c.async_save:
+            distributed.barrier()  # rank 0 writes, the others wait for a complete file
+
+    def after_step(self, loop) -> None:
+        n = self.c.every_n_steps
+        if n and loop.state.step % n == 0:
+            self.save(loop)
+        if self.preemption is not None and self.preemption.agreed():
+            self.save(loop)
+            self.finish()
+            raise Preempted(f"stopped on a preemption signal at step {loop.state.step}; "
+                            "checkpoint saved, resume with trainer.resume=auto")
+
+    def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
+        best = False
+        if self.c.monitor and val and self.c.monitor in val:
+            value = val[self.c.monitor]
+            better = (self.best is None or (value > self.best if self.c.mode == "max"
+                                            else value < self.best))
+            if better:
+                self.best, best = value, True
+        n = self.c.every_n_epochs
+        if best or (n and loop.state.epoch % n == 0):
+            self.saver.last_saved_step = None if best else self.saver.last_saved_step
+            self.save(loop, best=best)
+
+    def finish(self) -> None:
+        """Waits for a background write, then for every rank (all files complete)."""
+        self.saver.wait()
+        distributed.barrier()
