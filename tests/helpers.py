@@ -20,3 +20,19 @@ class FailingOnRankDigits(DigitsDataset):
         if self.armed and self.seen > self.fail_index:
             raise RuntimeError(f"injected failure on rank {os.environ.get('RANK')}")
         return super().__getitem__(i)
+
+
+class NaNAfterMLP(__import__("trainer.models", fromlist=["MLP"]).MLP):
+    """An MLP whose training forward returns NaN logits from its `nan_after`-th call on."""
+
+    def __init__(self, *args, nan_after: int = 10, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_after, self.calls = nan_after, 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.nan_after:
+                out = out * float("nan")
+        return out

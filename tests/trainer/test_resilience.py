@@ -1,0 +1,174 @@
+"""Killed, preempted, restarted, resized and poisoned runs, with real processes."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.trainer.test_strategy import free_port
+from trainer import checkpoint
+
+pytestmark = pytest.mark.slow
+# 16 batches of 32 per epoch, 3 epochs; a little CPU per sample so a run takes a few seconds
+JOB = ["trainer.progress_bar=false", "data=synthetic", "data.dataset.num_samples=512",
+       "data.input_shape=[1,8,8]", "data.dataset.cost_ms=0.5", "data.batch_size=32",
+       "data.num_workers=0", "model=mlp", "trainer.max_epochs=3", "trainer.log_every_n_steps=1"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))}
+    e.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return e
+
+
+def command(run_dir: Path, extra=(), nproc: int = 1, torchrun_args=()):
+    cmd = [sys.executable]
+    if nproc > 1 or torchrun_args:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *torchrun_args]
+    return cmd + [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *JOB, *extra]
+
+
+def run(cmd, timeout=240):
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def newest_step(run_dir: Path, pattern="step-*.pt") -> int:
+    files = sorted((run_dir / "checkpoints").glob(pattern)) if (run_dir / "checkpoints").is_dir() else []
+    return int(files[-1].stem.split("-")[1]) if files else 0
+
+
+def logged_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
+    return max(steps, default=0)
+
+
+def start_and_wait(cmd, until, timeout=120):
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not until() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc
+
+
+def weights(run_dir: Path):
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def assert_bitwise_equal(a, b, context=""):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs {context}"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_then_resume_is_bit_exact(tmp_path, nproc):
+    extra = ["trainer.checkpoint.every_n_steps=4"]
+    ref = run(command(tmp_path / "ref", extra, nproc))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    total = 48 // nproc if nproc > 1 else 48  # 2 ranks: 8 batches of 32 each per epoch
+    kill_at = random.Random().randint(5, total - 6)
+    run_dir = tmp_path / "killed"
+    proc = start_and_wait(command(run_dir, extra, nproc),
+                          until=lambda: logged_step(run_dir) >= kill_at)
+    assert proc.poll() is None, f"finished before the kill at step {kill_at}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_after = newest_step(run_dir)
+    resumed = run(command(run_dir, [*extra, "trainer.resume=auto"], nproc))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"),
+                         f"(killed at step ~{kill_at}, newest checkpoint {killed_after})")
+
+
+def children(pid: int):
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path):
+    ref = run(command(tmp_path / "ref", nproc=2))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "preempted"
+    proc = start_and_wait(command(run_dir, nproc=2, torchrun_args=["--max-restarts=1"]),
+                          until=lambda: logged_step(run_dir) >= 10)
+    for worker in children(proc.pid):
+        os.kill(worker, signal.SIGTERM)  # what a scheduler's preemption sends the ranks
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped on a preemption signal" in out
+    assert "torchrun restart 1: resuming" in out and "resumed from" in out
+    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after preemption")
+
+
+def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["trainer.accumulate_grad_batches=2"]),
+                          until=lambda: logged_step(run_dir) >= 7)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out[-2000:]
+    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
+    # saved on an optimizer-step boundary: whole windows of 2 batches of 32
+    assert state["position"] % 64 == 0
+
+
+def test_resume_with_another_world_size(tmp_path):
+    run_dir = tmp_path / "run"
+    extra = ["sched=constant", "trainer.checkpoint.every_n_steps=5"]
+    first = run(command(run_dir, [*extra, "trainer.max_steps=5"], nproc=2))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["position"] == 5 * 32 * 2
+    second = run(command(run_dir, [*extra, "trainer.max_steps=12", "trainer.resume=auto"]))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "written by 2 ranks, this job has 1" in second.stdout
+    assert "320 samples into the epoch" in second.stdout
+    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] == 12 and state["world_size"] == 1
+    # the 192 unseen samples of epoch 0 took 6 steps (5 + 6 = 11), step 12 began epoch 1
+    assert state["epoch"] == 1 and state["position"] == 32
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
+    run_dir = tmp_path / "run"
+    extra = ["sched=constant", "trainer.checkpoint.every_n_steps=4", "trainer.max_steps=8"]
+    assert run(command(run_dir, extra)).returncode == 0
+    folder = run_dir / "checkpoints"
+    (folder / "step-00000008.pt").write_bytes(b"\0" * 100)  # last.pt is the same inode
+    proc = run(command(run_dir, ["sched=constant", "trainer.max_steps=10",
+                                 "trainer.resume=auto"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-00000004.pt" in proc.stdout and "resumed from" in proc.stdout
+    assert "trying the previous checkpoint" in proc.stdout + proc.stderr
+
+
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run(command(run_dir, ["model._target_=tests.helpers.NaNAfterMLP",
+                                 "+model.nan_after=10", "trainer.checkpoint.every_n_steps=4",
+                                 "trainer.max_bad_steps=3"]))
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("stoker: error:")]
+    assert len(lines) == 1 and "not finite for 3 optimizer steps" in lines[0]
+    assert newest_step(run_dir) == 8  # steps 11.. were NaN: step 12 was not saved
+    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] == 8
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
