@@ -110,3 +110,17 @@ def test_cli_trains_the_default_job(tmp_path):
            if '"val"' in line]
     assert val[-1]["val_acc"] >= 0.95
     assert (tmp_path / "train.log").read_text().count("done:") == 1
+
+
+def test_periodic_async_and_best_checkpoints(make_cfg, tmp_path):
+    summary = train(make_cfg("trainer.max_epochs=3", "trainer.checkpoint.every_n_steps=10",
+                             "trainer.checkpoint.keep_last=2", "trainer.checkpoint.async_save=true",
+                             "trainer.checkpoint.monitor=val_acc"))
+    folder = tmp_path / "run" / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["best.pt", "last.pt", "step-00000060.pt", "step-00000069.pt"], names
+    last = torch.load(folder / "last.pt", weights_only=True)
+    assert last["step"] == summary["steps"] == 69 and last["position"] == 0
+    assert {"python", "numpy", "torch", "loader"} <= last["rng"][0].keys()
+    best = torch.load(folder / "best.pt", weights_only=True)
+    assert best["step"] in (23, 46, 69)

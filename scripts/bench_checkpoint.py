@@ -1,0 +1,100 @@
+"""How long a checkpoint stalls training, written synchronously vs in the background.
+
+    python scripts/bench_checkpoint.py                     # ~50M-parameter MLP + AdamW state
+    python scripts/bench_checkpoint.py --width 8192 --repeats 7 --out ckpt.json
+
+The state is a real model's weights plus its AdamW moments (3x the weights), on the GPU when
+there is one. `stall` is how long `Checkpointer.save` blocks the training loop: the whole
+write and fsync when synchronous, only the device-to-host copy when async (the write then
+runs on a background thread; `write` is how long that took). Alternating repetitions, medians.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchlib import machine, median, table, write_json  # noqa: E402
+from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.models import MLP  # noqa: E402
+
+COLUMNS = ["mode", "state_mb", "stall_s", "write_s", "stall_vs_sync"]
+
+
+def build_state(width: int, layers: int, device: torch.device) -> Dict[str, Any]:
+    model = MLP([width], num_classes=10, hidden=[width] * layers).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, width, device=device)).sum().backward()
+    opt.step()  # creates the moment buffers
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
+
+
+def state_mb(state: Dict[str, Any]) -> float:
+    total = 0
+
+    def walk(obj):
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return total / 2**20
+
+
+def one_save(state, folder: Path, async_save: bool, step: int) -> Dict[str, float]:
+    saver = Checkpointer(folder, keep_last=1, async_save=async_save, enabled=True)
+    if state["model"] and next(iter(state["model"].values())).is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    saver.save(state, step)
+    stall = time.perf_counter() - start
+    saver.wait()
+    return {"stall_s": stall, "write_s": time.perf_counter() - start}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=Path("bench_checkpoint.json"))
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    state = build_state(a.width, a.layers, device)
+    size = state_mb(state)
+    runs: Dict[str, List[Dict[str, float]]] = {"sync": [], "async": []}
+    with tempfile.TemporaryDirectory(prefix="stoker-ckpt-", dir=a.dir) as tmp:
+        for rep in range(a.repeats):  # alternate, so drift on a shared disk hits both alike
+            for mode in runs:
+                runs[mode].append(one_save(state, Path(tmp), mode == "async", rep + 1))
+    sync_stall = median([r["stall_s"] for r in runs["sync"]])
+    rows = [{"mode": mode, "state_mb": size,
+             "stall_s": median([r["stall_s"] for r in rs]),
+             "write_s": median([r["write_s"] for r in rs]),
+             "stall_vs_sync": median([r["stall_s"] for r in rs]) / sync_stall,
+             "runs": rs} for mode, rs in runs.items()]
+    print(table(rows, COLUMNS))
+    result = {"machine": machine(), "device": str(device), "width": a.width,
+              "layers": a.layers, "repeats": a.repeats, "results": rows}
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
