@@ -149,11 +149,20 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Itera
 def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
     kwargs = {}
     if env.launcher == "slurm":
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # torchrun shares its rendezvous store with the workers and keeps it across
+        # --max-restarts; the group's keys from the previous attempt would then hand the new
+        # ranks stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              env.world_size, is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+                            timeout=timeout, **kwargs)
     atexit.register(_destroy)
 
 
