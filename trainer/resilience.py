@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -102,6 +103,8 @@ class Preemption:
                            if dist.get_backend() != "gloo" else dist.group.WORLD)
 
     def __enter__(self) -> "Preemption":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -136,7 +139,9 @@ class Checkpointing:
         self.preemption: Optional[Preemption] = None
 
     def save(self, loop, best: bool = False) -> None:
-        if not self.enabled or self.saver.last_saved_step == loop.state.step:
+        """Saves the loop's state (collective); a step already saved is saved again only
+        to become best.pt."""
+        if not self.enabled or (self.saver.last_saved_step == loop.state.step and not best):
             return
         if not loop.losses_finite():
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
@@ -166,7 +171,6 @@ class Checkpointing:
                 self.best, best = value, True
         n = self.c.every_n_epochs
         if best or (n and loop.state.epoch % n == 0):
-            self.saver.last_saved_step = None if best else self.saver.last_saved_step
             self.save(loop, best=best)
 
     def finish(self) -> None:
