@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.trainer.test_strategy import free_port
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
