@@ -168,9 +168,7 @@ class Loop:
         limit = self.train_limit
         if limit is not None:
             limit = max(0, limit - start // per_batch)
-        plan = batch_plan(len(sampler), loader.batch_size, loader.drop_last, limit,
-                          self.cfg.accumulate_grad_batches)
-        return plan, per_batch
+        return epoch_plan(loader, limit, self.cfg.accumulate_grad_batches), per_batch
 
     def train_epoch(self, epoch: int) -> bool:
         """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""
