@@ -12,14 +12,13 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.datasets import MemmapDataset
-from trainer import distributed
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -68,23 +67,29 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
-def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int) -> MemmapDataset:
+def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
+            wait: Callable[[], None]) -> MemmapDataset:
     """One copy per node in /dev/shm: local rank 0 writes it while the other ranks wait."""
-    root = SHM_ROOT / f"stoker-{os.getppid() if distributed.detect().launched else os.getpid()}-{key}"
+    root = SHM_ROOT / f"stoker-{key}"
     if local_rank == 0:
         write_arrays(dataset, root / "train", num_workers)  # "train" is MemmapDataset's layout
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-    distributed.barrier()
+    wait()
     return MemmapDataset("train", str(root))
 
 
 def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
-                  num_workers: int = 0) -> Dataset:
+                  num_workers: int = 0, wait: Callable[[], None] = lambda: None) -> Dataset:
     """`dataset` as `data.cache` says: unchanged ("none"), materialised in this process's
-    memory ("memory"), or in node-shared memory under /dev/shm ("shm")."""
+    memory ("memory"), or in node-shared memory under /dev/shm ("shm").
+
+    `tag` names the cached data, the same on every rank of a job and different between jobs
+    (the trainer uses its run dir, dataset config and split); `wait` blocks until every rank
+    got there (the job's barrier), so no rank reads /dev/shm before local rank 0 wrote it.
+    """
     if mode == "none":
         return dataset
     if mode == "memory":
         return _in_memory(dataset, num_workers)
-    key = hashlib.sha1(tag.encode()).hexdigest()[:12]
-    return _in_shm(dataset, key, local_rank, num_workers)
+    key = hashlib.sha1(tag.encode()).hexdigest()[:16]
+    return _in_shm(dataset, key, local_rank, num_workers, wait)

@@ -101,8 +101,9 @@ def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     d = cfg.data
     kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device)
     sets = [cache_dataset(instantiate(d.dataset, split=split), d.cache,
-                          f"{OmegaConf.to_yaml(d.dataset, resolve=True)}|{split}",
-                          local_rank=env.local_rank, num_workers=d.num_workers)
+                          f"{cfg.run_dir}|{OmegaConf.to_yaml(d.dataset, resolve=True)}|{split}",
+                          local_rank=env.local_rank, num_workers=d.num_workers,
+                          wait=distributed.barrier)
             for split in ("train", "val")]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
