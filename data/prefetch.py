@@ -24,19 +24,20 @@ import torch
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     """The same structure as `batch` with every tensor on `device`; identity when already there."""
-    return _map_tensors(batch, lambda t: t if t.device == device
+    return map_tensors(batch, lambda t: t if t.device == device
                         else t.to(device, non_blocking=non_blocking))
 
 
-def _map_tensors(batch: Any, fn) -> Any:
+def map_tensors(batch: Any, fn) -> Any:
+    """`batch` with `fn` applied to every tensor inside tuples, lists, dicts, namedtuples."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, dict):
-        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
+        return type(batch)((k, map_tensors(v, fn)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
 
 
@@ -100,7 +101,7 @@ class DevicePrefetcher:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.side_stream)  # the copy of `pending` must be complete
             batch = pending
-            _map_tensors(batch, lambda t: t.record_stream(compute))
+            map_tensors(batch, lambda t: t.record_stream(compute))
             pending = self._preload(batches)  # overlaps with the step that uses `batch`
             yield batch
 

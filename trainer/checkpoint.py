@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from data.prefetch import map_tensors
+
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"
 BEST = "best.pt"
@@ -134,13 +136,7 @@ def _link_over(src: Path, dst: Path) -> None:
 
 def to_cpu(obj: Any) -> Any:
     """A copy of `obj` whose tensors are detached CPU clones (safe to write later)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
 class Checkpointer:
