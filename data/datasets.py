@@ -5,6 +5,8 @@
 - SyntheticDataset: deterministic per index, learnable (class prototypes plus noise), any
   shape and class count, with an optional per-sample CPU cost that emulates heavy decoding
   (conf/data/heavy.yaml: the classic loader benchmark's 1024 x 3x224x224, 5 ms a sample).
+- SyntheticTokens: token sequences from a fixed random successor table with a little noise,
+  for the language model (inputs are tokens 0..n-1, targets tokens 1..n).
 - MemmapDataset: .npy arrays written once by scripts/prepare_data.py, memory-mapped lazily
   in each worker.
 """
@@ -107,6 +109,41 @@ class SyntheticDataset(Dataset):
         if self.dtype == "uint8":
             x = (x * 32 + 128).clamp_(0, 255).to(torch.uint8)
         return x, torch.tensor(y)
+
+
+class SyntheticTokens(Dataset):
+    """Sample i is a pure function of (seed, split, i): `tokens + 1` tokens where each next
+    token is `successor[previous]` (one fixed random permutation of the vocabulary) or, with
+    probability `noise`, a uniformly random one. Returns (sequence[:-1], sequence[1:]), int64.
+
+    A model that learns the successor table reaches about 1 - noise next-token accuracy.
+    """
+
+    def __init__(self, split: str = "train", num_samples: int = 1024, tokens: int = 128,
+                 vocab_size: int = 256, noise: float = 0.1, seed: int = 0):
+        _check_split(split)
+        if num_samples < 1 or tokens < 1 or vocab_size < 2:
+            raise ValueError(f"num_samples={num_samples}, tokens={tokens}, "
+                             f"vocab_size={vocab_size}: need >= 1, >= 1 and >= 2")
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise={noise}: must be in [0, 1]")
+        gen = torch.Generator().manual_seed(seed)
+        successor = torch.randperm(vocab_size, generator=gen)
+        gen.manual_seed((seed * 2 + SPLITS.index(split) + 1) * 0x85EBCA77 & 0xFFFFFFFF)
+        seq = torch.empty(num_samples, tokens + 1, dtype=torch.int64)
+        seq[:, 0] = torch.randint(vocab_size, (num_samples,), generator=gen)
+        random = torch.randint(vocab_size, (num_samples, tokens), generator=gen)
+        jump = torch.rand(num_samples, tokens, generator=gen) < noise
+        for t in range(tokens):  # vectorised over samples; sequential only along time
+            seq[:, t + 1] = torch.where(jump[:, t], random[:, t], successor[seq[:, t]])
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        row = self.seq[i]
+        return row[:-1], row[1:]
 
 
 _FAULT_AROUND = max(mmap.PAGESIZE, 65536)  # Linux's default fault_around_bytes

@@ -24,6 +24,8 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
         overrides.append(f"data.dataset.root={make_memmap_root(tmp_path / 'mm')}")
     if group == "model" and option == "cnn":
         overrides.append("data=synthetic")  # the CNN needs [C, H, W] images, as both give
+    if group == "model" and option == "transformer":
+        overrides.append("data=tokens")  # the language model reads token sequences
     cfg = make_cfg(*overrides)
     spec = resolve(cfg)
     assert spec.device.type == "cpu"
@@ -32,10 +34,13 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
             cfg.data.dataset.num_samples = 8
         for split in ("train", "val"):
             x, y = instantiate(cfg.data.dataset, split=split)[0]
-            assert list(x.shape) == list(cfg.data.input_shape) and 0 <= int(y) < cfg.data.num_classes
+            assert list(x.shape) == list(cfg.data.input_shape)
+            assert 0 <= int(y.min()) and int(y.max()) < cfg.data.num_classes
     model = instantiate(cfg.model)
-    logits = model(torch.zeros(2, *cfg.data.input_shape))
-    assert logits.shape == (2, cfg.data.num_classes)
+    tokens = cfg.model._target_.endswith("Transformer")
+    logits = model(torch.zeros(2, *cfg.data.input_shape,
+                               dtype=torch.int64 if tokens else torch.float32))
+    assert logits.shape[0] == 2 and logits.shape[-1] == cfg.data.num_classes
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = schedules.build(instantiate(cfg.sched), optimizer, total_steps=10)
     optimizer.step()

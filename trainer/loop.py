@@ -68,8 +68,12 @@ def batch_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Option
     return plan
 
 
-def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), target)
+def classification_loss(logits: torch.Tensor, target: torch.Tensor,
+                        reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy in fp32 over (batch, classes) logits, or over every position of
+    (batch, tokens, vocabulary) logits with (batch, tokens) targets."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                           reduction=reduction)
 
 
 def epoch_plan(loader: DataLoader, limit: Optional[int],
@@ -269,8 +273,8 @@ class Loop:
         for inputs, target in itertools.islice(self.val_feed, self.val_limit):
             with self.precision.autocast():
                 logits = model(inputs)
-            sums[0] += F.cross_entropy(logits.float(), target, reduction="sum")
-            sums[1] += (logits.argmax(dim=1) == target).sum()
+            sums[0] += classification_loss(logits, target, reduction="sum")
+            sums[1] += (logits.argmax(dim=-1) == target).sum()
             sums[2] += target.numel()
         loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
         values = {"epoch": max(epoch, 0),

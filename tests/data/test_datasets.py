@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from data.datasets import DigitsDataset, SyntheticDataset
+from data.datasets import DigitsDataset, SyntheticDataset, SyntheticTokens
 
 
 def test_digits_split_is_fixed_disjoint_and_complete():
@@ -100,3 +100,20 @@ def test_heavy_config_is_the_classic_benchmark():
     assert cfg.data.dataset.num_samples == 1024 and cfg.data.dataset.cost_ms == 5.0
     assert list(cfg.data.input_shape) == [3, 224, 224] and cfg.data.batch_size == 64
     assert list(cfg.data.dataset.input_shape) == [3, 224, 224]
+
+
+def test_tokens_are_shifted_pairs_following_the_successor_table():
+    ds = SyntheticTokens("train", num_samples=200, tokens=64, vocab_size=40, noise=0.1, seed=3)
+    x, y = ds[5]
+    assert x.shape == y.shape == (64,) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[1:], y[:-1])  # targets are the inputs shifted by one
+    assert torch.equal(SyntheticTokens("train", 200, 64, 40, 0.1, 3)[5][0], x)  # deterministic
+    assert not torch.equal(SyntheticTokens("val", 200, 64, 40, 0.1, 3)[5][0], x)
+    # the successor table (shared by the splits) explains ~90% of transitions
+    pairs = torch.stack([torch.stack([ds[i][0], ds[i][1]]) for i in range(len(ds))])
+    prev, nxt = pairs[:, 0].flatten(), pairs[:, 1].flatten()
+    table = torch.zeros(40, 40).index_put_((prev, nxt), torch.ones(len(prev)), accumulate=True)
+    explained = table.max(dim=1).values.sum() / len(prev)
+    assert 0.85 < float(explained) < 0.95
+    with pytest.raises(ValueError, match="noise=2"):
+        SyntheticTokens(noise=2)
