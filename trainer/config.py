@@ -62,7 +62,7 @@ class DataConfig:
     device_prefetch: bool = True  # CUDA: copy the next batch on a side stream during the step
     normalize_mean: Optional[List[float]] = None  # per channel, applied on the device
     normalize_std: Optional[List[float]] = None
-    channels_last: bool = False  # 4-D inputs in channels_last memory format
+    channels_last: bool = False  # 4-D inputs and the model's 4-D weights in channels_last
 
 
 MP_CONTEXTS = (None, "fork", "spawn", "forkserver")
@@ -77,6 +77,18 @@ class DDPConfig:
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
     timeout_s: float = 1800.0  # process-group timeout for collectives
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # torch.compile the model (training forward and backward)
+    mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    backend: str = "inductor"  # any name torch.compiler.list_backends() reports
+    fullgraph: bool = False  # error on a graph break instead of falling back to eager
+    dynamic: Optional[bool] = None  # null: recompile with dynamic shapes only when shapes change
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -112,6 +124,9 @@ class TrainerConfig:
     save_checkpoint: bool = True
     resume: Optional[str] = None  # null | auto | path to a checkpoint
     max_bad_steps: int = 20  # stop after this many optimizer steps in a row with a non-finite loss; 0: never
+    tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (Ampere+)
+    cudnn_benchmark: bool = True  # CUDA: time cuDNN's algorithms per shape, keep the fastest
+    compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
@@ -244,6 +259,23 @@ def _pick_strategy(cfg: DictConfig, world_size: int, launched: bool) -> Strategy
     return s
 
 
+def _check_speed(cfg: DictConfig, strategy: Strategy) -> None:
+    c = cfg.trainer.compile
+    _check(c.mode in COMPILE_MODES, "trainer.compile.mode", c.mode,
+           "must be one of " + ", ".join(COMPILE_MODES))
+    if c.enabled:
+        # debug backends (eager, aot_eager) are accepted; the message names the usual ones
+        _check(c.backend in torch.compiler.list_backends(exclude_tags=()),
+               "trainer.compile.backend", c.backend,
+               "must be one of " + ", ".join(torch.compiler.list_backends() + ["aot_eager"]))
+        _check(strategy != Strategy.dp, "trainer.compile.enabled", True,
+               "is not supported with DataParallel (a comparison mode); use ddp or single")
+    optim = cfg.optim
+    fused, foreach = optim.get("fused"), optim.get("foreach")
+    _check(not (fused and foreach), "optim.fused", fused,
+           "cannot be combined with optim.foreach=true; set one of them to null")
+
+
 def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
             launched: bool = False) -> RunSpec:
     """Checks every value that could not work and returns the derived values of the run.
@@ -269,6 +301,7 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
                 and cfg.trainer.accumulate_grad_batches > 1), "trainer.ddp.static_graph", True,
            "cannot be combined with trainer.accumulate_grad_batches > 1 (DDP's no_sync); "
            "set one of them back")
+    _check_speed(cfg, strategy)
     _check(cfg.trainer.ddp.timeout_s > 0, "trainer.ddp.timeout_s", cfg.trainer.ddp.timeout_s,
            "must be > 0 seconds")
     # Under dp the one process's batch is split across GPUs, so it still counts once.

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.cache import cache_dataset
 from data.loader import build_loader, stall_advice
 from data.prefetch import DevicePrefetcher, InputTransform
-from trainer import checkpoint, distributed, schedules
+from trainer import checkpoint, distributed, schedules, speed
 from trainer.cli import USER_ERRORS, fail, wants_traceback
 from trainer.config import RunSpec, resolve
 from trainer.distributed import DistEnv
@@ -77,14 +77,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # every device's generator
 
 
-def _debug_flags(cfg: DictConfig) -> None:
+def _process_flags(cfg: DictConfig) -> None:
     t = cfg.trainer
     torch.autograd.set_detect_anomaly(bool(t.detect_anomaly))
     if t.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(bool(t.deterministic))
+    speed.backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
 
 
 def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
@@ -171,7 +171,9 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
     seed_everything(cfg.seed)
-    model = wrap(instantiate(cfg.model), spec.strategy, spec.device, cfg.trainer.ddp)
+    model = speed.memory_format(instantiate(cfg.model), cfg.data.channels_last)
+    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
+                                cfg.trainer.compile)
     optimizer = instantiate(cfg.optim)([p for p in model.parameters() if p.requires_grad])
     train_limit, val_limit = _limits(cfg)
     per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
@@ -192,7 +194,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
 def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
     t = cfg.trainer
     run_dir = Path(cfg.run_dir)
-    _debug_flags(cfg)
+    _process_flags(cfg)
     seed_everything(cfg.seed)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)

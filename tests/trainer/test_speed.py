@@ -1,0 +1,129 @@
+"""Speed switches: each reaches PyTorch, changes nothing it should not, and bad values fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.test_train import summary_of, torchrun
+from trainer import speed
+from trainer.config import CompileConfig, ConfigError, Strategy, _check_speed, resolve
+from trainer.models import SmallCNN
+from trainer.runner import train
+
+
+def weights(summary):
+    return torch.load(summary["checkpoint"], weights_only=True)["model"]
+
+
+@pytest.fixture
+def restore_backend_flags():
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+             torch.backends.cudnn.benchmark)
+    yield
+    (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+     torch.backends.cudnn.benchmark) = saved
+
+
+def test_backend_flags_set_tf32_and_cudnn_autotuning(restore_backend_flags):
+    speed.backend_flags(tf32=True, cudnn_benchmark=True, deterministic=False)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.backends.cudnn.benchmark
+    speed.backend_flags(tf32=False, cudnn_benchmark=True, deterministic=True)
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert not torch.backends.cudnn.benchmark  # deterministic wins over autotuning
+
+
+def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags):
+    train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", "trainer.cudnn_benchmark=true"))
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.backends.cudnn.benchmark
+    train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.cudnn_benchmark=false"))
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert not torch.backends.cudnn.benchmark
+
+
+def test_channels_last_converts_the_model_weights():
+    model = speed.memory_format(SmallCNN([3, 8, 8], 4), channels_last=True)
+    conv = model.stages[0][0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    plain = speed.memory_format(SmallCNN([3, 8, 8], 4), channels_last=False)
+    assert plain.stages[0][0].weight.is_contiguous()
+
+
+def test_channels_last_trains_like_the_default_layout(make_cfg, tmp_path):
+    # SGD: its update is linear in the gradient, so layout rounding stays rounding-sized
+    # (Adam's normalised step turns a 1e-9 gradient difference into a visible one)
+    common = ["data=synthetic", "model=cnn", "data.dataset.num_samples=256",
+              "trainer.max_steps=6", "optim=sgd"]
+    plain = train(make_cfg(*common, run_dir=tmp_path / "plain"))
+    cl = train(make_cfg(*common, "data.channels_last=true", run_dir=tmp_path / "cl"))
+    a, b = weights(plain), weights(cl)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_trains_like_eager_and_saves_plain_keys(make_cfg, tmp_path, backend):
+    common = ["trainer.max_steps=8"]
+    eager = train(make_cfg(*common, run_dir=tmp_path / "eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = train(make_cfg(*common, "trainer.compile.enabled=true",
+                              f"trainer.compile.backend={backend}", run_dir=tmp_path / backend))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    a, b = weights(eager), weights(compiled)
+    assert a.keys() == b.keys()  # no `_orig_mod.` prefix: checkpoints stay interchangeable
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert compiled["val_acc"] == pytest.approx(eager["val_acc"], abs=0.01)
+
+
+@pytest.mark.slow
+def test_compiled_ddp_matches_eager_ddp(tmp_path):
+    args = ["data.batch_size=16", "trainer.max_steps=6", "trainer.compile.backend=aot_eager"]
+    for name, on in (("eager", "false"), ("compiled", "true")):
+        proc = torchrun(2, [f"hydra.run.dir={tmp_path / name}", *args,
+                            f"trainer.compile.enabled={on}"], cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    a = weights(summary_of(tmp_path / "eager"))
+    b = weights(summary_of(tmp_path / "compiled"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("impl", ["optim.fused=true", "optim.foreach=true", "optim.foreach=false"])
+def test_optimizer_implementations_agree(make_cfg, tmp_path, optim, impl):
+    common = [f"optim={optim}", "trainer.max_steps=5"]
+    ref = weights(train(make_cfg(*common, run_dir=tmp_path / "ref")))
+    other = weights(train(make_cfg(*common, impl, run_dir=tmp_path / "other")))
+    for k in ref:
+        torch.testing.assert_close(ref[k], other[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.compile.mode=fastest", "trainer.compile.mode=fastest: must be one of default"),
+    ("trainer.compile.backend=turbo", "trainer.compile.backend=turbo: must be one of"),
+    ("optim.foreach=true", "optim.fused=True: cannot be combined with optim.foreach=true"),
+])
+def test_bad_speed_settings_fail_with_the_key(make_cfg, override, key):
+    cfg = make_cfg("trainer.compile.enabled=true", "optim.fused=true", override)
+    if "optim" not in override:
+        cfg.optim.fused = None
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[")):
+        resolve(cfg)
+
+
+def test_compile_is_refused_with_data_parallel(make_cfg):
+    cfg = make_cfg("trainer.compile.enabled=true")
+    with pytest.raises(ConfigError, match="trainer.compile.enabled=True: is not supported with "
+                                          "DataParallel"):
+        _check_speed(cfg, Strategy.dp)
+    _check_speed(cfg, Strategy.ddp)  # fine
+
+
+def test_compile_is_off_by_default(make_cfg):
+    assert make_cfg().trainer.compile == CompileConfig()

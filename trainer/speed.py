@@ -1,0 +1,65 @@
+"""Speed switches that change how fast a step runs, not what it computes (beyond rounding).
+
+Each is one config key, applied once before training:
+
+- `trainer.tf32`: fp32 matmuls and convolutions run on TF32 tensor cores (Ampere and later;
+  10-bit mantissa inputs, fp32 accumulation). No effect on CPU or in bf16/fp16 autocast regions.
+- `trainer.cudnn_benchmark`: cuDNN times its convolution algorithms for each new input shape
+  and keeps the fastest. Off under `trainer.deterministic` (the choice can differ run to run).
+- `data.channels_last`: 4-D inputs (by the prefetcher) *and* the model's 4-D weights in
+  channels_last memory format, which tensor-core convolutions prefer; both or neither, since a
+  mismatch makes every convolution convert its input.
+- `trainer.compile.*`: `torch.compile`, in place (`nn.Module.compile`), so state_dict keys and
+  checkpoints are unchanged. Under DDP the DDP module is compiled, which lets Dynamo split the
+  graph at gradient-bucket boundaries and keep all-reduce overlapped with the backward.
+- fused/foreach optimizers are the optimizer's own keys (`optim.fused`, `optim.foreach`), and
+  activation checkpointing is the reference models' `model.activation_checkpointing`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from trainer.config import CompileConfig
+
+log = logging.getLogger("stoker")
+
+
+def _set_tf32(enabled: bool) -> None:
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def backend_flags(tf32: bool, cudnn_benchmark: bool, deterministic: bool) -> None:
+    """Sets the process-wide TF32 and cuDNN autotuning flags (deterministic wins over
+    autotuning, whose algorithm choice can vary between runs)."""
+    _set_tf32(tf32)
+    if deterministic and cudnn_benchmark and torch.cuda.is_available():
+        log.info("trainer.deterministic=true turns trainer.cudnn_benchmark off")
+    torch.backends.cudnn.benchmark = cudnn_benchmark and not deterministic
+
+
+def memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
+    """The model with its 4-D parameters and buffers in channels_last when asked."""
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def compile_model(model: nn.Module, cfg: CompileConfig) -> nn.Module:
+    """Compiles `model` (already wrapped for its strategy) in place when enabled.
+
+    Compilation itself happens lazily at the first forward; its time shows in the first
+    logging window's samples/s.
+    """
+    if cfg.enabled:
+        model.compile(mode=None if cfg.mode == "default" else cfg.mode, backend=cfg.backend,
+                      fullgraph=cfg.fullgraph, dynamic=cfg.dynamic)
+        log.info("torch.compile: backend %s, mode %s (the first steps include compilation)",
+                 cfg.backend, cfg.mode)
+    return model
