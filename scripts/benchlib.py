@@ -45,13 +45,36 @@ def table(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def command() -> str:
+    """The command line that is running, as a user would type it from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(ROOT)
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *sys.argv[1:]])
+
+
 def write_json(path: Path, payload: Dict[str, Any]) -> None:
+    """Writes `payload` with the command that produced it (unless it names one already)."""
+    payload = {"command": command(), **payload}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
+
+
+def steady(run_dir: Path) -> Dict[str, Optional[float]]:
+    """Median samples/s and data-wait share over a run's training windows (metrics.jsonl),
+    leaving out the first window, which holds start-up work (worker start, compilation,
+    cuDNN autotuning) when there is more than one."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]
+    rows = rows[1:] if len(rows) > 1 else rows
+    return {"samples_per_s": median([r["samples_per_s"] for r in rows]),
+            "data_wait_frac": median([r["data_wait_frac"] for r in rows])}
 
 
 def run_train(args: List[str], run_dir: Path, nproc: int = 1,

@@ -1,0 +1,215 @@
+"""GPU efficiency: throughput, data-wait, prefetcher copy bandwidth, peak memory and MFU.
+
+    python scripts/bench_gpu.py                      # on a CUDA machine: the full benchmark
+    python scripts/bench_gpu.py --smoke              # tiny sizes; runs on CPU too (no claims)
+    python scripts/bench_gpu.py --peak-tflops 989    # name the GPU's dense bf16 peak yourself
+
+Training (train.py in a fresh process per run, configurations alternating over repeats):
+- the reference CNN on synthetic uint8 images (normalised and made channels_last on the GPU
+  by the prefetcher), bf16 and fp16, with the side-stream prefetcher and without it;
+- a small transformer language model on synthetic tokens, bf16 and fp16, with its model FLOPs
+  utilisation: tokens/s x training FLOPs per token / the GPU's peak dense bf16/fp16 FLOPs.
+Samples/s and data-wait are medians over the logging windows after the first. fp16 needs CUDA
+and is listed as skipped without it.
+
+Copy bandwidth: the same pinned uint8 batches copied host-to-device by the prefetcher (side
+stream) and by a plain `tensor.to(device, non_blocking=True)` loop, and from pageable memory
+for reference, in GB/s. Needs CUDA.
+
+Targets: data-wait under 2% with the prefetcher; prefetcher bandwidth at least 80% of the
+plain pinned copy.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchlib import machine, median, run_train, steady, table, write_json  # noqa: E402
+
+TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
+                 "data_wait_frac", "peak_mem_mb", "mfu", "skipped"]
+COPY_COLUMNS = ["batch_mb", "plain_pinned_gbps", "prefetcher_gbps", "prefetcher_vs_plain",
+                "pageable_gbps", "skipped"]
+# dense bf16/fp16 tensor-core peaks (TFLOPS), by a substring of the device name
+PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0,
+               "H100 PCIe": 756.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+TARGETS = {"data_wait_frac_max": 0.02, "prefetcher_vs_plain_min": 0.80}
+
+FULL = dict(steps=200, log_every=20, repeats=3, workers=8, samples=16384,
+            cnn=dict(batch=256, image=64, channels="[64,128,256]"),
+            lm=dict(batch=32, tokens=256, dim=512, layers=6, heads=8, vocab=1024),
+            copy_mb=[4.0, 64.0], copies=50)
+SMOKE = dict(steps=4, log_every=2, repeats=1, workers=0, samples=64,
+             cnn=dict(batch=8, image=16, channels="[8,16]"),
+             lm=dict(batch=4, tokens=16, dim=32, layers=1, heads=2, vocab=64),
+             copy_mb=[0.25], copies=3)
+
+
+def cnn_overrides(s: Dict[str, Any]) -> List[str]:
+    c = s["cnn"]
+    return ["data=synthetic", "model=cnn", "data.dataset.dtype=uint8",
+            f"data.input_shape=[3,{c['image']},{c['image']}]", f"model.channels={c['channels']}",
+            "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]",
+            "data.channels_last=true", f"data.batch_size={c['batch']}"]
+
+
+def lm_overrides(s: Dict[str, Any]) -> List[str]:
+    m = s["lm"]
+    return ["experiment=tokens_transformer", f"data.input_shape=[{m['tokens']}]",
+            f"data.num_classes={m['vocab']}", f"model.dim={m['dim']}",
+            f"model.layers={m['layers']}", f"model.heads={m['heads']}",
+            f"data.batch_size={m['batch']}"]
+
+
+def common(s: Dict[str, Any]) -> List[str]:
+    return [f"data.dataset.num_samples={s['samples']}", f"data.num_workers={s['workers']}",
+            f"trainer.max_steps={s['steps']}", f"trainer.log_every_n_steps={s['log_every']}",
+            "trainer.max_epochs=1000", "trainer.limit_val_batches=1", "sched=constant",
+            "trainer.save_checkpoint=false"]
+
+
+def lm_flops_per_token(s: Dict[str, Any]) -> float:
+    from trainer.models import Transformer
+
+    m = s["lm"]
+    return Transformer([m["tokens"]], m["vocab"], dim=m["dim"], layers=m["layers"],
+                       heads=m["heads"]).flops_per_token()
+
+
+def peak_flops(name: Optional[str], given: Optional[float]) -> Optional[float]:
+    if given:
+        return given * 1e12
+    for key, tflops in PEAK_TFLOPS.items():
+        if name and key in name:
+            return tflops * 1e12
+    return None
+
+
+def configurations(s: Dict[str, Any]) -> List[Dict[str, Any]]:
+    out = []
+    for precision in ("bf16", "fp16"):
+        for prefetch in (True, False):
+            out.append(dict(model="cnn", precision=precision, prefetch=prefetch,
+                            overrides=cnn_overrides(s)))
+        out.append(dict(model="transformer", precision=precision, prefetch=True,
+                        overrides=lm_overrides(s)))
+    return out
+
+
+def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dict[str, Any]]:
+    configs = configurations(s)
+    runs: List[List[Dict[str, Any]]] = [[] for _ in configs]
+    with tempfile.TemporaryDirectory(prefix="stoker-gpu-") as tmp:
+        for rep in range(s["repeats"]):
+            for i, c in enumerate(configs):
+                if c["precision"] == "fp16" and not cuda:
+                    continue
+                run_dir = Path(tmp) / f"{i}-{rep}"
+                summary = run_train([*c["overrides"], *common(s),
+                                     f"trainer.precision={c['precision']}",
+                                     f"data.device_prefetch={str(c['prefetch']).lower()}"],
+                                    run_dir)
+                runs[i].append({**steady(run_dir), "peak_mem_mb": summary["peak_mem_mb"]})
+    rows, fpt = [], lm_flops_per_token(s)
+    for c, got in zip(configs, runs):
+        row: Dict[str, Any] = {k: c[k] for k in ("model", "precision", "prefetch")}
+        row.update(runs=len(got), all=got)
+        if not got:
+            row["skipped"] = "fp16 needs CUDA"
+            rows.append(row)
+            continue
+        for key in ("samples_per_s", "data_wait_frac", "peak_mem_mb"):
+            row[key] = median([r[key] for r in got])
+        if c["model"] == "transformer":
+            row["tokens_per_s"] = row["samples_per_s"] * s["lm"]["tokens"]
+            row["flops_per_token"] = fpt
+            row["mfu"] = row["tokens_per_s"] * fpt / peak if peak and cuda else None
+        rows.append(row)
+    return rows
+
+
+def copy_gbps(batches, device, prefetcher: bool) -> float:
+    """GB/s moving `batches` (CPU tensors) to `device`, timed to the end of the last copy."""
+    import torch
+
+    from data.prefetch import DevicePrefetcher
+
+    total = sum(b[0].numel() * b[0].element_size() for b in batches)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    if prefetcher:  # the copy alone: no uint8 -> float conversion on the side stream
+        for _ in DevicePrefetcher(batches, device, transform=lambda b: b, enabled=True):
+            pass
+    else:
+        for (x,) in batches:
+            x.to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def copy_rows(s: Dict[str, Any], cuda: bool, repeats: int) -> List[Dict[str, Any]]:
+    if not cuda:
+        return [{"batch_mb": mb, "skipped": "needs CUDA"} for mb in s["copy_mb"]]
+    import torch
+
+    device = torch.device("cuda", 0)
+    rows = []
+    for mb in s["copy_mb"]:
+        n = int(mb * 2**20)
+        pinned = [(torch.randint(255, (n,), dtype=torch.uint8).pin_memory(),)
+                  for _ in range(s["copies"])]
+        pageable = [(b[0].clone(),) for b in pinned]
+        copy_gbps(pinned[:3], device, False)  # warm-up: allocator, copy engines
+        copy_gbps(pinned[:3], device, True)
+        got: Dict[str, List[float]] = {"plain": [], "prefetcher": [], "pageable": []}
+        for _ in range(repeats):  # alternating
+            got["plain"].append(copy_gbps(pinned, device, False))
+            got["prefetcher"].append(copy_gbps(pinned, device, True))
+            got["pageable"].append(copy_gbps(pageable, device, False))
+        plain, pre = median(got["plain"]), median(got["prefetcher"])
+        rows.append({"batch_mb": mb, "plain_pinned_gbps": plain, "prefetcher_gbps": pre,
+                     "prefetcher_vs_plain": pre / plain, "pageable_gbps": median(got["pageable"]),
+                     "all": got})
+        del pinned, pageable
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests (CPU is fine)")
+    p.add_argument("--repeats", type=int, help="override the repeats")
+    p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16/fp16 peak")
+    p.add_argument("--out", type=Path, default=Path("bench_gpu.json"))
+    a = p.parse_args(argv)
+    import torch
+
+    s = dict(SMOKE if a.smoke else FULL)
+    if a.repeats:
+        s["repeats"] = a.repeats
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.smoke:
+        print("no CUDA device: the GPU benchmark needs one (use --smoke to exercise it on CPU)")
+    info = machine()
+    peak = peak_flops(info.get("gpu"), a.peak_tflops)
+    rows = train_rows(s, cuda, peak)
+    copies = copy_rows(s, cuda, s["repeats"])
+    print(table(rows, TRAIN_COLUMNS))
+    print()
+    print(table(copies, COPY_COLUMNS))
+    result = {"machine": info, "device": "cuda" if cuda else "cpu", "smoke": a.smoke,
+              "settings": s, "peak_flops": peak, "targets": TARGETS,
+              "training": rows, "copy": copies}
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Writes docs/benchmarks.md and its plots from the benchmark JSON files in docs/benchmarks/.
+
+    python scripts/make_benchmarks_page.py            # after committing a new <bench>_<machine>.json
+    python scripts/make_benchmarks_page.py --dir other/results --out other/benchmarks.md
+
+Every table on the page comes from one JSON file that a benchmark script wrote, with the
+command that produced it, the machine it ran on and the date. Rows a benchmark skipped (fp16 or
+TF32 without CUDA, Lightning not installed) are shown as skipped, never as numbers; a benchmark
+with no file from a given kind of machine is listed as not measured there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class Section:
+    bench: str  # script name; files are docs/benchmarks/<bench>_<machine>.json
+    title: str
+    what: str
+    rows: str  # key of the row list in the JSON
+    columns: Sequence[str]
+    label: Callable[[Dict[str, Any]], str]
+    throughput: Optional[str] = None  # plotted per row
+    wait: Optional[str] = None  # plotted per row
+    extra: Optional[str] = None  # a second row list shown as its own table
+
+
+SECTIONS = [
+    Section("bench_overhead", "Launcher overhead: plain PyTorch loop vs Stoker (vs Lightning)",
+            "Same model, data, batch and steps; samples/s over the training steps and the "
+            "ratio to the plain loop. Target: Stoker >= 0.98 of the plain loop.",
+            "results", ["runner", "samples_per_s", "vs_plain", "runs", "skipped"],
+            lambda r: r["runner"], throughput="samples_per_s"),
+    Section("bench_speed", "Speed switches, one at a time",
+            "The default training run and the same run with one switch changed; samples/s and "
+            "data-wait are medians over logging windows after the first, `vs_baseline` the "
+            "ratio to the default run measured in the same invocation.",
+            "results", ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
+                        "peak_mem_mb", "skipped"],
+            lambda r: r["switch"], throughput="samples_per_s", wait="data_wait_frac"),
+    Section("bench_gpu", "GPU efficiency: throughput, data-wait, copy bandwidth, MFU",
+            "Reference CNN on synthetic uint8 images and a small transformer on synthetic "
+            "tokens, bf16 and fp16, with and without the side-stream prefetcher; then the "
+            "prefetcher's host-to-device bandwidth against a plain pinned copy of the same "
+            "bytes. Targets: data-wait < 2% with the prefetcher, prefetcher >= 80% of the "
+            "plain pinned copy.",
+            "training", ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
+                         "data_wait_frac", "peak_mem_mb", "mfu", "skipped"],
+            lambda r: f"{r['model']} {r['precision']}" + ("" if r["prefetch"] else " no-prefetch"),
+            throughput="samples_per_s", wait="data_wait_frac", extra="copy"),
+    Section("compare_strategies", "Strategies: single process vs DDP vs DataParallel",
+            "The same model and global batch as one process, as DDP ranks and (on CUDA) as "
+            "DataParallel.",
+            "results", ["strategy", "ranks", "per_rank_batch", "samples_per_s", "step_time_ms",
+                        "data_wait_frac", "peak_mem_mb", "skipped"],
+            lambda r: r["strategy"], throughput="samples_per_s", wait="data_wait_frac"),
+    Section("bench_loader", "Input pipeline: the classic loader comparison",
+            "(a) synchronous loading, (b) worker processes, (c) workers + pinned memory + "
+            "non_blocking copies, (d) (c) with data cached in memory; epoch time against the "
+            "bound max(compute, data / workers).",
+            "results", ["config", "epoch_s", "samples_per_s", "speedup", "vs_bound"],
+            lambda r: r["config"], throughput="samples_per_s"),
+    Section("tune_loader", "Loader tuning sweep",
+            "num_workers x prefetch_factor (x pin_memory on CUDA) on the configured dataset.",
+            "results", ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s",
+                        "first_batch_s"],
+            lambda r: f"w{r['num_workers']} pf{r['prefetch_factor']}"
+                      + (" pin" if r.get("pin_memory") else ""),
+            throughput="samples_per_s"),
+    Section("bench_checkpoint", "Checkpoint stall: synchronous vs asynchronous save",
+            "How long a save stops training, and how long the write takes.",
+            "results", ["mode", "state_mb", "stall_s", "write_s", "stall_vs_sync"],
+            lambda r: r["mode"]),
+]
+COPY_COLUMNS = ["batch_mb", "plain_pinned_gbps", "prefetcher_gbps", "prefetcher_vs_plain",
+                "pageable_gbps", "skipped"]
+
+
+def cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v).replace("|", "\\|")
+
+
+def md_table(rows: List[Dict[str, Any]], columns: Sequence[str]) -> List[str]:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(cell(r.get(c)) for c in columns) + " |")
+    return out
+
+
+def describe_machine(m: Dict[str, Any]) -> str:
+    device = f"{m.get('gpu_count', 1)} x {m['gpu']}" if m.get("cuda") else "no GPU"
+    return (f"{device}; {m.get('cpu_count')} CPU cores; {m.get('platform')}; "
+            f"torch {m.get('torch')}; Python {m.get('python')}")
+
+
+def plot(section: Section, rows: List[Dict[str, Any]], title: str, png: Path) -> bool:
+    """Bar charts of throughput (and data-wait) per measured row; False if nothing to plot."""
+    measured = [r for r in rows if section.throughput and r.get(section.throughput) is not None]
+    if not measured:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(section.throughput, "samples/s")]
+    if section.wait and any(r.get(section.wait) is not None for r in measured):
+        panels.append((section.wait, "data-wait (% of step time)"))
+    labels = [section.label(r) for r in measured]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.45 * len(labels) + 1.6),
+                             squeeze=False)
+    for ax, (key, name) in zip(axes[0], panels):
+        scale = 100.0 if key == section.wait else 1.0
+        values = [scale * (r.get(key) or 0.0) for r in measured]
+        ax.barh(labels, values, color="tab:orange" if key == section.wait else "tab:blue")
+        ax.invert_yaxis()
+        ax.set_xlabel(name)
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.1f}" if scale > 1 else f" {v:,.0f}", va="center", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def render_file(section: Section, path: Path, page_dir: Path) -> List[str]:
+    data = json.loads(path.read_text())
+    m = data["machine"]
+    rows = data.get(section.rows, [])
+    lines = [f"### `{path.name}`", "",
+             f"- command: `{data.get('command', '(not recorded)')}`",
+             f"- machine: {describe_machine(m)}",
+             f"- date: {m.get('date')}"]
+    if data.get("smoke"):
+        lines.append("- **smoke run** (tiny sizes to exercise the code, not a measurement)")
+    lines += [""] + md_table(rows, section.columns)
+    if section.extra and data.get(section.extra):
+        lines += ["", "Host-to-device copy bandwidth (GB/s):", ""]
+        lines += md_table(data[section.extra], COPY_COLUMNS)
+    png = path.with_name(path.stem + "-plot.png")
+    if plot(section, rows, f"{path.stem} ({m.get('gpu') or 'CPU'}, {m.get('date', '')[:10]})",
+            png):
+        lines += ["", f"![{path.stem}]({png.relative_to(page_dir).as_posix()})"]
+    return lines + [""]
+
+
+HEADER = """# Benchmarks
+
+Generated by `python scripts/make_benchmarks_page.py` from the JSON files in
+`docs/benchmarks/` (do not edit by hand). Each table names the command that produced it,
+the machine and the date. Numbers are medians of alternating repeats measured side by side in
+one invocation; compare ratios within a table, not absolute numbers across machines. A row
+marked skipped was not measured there (no number is written for it).
+"""
+
+
+def render(bench_dir: Path, page: Path) -> str:
+    lines = [HEADER]
+    not_on_gpu = []
+    for section in SECTIONS:
+        files = sorted(bench_dir.glob(f"{section.bench}_*.json"))
+        lines += [f"## {section.title}", "", section.what, ""]
+        if not files:
+            lines += ["Not measured yet.", ""]
+        for path in files:
+            lines += render_file(section, path, page.parent)
+        if not any(json.loads(f.read_text())["machine"].get("cuda") for f in files):
+            not_on_gpu.append(section.bench)
+    lines += ["## Not measured on a GPU yet", "",
+              "No JSON from a CUDA machine has been committed for these; run them there "
+              "(`--out docs/benchmarks/<name>_<gpu>.json`) and regenerate this page:", ""]
+    lines += [f"- `python scripts/{b}.py`" for b in not_on_gpu] or ["- (none)"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=ROOT / "docs" / "benchmarks")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    a = p.parse_args(argv)
+    if not a.dir.is_dir():
+        p.error(f"--dir {a.dir}: no such directory of benchmark JSON files")
+    a.out.write_text(render(a.dir, a.out))
+    print(f"wrote {a.out}")
+    return a.out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""scripts/bench_gpu.py: the CPU smoke mode end to end, and its MFU arithmetic."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_gpu  # noqa: E402
+
+
+@pytest.mark.slow
+def test_smoke_writes_every_configuration(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] is True and result["command"].endswith("--smoke --out " + str(out))
+    assert result["targets"] == {"data_wait_frac_max": 0.02, "prefetcher_vs_plain_min": 0.8}
+    rows = result["training"]
+    assert [(r["model"], r["precision"], r["prefetch"]) for r in rows] == [
+        ("cnn", "bf16", True), ("cnn", "bf16", False), ("transformer", "bf16", True),
+        ("cnn", "fp16", True), ("cnn", "fp16", False), ("transformer", "fp16", True)]
+    cuda = torch.cuda.is_available()
+    for r in rows:
+        if r["precision"] == "fp16" and not cuda:
+            assert r["skipped"] == "fp16 needs CUDA" and "samples_per_s" not in r
+            continue
+        assert r["samples_per_s"] > 0 and 0 <= r["data_wait_frac"] <= 1 and r["peak_mem_mb"] > 0
+        if r["model"] == "transformer":
+            assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 16)
+            assert r["flops_per_token"] > 0
+            assert (r["mfu"] is None) == (not cuda or result["peak_flops"] is None)
+    for c in result["copy"]:
+        if cuda:
+            assert c["plain_pinned_gbps"] > 0 and c["prefetcher_vs_plain"] > 0
+        else:
+            assert c["skipped"] == "needs CUDA" and "prefetcher_gbps" not in c
+
+
+def test_peak_flops_by_device_name_or_given():
+    assert bench_gpu.peak_flops("NVIDIA H100 80GB HBM3", None) == 989e12
+    assert bench_gpu.peak_flops("NVIDIA H100 PCIe", None) == 756e12
+    assert bench_gpu.peak_flops("NVIDIA A100-SXM4-80GB", None) == 312e12
+    assert bench_gpu.peak_flops("Mystery GPU", None) is None
+    assert bench_gpu.peak_flops("Mystery GPU", 100.0) == 100e12
+    assert bench_gpu.peak_flops(None, None) is None
+
+
+def test_lm_flops_match_the_model():
+    from trainer.models import Transformer
+
+    s = bench_gpu.SMOKE
+    m = s["lm"]
+    model = Transformer([m["tokens"]], m["vocab"], dim=m["dim"], layers=m["layers"],
+                        heads=m["heads"])
+    assert bench_gpu.lm_flops_per_token(s) == model.flops_per_token()
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_rows_on_cuda():
+    rows = bench_gpu.copy_rows(dict(copy_mb=[1.0], copies=4), cuda=True, repeats=1)
+    assert rows[0]["plain_pinned_gbps"] > 0 and rows[0]["prefetcher_gbps"] > 0

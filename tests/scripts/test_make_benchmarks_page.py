@@ -1,0 +1,55 @@
+"""scripts/make_benchmarks_page.py: tables, plots, skipped rows, and the committed page is current."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_benchmarks_page as page  # noqa: E402
+
+COMMITTED = ROOT / "docs" / "benchmarks"
+
+
+def test_committed_page_is_what_the_script_writes(tmp_path):
+    """docs/benchmarks.md is generated: regenerating it from the committed JSON changes nothing."""
+    bench = tmp_path / "docs" / "benchmarks"
+    shutil.copytree(COMMITTED, bench)
+    out = page.main(["--dir", str(bench), "--out", str(tmp_path / "docs" / "benchmarks.md")])
+    assert out.read_text() == (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_every_json_gets_its_table_command_machine_and_plot(tmp_path):
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    gpu = {"command": "python scripts/bench_gpu.py --smoke",
+           "machine": {"date": "2026-01-02T03:04:05", "cuda": False, "cpu_count": 2,
+                       "platform": "Linux", "torch": "2.13.0+cpu", "python": "3.11"},
+           "smoke": True, "training": [
+               {"model": "cnn", "precision": "bf16", "prefetch": True, "samples_per_s": 120.5,
+                "data_wait_frac": 0.01, "peak_mem_mb": 300.0},
+               {"model": "cnn", "precision": "fp16", "prefetch": True,
+                "skipped": "fp16 needs CUDA"}],
+           "copy": [{"batch_mb": 0.25, "skipped": "needs CUDA"}]}
+    (bench / "bench_gpu_cpu.json").write_text(json.dumps(gpu))
+    text = page.render(bench, tmp_path / "benchmarks.md")
+    assert "- command: `python scripts/bench_gpu.py --smoke`" in text
+    assert "- machine: no GPU; 2 CPU cores; Linux; torch 2.13.0+cpu" in text
+    assert "- date: 2026-01-02T03:04:05" in text and "**smoke run**" in text
+    assert "| cnn | bf16 | yes | 120 |" in text.replace("120.500", "120")
+    assert "| cnn | fp16 | yes | - | - | - | - | - | fp16 needs CUDA |" in text
+    assert "| 0.250 | - | - | - | - | needs CUDA |" in text
+    assert "![bench_gpu_cpu](benchmarks/bench_gpu_cpu-plot.png)" in text
+    assert (bench / "bench_gpu_cpu-plot.png").read_bytes()[:4] == b"\x89PNG"
+    # sections without files say so; nothing measured on a GPU is listed as such
+    assert "Not measured yet." in text
+    assert "- `python scripts/bench_gpu.py`" in text.split("## Not measured on a GPU yet")[1]
+
+
+def test_missing_directory_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/make_benchmarks_page.py", "--dir",
+                           str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "no such directory of benchmark JSON files" in proc.stderr
