@@ -108,8 +108,19 @@ def describe_machine(m: Dict[str, Any]) -> str:
             f"torch {m.get('torch')}; Python {m.get('python')}")
 
 
+def spread(row: Dict[str, Any], key: str) -> Optional[tuple]:
+    """(min, max) of `key` over the row's repeats (`all`), when it recorded them."""
+    runs = row.get("all")
+    if not isinstance(runs, list) or not runs:
+        return None
+    values = [r.get(key) if isinstance(r, dict) else r for r in runs]
+    values = [v for v in values if isinstance(v, (int, float))]
+    return (min(values), max(values)) if values else None
+
+
 def plot(section: Section, rows: List[Dict[str, Any]], title: str, png: Path) -> bool:
-    """Bar charts of throughput (and data-wait) per measured row; False if nothing to plot."""
+    """Bar charts of throughput (and data-wait) per measured row, with the spread over
+    repeats where the JSON has it; False if nothing to plot."""
     measured = [r for r in rows if section.throughput and r.get(section.throughput) is not None]
     if not measured:
         return False
@@ -127,11 +138,18 @@ def plot(section: Section, rows: List[Dict[str, Any]], title: str, png: Path) ->
     for ax, (key, name) in zip(axes[0], panels):
         scale = 100.0 if key == section.wait else 1.0
         values = [scale * (r.get(key) or 0.0) for r in measured]
-        ax.barh(labels, values, color="tab:orange" if key == section.wait else "tab:blue")
+        ranges = [spread(r, key) for r in measured]
+        xerr = None
+        if all(ranges):  # whiskers from the slowest to the fastest repeat
+            xerr = [[v - scale * lo for v, (lo, _) in zip(values, ranges)],
+                    [scale * hi - v for v, (_, hi) in zip(values, ranges)]]
+        ax.barh(labels, values, xerr=xerr, capsize=3,
+                color="tab:orange" if key == section.wait else "tab:blue")
         ax.invert_yaxis()
         ax.set_xlabel(name)
         for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.1f}" if scale > 1 else f" {v:,.0f}", va="center", fontsize=8)
+            ax.text(0, y, f" {v:.1f}" if scale > 1 else f" {v:,.0f}", va="center",
+                    fontsize=8, color="white", fontweight="bold")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)

@@ -127,3 +127,18 @@ def test_compile_is_refused_with_data_parallel(make_cfg):
 
 def test_compile_is_off_by_default(make_cfg):
     assert make_cfg().trainer.compile == CompileConfig()
+
+
+@pytest.mark.gpu
+def test_every_switch_together_on_cuda(make_cfg, tmp_path, restore_backend_flags):
+    """TF32, cuDNN autotuning, channels_last, fused AdamW, compile and activation checkpointing
+    at once, in bf16 with the prefetcher: trains, learns, and the weights are channels_last."""
+    summary = train(make_cfg("trainer.accelerator=cuda", "data=synthetic", "model=cnn",
+                             "data.dataset.num_samples=1024", "data.dataset.dtype=uint8",
+                             "data.channels_last=true", "optim.fused=true",
+                             "trainer.compile.enabled=true", "trainer.precision=bf16",
+                             "model.activation_checkpointing=true", "trainer.max_epochs=3"))
+    assert summary["val_acc"] > 0.5
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    conv = weights(summary)["stages.0.0.weight"]
+    assert conv.is_contiguous(memory_format=torch.channels_last)
