@@ -195,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         s["repeats"] = a.repeats
     cuda = torch.cuda.is_available()
     if not cuda and not a.smoke:
-        print("no CUDA device: the GPU benchmark needs one (use --smoke to exercise it on CPU)")
+        p.error("no CUDA device: the full GPU benchmark needs one "
+                "(--smoke runs the same code paths at toy sizes on CPU)")
     info = machine()
     peak = peak_flops(info.get("gpu"), a.peak_tflops)
     rows = train_rows(s, cuda, peak)
