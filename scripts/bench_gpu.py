@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, run_train, steady, table, write_json  # noqa: E402
+from benchlib import machine, measure, median, medians, table, write_json  # noqa: E402
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "peak_mem_mb", "mfu", "skipped"]
@@ -111,12 +111,10 @@ def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dic
             for i, c in enumerate(configs):
                 if c["precision"] == "fp16" and not cuda:
                     continue
-                run_dir = Path(tmp) / f"{i}-{rep}"
-                summary = run_train([*c["overrides"], *common(s),
-                                     f"trainer.precision={c['precision']}",
-                                     f"data.device_prefetch={str(c['prefetch']).lower()}"],
-                                    run_dir)
-                runs[i].append({**steady(run_dir), "peak_mem_mb": summary["peak_mem_mb"]})
+                runs[i].append(measure([*c["overrides"], *common(s),
+                                        f"trainer.precision={c['precision']}",
+                                        f"data.device_prefetch={str(c['prefetch']).lower()}"],
+                                       Path(tmp) / f"{i}-{rep}"))
     rows, fpt = [], lm_flops_per_token(s)
     for c, got in zip(configs, runs):
         row: Dict[str, Any] = {k: c[k] for k in ("model", "precision", "prefetch")}
@@ -125,8 +123,7 @@ def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dic
             row["skipped"] = "fp16 needs CUDA"
             rows.append(row)
             continue
-        for key in ("samples_per_s", "data_wait_frac", "peak_mem_mb"):
-            row[key] = median([r[key] for r in got])
+        row.update(medians(got))
         if c["model"] == "transformer":
             row["tokens_per_s"] = row["samples_per_s"] * s["lm"]["tokens"]
             row["flops_per_token"] = fpt

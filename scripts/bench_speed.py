@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, run_train, steady, table, write_json  # noqa: E402
+from benchlib import machine, measure, medians, table, write_json  # noqa: E402
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -89,9 +89,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 overrides, cuda_only = SWITCHES[name]
                 if cuda_only and not cuda:
                     continue
-                run_dir = Path(tmp) / f"{name}-{rep}"
-                summary = run_train(base + overrides, run_dir)
-                runs[name].append({**steady(run_dir), "peak_mem_mb": summary["peak_mem_mb"]})
+                runs[name].append(measure(base + overrides, Path(tmp) / f"{name}-{rep}"))
     rows = []
     for name in names:
         overrides, cuda_only = SWITCHES[name]
@@ -101,8 +99,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if not got:
             row["skipped"] = "needs CUDA" if cuda_only and not cuda else "no runs"
         else:
-            for key in ("samples_per_s", "data_wait_frac", "peak_mem_mb"):
-                row[key] = median([r[key] for r in got])
+            row.update(medians(got))
         rows.append(row)
     ref = rows[0].get("samples_per_s")
     for row in rows:

@@ -77,6 +77,20 @@ def steady(run_dir: Path) -> Dict[str, Optional[float]]:
             "data_wait_frac": median([r["data_wait_frac"] for r in rows])}
 
 
+MEASURED = ("samples_per_s", "data_wait_frac", "peak_mem_mb")
+
+
+def measure(args: List[str], run_dir: Path) -> Dict[str, Optional[float]]:
+    """One train.py run: its steady samples/s and data-wait, and its peak memory."""
+    summary = run_train(args, run_dir)
+    return {**steady(run_dir), "peak_mem_mb": summary["peak_mem_mb"]}
+
+
+def medians(runs: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    """The median of each MEASURED value over repeats of one configuration."""
+    return {key: median([r[key] for r in runs]) for key in MEASURED}
+
+
 def run_train(args: List[str], run_dir: Path, nproc: int = 1,
               timeout: float = 600) -> Dict[str, Any]:
     """Runs train.py (under torchrun when nproc > 1) and returns its summary.json.
