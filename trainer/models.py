@@ -144,7 +144,8 @@ class Transformer(nn.Module):
                  activation_checkpointing: bool = False):
         super().__init__()
         if len(input_shape) != 1:
-            raise ValueError(f"Transformer needs input_shape [tokens], got {list(input_shape)}")
+            raise ValueError(f"Transformer needs input_shape [tokens] (e.g. data=tokens), "
+                             f"got {list(input_shape)}")
         if dim % heads:
             raise ValueError(f"Transformer dim={dim} must be a multiple of heads={heads}")
         self.context, self.dim, self.depth = input_shape[0], dim, layers
