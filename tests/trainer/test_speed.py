@@ -6,14 +6,11 @@ import torch
 
 from tests.conftest import ROOT
 from tests.test_train import summary_of, torchrun
+from tests.trainer.test_loop import final_weights as weights
 from trainer import speed
 from trainer.config import CompileConfig, ConfigError, Strategy, _check_speed, resolve
 from trainer.models import SmallCNN
 from trainer.runner import train
-
-
-def weights(summary):
-    return torch.load(summary["checkpoint"], weights_only=True)["model"]
 
 
 @pytest.fixture
