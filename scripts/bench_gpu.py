@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, measure, median, medians, table, write_json  # noqa: E402
+from benchlib import (UINT8_CNN, machine, measure, median, medians, table,  # noqa: E402
+                      write_json)
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "peak_mem_mb", "mfu", "skipped"]
@@ -54,10 +55,9 @@ SMOKE = dict(steps=4, log_every=2, repeats=1, workers=0, samples=64,
 
 def cnn_overrides(s: Dict[str, Any]) -> List[str]:
     c = s["cnn"]
-    return ["data=synthetic", "model=cnn", "data.dataset.dtype=uint8",
-            f"data.input_shape=[3,{c['image']},{c['image']}]", f"model.channels={c['channels']}",
-            "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]",
-            "data.channels_last=true", f"data.batch_size={c['batch']}"]
+    return [*UINT8_CNN, f"data.input_shape=[3,{c['image']},{c['image']}]",
+            f"model.channels={c['channels']}", "data.channels_last=true",
+            f"data.batch_size={c['batch']}"]
 
 
 def lm_overrides(s: Dict[str, Any]) -> List[str]:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, measure, medians, table, write_json  # noqa: E402
+from benchlib import UINT8_CNN, machine, measure, medians, table, write_json  # noqa: E402
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -40,8 +40,7 @@ SWITCHES: Dict[str, tuple] = {
 }
 
 MODELS = {
-    "cnn": ["data=synthetic", "model=cnn", "data.dataset.dtype=uint8",
-            "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]"],
+    "cnn": UINT8_CNN,
     "transformer": ["experiment=tokens_transformer"],
 }
 

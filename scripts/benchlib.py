@@ -77,6 +77,9 @@ def steady(run_dir: Path) -> Dict[str, Optional[float]]:
             "data_wait_frac": median([r["data_wait_frac"] for r in rows])}
 
 
+# the reference CNN on compact uint8 images, normalised on the device by the prefetcher
+UINT8_CNN = ["data=synthetic", "model=cnn", "data.dataset.dtype=uint8",
+             "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]"]
 MEASURED = ("samples_per_s", "data_wait_frac", "peak_mem_mb")
 
 
