@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from tests.conftest import CONF, make_memmap_root
+from tests.helpers import CONF, make_memmap_root
 from trainer import schedules
 from trainer.config import resolve
 

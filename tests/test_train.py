@@ -7,35 +7,14 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, compose_cfg
-from tests.trainer.test_strategy import free_port
+from tests.helpers import QUIET, ROOT, TORCHRUN, compose_cfg, free_port, summary_of, torchrun
 from trainer.runner import train
 
 pytestmark = pytest.mark.slow
-QUIET = ["trainer.progress_bar=false", "data.num_workers=0"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def launch(cmd, cwd, timeout=180, env=None):
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))},
-           "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def torchrun(nproc, args, cwd, timeout=180, multirun=False):
-    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
-                      *(["-m"] if multirun else []), *QUIET, *args]
-    return launch(cmd, cwd, timeout)
-
-
-def summary_of(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def test_ddp_two_ranks_match_one_process_and_share_one_run_dir(tmp_path):

@@ -57,7 +57,7 @@ def test_synthetic_is_learnable_labels_follow_prototypes():
 
 def test_memmap_opens_lazily_and_matches_the_source(tmp_path):
     from data.datasets import MemmapDataset
-    from tests.conftest import make_memmap_root
+    from tests.helpers import make_memmap_root
 
     root = make_memmap_root(tmp_path / "mm", n=12, dtype="uint8")
     source = SyntheticDataset("val", num_samples=12, input_shape=(3, 8, 8), num_classes=4,
@@ -75,7 +75,7 @@ def test_memmap_is_mapped_anew_in_each_worker(tmp_path):
     import pickle
 
     from data.datasets import MemmapDataset
-    from tests.conftest import make_memmap_root
+    from tests.helpers import make_memmap_root
 
     ds = MemmapDataset("train", str(make_memmap_root(tmp_path / "mm", n=8)))
     ds[0]
@@ -94,7 +94,7 @@ def test_memmap_missing_files_name_the_key(tmp_path):
 
 
 def test_heavy_config_is_the_classic_benchmark():
-    from tests.conftest import compose_cfg
+    from tests.helpers import compose_cfg
 
     cfg = compose_cfg("unused", "data=heavy")
     assert cfg.data.dataset.num_samples == 1024 and cfg.data.dataset.cost_ms == 5.0

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_gpu  # noqa: E402

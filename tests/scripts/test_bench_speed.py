@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def run_script(*args, timeout=600):

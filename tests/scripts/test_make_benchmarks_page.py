@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_benchmarks_page as page  # noqa: E402

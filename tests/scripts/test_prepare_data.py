@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.datasets import DigitsDataset, MemmapDataset
-from tests.conftest import ROOT, compose_cfg
+from tests.helpers import ROOT, compose_cfg
 from trainer.runner import train
 
 

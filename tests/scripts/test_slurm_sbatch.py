@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.trainer.test_strategy import free_port
+from tests.helpers import ROOT, free_port
 
 FAKE_SRUN = """#!/bin/bash
 # stand-in for srun: start SLURM_NTASKS copies of the command with SLURM's per-task variables

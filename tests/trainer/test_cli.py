@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from trainer.cli import describe
 
 

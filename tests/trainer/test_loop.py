@@ -6,13 +6,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT, final_weights
 from trainer.loop import batch_plan
 from trainer.runner import train
-
-
-def final_weights(summary):
-    return torch.load(summary["checkpoint"], weights_only=True)["model"]
 
 
 def test_batch_plan_weights_each_window_by_samples():

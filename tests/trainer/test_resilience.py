@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow

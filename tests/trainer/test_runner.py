@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from trainer.runner import train
 
 TRAIN_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "data_wait_frac"}

@@ -4,9 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import ROOT
-from tests.test_train import summary_of, torchrun
-from tests.trainer.test_loop import final_weights as weights
+from tests.helpers import ROOT, summary_of, torchrun
+from tests.helpers import final_weights as weights
 from trainer import speed
 from trainer.config import CompileConfig, ConfigError, Strategy, _check_speed, resolve
 from trainer.models import SmallCNN

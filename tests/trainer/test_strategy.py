@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.helpers import free_port
 from trainer.config import DDPConfig, Strategy
 from trainer.strategy import sync_context, unwrap, wrap
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str, steps: int, accumulate: int):
@@ -26,7 +20,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str, steps: int, accumula
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     import trainer.runner as runner
-    from tests.conftest import compose_cfg
+    from tests.helpers import compose_cfg
 
     calls, wrapped = [], []
     real_wrap = runner.wrap
