@@ -32,9 +32,10 @@ class EvalShardSampler(Sampler[int]):
 
 def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 0,
                  world_size: int = 1, seed: int = 0, device: torch.device = torch.device("cpu"),
-                 shuffle: bool | None = None) -> DataLoader:
+                 shuffle: bool | None = None, collate_fn=None) -> DataLoader:
     """A DataLoader over this rank's shard of `dataset` with the config's worker settings.
 
+    `collate_fn` (null: PyTorch's default) turns a list of samples into a batch.
     `shuffle` overrides `cfg.shuffle` for training (overfit mode repeats the same batches).
     Pinned memory is used only when the batches go to a CUDA device, and then by the
     DataLoader's pin thread, never on the training loop's thread.
@@ -55,6 +56,7 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
                      multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+        collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         drop_last=cfg.drop_last if train else False,
         # Worker seeding: each pass over the loader draws a base seed from this generator and

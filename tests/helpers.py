@@ -20,6 +20,8 @@ from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers train_schema)
 from data.datasets import DigitsDataset
+from trainer.models import MLP
+from trainer.task import Task
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -128,3 +130,141 @@ class NaNAfterMLP(__import__("trainer.models", fromlist=["MLP"]).MLP):
             if self.calls > self.nan_after:
                 out = out * float("nan")
         return out
+
+
+# --- components of the "bring your own" tests: written as a user would write them ----------
+
+class PaddedTokens(torch.utils.data.Dataset):
+    """Dict samples {"input_ids": int64 tokens} of varying length (min_len..max_len) from a
+    successor table, so a language model can learn them; batches are padded by `pad_collate`."""
+
+    def __init__(self, split: str = "train", num_samples: int = 64, vocab_size: int = 48,
+                 min_len: int = 4, max_len: int = 24, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed * 2 + (split == "val"))
+        successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+        self.rows = []
+        for _ in range(num_samples):
+            n = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+            row = [int(torch.randint(vocab_size, (1,), generator=gen))]
+            for _ in range(n - 1):
+                noise = float(torch.rand(1, generator=gen)) < 0.1
+                row.append(int(torch.randint(vocab_size, (1,), generator=gen)) if noise
+                           else int(successor[row[-1]]))
+            self.rows.append(torch.tensor(row))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def pad_collate(samples, pad_id: int = 0):
+    """Pads to the longest sample: input_ids (pad_id), attention_mask, labels (-100 on padding)."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for i, s in enumerate(samples):
+        ids[i, :len(s["input_ids"])] = s["input_ids"]
+        mask[i, :len(s["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tiny_gpt2(vocab_size: int = 48, context: int = 32, layers: int = 2, width: int = 32):
+    """A Hugging Face GPT-2 language model built from a config: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width,
+                                      n_layer=layers, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+class Diabetes(torch.utils.data.Dataset):
+    """scikit-learn's diabetes regression data (442 samples, 10 features), standardised
+    targets, a fixed 80/20 split."""
+
+    def __init__(self, split: str = "train"):
+        from sklearn.datasets import load_diabetes
+
+        x, y = load_diabetes(return_X_y=True)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+        idx = order[:354] if split == "train" else order[354:]
+        y = (y - y.mean()) / y.std()
+        self.x = torch.tensor(x, dtype=torch.float32)[idx] * 10
+        self.y = torch.tensor(y, dtype=torch.float32)[idx]
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class DictDigits(DigitsDataset):
+    """Digits as dict samples {"image", "label", "name"}: a string the default collate would
+    turn into a list, batched by `stack_images` instead."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"image": x, "label": y, "name": f"digit-{i}"}
+
+
+def stack_images(samples):
+    return {"image": torch.stack([s["image"] for s in samples]),
+            "label": torch.stack([s["label"] for s in samples]),
+            "names": [s["name"] for s in samples]}
+
+
+class TwoHeads(torch.nn.Module):
+    """Digit class and parity from one trunk: a dict output."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 64):
+        super().__init__()
+        n = int(torch.tensor(input_shape).prod())
+        self.trunk = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(n, width),
+                                         torch.nn.ReLU())
+        self.digit = torch.nn.Linear(width, num_classes)
+        self.parity = torch.nn.Linear(width, 2)
+
+    def forward(self, image):
+        h = self.trunk(image)
+        return {"digit": self.digit(h), "parity": self.parity(h)}
+
+
+class DigitAndParity(Task):
+    """A task of one's own: two cross-entropies, metrics on the digit head."""
+
+    def __init__(self, parity_weight: float = 0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.parity_weight = parity_weight
+
+    def forward(self, model, batch):
+        return model(batch["image"])
+
+    def loss(self, output, batch):
+        f = torch.nn.functional
+        return (f.cross_entropy(output["digit"], batch["label"]) + self.parity_weight
+                * f.cross_entropy(output["parity"], batch["label"] % 2))
+
+    def metric_inputs(self, output, batch):
+        return output["digit"], batch["label"]
+
+
+class WithUnusedBranch(MLP):
+    """An MLP with a layer whose output never reaches the loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unused = torch.nn.Linear(4, 4)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset (no __len__ / __getitem__)."""
+
+    def __init__(self, split: str = "train"):
+        self.split = split
+
+    def __iter__(self):
+        return iter([(torch.zeros(1, 8, 8), torch.tensor(0))] * 4)

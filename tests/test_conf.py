@@ -7,10 +7,17 @@ from hydra.utils import instantiate
 
 from tests.helpers import CONF, make_memmap_root
 from trainer import schedules
+from trainer.components import build
 from trainer.config import resolve
 
-GROUPS = ["data", "model", "optim", "sched", "trainer", "debug", "experiment"]
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+GROUPS = ["data", "model", "task", "optim", "sched", "trainer", "debug", "experiment"]
+# files starting with "_" are bases the options include, not options
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))
+           if not p.stem.startswith("_")]
+# options that need a key of the user's own before they can build anything
+USER_OPTIONS = {("model", "custom"): ["model._target_=trainer.models.MLP"],
+                ("data", "custom"): ["+data.dataset._target_=data.datasets.DigitsDataset",
+                                     "data.input_shape=[1,8,8]", "data.num_classes=10"]}
 
 
 def test_every_group_has_options():
@@ -19,13 +26,14 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
-    overrides = [f"{group}={option}"]
+    overrides = [f"{group}={option}", *USER_OPTIONS.get((group, option), [])]
     if option == "memmap":
         overrides.append(f"data.dataset.root={make_memmap_root(tmp_path / 'mm')}")
     if group == "model" and option == "cnn":
         overrides.append("data=synthetic")  # the CNN needs [C, H, W] images, as both give
-    if group == "model" and option == "transformer":
-        overrides.append("data=tokens")  # the language model reads token sequences
+    if (group == "model" and option == "transformer") or (group, option) == (
+            "task", "language_model"):
+        overrides.append("experiment=tokens_transformer")  # the language model reads tokens
     cfg = make_cfg(*overrides)
     spec = resolve(cfg)
     assert spec.device.type == "cpu"
@@ -36,11 +44,18 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
             x, y = instantiate(cfg.data.dataset, split=split)[0]
             assert list(x.shape) == list(cfg.data.input_shape)
             assert 0 <= int(y.min()) and int(y.max()) < cfg.data.num_classes
-    model = instantiate(cfg.model)
+    model = build(cfg.model, "model", {"input_shape": list(cfg.data.input_shape),
+                                       "num_classes": cfg.data.num_classes})
     tokens = cfg.model._target_.endswith("Transformer")
-    logits = model(torch.zeros(2, *cfg.data.input_shape,
-                               dtype=torch.int64 if tokens else torch.float32))
+    x = torch.zeros(2, *cfg.data.input_shape, dtype=torch.int64 if tokens else torch.float32)
+    logits = model(x)
     assert logits.shape[0] == 2 and logits.shape[-1] == cfg.data.num_classes
+    task = build(cfg.task, "task")
+    regression = cfg.task._target_.endswith("Regression")  # real-valued targets
+    y = torch.zeros(logits.shape if regression else logits.shape[:-1],
+                    dtype=torch.float32 if regression else torch.int64)
+    own_loss = cfg.task._target_.endswith("ModelLoss")  # the model returns its loss
+    assert torch.isfinite(task.loss(logits.pow(2).mean() if own_loss else logits, (x, y)))
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = schedules.build(instantiate(cfg.sched), optimizer, total_steps=10)
     optimizer.step()

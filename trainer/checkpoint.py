@@ -104,8 +104,9 @@ def find_resume(resume: Optional[str], run_dir: Path,
     return None
 
 
-def load_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
-    """Loads model weights, refusing with a list of mismatches rather than a partial load."""
+def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
+    """Refuses weights that do not fit `model` with a list of mismatches (never a partial
+    load)."""
     own = model.state_dict()
     theirs = state["model"]
     missing = sorted(set(own) - set(theirs))
@@ -120,7 +121,6 @@ def load_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) 
                 shown = ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
                 parts.append(f"{name}: {shown}")
         raise CheckpointError(f"checkpoint {path} does not fit this model; " + "; ".join(parts))
-    model.load_state_dict(theirs)
 
 
 def _link_over(src: Path, dst: Path) -> None:

@@ -8,10 +8,11 @@ values such as the global batch are computed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -45,9 +46,16 @@ class Accelerator(Enum):
 
 @dataclass
 class DataConfig:
-    dataset: Any = MISSING  # _target_ node; called with split="train" and split="val"
-    input_shape: List[int] = MISSING  # shape of one sample, shared with the model config
-    num_classes: int = MISSING
+    # either `dataset` (a _target_ called with split="train" and split="val"), or
+    # `train_dataset` and an optional `val_dataset` (each a _target_ called as it stands)
+    dataset: Any = None
+    train_dataset: Any = None
+    val_dataset: Any = None  # null with train_dataset: no validation
+    collate_fn: Any = None  # _target_ of a collate function (or a class whose instances are)
+    # one sample's shape, offered to models that take it (typed Any because OmegaConf resolves
+    # an interpolation merged into a null Optional[List] at once; checked in resolve instead)
+    input_shape: Any = None
+    num_classes: Optional[int] = None  # offered to models (and the task) that take it
     batch_size: int = 64  # per rank
     eval_batch_size: Optional[int] = None  # null: same as batch_size
     num_workers: int = 2  # `auto` on the command line, ${auto_workers:} in YAML
@@ -96,8 +104,8 @@ class CheckpointConfig:
     every_n_steps: int = 0  # save every N optimizer steps; 0: off
     every_n_epochs: int = 1  # save at the end of every N epochs; 0: off
     keep_last: int = 3  # periodic checkpoints kept (last.pt and best.pt come on top)
-    monitor: Optional[str] = None  # val_acc | val_loss: also keep best.pt; null: off
-    mode: str = "max"  # max | min: which direction of `monitor` is better
+    monitor: Optional[str] = None  # any logged validation key (val_loss, val_acc, ...): also keep best.pt
+    mode: Optional[str] = None  # max | min | null: the metric's own direction
     async_save: bool = False  # copy to CPU, write on a background thread
 
 
@@ -138,6 +146,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: Any = MISSING
+    task: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
 
@@ -224,14 +233,41 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in ("every_n_steps", "every_n_epochs"):
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
     _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
-    _check(c.monitor in (None, "val_acc", "val_loss"), "trainer.checkpoint.monitor", c.monitor,
-           "must be null, val_acc or val_loss")
-    _check(c.mode in ("max", "min"), "trainer.checkpoint.mode", c.mode, "must be max or min")
+    _check(c.mode in (None, "max", "min"), "trainer.checkpoint.mode", c.mode,
+           "must be max, min or null (the metric's own direction)")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
-    _check(len(d.input_shape) >= 1 and all(s >= 1 for s in d.input_shape),
-           "data.input_shape", list(d.input_shape), "must be a non-empty list of sizes >= 1")
-    _check(d.num_classes >= 2, "data.num_classes", d.num_classes, "must be >= 2")
+    shape = d.input_shape
+    _check(shape is None or ((OmegaConf.is_list(shape) or isinstance(shape, (list, tuple)))
+                             and len(shape) >= 1
+                             and all(isinstance(s, int) and s >= 1 for s in shape)),
+           "data.input_shape", None if shape is None else list(shape),
+           "must be null or a non-empty list of sizes >= 1")
+    _check(d.num_classes is None or d.num_classes >= 2, "data.num_classes", d.num_classes,
+           "must be null or >= 2")
+    _check_datasets(d)
+
+
+def _check_datasets(d: DictConfig) -> None:
+    has_pair = d.train_dataset is not None or d.val_dataset is not None
+    _check(not (d.dataset is not None and has_pair), "data.dataset", "...",
+           "set either data.dataset (called with split=train|val) or data.train_dataset and "
+           "data.val_dataset, not both")
+    _check(d.dataset is not None or d.train_dataset is not None, "data.train_dataset", None,
+           "no dataset: set data.dataset, or data.train_dataset (and data.val_dataset)")
+
+
+def _check_schema_keys(node: DictConfig, schema: type, prefix: str) -> None:
+    """Keys added with `+key=value` bypass the typed schema: a misspelt one would be ignored."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node:
+        _check(key in fields, f"{prefix}{key}", node[key] if not OmegaConf.is_missing(node, key)
+               else "???", f"not a key of {prefix.rstrip('.') or 'the root config'} (valid keys: "
+               + ", ".join(fields) + ")")
+        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING \
+            else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            _check_schema_keys(node[key], sub, f"{prefix}{key}.")
 
 
 def _pick_device(cfg: DictConfig, local_rank: int) -> torch.device:
@@ -282,6 +318,7 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
 
     Raises ConfigError (one line naming the key and what would be valid) on the first problem.
     """
+    _check_schema_keys(cfg, TrainConfig, "")
     _check_ranges(cfg)
     device = _pick_device(cfg, local_rank)
     strategy = _pick_strategy(cfg, world_size, launched)
@@ -308,3 +345,24 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
     global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
     return RunSpec(device=device, strategy=strategy, precision=prec, world_size=world_size,
                    global_batch=global_batch)
+
+
+def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]]) -> Optional[str]:
+    """The checked `trainer.checkpoint.mode` for the monitored key: `directions` maps every
+    validation key the task logs to whether higher is better (None: unknown). Returns max or
+    min (null if nothing is monitored); ConfigError for an unknown key or a contradicting mode.
+    """
+    c = cfg.trainer.checkpoint
+    if c.monitor is None:
+        return None
+    _check(c.monitor in directions, "trainer.checkpoint.monitor", c.monitor,
+           "must be null or a logged validation key: " + ", ".join(directions))
+    higher = directions[c.monitor]
+    if c.mode is None:
+        _check(higher is not None, "trainer.checkpoint.mode", None,
+               f"{c.monitor} does not say which direction is better; set max or min")
+        return "max" if higher else "min"
+    _check(higher is None or (c.mode == "max") == higher, "trainer.checkpoint.mode", c.mode,
+           f"{c.monitor} is better when {'higher' if higher else 'lower'}; use "
+           f"{'max' if higher else 'min'} or null")
+    return c.mode

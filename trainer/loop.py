@@ -1,21 +1,23 @@
 """fit / train_epoch / evaluate: the training loop, readable top to bottom.
 
 Conventions: a *step* is an optimizer step; a *micro-batch* is one loader batch. With
-`accumulate_grad_batches=k`, k micro-batches form a window; each micro-batch's loss is
-weighted by its share of the window's samples, so k batches of b match one batch of k*b
-(a short last batch or window included). Host syncs (`.item()`, all-reduce of metrics) happen
-only at logging boundaries, never per step.
+`accumulate_grad_batches=k`, k micro-batches form a window. The loop never looks inside a batch:
+the task (trainer/task.py) runs the model, computes the loss as a mean over `count` units
+(samples, or valid tokens) and feeds the metrics. Each micro-batch's loss is weighted by its
+share of the window's units, summed over ranks when counts are tensors or the job has several
+ranks, so k micro-batches on N ranks give the update of one batch of all of them (a short last
+batch or window, or padded tokens, included). Host syncs (`.item()`, all-reduce of metrics)
+happen only at logging boundaries, never per step.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -23,8 +25,10 @@ from data.prefetch import DevicePrefetcher
 from trainer import distributed
 from trainer.config import TrainerConfig
 from trainer.logging import RunLogger
+from trainer.config import ConfigError
 from trainer.precision import MixedPrecision
 from trainer.strategy import sync_context, unwrap
+from trainer.task import Count, Task, batch_size
 
 
 @dataclass
@@ -42,88 +46,123 @@ class Window:
     """Running sums over one logging window; read (with one sync) at a logging boundary."""
 
     loss_sum: Optional[torch.Tensor] = None
+    count: Count = 0  # units the loss averages over (samples or tokens)
     samples: int = 0
     wait_s: float = 0.0
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        contrib = loss.float() * n
+    def add(self, loss: torch.Tensor, count: Count, samples: int) -> None:
+        contrib = loss.float() * count
         self.loss_sum = contrib if self.loss_sum is None else self.loss_sum + contrib
-        self.samples += n
+        self.count = self.count + count
+        self.samples += samples
 
 
-def batch_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
-               accumulate: int) -> List[Tuple[float, bool]]:
-    """(loss weight, is optimizer-step boundary) for each micro-batch of one epoch on one rank."""
-    sizes = [batch_size] * (num_samples // batch_size)
-    if not drop_last and num_samples % batch_size:
-        sizes.append(num_samples % batch_size)
+def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
+                accumulate: int) -> List[int]:
+    """Micro-batches of each optimizer step (window) of one epoch on one rank."""
+    batches = num_samples // batch_size + (0 if drop_last or not num_samples % batch_size else 1)
     if limit is not None:
-        sizes = sizes[:limit]
-    plan = []
-    for start in range(0, len(sizes), accumulate):
-        window = sizes[start:start + accumulate]
-        total = sum(window)
-        plan += [(n / total, i == len(window) - 1) for i, n in enumerate(window)]
-    return plan
+        batches = min(batches, limit)
+    return [min(accumulate, batches - start) for start in range(0, batches, accumulate)]
 
 
-def classification_loss(logits: torch.Tensor, target: torch.Tensor,
-                        reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy in fp32 over (batch, classes) logits, or over every position of
-    (batch, tokens, vocabulary) logits with (batch, tokens) targets."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                           reduction=reduction)
+def window_weights(counts: Sequence[Count], world: int) -> List[Any]:
+    """Per micro-batch multipliers of a window's mean losses: count / the window's total.
+
+    With host counts in one process the weights are plain floats. With device counts (valid
+    tokens) or several ranks the total is a device tensor summed over ranks (one tiny all-
+    reduce per optimizer step, no host sync), multiplied by the world size because DDP
+    averages gradients over ranks: every unit of the window then weighs 1 / global total.
+    """
+    if world == 1 and not any(isinstance(n, torch.Tensor) for n in counts):
+        total = sum(counts)
+        return [n / total if total else 0.0 for n in counts]
+    device = next((n.device for n in counts if isinstance(n, torch.Tensor)), None)
+    total = sum(n.float() if isinstance(n, torch.Tensor) else n for n in counts)
+    if not isinstance(total, torch.Tensor):  # built on the device by a kernel, not a copy
+        total = torch.full((), float(total), device=device or distributed_device())
+    scale = world / distributed.all_reduce_sum(total).clamp(min=1)
+    return [n * scale for n in counts]
 
 
-def epoch_plan(loader: DataLoader, limit: Optional[int],
-               accumulate: int) -> List[Tuple[float, bool]]:
-    """`batch_plan` for this rank's shard of `loader` in one epoch."""
-    return batch_plan(len(loader.sampler), loader.batch_size, loader.drop_last, limit,
-                      accumulate)
+def distributed_device() -> torch.device:
+    """The device collectives run on: CUDA under NCCL, else the CPU."""
+    if distributed.is_active() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> List[int]:
+    """`window_plan` for this rank's shard of `loader` in one epoch."""
+    return window_plan(len(loader.sampler), loader.batch_size, loader.drop_last, limit,
+                       accumulate)
 
 
 def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
-    return sum(1 for _, boundary in epoch_plan(loader, limit, accumulate) if boundary)
+    return len(epoch_plan(loader, limit, accumulate))
 
 
 class NonFiniteLoss(RuntimeError):
     """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
 
 
-class NoEvents:
-    """Loop events without checkpointing (the default)."""
+class Callback:
+    """Loop events; subclass and override what you need (checkpointing, preemption, ...)."""
 
-    def after_step(self, loop) -> None:
-        pass
+    def after_step(self, loop: "Loop") -> None:
+        """After every optimizer step (all ranks, at the same step)."""
 
-    def after_epoch(self, loop, val) -> None:
-        pass
+    def after_epoch(self, loop: "Loop", val: Optional[Dict[str, float]]) -> None:
+        """After every epoch, with its validation results (None when it did not validate)."""
 
 
 class Loop:
-    """Runs epochs of training and validation over already-built components."""
+    """Runs epochs of training and validation over already-built components.
 
-    def __init__(self, *, cfg: TrainerConfig, model: nn.Module, optimizer, scheduler,
-                 precision: MixedPrecision, train_feed: DevicePrefetcher,
-                 val_feed: DevicePrefetcher,
-                 device: torch.device, logger: RunLogger, profiler, state: FitState,
-                 train_limit: Optional[int], val_limit: Optional[int], events=None):
-        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
-        self.precision, self.device, self.logger, self.prof = precision, device, logger, profiler
+    The loop is the run's training state: `state_dict()` holds every piece a resume needs
+    (weights, optimizer, scheduler, GradScaler, progress) and `load_state_dict` puts it back,
+    so checkpointing saves `{"train_state": loop}` without reaching into its attributes.
+    """
+
+    def __init__(self, *, cfg: TrainerConfig, model: nn.Module, task: Task, optimizer,
+                 scheduler, precision: MixedPrecision, train_feed: DevicePrefetcher,
+                 val_feed: Optional[DevicePrefetcher], device: torch.device, logger: RunLogger,
+                 state: FitState, train_limit: Optional[int],
+                 val_limit: Optional[int], callbacks: Sequence[Callback] = ()):
+        self.cfg, self.model, self.task = cfg, model, task
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.precision, self.device, self.logger = precision, device, logger
         self.train_feed, self.val_feed = train_feed, val_feed
         self.state, self.train_limit, self.val_limit = state, train_limit, val_limit
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.world = distributed.world_size()
         self.run_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
         self.last_train: Dict[str, Any] = {}
         self.last_val: Dict[str, Any] = {}
-        self.events = events or NoEvents()
+        self.callbacks = list(callbacks)
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
         # non-finite guard, kept on the device: no host sync per step
         self.step_loss = torch.zeros((), device=device)
         self.bad_run = torch.zeros((), dtype=torch.int64, device=device)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything of the training state but the random states (see resilience.capture)."""
+        return {"model": unwrap(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
+                **asdict(self.state)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what `state_dict` saved (model weights already checked to fit)."""
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state.get("scaler", {}))
+        self.state = FitState(epoch=state["epoch"], step=state["step"],
+                              position=state.get("position", 0))
 
     def losses_finite(self) -> bool:
         """False while the latest optimizer steps had a non-finite loss (one host sync)."""
@@ -146,7 +185,8 @@ class Loop:
             if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
                 val = self.evaluate(epoch)
                 validated_at = self.state.step
-            self.events.after_epoch(self, val)
+            for callback in self.callbacks:
+                callback.after_epoch(self, val)
         if validated_at != self.state.step:  # stopped mid-epoch, or resumed at the end
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
@@ -157,9 +197,9 @@ class Loop:
         return {"run_samples_per_s": self.run_samples / train_s,
                 "run_data_wait_frac": self.run_wait_s / train_s}
 
-    def _start_epoch(self, epoch: int) -> Tuple[List[Tuple[float, bool]], int]:
-        """Positions the sampler (mid-epoch after a resume); returns the plan and the
-        global samples one batch on every rank consumes."""
+    def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
+        """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and
+        the global samples one batch on every rank consumes."""
         loader = self.train_feed.loader
         sampler = loader.sampler
         sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
@@ -177,31 +217,35 @@ class Loop:
     def train_epoch(self, epoch: int) -> bool:
         """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""
         self.model.train()
-        plan, per_batch = self._start_epoch(epoch)
+        windows, per_batch = self._start_epoch(epoch)
         window = Window()
-        bar = self.logger.progress(len(plan), f"epoch {epoch}")
+        bar = self.logger.progress(sum(windows), f"epoch {epoch}")
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         complete = True
-        for i, (weight, boundary) in enumerate(plan):
+        for w, size in enumerate(windows):
             t0 = time.perf_counter()
-            batch = next(batches)  # on the device already (copied on a side stream on CUDA)
+            # the whole window first: its micro-batches' weights need the window's total count
+            micro = [next(batches) for _ in range(size)]  # on the device already
             window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
-            loss = self._micro_step(batch, weight, boundary)
-            window.add(loss, len(batch[1]))
-            self.step_loss = self.step_loss + loss.float()
-            self.state.position += per_batch
-            bar.update(1)
-            if not boundary:
-                continue
+            counts = [self.task.count(batch) for batch in micro]
+            for i, (batch, count, weight) in enumerate(
+                    zip(micro, counts, window_weights(counts, self.world))):
+                loss = self._micro_step(batch, weight, boundary=i == size - 1)
+                window.add(loss, count, batch_size(batch))
+                self.step_loss = self.step_loss + loss.float()
+            del micro
+            self.state.position += per_batch * size
+            bar.update(size)
             log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0
             grad_norm = self._optimizer_step(want_norm=log_now)
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
                 window = Window()
-            self.events.after_step(self)
+            for callback in self.callbacks:
+                callback.after_step(self)
             if self.cfg.max_steps > 0 and self.state.step >= self.cfg.max_steps:
-                complete = i == len(plan) - 1
+                complete = w == len(windows) - 1
                 break
         if window.samples:
             self._log_window(window, epoch, None, bar)
@@ -209,13 +253,23 @@ class Loop:
         self.run_train_s += time.perf_counter() - epoch_start
         return complete
 
-    def _micro_step(self, batch, weight: float, boundary: bool) -> torch.Tensor:
-        inputs, target = batch
+    def _micro_step(self, batch, weight, boundary: bool) -> torch.Tensor:
         with sync_context(self.model, boundary):
             with self.precision.autocast():
-                loss = classification_loss(self.model(inputs), target)
+                loss = self.task.loss(self._forward(self.model, batch), batch)
             self.precision.backward(loss * weight)
         return loss.detach()
+
+    def _forward(self, model: nn.Module, batch) -> Any:
+        try:
+            return self.task.forward(model, batch)
+        except RuntimeError as e:
+            if "find_unused_parameters" in str(e) or "did not receive grad" in str(e):
+                raise ConfigError(
+                    "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
+                    "got no gradient in a step (unused outputs or branches), which DDP cannot "
+                    "reduce; set trainer.ddp.find_unused_parameters=true") from None
+            raise
 
     def _optimizer_step(self, want_norm: bool) -> Optional[torch.Tensor]:
         finite = torch.isfinite(self.step_loss)
@@ -225,7 +279,6 @@ class Loop:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
         self.state.step += 1
-        self.prof.step()
         return norm
 
     def _log_window(self, w: Window, epoch: int, grad_norm, bar) -> None:
@@ -235,13 +288,13 @@ class Loop:
         wall = time.perf_counter() - w.start
         loss_sum = w.loss_sum if w.loss_sum is not None else torch.zeros((), device=self.device)
         stats = torch.stack([loss_sum.float().to(self.device), *(
-            torch.tensor(v, dtype=torch.float32, device=self.device)
-            for v in (w.samples, w.wait_s, wall))])
-        loss_sum, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
+            torch.as_tensor(v, dtype=torch.float32).to(self.device)
+            for v in (w.count, w.samples, w.wait_s, wall))])
+        loss_sum, count, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
         world = distributed.world_size()
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)
-        values = {"epoch": epoch, "loss": loss_sum / max(samples, 1),
+        values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,
                   "lr": self.optimizer.param_groups[0]["lr"],
                   "samples_per_s": samples / max(wall_sum / world, 1e-9),
                   "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
@@ -265,24 +318,34 @@ class Loop:
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> Dict[str, float]:
-        """Exact loss and accuracy over the whole validation set (summed over ranks)."""
+        """The loss (a mean over every counted unit) and the task's metrics over the whole
+        validation set, exact on any world size; {} when there is no validation set."""
+        if self.val_feed is None:
+            return {}
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for inputs, target in itertools.islice(self.val_feed, self.val_limit):
+        task = self.task
+        for metric in task.metrics.values():
+            metric.reset()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in itertools.islice(self.val_feed, self.val_limit):
             with self.precision.autocast():
-                logits = model(inputs)
-            sums[0] += classification_loss(logits, target, reduction="sum")
-            sums[1] += (logits.argmax(dim=-1) == target).sum()
-            sums[2] += target.numel()
-        loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
-        values = {"epoch": max(epoch, 0),
-                  "val_loss": loss_sum / count if count else math.nan,
-                  "val_acc": correct / count if count else math.nan}
-        self.last_val = {"val_loss": values["val_loss"], "val_acc": values["val_acc"]}
-        self.logger.metrics("val", self.state.step, values)
-        self.logger.info("epoch %d step %d: val_loss %.4f val_acc %.4f", values["epoch"],
-                         self.state.step, values["val_loss"], values["val_acc"])
+                output = task.forward(model, batch)
+                count = task.count(batch)
+                sums[0] += task.loss(output, batch).double() * count
+                sums[1] += count
+            preds, target = task.metric_inputs(output, batch)
+            for metric in task.metrics.values():
+                metric.update(preds, target)
+        loss_sum, count = distributed.all_reduce_sum(sums).tolist()
+        values = {"val_loss": loss_sum / count if count else math.nan}
+        for name, metric in task.metrics.items():  # torchmetrics gathers every rank's state
+            values[f"val_{name}"] = float(metric.compute()) if count else math.nan
+        values.update(task.derived(values))
+        self.last_val = values
+        self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
+        self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
+                         " ".join(f"{k} {v:.4f}" for k, v in values.items()))
         model.train()
         return values

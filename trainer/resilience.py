@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, distributed
 from trainer.distributed import DistEnv
-from trainer.strategy import unwrap
+from trainer.loop import Callback
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
@@ -79,12 +79,8 @@ def capture(loop, cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
     loader = loop.loader_rng if loop.state.position else (
         generator.get_state() if generator is not None else None)
     rngs = gather(rng_state(loader))
-    return {
-        "model": unwrap(loop.model).state_dict(), "optimizer": loop.optimizer.state_dict(),
-        "scheduler": loop.scheduler.state_dict(), "scaler": loop.precision.state_dict(),
-        "epoch": loop.state.epoch, "step": loop.state.step, "position": loop.state.position,
-        "rng": rngs, "world_size": env.world_size,
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+    return {**loop.state_dict(), "rng": rngs, "world_size": env.world_size,
+            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
 
 
 class Preemption:
@@ -125,18 +121,19 @@ class Preemption:
         return bool(flag.item())
 
 
-class Checkpointing:
+class Checkpointing(Callback):
     """Decides when the loop saves: every N steps, every N epochs, on preemption, at the
-    end; tracks best.pt; never saves a state whose recent losses were not finite."""
+    end; tracks best.pt (`monitor` in the checked `mode`, see config.monitor_mode); never
+    saves a state whose recent losses were not finite."""
 
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool):
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool,
+                 preemption: Optional[Preemption] = None, mode: Optional[str] = None):
         c = cfg.trainer.checkpoint
         self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
         self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, c.async_save,
                                              enabled=enabled and env.is_main)
-        self.enabled = enabled
+        self.enabled, self.preemption, self.mode = enabled, preemption, mode
         self.best: Optional[float] = None
-        self.preemption: Optional[Preemption] = None
 
     def save(self, loop, best: bool = False) -> None:
         """Saves the loop's state (collective); a step already saved is saved again only
@@ -165,7 +162,7 @@ class Checkpointing:
         best = False
         if self.c.monitor and val and self.c.monitor in val:
             value = val[self.c.monitor]
-            better = (self.best is None or (value > self.best if self.c.mode == "max"
+            better = (self.best is None or (value > self.best if self.mode == "max"
                                             else value < self.best))
             if better:
                 self.best, best = value, True
@@ -177,3 +174,4 @@ class Checkpointing:
         """Waits for a background write, then for every rank (all files complete)."""
         self.saver.wait()
         distributed.barrier()
+

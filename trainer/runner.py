@@ -16,20 +16,22 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, IterableDataset
 
 from data.cache import cache_dataset
 from data.loader import build_loader, stall_advice
 from data.prefetch import DevicePrefetcher, InputTransform
-from trainer import checkpoint, distributed, schedules, speed
+from trainer import checkpoint, components, distributed, schedules, speed
 from trainer.cli import USER_ERRORS, fail, wants_traceback
-from trainer.config import RunSpec, resolve
+from trainer.config import ConfigError, RunSpec, monitor_mode, resolve
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, profiler
-from trainer.loop import FitState, Loop, NonFiniteLoss, steps_per_epoch
+from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision
 from trainer.resilience import (EXIT_PREEMPTED, Checkpointing, Preempted, Preemption,
                                 set_rng_state)
 from trainer.strategy import unwrap, wrap
+from trainer.task import Task
 
 log = logging.getLogger("stoker")
 STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
@@ -96,22 +98,68 @@ def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
     return t.limit_train_batches, t.limit_val_batches
 
 
-def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
-    """Per-rank train and val loaders, each behind a device prefetcher."""
+def _datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
+    """The train and val datasets the data config names (val may be None: no validation)."""
     d = cfg.data
-    kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device)
-    sets = [cache_dataset(instantiate(d.dataset, split=split), d.cache,
-                          f"{cfg.run_dir}|{OmegaConf.to_yaml(d.dataset, resolve=True)}|{split}",
-                          local_rank=env.local_rank, num_workers=d.num_workers,
-                          wait=distributed.barrier)
-            for split in ("train", "val")]
+    if d.dataset is not None:
+        target = components.target_of(d.dataset, "data.dataset")
+        if not components.accepts(target, "split"):
+            raise ConfigError(f"data.dataset: {d.dataset._target_} takes no split argument; "
+                              "give data.train_dataset and data.val_dataset instead")
+        sets = [components.build(d.dataset, "data.dataset", split=s) for s in ("train", "val")]
+        keys = ("data.dataset",) * 2
+    else:
+        keys = ("data.train_dataset", "data.val_dataset")
+        sets = [None if node is None else components.build(node, key)
+                for node, key in zip((d.train_dataset, d.val_dataset), keys)]
+    for ds, key in zip(sets, keys):
+        if ds is None:
+            continue
+        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
+            raise ConfigError(f"{key}: {type(ds).__name__} is an iterable dataset; Stoker needs "
+                              "a map-style dataset (__len__ and __getitem__) to shard it exactly "
+                              "across ranks and resume mid-epoch")
+        if len(ds) == 0:
+            raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
+    return sets[0], sets[1]
+
+
+def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
+    """Per-rank train and val loaders (val None without a validation set), each behind a
+    device prefetcher."""
+    d = cfg.data
+    collate = components.build_callable(d.collate_fn, "data.collate_fn")
+    kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device,
+              collate_fn=collate)
+    sets = [None if ds is None else cache_dataset(
+        ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
+        local_rank=env.local_rank, num_workers=d.num_workers, wait=distributed.barrier)
+        for ds, split in zip(_datasets(cfg), ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
     loaders = (build_loader(sets[0], d, train=True, shuffle=shuffle, **kw),
-               build_loader(sets[1], d, train=False, **kw))
+               None if sets[1] is None else build_loader(sets[1], d, train=False, **kw))
     transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last)
-    return tuple(DevicePrefetcher(ld, device, transform, enabled=d.device_prefetch)
+    return tuple(None if ld is None else
+                 DevicePrefetcher(ld, device, transform, enabled=d.device_prefetch)
                  for ld in loaders)
+
+
+def _model_and_task(cfg: DictConfig, spec: RunSpec):
+    """The user's model (offered data.input_shape/num_classes where it takes them) on its
+    device and wrapped for the strategy, and the task on the same device."""
+    d = cfg.data
+    offered = {"input_shape": None if d.input_shape is None else list(d.input_shape),
+               "num_classes": d.num_classes}
+    model = speed.memory_format(components.build(cfg.model, "model", offered),
+                                d.channels_last)
+    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
+                                cfg.trainer.compile)
+    task = components.build(cfg.task, "task")
+    if not isinstance(task, Task):
+        raise ConfigError(f"task._target_={cfg.task._target_}: builds a {type(task).__name__}; "
+                          "a task must subclass trainer.task.Task")
+    return model, task.to(spec.device)
 
 
 def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogger,
@@ -144,12 +192,8 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     if found is None:
         return
     path, state = found
-    checkpoint.load_model_state(unwrap(loop.model), state, path)
-    loop.optimizer.load_state_dict(state["optimizer"])
-    loop.scheduler.load_state_dict(state["scheduler"])
-    loop.precision.load_state_dict(state.get("scaler", {}))
-    loop.state = FitState(epoch=state["epoch"], step=state["step"],
-                          position=state.get("position", 0))
+    checkpoint.check_model_state(unwrap(loop.model), state, path)
+    loop.load_state_dict(state)
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
@@ -164,31 +208,49 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                 state["epoch"], state["step"], loop.state.position)
 
 
-def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger):
+def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
+           prof, preemption: Preemption) -> Tuple[Loop, Checkpointing]:
     train_feed, val_feed = _feeds(cfg, env, spec.device)
     train_loader = train_feed.loader
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
     seed_everything(cfg.seed)
-    model = speed.memory_format(instantiate(cfg.model), cfg.data.channels_last)
-    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
-                                cfg.trainer.compile)
-    optimizer = instantiate(cfg.optim)([p for p in model.parameters() if p.requires_grad])
+    model, task = _model_and_task(cfg, spec)
+    mode = monitor_mode(cfg, task.higher_is_better() if val_feed is not None else {})
+    optimizer = components.call(components.build(cfg.optim, "optim"), "optim", cfg.optim,
+                                [p for p in model.parameters() if p.requires_grad])
     train_limit, val_limit = _limits(cfg)
     per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
+    if per_epoch == 0:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
+                          f"with {len(train_loader.sampler)} training samples on this rank "
+                          f"(data.drop_last={cfg.data.drop_last})")
     total = per_epoch * cfg.trainer.max_epochs
     if cfg.trainer.max_steps > 0:
         total = min(total, cfg.trainer.max_steps)
-    scheduler = schedules.build(instantiate(cfg.sched), optimizer, total)
+    scheduler = components.call(schedules.build, "sched", cfg.sched,
+                                components.build(cfg.sched, "sched"), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
-    loop = Loop(cfg=cfg.trainer, model=model, optimizer=optimizer, scheduler=scheduler,
-                precision=precision, train_feed=train_feed, val_feed=val_feed,
-                device=spec.device, logger=logger, profiler=None, state=FitState(),
+    checkpointing = Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint,
+                                  preemption=preemption, mode=mode)
+    loop = Loop(cfg=cfg.trainer, model=model, task=task, optimizer=optimizer,
+                scheduler=scheduler, precision=precision, train_feed=train_feed,
+                val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
                 train_limit=train_limit, val_limit=val_limit,
-                events=Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint))
+                callbacks=[ProfilerSteps(prof), checkpointing])
     _restore(cfg, env, run_dir, loop, logger)
-    return loop
+    return loop, checkpointing
+
+
+class ProfilerSteps(Callback):
+    """Advances a torch.profiler schedule once per optimizer step."""
+
+    def __init__(self, prof):
+        self.prof = prof
+
+    def after_step(self, loop: Loop) -> None:
+        self.prof.step()
 
 
 def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
@@ -200,13 +262,12 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     start = time.perf_counter()
     try:
-        loop = _build(cfg, env, spec, run_dir, logger)
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env) as preemption:
-            loop.prof, loop.events.preemption = prof, preemption
+            loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption)
             summary = loop.fit()
-        loop.events.save(loop)  # the final state (skipped if this step is saved already)
-        loop.events.finish()
+        checkpointing.save(loop)  # the final state (skipped if this step is saved already)
+        checkpointing.finish()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
                                  if t.save_checkpoint else "")
         summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
@@ -234,8 +295,8 @@ def peak_memory_mb(device: torch.device) -> float:
 def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:
     if not env.is_main:
         return
-    val = (f"val_acc {s['val_acc']:.4f} val_loss {s['val_loss']:.4f}"
-           if "val_acc" in s else "no validation")
+    val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
+        or "no validation"
     log.info("done: %d epochs, %d steps in %.1fs | %s | %.0f samples/s | waiting for data "
              "%.1f%% of step time%s", s["epochs"], s["steps"], s["wall_s"], val,
              s["run_samples_per_s"], 100 * s["run_data_wait_frac"],

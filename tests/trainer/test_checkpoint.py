@@ -54,11 +54,11 @@ def test_foreign_pickle_is_refused(tmp_path):
 def test_mismatched_model_lists_the_mismatches(tmp_path):
     small, other = nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 3))
     with pytest.raises(CheckpointError) as info:
-        checkpoint.load_model_state(other, {"model": small.state_dict()}, tmp_path / "x.pt")
+        checkpoint.check_model_state(other, {"model": small.state_dict()}, tmp_path / "x.pt")
     msg = str(info.value)
     assert "missing: 0.bias, 0.weight" in msg and "unexpected: bias, weight" in msg
     with pytest.raises(CheckpointError, match="shape mismatch: bias, weight"):
-        checkpoint.load_model_state(nn.Linear(4, 3), {"model": small.state_dict()}, "x.pt")
+        checkpoint.check_model_state(nn.Linear(4, 3), {"model": small.state_dict()}, "x.pt")
 
 
 def test_find_resume(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from trainer.config import ConfigError, Precision, Strategy, resolve
+from trainer.config import ConfigError, Precision, Strategy, monitor_mode, resolve
 
 
 @pytest.mark.parametrize("override,key", [
@@ -37,7 +37,6 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
     ("data.num_classes=1", "data.num_classes=1"),
     ("trainer.checkpoint.keep_last=0", "trainer.checkpoint.keep_last=0"),
     ("trainer.checkpoint.every_n_steps=-1", "trainer.checkpoint.every_n_steps=-1"),
-    ("trainer.checkpoint.monitor=loss", "trainer.checkpoint.monitor=loss"),
     ("trainer.checkpoint.mode=up", "trainer.checkpoint.mode=up"),
     ("trainer.max_bad_steps=-1", "trainer.max_bad_steps=-1"),
     ("data.cache=disk", "data.cache=disk: must be none, memory or shm"),
@@ -89,3 +88,30 @@ def test_static_graph_refuses_accumulation_under_ddp(make_cfg):
     with pytest.raises(ConfigError, match="trainer.ddp.static_graph=True: cannot be combined"):
         resolve(cfg, world_size=2, launched=True)
     resolve(make_cfg("trainer.ddp.static_graph=true"), world_size=2, launched=True)
+
+
+@pytest.mark.parametrize("override", ["+data.num_worker=8", "+trainer.max_epoch=3",
+                                      "+trainer.checkpoint.every_n_step=5", "+sed=1"])
+def test_adding_a_misspelt_schema_key_is_refused(make_cfg, override):
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=.*not a key of .*valid keys: "):
+        resolve(make_cfg(override))
+
+
+def test_monitor_must_be_a_logged_key_with_a_fitting_mode(make_cfg):
+    logged = {"val_loss": False, "val_acc": True, "val_score": None}
+    assert monitor_mode(make_cfg(), logged) is None
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_acc"), logged) == "max"
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_loss"), logged) == "min"
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_score",
+                                 "trainer.checkpoint.mode=min"), logged) == "min"
+    for overrides, fragment in [
+            (["trainer.checkpoint.monitor=loss"],
+             "trainer.checkpoint.monitor=loss: must be null or a logged validation key: "
+             "val_loss, val_acc, val_score"),
+            (["trainer.checkpoint.monitor=val_loss", "trainer.checkpoint.mode=max"],
+             "trainer.checkpoint.mode=max: val_loss is better when lower; use min"),
+            (["trainer.checkpoint.monitor=val_score"], "does not say which direction")]:
+        with pytest.raises(ConfigError) as info:
+            monitor_mode(make_cfg(*overrides), logged)
+        assert fragment in str(info.value)

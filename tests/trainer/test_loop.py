@@ -7,20 +7,26 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, final_weights
-from trainer.loop import batch_plan
+from trainer.loop import window_plan, window_weights
 from trainer.runner import train
 
 
-def test_batch_plan_weights_each_window_by_samples():
+def test_window_plan_groups_micro_batches_into_optimizer_steps():
     # 50 samples, batch 16 -> 16, 16, 16, 2; accumulation 3 -> windows [16,16,16] and [2]
-    plan = batch_plan(50, 16, drop_last=False, limit=None, accumulate=3)
-    assert [b for _, b in plan] == [False, False, True, True]
-    assert [w for w, _ in plan] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
-    plan = batch_plan(40, 16, drop_last=False, limit=None, accumulate=2)  # 16, 16 | 8
-    assert [w for w, _ in plan] == pytest.approx([0.5, 0.5, 1.0])
-    plan = batch_plan(40, 16, drop_last=True, limit=None, accumulate=2)
-    assert len(plan) == 2
-    assert len(batch_plan(1000, 16, drop_last=False, limit=3, accumulate=2)) == 3
+    assert window_plan(50, 16, drop_last=False, limit=None, accumulate=3) == [3, 1]
+    assert window_plan(40, 16, drop_last=False, limit=None, accumulate=2) == [2, 1]
+    assert window_plan(40, 16, drop_last=True, limit=None, accumulate=2) == [2]
+    assert window_plan(1000, 16, drop_last=False, limit=3, accumulate=2) == [2, 1]
+
+
+def test_window_weights_share_the_window_by_count():
+    # 16, 16, 16 samples -> thirds; 16, 16, 8 -> 0.4, 0.4, 0.2: weighted by samples
+    assert window_weights([16, 16, 16], world=1) == pytest.approx([1 / 3] * 3)
+    assert window_weights([16, 16, 8], world=1) == pytest.approx([0.4, 0.4, 0.2])
+    # device counts (valid tokens): 3 and 300 tokens weigh 3:300, not 1:1
+    weights = window_weights([torch.tensor(3), torch.tensor(300)], world=1)
+    assert [float(w) for w in weights] == pytest.approx([3 / 303, 300 / 303])
+    assert float(window_weights([torch.tensor(0)], world=1)[0]) == 0.0  # all padding
 
 
 def test_default_job_learns_digits(make_cfg):

@@ -1,0 +1,279 @@
+"""Tasks: how batches reach the model, losses and their counts, metrics, one-line errors; and
+the user's own work (a Hugging Face GPT-2, scikit-learn regression, dict batches with a custom
+collate, a custom task with an F1 metric, unused parameters under DDP) trained through
+train.py with no glue beyond a config folder."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import (ROOT, Diabetes, PaddedTokens, TwoHeads, pad_collate, run_cli,
+                           summary_of, tiny_gpt2, torchrun)
+from trainer.metrics import Accuracy
+from trainer.runner import train
+from trainer.task import Classification, LanguageModel, ModelLoss, Regression, TaskError
+
+
+# --- units ------------------------------------------------------------------------------------
+
+def test_classification_reads_tuples_dicts_and_model_outputs():
+    task = Classification(num_classes=3)
+    logits, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    ref = F.cross_entropy(logits, y)
+    model = torch.nn.Identity()
+    assert torch.allclose(task.loss(task.forward(model, (logits, y)), (logits, y)), ref)
+    batch = {"x": logits, "labels": y}
+    out = task.forward(lambda x: {"logits": x}, batch)  # dict in -> keywords, dict out
+    assert torch.allclose(task.loss(out, batch), ref)
+    assert task.count(batch) == 4 and isinstance(task.count(batch), int)  # no host sync
+
+
+@pytest.mark.parametrize("batch,output,fragment", [
+    ({"x": torch.zeros(2)}, torch.zeros(2, 3), "a batch it cannot unpack: got dict{x: tensor(2,) float32}; "
+                                  "expected (inputs, target) or a dict with the target key "
+                                  "'labels'"),
+    ((torch.zeros(2, 3), torch.zeros(2)), torch.zeros(2, 3), "targets that are not integer"),
+    ((torch.zeros(2, 3), torch.zeros(3, dtype=torch.int64)), torch.zeros(2, 3),
+     "logits (2, 3) and targets of another shape"),
+    ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2, 5),
+     "logits with 5 classes but data.num_classes=3"),
+    ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
+     "a model output it cannot read: got str"),
+])
+def test_classification_errors_are_one_line_naming_the_task(batch, output, fragment):
+    task = Classification(num_classes=3)
+    with pytest.raises(TaskError) as info:
+        task.loss(output, batch)
+    assert str(info.value).startswith("task classification: ")
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_targets_beyond_the_logits_are_caught_on_the_first_batch():
+    with pytest.raises(TaskError, match="a target outside 0..2"):
+        Classification().loss(torch.zeros(2, 3), (None, torch.tensor([0, 7])))
+
+
+def test_ignore_index_is_left_out_of_loss_count_and_accuracy():
+    logits = torch.randn(2, 5, 7)
+    target = torch.randint(7, (2, 5))
+    target[0, 3:] = -100
+    task = LanguageModel()
+    loss, count = task.loss(logits, (None, target)), task.count((None, target))
+    valid = target != -100
+    assert int(count) == int(valid.sum()) == 8
+    assert torch.allclose(loss, F.cross_entropy(logits[valid], target[valid]))
+    acc = Accuracy(ignore_index=-100)
+    acc.update(logits, target)
+    expected = (logits.argmax(-1) == target)[valid].float().mean()
+    assert torch.allclose(acc.compute(), expected)  # not halved by the padding
+
+
+def test_language_model_shifts_labels_like_hugging_face():
+    model = tiny_gpt2()
+    batch = pad_collate([PaddedTokens("val", num_samples=3)[i] for i in range(3)])
+    own = model(**batch).loss
+    task = ModelLoss(count="tokens")
+    lm = LanguageModel(shift_labels=True, input_key="input_ids")
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.allclose(lm.loss(out, batch), own, rtol=1e-5)
+    assert int(task.count(batch)) == int(lm.count(batch)) == int(
+        (batch["labels"][:, 1:] != -100).sum())
+    assert torch.allclose(task.loss(model(**batch), batch), own)
+
+
+def test_regression_loss_and_shapes():
+    task = Regression()
+    pred, y = torch.randn(5, 1), torch.randn(5, dtype=torch.float64)
+    assert torch.allclose(task.loss(pred, (None, y)), F.mse_loss(pred.squeeze(1), y.float()))
+    with pytest.raises(TaskError, match="targets that are not real numbers"):
+        task.loss(pred, (None, torch.zeros(5, dtype=torch.int64)))
+
+
+def test_model_loss_needs_a_scalar_loss():
+    with pytest.raises(TaskError, match="task model_loss: no scalar loss in the model output: "
+                                        "got dict{logits: tensor"):
+        ModelLoss().loss({"logits": torch.zeros(2, 3)}, {})
+
+
+# --- the user's own work through train.py -------------------------------------------------------
+
+def write_conf(root: Path, files: dict) -> str:
+    """A config folder of one's own; returns the override that adds it to Hydra's search path."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return f"hydra.searchpath=[file://{root}]"
+
+
+GPT2_FILES = {
+    "model/tiny_gpt2.yaml": "_target_: tests.helpers.tiny_gpt2\nvocab_size: 48\n",
+    "data/padded_tokens.yaml": (
+        "train_dataset:\n  _target_: tests.helpers.PaddedTokens\n  split: train\n"
+        "  num_samples: 64\nval_dataset:\n  _target_: tests.helpers.PaddedTokens\n"
+        "  split: val\n  num_samples: 27\ncollate_fn:\n  _target_: tests.helpers.pad_collate\n"
+        "batch_size: 8\nnum_workers: 0\n"),
+}
+
+
+def own_val_loss(weights: dict) -> float:
+    """GPT-2's own loss over the whole validation set, token-weighted, computed directly."""
+    model = tiny_gpt2()
+    model.load_state_dict(weights)
+    model.eval()
+    val = PaddedTokens("val", num_samples=27)
+    total = count = 0.0
+    with torch.no_grad():
+        for start in range(0, len(val), 5):
+            batch = pad_collate([val[i] for i in range(start, min(start + 5, len(val)))])
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch).loss) * n
+            count += n
+    return total / count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_hugging_face_gpt2_trains_with_its_own_loss(tmp_path, ranks):
+    search = write_conf(tmp_path / "conf", GPT2_FILES)
+    run = tmp_path / "run"
+    args = [search, "model=tiny_gpt2", "data=padded_tokens", "task=model_loss",
+            "task.count=tokens", "trainer.max_epochs=3", "optim.lr=0.01",
+            f"hydra.run.dir={run}", "trainer.progress_bar=false"]
+    proc = (run_cli(args, cwd=ROOT) if ranks == 1 else
+            torchrun(2, args + ["data.batch_size=4"], cwd=ROOT, timeout=240))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary_of(run)
+    weights = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert s["val_loss"] == pytest.approx(own_val_loss(weights), rel=1e-5)
+    assert s["val_ppl"] == pytest.approx(math.exp(s["val_loss"]), rel=1e-6)
+    assert s["val_loss"] < math.log(48) - 0.5  # it learned something of the successor table
+
+
+@pytest.mark.slow
+def test_token_loss_accumulated_over_two_ranks_equals_one_big_batch(tmp_path):
+    """Padded sequences (a different number of -100 labels in every micro-batch): 2 ranks x
+    accumulation 2 x batch 2 makes the update of one process with batches of 8."""
+    search = write_conf(tmp_path / "conf", {
+        "data/padded_tokens.yaml": GPT2_FILES["data/padded_tokens.yaml"]
+        + "input_shape: [24]\nnum_classes: 48\n"})
+    common = [search, "data=padded_tokens", "model=transformer", "task=language_model",
+              "task.shift_labels=true", "task.input_key=input_ids", "trainer.max_steps=6",
+              # SGD: Adam would turn float noise in the exactly-zero gradient of the
+              # attention's key bias into full-size updates of either sign
+              "optim=sgd", "optim.lr=0.1", "trainer.progress_bar=false"]
+    proc = torchrun(2, [*common, "data.batch_size=2", "trainer.accumulate_grad_batches=2",
+                        f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = run_cli([*common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = (torch.load(tmp_path / r / "checkpoints" / "last.pt", weights_only=True)["model"]
+            for r in ("ddp", "one"))
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert summary_of(tmp_path / "ddp")["val_loss"] == pytest.approx(
+        summary_of(tmp_path / "one")["val_loss"], rel=1e-5)
+
+
+def test_regression_on_diabetes_logs_exact_mse(make_cfg, tmp_path):
+    cfg = make_cfg("data=custom", "+data.dataset._target_=tests.helpers.Diabetes",
+                   "data.input_shape=[10]", "+model.num_classes=1", "task=regression",
+                   "trainer.max_epochs=5", "optim.lr=0.01")
+    s = train(cfg)
+    assert "val_acc" not in s and {"val_mse", "val_mae"} <= s.keys()
+    model = __import__("trainer.models", fromlist=["MLP"]).MLP([10], 1)
+    model.load_state_dict(torch.load(s["checkpoint"], weights_only=True)["model"])
+    val = Diabetes("val")
+    with torch.no_grad():
+        pred = model(val.x).squeeze(1)
+    assert s["val_mse"] == pytest.approx(float(F.mse_loss(pred, val.y)), rel=1e-5)
+    assert s["val_mae"] == pytest.approx(float((pred - val.y).abs().mean()), rel=1e-5)
+    assert s["val_loss"] == pytest.approx(s["val_mse"], rel=1e-5)
+    assert s["val_mse"] < 0.8  # below the variance of the standardised targets
+
+
+TWO_HEAD_FILES = {
+    "task/digit_parity.yaml": (
+        "_target_: tests.helpers.DigitAndParity\nparity_weight: 0.5\nmetrics:\n  f1:\n"
+        "    _target_: torchmetrics.classification.MulticlassF1Score\n"
+        "    num_classes: 10\n    average: macro\n  acc:\n"
+        "    _target_: trainer.metrics.Accuracy\n"),
+    "data/dict_digits.yaml": (
+        "dataset:\n  _target_: tests.helpers.DictDigits\ncollate_fn:\n"
+        "  _target_: tests.helpers.stack_images\ninput_shape: [1, 8, 8]\nnum_classes: 10\n"),
+    "model/two_heads.yaml": "_target_: tests.helpers.TwoHeads\nwidth: 64\n",
+}
+
+
+@pytest.mark.slow
+def test_custom_task_with_f1_is_exact_on_three_ranks(tmp_path):
+    """Dict samples through a custom collate, a two-output model, a task of one's own with a
+    torchmetrics F1; validation on 3 ranks (359 samples: 120/120/119) equals one process."""
+    search = write_conf(tmp_path / "conf", TWO_HEAD_FILES)
+    common = [search, "data=dict_digits", "model=two_heads", "task=digit_parity",
+              "trainer.checkpoint.monitor=val_f1", "trainer.progress_bar=false"]
+    one = run_cli([*common, "trainer.max_epochs=4", f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    s1 = summary_of(tmp_path / "one")
+    assert s1["val_f1"] > 0.85 and s1["val_acc"] > 0.85
+    assert (tmp_path / "one" / "checkpoints" / "best.pt").is_file()
+    # resumed at its end: 3 ranks only validate the same weights
+    proc = torchrun(3, [*common, "trainer.max_epochs=4", f"hydra.run.dir={tmp_path / 'three'}",
+                        f"trainer.resume={tmp_path / 'one' / 'checkpoints' / 'last.pt'}"],
+                    cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s3 = summary_of(tmp_path / "three")
+    assert s3["world_size"] == 3
+    assert s3["val_f1"] == pytest.approx(s1["val_f1"], abs=1e-6)
+    assert s3["val_acc"] == pytest.approx(s1["val_acc"], abs=1e-6)
+    assert s3["val_loss"] == pytest.approx(s1["val_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_unused_parameters_under_ddp_need_the_key(tmp_path):
+    args = ["model._target_=tests.helpers.WithUnusedBranch", "trainer.max_steps=3",
+            "trainer.progress_bar=false"]
+    proc = torchrun(2, [*args, f"hydra.run.dir={tmp_path / 'a'}"], cwd=ROOT, timeout=120)
+    assert proc.returncode != 0  # torchrun reports a failed rank as 1
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1 and "set trainer.ddp.find_unused_parameters=true" in lines[0]
+    proc = torchrun(2, [*args, "trainer.ddp.find_unused_parameters=true",
+                        f"hydra.run.dir={tmp_path / 'b'}"], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["model=custom", "model._target_=tests.helpers.TwoHeads", "+model.widht=3"],
+     "model.widht: tests.helpers.TwoHeads takes no argument 'widht' (it takes: input_shape, "
+     "num_classes, width)"),
+    (["model._target_=tests.helpers.TwoHeads"],
+     "model.hidden: tests.helpers.TwoHeads takes no argument 'hidden'"),
+    (["optim.lr=-1"], "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate"),
+    (["+optim.lrr=1"], "optim.lrr: torch.optim.AdamW takes no argument 'lrr'"),
+    (["data=custom", "+data.dataset._target_=tests.helpers.Stream"],
+     "data.dataset: Stream is an iterable dataset; Stoker needs a map-style dataset"),
+    (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits"],
+     "model: trainer.models.MLP needs 'input_shape': set data.input_shape or "
+     "model.input_shape"),
+    (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
+      "data.input_shape=[1,8,8]", "data.num_classes=10"],
+     "task classification: a batch it cannot unpack: got dict{image: tensor(64, 1, 8, 8) "
+     "float32, label: tensor(64,) int64, name: list("),
+    (["+model.num_classes=3"], "logits with 3 classes but data.num_classes=10"),
+    (["data=custom", "+data.dataset._target_=torch.utils.data.TensorDataset"],
+     "data.dataset: torch.utils.data.TensorDataset takes no split argument; give "
+     "data.train_dataset and data.val_dataset instead"),
+    (["trainer.checkpoint.monitor=val_f1"],
+     "trainer.checkpoint.monitor=val_f1: must be null or a logged validation key: val_loss, "
+     "val_acc"),
+])
+def test_user_mistakes_are_one_line(tmp_path, args, fragment):
+    proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+                    "trainer.max_steps=2", "data.num_workers=0"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,135 @@
+"""Building the user's components from `_target_` nodes, with one-line errors.
+
+`build(node, key, offered)` checks the node's keys against the target's signature before
+calling it: a key the target does not take is a typo named in one line (with the keys it does
+take), a required argument nobody gives is named too. `offered` values (the data config's
+`input_shape` and `num_classes`, a dataset's `split`) are passed only where the target's
+signature names them and the node does not set them, so a torchvision or Hugging Face class
+never receives an argument it does not know.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import ConfigError
+
+RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+
+
+def target_of(node: Any, key: str) -> Callable:
+    """The callable a `_target_` node names; ConfigError if it is missing or not importable."""
+    if not isinstance(node, (DictConfig, dict)) or "_target_" not in node:
+        raise ConfigError(f"{key}: needs a _target_ (an importable class or function), got "
+                          f"{OmegaConf.to_container(node) if isinstance(node, DictConfig) else node!r}")
+    try:
+        return get_object(node["_target_"])
+    except Exception as e:  # ImportError, AttributeError, ValueError from the locator
+        raise ConfigError(f"{key}._target_={node['_target_']}: cannot be imported "
+                          f"({str(e).splitlines()[0]})") from None
+
+
+def parameters(target: Callable) -> Optional[Dict[str, inspect.Parameter]]:
+    """The named parameters `target` accepts, or None when that cannot be known: a function
+    taking **kwargs, or no readable signature. A class whose __init__ passes **kwargs on to
+    its base (`class Mine(MLP): def __init__(self, *a, **kw)`) takes its bases' parameters too.
+    """
+    found: Dict[str, inspect.Parameter] = {}
+    for fn in _inits(target):
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return None
+        for n, p in params.items():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self":
+                found.setdefault(n, p)
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return found
+    return None
+
+
+def _inits(target: Callable):
+    """The callables whose signatures describe `target`'s arguments, most derived first."""
+    if not inspect.isclass(target):
+        yield target
+        return
+    for cls in target.__mro__:
+        if "__init__" in vars(cls):
+            if cls is object:
+                return
+            yield cls.__init__
+
+
+def accepts(target: Callable, name: str) -> bool:
+    """True if `target` (or, through **kwargs, a base class) names the parameter `name`."""
+    params = parameters(target)
+    if params is not None:
+        return name in params
+    try:
+        return name in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
+    """`instantiate(node, **kwargs)` after checking its keys (see the module doc). A
+    `_partial_: true` node is not checked for missing arguments: its caller passes them."""
+    target = target_of(node, key)
+    name = node["_target_"]
+    params = parameters(target)
+    given = [k for k in node if k not in RESERVED]
+    if params is not None:
+        unknown = [k for k in given if k not in params]
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: {name} takes no argument '{unknown[0]}' "
+                              f"(it takes: {', '.join(params) or 'no arguments'})")
+    extra = {k: v for k, v in (offered or {}).items()
+             if v is not None and k not in given and params is not None and k in params}
+    extra.update(kwargs)
+    if params is not None and not node.get("_partial_", False):
+        missing = [n for n, p in params.items() if p.default is p.empty
+                   and n not in given and n not in extra]
+        if missing:
+            where = f"data.{missing[0]} or " if missing[0] in (offered or {}) else ""
+            raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
+                              f"{key}.{missing[0]}")
+    return instantiate(node, **extra)
+
+
+# words torch's optimizers use for their arguments in "Invalid ..." messages
+_ALIASES = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "momentum": "momentum",
+            "weight_decay": "weight_decay", "weight decay": "weight_decay", "dampening": "dampening"}
+
+
+def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` (a partial built from `node`), with a ValueError or TypeError it
+    raises about its arguments turned into one line naming the config key."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        lowered = text.lower()
+        names = [k for k in node if k not in RESERVED]
+        named = next((k for k in names if k in lowered), None) or next(
+            (v for w, v in _ALIASES.items() if w in lowered and v in names), None)
+        where = f"{key}.{named}={node[named]}" if named else key
+        raise ConfigError(f"{where}: {node.get('_target_', key)} refused it: {text}") from None
+
+
+def build_callable(node: Any, key: str) -> Optional[Callable]:
+    """A callable from a `_target_` node: a function named with no arguments is used as it is
+    (no `_partial_` needed); a class or a node with arguments is instantiated (a partial with
+    `_partial_: true`). None for a null node."""
+    if node is None:
+        return None
+    target = target_of(node, key)
+    if inspect.isfunction(target) and not [k for k in node if k not in RESERVED]:
+        return target
+    obj = build(node, key)
+    if not callable(obj):
+        raise ConfigError(f"{key}: {node['_target_']} built a {type(obj).__name__}, which is "
+                          "not callable; name a function, or set _partial_: true")
+    return obj

@@ -1,0 +1,348 @@
+"""The task: the seam between the training loop and the user's work.
+
+The loop never looks inside a batch. It asks the task four things:
+
+- `forward(model, batch)`: run the model on the batch (how the batch reaches the model);
+- `count(batch)`: how many units the loss averages over: samples, or valid tokens for a token
+  loss. A Python int (known from shapes, no host sync) or a 0-d tensor on the device;
+- `loss(output, batch)`: the loss as a mean over those `count` units;
+- `metric_inputs(output, batch)`: the (preds, target) pair handed to every metric's `update`.
+
+From `count` the loop weights every micro-batch so that k micro-batches on N ranks give the
+update of one batch of all of them: each micro-batch contributes `loss * count / total`, where
+`total` is the window's count summed over its micro-batches and, when counts are tensors (valid
+tokens), over ranks too. A mean of per-batch means would weight a batch of 3 valid tokens as
+much as one of 300.
+
+Built-in tasks (conf/task/): Classification, Regression, LanguageModel, ModelLoss. A task of
+your own subclasses `Task` and overrides what differs; see README "Bring your own".
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ConfigError
+
+Count = Union[int, torch.Tensor]
+
+
+class TaskError(ConfigError):
+    """A batch or a model output that the task cannot use; one line naming the task."""
+
+
+def describe(obj: Any) -> str:
+    """A short description of a batch or output for error messages: types, keys and shapes."""
+    if isinstance(obj, torch.Tensor):
+        return f"tensor{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+    if isinstance(obj, Mapping):
+        return "dict{" + ", ".join(f"{k}: {describe(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return type(obj).__name__ + "(" + ", ".join(describe(v) for v in obj) + ")"
+    return type(obj).__name__
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in `batch`: the first dimension of the first tensor found in it (shapes only)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else (
+        batch if isinstance(batch, (list, tuple)) else ())
+    for v in values:
+        n = batch_size(v)
+        if n:
+            return n
+    return 0
+
+
+class Task:
+    """Base of every task. Subclasses override `loss` (and usually `count`, `metric_inputs`).
+
+    `metrics`: name -> torchmetrics.Metric (built by Hydra from `task.metrics.<name>`), logged
+    as `val_<name>`. `input_key`/`target_key`: for dict batches, the entry fed to the model
+    (null: every entry but the target, as keyword arguments) and the target's entry.
+    `output_key`: the attribute or entry holding the predictions in a model output that is
+    not a tensor (Hugging Face outputs carry `.logits`).
+    """
+
+    name = "task"
+
+    def __init__(self, metrics: Optional[Mapping[str, Any]] = None,
+                 input_key: Optional[str] = None, target_key: str = "labels",
+                 output_key: str = "logits"):
+        metrics = {k: v for k, v in (metrics or {}).items() if v is not None}
+        for key, metric in metrics.items():
+            if key == "loss" or not callable(getattr(metric, "update", None)) \
+                    or not callable(getattr(metric, "compute", None)):
+                raise ConfigError(f"task.metrics.{key}: {type(metric).__name__} is not a metric "
+                                  "with update/compute (e.g. a torchmetrics.Metric), or is "
+                                  "named 'loss' (val_loss is always logged)")
+        self.metrics = nn.ModuleDict(metrics) if all(
+            isinstance(m, nn.Module) for m in metrics.values()) else metrics
+        self.input_key, self.target_key, self.output_key = input_key, target_key, output_key
+
+    # -- what the loop calls ---------------------------------------------------------------
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        """The model's output for `batch` (dict inputs become keyword arguments)."""
+        inputs, _ = self.split(batch)
+        return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+
+    def count(self, batch: Any) -> Count:
+        """Units the loss of `batch` averages over; the batch's samples by default."""
+        return batch_size(batch)
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """The mean loss over `count(batch)` units (a 0-d tensor that autograd can use)."""
+        raise NotImplementedError(f"{type(self).__name__} must define loss(output, batch)")
+
+    def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
+        """(preds, target) for the metrics' `update`."""
+        return self.predictions(output), self.split(batch)[1]
+
+    def derived(self, values: Dict[str, float]) -> Dict[str, float]:
+        """Values computed from the validation results (e.g. perplexity from the loss)."""
+        return {}
+
+    def higher_is_better(self) -> Dict[str, Optional[bool]]:
+        """Every validation key this task logs, with its better direction where known."""
+        keys: Dict[str, Optional[bool]] = {"val_loss": False}
+        for name, metric in self.metrics.items():
+            keys[f"val_{name}"] = getattr(metric, "higher_is_better", None)
+        return keys
+
+    # -- helpers for subclasses --------------------------------------------------------------
+    def split(self, batch: Any) -> Tuple[Any, Any]:
+        """(inputs, target) of a batch: a sequence's first two items, or a dict's entries."""
+        if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+            return batch[0], batch[1]
+        if isinstance(batch, Mapping) and self.target_key in batch:
+            target = batch[self.target_key]
+            if self.input_key is not None:
+                if self.input_key not in batch:
+                    raise self.error(f"a dict batch without the input key "
+                                     f"'{self.input_key}' (task.input_key)", batch)
+                return batch[self.input_key], target
+            return {k: v for k, v in batch.items() if k != self.target_key}, target
+        raise self.error("a batch it cannot unpack", batch,
+                         f"(inputs, target) or a dict with the target key '{self.target_key}' "
+                         "(task.target_key); or task=model_loss if the model computes its loss")
+
+    def predictions(self, output: Any) -> torch.Tensor:
+        """The prediction tensor inside a model output (a tensor, `.logits`, ["logits"], [0])."""
+        if isinstance(output, torch.Tensor):
+            return output
+        found = getattr(output, self.output_key, None)
+        if found is None and isinstance(output, Mapping):
+            found = output.get(self.output_key)
+        if found is None and isinstance(output, (list, tuple)) and output:
+            found = output[0]
+        if not isinstance(found, torch.Tensor):
+            raise self.error("a model output it cannot read", output,
+                             f"a tensor, or an output with a '{self.output_key}' tensor "
+                             "(task.output_key)")
+        return found
+
+    def error(self, what: str, got: Any, expected: str = "") -> TaskError:
+        text = f"task {self.name}: {what}: got {describe(got)}"
+        return TaskError(text + (f"; expected {expected}" if expected else ""))
+
+    def to(self, device: torch.device) -> "Task":
+        for metric in self.metrics.values():
+            if isinstance(metric, nn.Module):
+                metric.to(device)
+        return self
+
+
+class Classification(Task):
+    """Cross-entropy over (batch, classes) logits and int64 targets; top-1 accuracy by default.
+
+    Targets equal to `ignore_index` (null: none) are left out of the loss and its count.
+    `num_classes` (from data.num_classes when set) is checked against the logits' last size.
+    """
+
+    name = "classification"
+
+    def __init__(self, ignore_index: Optional[int] = None, label_smoothing: float = 0.0,
+                 num_classes: Optional[int] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+        self.num_classes = num_classes
+        self._checked = False
+
+    def target(self, batch: Any) -> torch.Tensor:
+        return self.split(batch)[1]
+
+    def count(self, batch: Any) -> Count:
+        target = self.target(batch)
+        if self.ignore_index is None or not isinstance(target, torch.Tensor):
+            return target.numel() if isinstance(target, torch.Tensor) else batch_size(batch)
+        return (target != self.ignore_index).sum()  # stays on the device
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        logits, target = self.predictions(output), self.target(batch)
+        self.check(logits, target)
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+            ignore_index=-100 if self.ignore_index is None else self.ignore_index,
+            label_smoothing=self.label_smoothing, reduction="sum")
+        n = self.count(batch)
+        return loss_sum / (n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1))
+
+    def check(self, logits: torch.Tensor, target: Any) -> None:
+        """Shapes and dtypes on every call (metadata only); target values on the first call
+        (one host sync, once per run)."""
+        if not isinstance(target, torch.Tensor) or target.dtype not in (
+                torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise self.error("targets that are not integer class indices", target,
+                             "an int64 tensor of class indices (task=regression for real "
+                             "values)")
+        if tuple(target.shape) != tuple(logits.shape[:-1]):
+            raise self.error(f"logits {tuple(logits.shape)} and targets of another shape",
+                             target, f"targets of shape {tuple(logits.shape[:-1])}")
+        classes = logits.shape[-1]
+        if self.num_classes is not None and classes != self.num_classes:
+            raise self.error(f"logits with {classes} classes but data.num_classes="
+                             f"{self.num_classes}", logits,
+                             "the model's output size to match data.num_classes")
+        if not self._checked:
+            self._checked = True
+            valid = target if self.ignore_index is None else target[target != self.ignore_index]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
+                raise self.error(f"a target outside 0..{classes - 1} (the logits have {classes} "
+                                 f"classes)", target, "class indices below the model's "
+                                 "output size (is the model's num_classes right?)")
+
+
+class LanguageModel(Classification):
+    """Next-token cross-entropy over (batch, tokens, vocabulary) logits; targets equal to
+    `ignore_index` (-100, padding) are left out; logs per-token accuracy and perplexity.
+
+    `shift_labels`: the targets are the inputs themselves (Hugging Face's `labels`): position
+    t's logits are scored against token t + 1. false: the data already yields shifted targets.
+    """
+
+    name = "language_model"
+
+    def __init__(self, ignore_index: int = -100, shift_labels: bool = False, **kwargs):
+        super().__init__(ignore_index=ignore_index, **kwargs)
+        self.shift_labels = shift_labels
+
+    def target(self, batch: Any) -> torch.Tensor:
+        target = super().target(batch)
+        return target[..., 1:] if self.shift_labels and isinstance(target, torch.Tensor) else target
+
+    def predictions(self, output: Any) -> torch.Tensor:
+        logits = super().predictions(output)
+        if logits.dim() != 3:
+            raise self.error("logits that are not (batch, tokens, vocabulary)", logits,
+                             "a 3-D output (task=classification for one label per sample)")
+        return logits[:, :-1] if self.shift_labels else logits
+
+    def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
+        return self.predictions(output), self.target(batch)
+
+    def derived(self, values: Dict[str, float]) -> Dict[str, float]:
+        loss = values.get("val_loss", math.nan)
+        return {"val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan}
+
+    def higher_is_better(self) -> Dict[str, Optional[bool]]:
+        return {**super().higher_is_better(), "val_ppl": False}
+
+
+class Regression(Task):
+    """Mean squared error between the model's output and real-valued targets (any shape the
+    output has; a (batch, 1) output meets (batch,) targets). Logs val_mse and val_mae."""
+
+    name = "regression"
+
+    def pair(self, output: Any, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        pred, target = self.predictions(output), self.split(batch)[1]
+        if not isinstance(target, torch.Tensor) or not target.is_floating_point():
+            raise self.error("targets that are not real numbers", target,
+                             "a float tensor (task=classification for class indices)")
+        if target.shape != pred.shape:
+            if target.numel() != pred.numel():
+                raise self.error(f"outputs {tuple(pred.shape)} and targets of another size",
+                                 target, f"targets with {pred.numel()} values per batch")
+            target = target.reshape(pred.shape)
+        return pred, target.to(pred.dtype)
+
+    def count(self, batch: Any) -> Count:
+        target = self.split(batch)[1]
+        return target.numel() if isinstance(target, torch.Tensor) else batch_size(batch)
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        pred, target = self.pair(output, batch)
+        return F.mse_loss(pred.float(), target.float())
+
+    def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
+        return self.pair(output, batch)
+
+
+class ModelLoss(Task):
+    """The model computes its own loss (Hugging Face models given `labels`, a LightningModule-
+    style forward): an output with `.loss`, a dict with "loss", or a scalar tensor.
+
+    The batch reaches the model whole: a dict as keyword arguments, a sequence as positional
+    arguments, a tensor as the one argument. `count`: samples (the loss is a mean over the
+    batch) or tokens (a mean over the labels not equal to `ignore_index` in
+    `batch[target_key]`, shifted by one when `shift_labels`, as causal LMs score them), so
+    that accumulation and DDP weight every token equally.
+    """
+
+    name = "model_loss"
+
+    def __init__(self, count: str = "samples", ignore_index: int = -100,
+                 shift_labels: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        if count not in ("samples", "tokens"):
+            raise ConfigError(f"task.count={count}: must be samples or tokens")
+        self.count_by, self.ignore_index, self.shift_labels = count, ignore_index, shift_labels
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        if isinstance(batch, (list, tuple)):
+            return model(*batch)
+        return model(batch)
+
+    def labels(self, batch: Any) -> torch.Tensor:
+        labels = batch.get(self.target_key) if isinstance(batch, Mapping) else None
+        if not isinstance(labels, torch.Tensor):
+            raise self.error(f"task.count=tokens but no '{self.target_key}' tensor in the batch",
+                             batch, f"a dict batch with '{self.target_key}' (task.target_key)")
+        return labels[..., 1:] if self.shift_labels else labels
+
+    def count(self, batch: Any) -> Count:
+        if self.count_by == "samples":
+            return batch_size(batch)
+        return (self.labels(batch) != self.ignore_index).sum()
+
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise self.error("no scalar loss in the model output", output,
+                             "an output with .loss, a dict with 'loss', or a 0-d tensor "
+                             "(give the model its labels, or use task=classification)")
+        return loss
+
+    def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
+        logits = self.predictions(output)
+        if self.count_by == "tokens":
+            return (logits[:, :-1] if self.shift_labels else logits), self.labels(batch)
+        return logits, self.split(batch)[1]
+
+    def derived(self, values: Dict[str, float]) -> Dict[str, float]:
+        if self.count_by != "tokens":
+            return {}
+        return LanguageModel.derived(self, values)
+
+    def higher_is_better(self) -> Dict[str, Optional[bool]]:
+        extra = {"val_ppl": False} if self.count_by == "tokens" else {}
+        return {**super().higher_is_better(), **extra}
