@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.datasets import MemmapDataset
+from trainer.config import ConfigError
 
 SHM_ROOT = Path("/dev/shm")
 
@@ -30,8 +31,9 @@ def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
     for batch in loader:
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
-            raise ValueError("data.cache and scripts/prepare_data.py need a dataset of "
-                             "(input, target) tensor pairs")
+            raise ConfigError("data.cache and scripts/prepare_data.py need a dataset of "
+                              "(input, target) tensor pairs; use data.cache=none for other "
+                              "samples")
         yield batch
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.sampler import ResumableDistributedSampler
 
-from trainer.config import DataConfig
+from trainer.config import ConfigError, DataConfig
 
 
 class EvalShardSampler(Sampler[int]):
@@ -88,3 +88,19 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float,
         fix = (f"the loader is CPU-bound at {n} workers: make per-sample work lighter or "
                "move augmentation to the device")
     return f"steps waited for data {pct} of the time: {fix}"
+
+
+def batching_error(e: BaseException) -> BaseException:
+    """A ConfigError (one line) for a sample the collate function cannot batch, else `e`.
+
+    With workers, the DataLoader re-raises the worker's error with its traceback in the
+    message; the last line of that message says what was wrong.
+    """
+    text = str(e)
+    if not isinstance(e, TypeError) or "collate" not in text:
+        return e
+    last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+    last = last.removeprefix("TypeError: ")
+    return ConfigError(f"data: the dataset yields samples the collate function cannot batch "
+                       f"({last}); return tensors, numbers, or dicts/tuples of them, or set "
+                       "data.collate_fn")

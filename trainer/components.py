@@ -74,9 +74,11 @@ def accepts(target: Callable, name: str) -> bool:
         return False
 
 
-def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:
+def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: str = "",
+          **kwargs: Any) -> Any:
     """`instantiate(node, **kwargs)` after checking its keys (see the module doc). A
-    `_partial_: true` node is not checked for missing arguments: its caller passes them."""
+    `_partial_: true` node is not checked for missing arguments: its caller passes them.
+    `hint` ends the message about an unknown key."""
     target = target_of(node, key)
     name = node["_target_"]
     params = parameters(target)
@@ -85,7 +87,7 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, **kwarg
         unknown = [k for k in given if k not in params]
         if unknown:
             raise ConfigError(f"{key}.{unknown[0]}: {name} takes no argument '{unknown[0]}' "
-                              f"(it takes: {', '.join(params) or 'no arguments'})")
+                              f"(it takes: {', '.join(params) or 'no arguments'}){hint}")
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
     extra.update(kwargs)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from data.loader import batching_error
 from data.prefetch import DevicePrefetcher
 from trainer import distributed
 from trainer.config import TrainerConfig
@@ -226,7 +227,10 @@ class Loop:
         for w, size in enumerate(windows):
             t0 = time.perf_counter()
             # the whole window first: its micro-batches' weights need the window's total count
-            micro = [next(batches) for _ in range(size)]  # on the device already
+            try:
+                micro = [next(batches) for _ in range(size)]  # on the device already
+            except TypeError as e:
+                raise batching_error(e) from None
             window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
             counts = [self.task.count(batch) for batch in micro]
             for i, (batch, count, weight) in enumerate(
@@ -325,6 +329,24 @@ class Loop:
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
+        try:
+            sums = self._evaluate_batches(model)
+        except TypeError as e:
+            raise batching_error(e) from None
+        loss_sum, count = distributed.all_reduce_sum(sums).tolist()
+        values = {"val_loss": loss_sum / count if count else math.nan}
+        for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
+            values[f"val_{name}"] = float(metric.compute()) if count else math.nan
+        values.update(self.task.derived(values))
+        self.last_val = values
+        self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
+        self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
+                         " ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        model.train()
+        return values
+
+    def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:
+        """(loss sum, count) over this rank's validation shard; metrics updated on the way."""
         task = self.task
         for metric in task.metrics.values():
             metric.reset()
@@ -338,14 +360,4 @@ class Loop:
             preds, target = task.metric_inputs(output, batch)
             for metric in task.metrics.values():
                 metric.update(preds, target)
-        loss_sum, count = distributed.all_reduce_sum(sums).tolist()
-        values = {"val_loss": loss_sum / count if count else math.nan}
-        for name, metric in task.metrics.items():  # torchmetrics gathers every rank's state
-            values[f"val_{name}"] = float(metric.compute()) if count else math.nan
-        values.update(task.derived(values))
-        self.last_val = values
-        self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
-        self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
-                         " ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        model.train()
-        return values
+        return sums

@@ -106,7 +106,9 @@ def _datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         if not components.accepts(target, "split"):
             raise ConfigError(f"data.dataset: {d.dataset._target_} takes no split argument; "
                               "give data.train_dataset and data.val_dataset instead")
-        sets = [components.build(d.dataset, "data.dataset", split=s) for s in ("train", "val")]
+        sets = [components.build(d.dataset, "data.dataset", split=s,
+                                 hint="; data=custom starts from no dataset keys")
+                for s in ("train", "val")]
         keys = ("data.dataset",) * 2
     else:
         keys = ("data.train_dataset", "data.val_dataset")
@@ -151,8 +153,10 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
     d = cfg.data
     offered = {"input_shape": None if d.input_shape is None else list(d.input_shape),
                "num_classes": d.num_classes}
-    model = speed.memory_format(components.build(cfg.model, "model", offered),
-                                d.channels_last)
+    model = speed.memory_format(
+        components.build(cfg.model, "model", offered,
+                         hint="; model=custom starts from no keys but _target_"),
+        d.channels_last)
     model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
                                 cfg.trainer.compile)
     task = components.build(cfg.task, "task")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tests.helpers import (ROOT, Diabetes, PaddedTokens, TwoHeads, pad_collate, run_cli,
                            summary_of, tiny_gpt2, torchrun)
+from trainer.config import ConfigError
 from trainer.metrics import Accuracy
 from trainer.runner import train
 from trainer.task import Classification, LanguageModel, ModelLoss, Regression, TaskError
@@ -250,18 +251,14 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
      "model.widht: tests.helpers.TwoHeads takes no argument 'widht' (it takes: input_shape, "
      "num_classes, width)"),
     (["model._target_=tests.helpers.TwoHeads"],
-     "model.hidden: tests.helpers.TwoHeads takes no argument 'hidden'"),
-    (["optim.lr=-1"], "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate"),
+     "model.hidden: tests.helpers.TwoHeads takes no argument 'hidden' (it takes: input_shape, "
+     "num_classes, width); model=custom starts from no keys but _target_"),
     (["+optim.lrr=1"], "optim.lrr: torch.optim.AdamW takes no argument 'lrr'"),
     (["data=custom", "+data.dataset._target_=tests.helpers.Stream"],
      "data.dataset: Stream is an iterable dataset; Stoker needs a map-style dataset"),
     (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits"],
      "model: trainer.models.MLP needs 'input_shape': set data.input_shape or "
      "model.input_shape"),
-    (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
-      "data.input_shape=[1,8,8]", "data.num_classes=10"],
-     "task classification: a batch it cannot unpack: got dict{image: tensor(64, 1, 8, 8) "
-     "float32, label: tensor(64,) int64, name: list("),
     (["+model.num_classes=3"], "logits with 3 classes but data.num_classes=10"),
     (["data=custom", "+data.dataset._target_=torch.utils.data.TensorDataset"],
      "data.dataset: torch.utils.data.TensorDataset takes no split argument; give "
@@ -269,11 +266,46 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["trainer.checkpoint.monitor=val_f1"],
      "trainer.checkpoint.monitor=val_f1: must be null or a logged validation key: val_loss, "
      "val_acc"),
+    (["task=regression"], "task regression: targets that are not real numbers"),
+    (["data.cache=memory", "data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
+      "data.input_shape=[1,8,8]"], "data.cache and scripts/prepare_data.py need a dataset of "
+                                   "(input, target) tensor pairs"),
 ])
-def test_user_mistakes_are_one_line(tmp_path, args, fragment):
-    proc = run_cli([*args, f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
-                    "trainer.max_steps=2", "data.num_workers=0"])
+def test_user_mistakes_fail_before_training_with_one_line(make_cfg, args, fragment):
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(*args, "trainer.max_steps=2"))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
+      "data.input_shape=[1,8,8]", "data.num_classes=10"],
+     "task classification: a batch it cannot unpack: got dict{image: tensor(64, 1, 8, 8) "
+     "float32, label: tensor(64,) int64, name: list("),
+    (["optim.lr=-1"], "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate"),
+    (["data.dataset._target_=tests.helpers.StringDigits", "data.num_workers=1"],
+     "data: the dataset yields samples the collate function cannot batch (default_collate: "
+     "batch must contain tensors"),
+])
+def test_user_mistakes_are_one_line_on_the_command_line(tmp_path, args, fragment):
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+                    "trainer.max_steps=2", "data.num_workers=0", *args])
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
     assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_separate_train_and_val_dataset_nodes(make_cfg, tmp_path):
+    common = ["data=custom", "data.input_shape=[10]", "+model.num_classes=1", "task=regression",
+              "trainer.max_epochs=2"]
+    one_node = train(make_cfg(*common, "+data.dataset._target_=tests.helpers.Diabetes",
+                              run_dir=tmp_path / "one"))
+    pair = train(make_cfg(*common, "+data.train_dataset._target_=tests.helpers.Diabetes",
+                          "+data.train_dataset.split=train",
+                          "+data.val_dataset._target_=tests.helpers.Diabetes",
+                          "+data.val_dataset.split=val", run_dir=tmp_path / "pair"))
+    assert pair["val_mse"] == one_node["val_mse"]  # the same data, built either way
+    no_val = train(make_cfg(*common, "+data.train_dataset._target_=tests.helpers.Diabetes",
+                            run_dir=tmp_path / "no_val"))
+    assert not [k for k in no_val if k.startswith("val_")] and no_val["steps"] == 2 * 6
