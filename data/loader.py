@@ -90,17 +90,30 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float,
     return f"steps waited for data {pct} of the time: {fix}"
 
 
+def _raised_in_collate(e: BaseException) -> bool:
+    """True for an error of PyTorch's default collate: raised in its module, or re-raised from
+    a worker with that module in the copied traceback."""
+    if "_utils/collate.py" in str(e) or "default_collate" in str(e):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(("_utils/collate.py", "_utils\\collate.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def batching_error(e: BaseException) -> BaseException:
-    """A ConfigError (one line) for a sample the collate function cannot batch, else `e`.
+    """A ConfigError (one line) for samples the default collate cannot batch (types it does
+    not know, tensors of different shapes), else `e` itself.
 
     With workers, the DataLoader re-raises the worker's error with its traceback in the
     message; the last line of that message says what was wrong.
     """
-    text = str(e)
-    if not isinstance(e, TypeError) or "collate" not in text:
+    if not isinstance(e, (TypeError, RuntimeError)) or not _raised_in_collate(e):
         return e
-    last = [line.strip() for line in text.splitlines() if line.strip()][-1]
-    last = last.removeprefix("TypeError: ")
-    return ConfigError(f"data: the dataset yields samples the collate function cannot batch "
-                       f"({last}); return tensors, numbers, or dicts/tuples of them, or set "
-                       "data.collate_fn")
+    last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+    last = last.removeprefix("TypeError: ").removeprefix("RuntimeError: ")
+    return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
+                       f"({last}); return tensors of one shape, numbers, or dicts/tuples of "
+                       "them, or set data.collate_fn (to pad variable-length samples, say)")

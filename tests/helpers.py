@@ -178,7 +178,8 @@ def tiny_gpt2(vocab_size: int = 48, context: int = 32, layers: int = 2, width: i
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width,
                                       n_layer=layers, n_head=2, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0))
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0))
 
 
 class Diabetes(torch.utils.data.Dataset):

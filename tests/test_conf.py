@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from tests.helpers import CONF, make_memmap_root
 from trainer import schedules
@@ -70,3 +71,14 @@ def test_slurm_launcher_config_composes():
                       return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
     assert cfg.hydra.launcher.tasks_per_node == cfg.hydra.launcher.gpus_per_node
+
+
+def test_debug_runs_go_to_their_own_folder():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        plain = compose("train", overrides=["run_dir=x"], return_hydra_config=True)
+        debug = compose("train", overrides=["run_dir=x", "debug=fdr"], return_hydra_config=True)
+    # unresolved: the launch stamp resolves only inside a running job
+    assert OmegaConf.to_container(plain.hydra.run)["dir"] == "outputs/${stoker_stamp:}"
+    assert OmegaConf.to_container(debug.hydra.run)["dir"] == "outputs/debug/${stoker_stamp:}"

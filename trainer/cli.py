@@ -57,6 +57,8 @@ def describe(e: BaseException) -> str:
             text += f" (key: {key})"
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _valid_keys(cur)
+            if "not in struct" in text:
+                text += " (a key the config does not have yet is added with +key=value)"
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
@@ -105,6 +107,10 @@ def exit_on_error(main: Callable[[], None]) -> None:
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     sys.argv[1:] = expand_auto(sys.argv[1:])
+    # `_target_`s name the user's own modules: import them from where the command is run, as
+    # `python -m` would (Python itself puts only train.py's folder on the path)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     try:
         # under torchrun, record() writes a crash's traceback where the agent reports it
         record(main)()

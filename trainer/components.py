@@ -9,10 +9,11 @@ never receives an argument it does not know.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any, Callable, Dict, Optional
 
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import ConfigError
@@ -25,11 +26,32 @@ def target_of(node: Any, key: str) -> Callable:
     if not isinstance(node, (DictConfig, dict)) or "_target_" not in node:
         raise ConfigError(f"{key}: needs a _target_ (an importable class or function), got "
                           f"{OmegaConf.to_container(node) if isinstance(node, DictConfig) else node!r}")
-    try:
-        return get_object(node["_target_"])
-    except Exception as e:  # ImportError, AttributeError, ValueError from the locator
-        raise ConfigError(f"{key}._target_={node['_target_']}: cannot be imported "
-                          f"({str(e).splitlines()[0]})") from None
+    return locate(str(node["_target_"]), f"{key}._target_")
+
+
+def locate(path: str, key: str) -> Callable:
+    """The object at a dotted path (`pkg.module.Class`), importing the longest module prefix;
+    ConfigError naming `key` and the reason when there is none."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.startswith(e.name):
+                continue  # this prefix is no module: try a shorter one
+            raise ConfigError(f"{key}={path}: importing {module_name} failed: {e}") from None
+        except Exception as e:  # an error inside the user's module
+            raise ConfigError(f"{key}={path}: importing {module_name} failed: "
+                              f"{type(e).__name__}: {e}") from None
+        for j, attr in enumerate(parts[i:], start=i):
+            if not hasattr(obj, attr):
+                raise ConfigError(f"{key}={path}: {'.'.join(parts[:j])} has no attribute "
+                                  f"'{attr}'") from None
+            obj = getattr(obj, attr)
+        return obj
+    raise ConfigError(f"{key}={path}: no module named '{parts[0]}' (is it installed, or in the "
+                      "directory you run from?)")
 
 
 def parameters(target: Callable) -> Optional[Dict[str, inspect.Parameter]]:

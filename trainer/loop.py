@@ -229,7 +229,7 @@ class Loop:
             # the whole window first: its micro-batches' weights need the window's total count
             try:
                 micro = [next(batches) for _ in range(size)]  # on the device already
-            except TypeError as e:
+            except (TypeError, RuntimeError) as e:
                 raise batching_error(e) from None
             window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
             counts = [self.task.count(batch) for batch in micro]
@@ -331,7 +331,7 @@ class Loop:
         model.eval()
         try:
             sums = self._evaluate_batches(model)
-        except TypeError as e:
+        except (TypeError, RuntimeError) as e:
             raise batching_error(e) from None
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()
         values = {"val_loss": loss_sum / count if count else math.nan}

@@ -19,6 +19,8 @@ your own subclasses `Task` and overrides what differs; see README "Bring your ow
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -27,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ConfigError
+from trainer.strategy import unwrap
 
 Count = Union[int, torch.Tensor]
+log = logging.getLogger("stoker")
 
 
 class TaskError(ConfigError):
@@ -42,7 +46,10 @@ def describe(obj: Any) -> str:
     if isinstance(obj, Mapping):
         return "dict{" + ", ".join(f"{k}: {describe(v)}" for k, v in obj.items()) + "}"
     if isinstance(obj, (list, tuple)):
-        return type(obj).__name__ + "(" + ", ".join(describe(v) for v in obj) + ")"
+        items = [describe(v) for v in obj]
+        if len(items) > 4 and len(set(items)) == 1:  # a list of 64 file names, say
+            return f"{type(obj).__name__}({len(items)} x {items[0]})"
+        return type(obj).__name__ + "(" + ", ".join(items) + ")"
     return type(obj).__name__
 
 
@@ -89,7 +96,10 @@ class Task:
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
         inputs, _ = self.split(batch)
-        return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+        if isinstance(inputs, Mapping):
+            return self.call(model, kwargs=inputs, hint="set task.input_key to the batch entry "
+                             "the model takes, or task.target_key to the target's entry")
+        return model(inputs)
 
     def count(self, batch: Any) -> Count:
         """Units the loss of `batch` averages over; the batch's samples by default."""
@@ -115,6 +125,28 @@ class Task:
         return keys
 
     # -- helpers for subclasses --------------------------------------------------------------
+    def call(self, model: nn.Module, args: tuple = (), kwargs: Optional[Mapping] = None,
+             hint: str = "") -> Any:
+        """`model(*args, **kwargs)`; on the first call, arguments the model's `forward` cannot
+        take are reported in one line (with `hint`) instead of a traceback from inside it."""
+        kwargs = kwargs or {}
+        if not getattr(self, "_call_checked", False):
+            self._call_checked = True
+            module = unwrap(model)
+            try:
+                signature = inspect.signature(module.forward)
+            except (TypeError, ValueError):
+                signature = None
+            if signature is not None:
+                try:
+                    signature.bind(*args, **kwargs)
+                except TypeError as e:
+                    got = dict(kwargs) if not args else (
+                        {"args": tuple(args), **kwargs} if kwargs else tuple(args))
+                    raise self.error(f"a model whose forward{signature} cannot take the batch "
+                                     f"({e})", got, fix=hint) from None
+        return model(*args, **kwargs)
+
     def split(self, batch: Any) -> Tuple[Any, Any]:
         """(inputs, target) of a batch: a sequence's first two items, or a dict's entries."""
         if isinstance(batch, (list, tuple)) and len(batch) >= 2:
@@ -146,9 +178,10 @@ class Task:
                              "(task.output_key)")
         return found
 
-    def error(self, what: str, got: Any, expected: str = "") -> TaskError:
+    def error(self, what: str, got: Any, expected: str = "", fix: str = "") -> TaskError:
         text = f"task {self.name}: {what}: got {describe(got)}"
-        return TaskError(text + (f"; expected {expected}" if expected else ""))
+        return TaskError(text + (f"; expected {expected}" if expected else "")
+                         + (f"; {fix}" if fix else ""))
 
     def to(self, device: torch.device) -> "Task":
         for metric in self.metrics.values():
@@ -230,10 +263,37 @@ class LanguageModel(Classification):
     def __init__(self, ignore_index: int = -100, shift_labels: bool = False, **kwargs):
         super().__init__(ignore_index=ignore_index, **kwargs)
         self.shift_labels = shift_labels
+        self._last_inputs: Any = None
 
     def target(self, batch: Any) -> torch.Tensor:
         target = super().target(batch)
         return target[..., 1:] if self.shift_labels and isinstance(target, torch.Tensor) else target
+
+    def check(self, logits: torch.Tensor, target: Any) -> None:
+        first = not self._checked
+        super().check(logits, target)
+        if first and not self.shift_labels:
+            self._warn_if_unshifted(target)
+
+    def _warn_if_unshifted(self, target: torch.Tensor) -> None:
+        """Targets that equal the inputs make next-token training an identity (an accuracy of
+        about 1 that means nothing): Hugging Face-style `labels` need shift_labels=true."""
+        inputs = self._last_inputs
+        if isinstance(inputs, torch.Tensor) and inputs.shape == target.shape:
+            valid = target != self.ignore_index
+            same = bool(valid.any()) and bool((inputs[valid] == target[valid]).all())
+            self._last_inputs = None
+            if same:
+                log.warning("task language_model: the targets equal the inputs; if they are "
+                            "Hugging Face-style labels, set task.shift_labels=true (position t "
+                            "is scored against token t + 1)")
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        if not self._checked:  # kept for the one-off check of the first batch
+            inputs = self.split(batch)[0]
+            self._last_inputs = inputs if isinstance(inputs, torch.Tensor) else (
+                inputs.get("input_ids") if isinstance(inputs, Mapping) else None)
+        return super().forward(model, batch)
 
     def predictions(self, output: Any) -> torch.Tensor:
         logits = super().predictions(output)
@@ -266,8 +326,9 @@ class Regression(Task):
                              "a float tensor (task=classification for class indices)")
         if target.shape != pred.shape:
             if target.numel() != pred.numel():
-                raise self.error(f"outputs {tuple(pred.shape)} and targets of another size",
-                                 target, f"targets with {pred.numel()} values per batch")
+                raise self.error(f"outputs {tuple(pred.shape)} that do not match the targets",
+                                 target, "one output value per target value (a model with "
+                                 "num_classes=1, say, for one real target per sample)")
             target = target.reshape(pred.shape)
         return pred, target.to(pred.dtype)
 
@@ -304,11 +365,13 @@ class ModelLoss(Task):
         self.count_by, self.ignore_index, self.shift_labels = count, ignore_index, shift_labels
 
     def forward(self, model: nn.Module, batch: Any) -> Any:
+        hint = ("task=model_loss needs a model that takes the whole batch and returns its loss "
+                "(task=classification or regression for a model that returns predictions)")
         if isinstance(batch, Mapping):
-            return model(**batch)
+            return self.call(model, kwargs=batch, hint=hint)
         if isinstance(batch, (list, tuple)):
-            return model(*batch)
-        return model(batch)
+            return self.call(model, args=tuple(batch), hint=hint)
+        return self.call(model, args=(batch,), hint=hint)
 
     def labels(self, batch: Any) -> torch.Tensor:
         labels = batch.get(self.target_key) if isinstance(batch, Mapping) else None

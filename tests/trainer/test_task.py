@@ -86,6 +86,18 @@ def test_language_model_shifts_labels_like_hugging_face():
     assert torch.allclose(task.loss(model(**batch), batch), own)
 
 
+def test_language_model_warns_when_targets_are_the_unshifted_inputs(caplog):
+    ids = torch.randint(48, (2, 6))
+    batch = {"input_ids": ids, "labels": ids}
+    task = LanguageModel(input_key="input_ids")
+    task.loss(task.forward(lambda t: torch.randn(2, 6, 48), batch), batch)
+    assert "set task.shift_labels=true" in caplog.text
+    caplog.clear()
+    shifted = LanguageModel(input_key="input_ids", shift_labels=True)
+    shifted.loss(shifted.forward(lambda t: torch.randn(2, 6, 48), batch), batch)
+    assert "shift_labels" not in caplog.text
+
+
 def test_regression_loss_and_shapes():
     task = Regression()
     pred, y = torch.randn(5, 1), torch.randn(5, dtype=torch.float64)
@@ -267,6 +279,18 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
      "trainer.checkpoint.monitor=val_f1: must be null or a logged validation key: val_loss, "
      "val_acc"),
     (["task=regression"], "task regression: targets that are not real numbers"),
+    (["task=model_loss"], "task model_loss: a model whose forward(x) cannot take the batch "
+                          "(too many positional arguments)"),
+    (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
+      "data.input_shape=[1,8,8]", "data.num_classes=10", "+data.collate_fn._target_="
+      "tests.helpers.stack_images", "task.target_key=label"],
+     "task classification: a model whose forward(x) cannot take the batch (missing a required "
+     "argument: 'x'): got dict{image: tensor(64, 1, 8, 8) float32, names: list(64 x str)}; set "
+     "task.input_key to the batch entry the model takes"),
+    (["data=custom", "+data.train_dataset._target_=tests.helpers.PaddedTokens",
+      "data.input_shape=[24]", "data.num_classes=48"],
+     "data: the dataset yields samples the default collate cannot batch (stack expects each "
+     "tensor to be equal size"),
     (["data.cache=memory", "data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
       "data.input_shape=[1,8,8]"], "data.cache and scripts/prepare_data.py need a dataset of "
                                    "(input, target) tensor pairs"),
@@ -284,7 +308,7 @@ def test_user_mistakes_fail_before_training_with_one_line(make_cfg, args, fragme
      "float32, label: tensor(64,) int64, name: list("),
     (["optim.lr=-1"], "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate"),
     (["data.dataset._target_=tests.helpers.StringDigits", "data.num_workers=1"],
-     "data: the dataset yields samples the collate function cannot batch (default_collate: "
+     "data: the dataset yields samples the default collate cannot batch (default_collate: "
      "batch must contain tensors"),
 ])
 def test_user_mistakes_are_one_line_on_the_command_line(tmp_path, args, fragment):
@@ -309,3 +333,21 @@ def test_separate_train_and_val_dataset_nodes(make_cfg, tmp_path):
     no_val = train(make_cfg(*common, "+data.train_dataset._target_=tests.helpers.Diabetes",
                             run_dir=tmp_path / "no_val"))
     assert not [k for k in no_val if k.startswith("val_")] and no_val["steps"] == 2 * 6
+
+
+def test_modules_in_the_directory_the_command_runs_from_are_found(tmp_path):
+    (tmp_path / "mynet.py").write_text(
+        "import torch\n\nclass Net(torch.nn.Module):\n"
+        "    def __init__(self, input_shape, num_classes, width=16):\n"
+        "        super().__init__()\n"
+        "        self.layers = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, width),"
+        " torch.nn.ReLU(), torch.nn.Linear(width, num_classes))\n\n"
+        "    def forward(self, x):\n        return self.layers(x)\n")
+    args = ["model=custom", "trainer.max_steps=2", "trainer.progress_bar=false",
+            "data.num_workers=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_cli([*args, "model._target_=mynet.Net", "+model.width=8"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cli([*args, "model._target_=mynet.Nett"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "stoker: error: model._target_=mynet.Nett: mynet has no attribute 'Nett'")
