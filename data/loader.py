@@ -112,7 +112,7 @@ def batching_error(e: BaseException) -> BaseException:
     """
     if not isinstance(e, (TypeError, RuntimeError)) or not _raised_in_collate(e):
         return e
-    last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+    last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]
     last = last.removeprefix("TypeError: ").removeprefix("RuntimeError: ")
     return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "

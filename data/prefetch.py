@@ -21,6 +21,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from data.loader import batching_error
+
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     """The same structure as `batch` with every tensor on `device`; identity when already there."""
@@ -72,6 +74,22 @@ class InputTransform:
         return batch
 
 
+def _readable(batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, with the default collate's failures (samples it cannot batch) turned into one
+    line naming data.collate_fn (see data.loader.batching_error); other errors pass as they are."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (TypeError, RuntimeError) as e:
+            error = batching_error(e)
+            if error is e:
+                raise
+            raise error from None
+        yield batch
+
+
 class DevicePrefetcher:
     """Iterable over a DataLoader that yields batches already on `device` (see module doc).
 
@@ -91,11 +109,11 @@ class DevicePrefetcher:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        batches = _readable(iter(self.loader))
         if self.side_stream is None:
-            for batch in self.loader:
+            for batch in batches:
                 yield self.transform(to_device(batch, self.device))
             return
-        batches = iter(self.loader)
         pending = self._preload(batches)
         while pending is not None:
             compute = torch.cuda.current_stream(self.device)

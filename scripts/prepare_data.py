@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
+from trainer.runner import build_datasets  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -36,16 +36,20 @@ def main(argv: Optional[List[str]] = None) -> dict:
     a = p.parse_args(argv)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
-    meta = {"source": OmegaConf.to_container(cfg.data.dataset, resolve=True),
-            "num_classes": cfg.data.num_classes, "splits": {}}
-    for split in ("train", "val"):
-        start = time.perf_counter()
-        dataset = instantiate(cfg.data.dataset, split=split)
+    d = cfg.data
+    source = {k: OmegaConf.to_container(d[k], resolve=True)
+              for k in ("dataset", "train_dataset", "val_dataset") if d[k] is not None}
+    meta = {"source": source, "num_classes": d.num_classes, "splits": {}}
+    start = time.perf_counter()
+    for split, dataset in zip(("train", "val"), build_datasets(cfg)):
+        if dataset is None:  # a train_dataset without a val_dataset
+            continue
         shape = write_arrays(dataset, a.out / split, num_workers=cfg.data.num_workers)
         meta["input_shape"] = list(shape)
         meta["splits"][split] = len(dataset)
         print(f"{split}: {len(dataset)} samples of {list(shape)} -> {a.out / split} "
               f"in {time.perf_counter() - start:.1f}s")
+        start = time.perf_counter()
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"use it: python train.py data=memmap data.dataset.root={a.out}")
     return meta

@@ -23,19 +23,22 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from benchlib import machine, table, write_json  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
+from trainer.components import build_callable  # noqa: E402
+from trainer.runner import build_datasets  # noqa: E402
 
 COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
 
 
 def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[str, float]:
     """Samples/s over up to `batches` batches after the first, and the first batch's wait."""
-    feed = DevicePrefetcher(build_loader(dataset, data_cfg, train=True, device=device), device)
+    collate = build_callable(data_cfg.collate_fn, "data.collate_fn")
+    feed = DevicePrefetcher(build_loader(dataset, data_cfg, train=True, device=device,
+                                         collate_fn=collate), device)
     it = iter(feed)
     start = time.perf_counter()
     next(it)
@@ -62,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dataset = instantiate(cfg.data.dataset, split="train")
+    dataset = build_datasets(cfg)[0]
     pins = [False, True] if device.type == "cuda" else [False]
     rows = []
     for workers in a.workers:

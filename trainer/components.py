@@ -38,7 +38,7 @@ def locate(path: str, key: str) -> Callable:
         try:
             obj = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name):
+            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
                 continue  # this prefix is no module: try a shorter one
             raise ConfigError(f"{key}={path}: importing {module_name} failed: {e}") from None
         except Exception as e:  # an error inside the user's module
@@ -113,7 +113,7 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
     extra.update(kwargs)
-    if params is not None and not node.get("_partial_", False):
+    if params is not None and not node.get("_partial_", False) and "_args_" not in node:
         missing = [n for n, p in params.items() if p.default is p.empty
                    and n not in given and n not in extra]
         if missing:
@@ -134,6 +134,8 @@ def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except (ValueError, TypeError) as e:
+        if not _raised_in_torch_optim(e):
+            raise  # a bug in the user's own factory keeps its traceback
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         lowered = text.lower()
         names = [k for k in node if k not in RESERVED]
@@ -141,6 +143,16 @@ def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
             (v for w, v in _ALIASES.items() if w in lowered and v in names), None)
         where = f"{key}.{named}={node[named]}" if named else key
         raise ConfigError(f"{where}: {node.get('_target_', key)} refused it: {text}") from None
+
+
+def _raised_in_torch_optim(e: BaseException) -> bool:
+    """True when the innermost frame of `e` is torch's optimizer or scheduler code, where
+    torch checks argument values ("Invalid learning rate")."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    name = last.tb_frame.f_code.co_filename.replace("\\", "/") if last else ""
+    return "/torch/optim/" in name
 
 
 def build_callable(node: Any, key: str) -> Optional[Callable]:

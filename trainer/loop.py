@@ -15,13 +15,12 @@ import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from data.loader import batching_error
 from data.prefetch import DevicePrefetcher
 from trainer import distributed
 from trainer.config import TrainerConfig
@@ -52,8 +51,8 @@ class Window:
     wait_s: float = 0.0
     start: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: torch.Tensor, count: Count, samples: int) -> None:
-        contrib = loss.float() * count
+    def add(self, contrib: torch.Tensor, count: Count, samples: int) -> None:
+        """`contrib`: a micro-batch's `counted` loss (its mean loss x its count)."""
         self.loss_sum = contrib if self.loss_sum is None else self.loss_sum + contrib
         self.count = self.count + count
         self.samples += samples
@@ -68,30 +67,34 @@ def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optio
     return [min(accumulate, batches - start) for start in range(0, batches, accumulate)]
 
 
-def window_weights(counts: Sequence[Count], world: int) -> List[Any]:
-    """Per micro-batch multipliers of a window's mean losses: count / the window's total.
+def counted(loss: torch.Tensor, count: Count) -> torch.Tensor:
+    """`loss * count` in fp32, and 0 for a micro-batch with nothing to count (all padding),
+    whose mean loss may be NaN (0 / 0): kept on the device, no host sync."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, loss.float() * count, 0.0)
+    return loss.float() * count if count else torch.zeros_like(loss, dtype=torch.float32)
 
-    With host counts in one process the weights are plain floats. With device counts (valid
-    tokens) or several ranks the total is a device tensor summed over ranks (one tiny all-
-    reduce per optimizer step, no host sync), multiplied by the world size because DDP
-    averages gradients over ranks: every unit of the window then weighs 1 / global total.
+
+def window_factor(total: Count, base: int, world: int,
+                  device: torch.device) -> Optional[Union[float, torch.Tensor]]:
+    """What the window's accumulated gradients are multiplied by before the optimizer step,
+    or None when that is 1.
+
+    Every micro-batch contributed `mean loss x count / base` (`base` = per-rank batch size x
+    micro-batches in the window, the same on every rank), and DDP averaged over ranks, so
+    `base x world / global total` makes each counted unit weigh 1 / (the window's count over
+    all ranks): one batch of all of them. One process with host counts needs no collective
+    and, for full windows of samples, no multiplication at all. Otherwise the total is a
+    device tensor summed over ranks (one tiny all-reduce per step, no host sync), so every
+    rank multiplies its identical averaged gradients by the identical factor.
     """
-    if world == 1 and not any(isinstance(n, torch.Tensor) for n in counts):
-        total = sum(counts)
-        return [n / total if total else 0.0 for n in counts]
-    device = next((n.device for n in counts if isinstance(n, torch.Tensor)), None)
-    total = sum(n.float() if isinstance(n, torch.Tensor) else n for n in counts)
-    if not isinstance(total, torch.Tensor):  # built on the device by a kernel, not a copy
-        total = torch.full((), float(total), device=device or distributed_device())
-    scale = world / distributed.all_reduce_sum(total).clamp(min=1)
-    return [n * scale for n in counts]
-
-
-def distributed_device() -> torch.device:
-    """The device collectives run on: CUDA under NCCL, else the CPU."""
-    if distributed.is_active() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if world == 1 and not isinstance(total, torch.Tensor):
+        return None if total == base else (base / total if total else 0.0)
+    if isinstance(total, torch.Tensor):
+        total = total.to(device, torch.float32, non_blocking=True)
+    else:  # made on the device by a fill kernel, not copied from the host
+        total = torch.full((), float(total), device=device)
+    return base * world / distributed.all_reduce_sum(total).clamp(min=1)
 
 
 def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> List[int]:
@@ -224,25 +227,24 @@ class Loop:
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         complete = True
+        loader_batch = self.train_feed.loader.batch_size
         for w, size in enumerate(windows):
-            t0 = time.perf_counter()
-            # the whole window first: its micro-batches' weights need the window's total count
-            try:
-                micro = [next(batches) for _ in range(size)]  # on the device already
-            except (TypeError, RuntimeError) as e:
-                raise batching_error(e) from None
-            window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
-            counts = [self.task.count(batch) for batch in micro]
-            for i, (batch, count, weight) in enumerate(
-                    zip(micro, counts, window_weights(counts, self.world))):
-                loss = self._micro_step(batch, weight, boundary=i == size - 1)
-                window.add(loss, count, batch_size(batch))
-                self.step_loss = self.step_loss + loss.float()
-            del micro
+            base, total = loader_batch * size, 0
+            for i in range(size):
+                t0 = time.perf_counter()
+                batch = next(batches)  # on the device already (copied on a side stream on CUDA)
+                window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
+                count = self.task.count(batch)
+                loss = self._micro_step(batch, count / base, boundary=i == size - 1)
+                total = total + count
+                contrib = counted(loss, count)
+                window.add(contrib, count, batch_size(batch))
+                self.step_loss = self.step_loss + contrib  # NaN/inf stays NaN/inf
             self.state.position += per_batch * size
             bar.update(size)
             log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0
-            grad_norm = self._optimizer_step(want_norm=log_now)
+            grad_norm = self._optimizer_step(window_factor(total, base, self.world, self.device),
+                                             want_norm=log_now)
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
                 window = Window()
@@ -268,14 +270,19 @@ class Loop:
         try:
             return self.task.forward(model, batch)
         except RuntimeError as e:
-            if "find_unused_parameters" in str(e) or "did not receive grad" in str(e):
+            unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
+            if unused and not self.cfg.ddp.find_unused_parameters:
                 raise ConfigError(
                     "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
                     "got no gradient in a step (unused outputs or branches), which DDP cannot "
                     "reduce; set trainer.ddp.find_unused_parameters=true") from None
             raise
 
-    def _optimizer_step(self, want_norm: bool) -> Optional[torch.Tensor]:
+    def _optimizer_step(self, factor, want_norm: bool) -> Optional[torch.Tensor]:
+        if factor is not None:  # see window_factor
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor)
         finite = torch.isfinite(self.step_loss)
         self.bad_run = torch.where(finite, torch.zeros_like(self.bad_run), self.bad_run + 1)
         self.step_loss = torch.zeros((), device=self.device)
@@ -329,15 +336,15 @@ class Loop:
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
-        try:
-            sums = self._evaluate_batches(model)
-        except (TypeError, RuntimeError) as e:
-            raise batching_error(e) from None
+        sums = self._evaluate_batches(model)
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()
         values = {"val_loss": loss_sum / count if count else math.nan}
         for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
-            values[f"val_{name}"] = float(metric.compute()) if count else math.nan
+            values[f"val_{name}"] = self.task.compute_metric(name, metric) if count else math.nan
         values.update(self.task.derived(values))
+        # what decides best.pt must be the same on every rank: a metric that does not sync
+        # its state would otherwise send ranks into different collectives
+        values = distributed.broadcast_object(values)
         self.last_val = values
         self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
         self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
@@ -355,9 +362,8 @@ class Loop:
             with self.precision.autocast():
                 output = task.forward(model, batch)
                 count = task.count(batch)
-                sums[0] += task.loss(output, batch).double() * count
+                sums[0] += counted(task.loss(output, batch), count)
                 sums[1] += count
-            preds, target = task.metric_inputs(output, batch)
-            for metric in task.metrics.values():
-                metric.update(preds, target)
+            if task.metrics:
+                task.update_metrics(output, batch)
         return sums

@@ -98,7 +98,7 @@ def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
     return t.limit_train_batches, t.limit_val_batches
 
 
-def _datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
+def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
     """The train and val datasets the data config names (val may be None: no validation)."""
     d = cfg.data
     if d.dataset is not None:
@@ -136,7 +136,7 @@ def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
         local_rank=env.local_rank, num_workers=d.num_workers, wait=distributed.barrier)
-        for ds, split in zip(_datasets(cfg), ("train", "val"))]
+        for ds, split in zip(build_datasets(cfg), ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
     loaders = (build_loader(sets[0], d, train=True, shuffle=shuffle, **kw),

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import distributed
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -59,11 +60,25 @@ def batch_size(batch: Any) -> int:
         return batch.shape[0] if batch.dim() else 1
     values = batch.values() if isinstance(batch, Mapping) else (
         batch if isinstance(batch, (list, tuple)) else ())
+    if isinstance(batch, (list, tuple)) and batch and not isinstance(
+            batch[0], (torch.Tensor, Mapping, list, tuple)):
+        return 0  # a list of names or numbers: nothing to walk through
     for v in values:
         n = batch_size(v)
         if n:
             return n
     return 0
+
+
+def units(target: Any, batch: Any) -> int:
+    """A target's elements (one per sample, or per sample and output), from shapes only."""
+    return target.numel() if isinstance(target, torch.Tensor) else batch_size(batch)
+
+
+def perplexity(values: Dict[str, float]) -> Dict[str, float]:
+    """val_ppl = exp(val_loss) for a per-token loss."""
+    loss = values.get("val_loss", math.nan)
+    return {"val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan}
 
 
 class Task:
@@ -117,6 +132,32 @@ class Task:
         """Values computed from the validation results (e.g. perplexity from the loss)."""
         return {}
 
+    def update_metrics(self, output: Any, batch: Any) -> None:
+        """Feeds every metric this batch's `metric_inputs`; a metric that refuses them is one
+        line naming it."""
+        preds, target = self.metric_inputs(output, batch)
+        for name, metric in self.metrics.items():
+            try:
+                metric.update(preds, target)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
+                                f"task's metric inputs ({describe((preds, target))}): "
+                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                ) from None
+
+    def compute_metric(self, name: str, metric: Any) -> float:
+        """The metric's value over the whole validation set, as one number."""
+        value = metric.compute()
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
+                            f"{describe(value)}, not one number; configure it to reduce "
+                            "(e.g. average: macro)")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
+                            f"{describe(value)}, not one number") from None
+
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
         """Every validation key this task logs, with its better direction where known."""
         keys: Dict[str, Optional[bool]] = {"val_loss": False}
@@ -132,9 +173,9 @@ class Task:
         kwargs = kwargs or {}
         if not getattr(self, "_call_checked", False):
             self._call_checked = True
-            module = unwrap(model)
+            module = unwrap(model) if isinstance(model, nn.Module) else model
             try:
-                signature = inspect.signature(module.forward)
+                signature = inspect.signature(getattr(module, "forward", module))
             except (TypeError, ValueError):
                 signature = None
             if signature is not None:
@@ -212,18 +253,18 @@ class Classification(Task):
     def count(self, batch: Any) -> Count:
         target = self.target(batch)
         if self.ignore_index is None or not isinstance(target, torch.Tensor):
-            return target.numel() if isinstance(target, torch.Tensor) else batch_size(batch)
+            return units(target, batch)
         return (target != self.ignore_index).sum()  # stays on the device
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        """Mean cross-entropy over the counted targets (NaN for a batch of padding only: the
+        loop weighs that batch 0)."""
         logits, target = self.predictions(output), self.target(batch)
         self.check(logits, target)
-        loss_sum = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).long(),
             ignore_index=-100 if self.ignore_index is None else self.ignore_index,
-            label_smoothing=self.label_smoothing, reduction="sum")
-        n = self.count(batch)
-        return loss_sum / (n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1))
+            label_smoothing=self.label_smoothing)
 
     def check(self, logits: torch.Tensor, target: Any) -> None:
         """Shapes and dtypes on every call (metadata only); target values on the first call
@@ -272,8 +313,10 @@ class LanguageModel(Classification):
     def check(self, logits: torch.Tensor, target: Any) -> None:
         first = not self._checked
         super().check(logits, target)
-        if first and not self.shift_labels:
-            self._warn_if_unshifted(target)
+        if first:
+            if not self.shift_labels:
+                self._warn_if_unshifted(target)
+            self._last_inputs = None
 
     def _warn_if_unshifted(self, target: torch.Tensor) -> None:
         """Targets that equal the inputs make next-token training an identity (an accuracy of
@@ -282,8 +325,7 @@ class LanguageModel(Classification):
         if isinstance(inputs, torch.Tensor) and inputs.shape == target.shape:
             valid = target != self.ignore_index
             same = bool(valid.any()) and bool((inputs[valid] == target[valid]).all())
-            self._last_inputs = None
-            if same:
+            if same and distributed.detect().is_main:  # every rank sees the same mistake
                 log.warning("task language_model: the targets equal the inputs; if they are "
                             "Hugging Face-style labels, set task.shift_labels=true (position t "
                             "is scored against token t + 1)")
@@ -306,8 +348,7 @@ class LanguageModel(Classification):
         return self.predictions(output), self.target(batch)
 
     def derived(self, values: Dict[str, float]) -> Dict[str, float]:
-        loss = values.get("val_loss", math.nan)
-        return {"val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan}
+        return perplexity(values)
 
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
         return {**super().higher_is_better(), "val_ppl": False}
@@ -330,15 +371,14 @@ class Regression(Task):
                                  target, "one output value per target value (a model with "
                                  "num_classes=1, say, for one real target per sample)")
             target = target.reshape(pred.shape)
-        return pred, target.to(pred.dtype)
+        return pred.float(), target.float()  # never bf16/fp16 targets or metrics
 
     def count(self, batch: Any) -> Count:
-        target = self.split(batch)[1]
-        return target.numel() if isinstance(target, torch.Tensor) else batch_size(batch)
+        return units(self.split(batch)[1], batch)
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         pred, target = self.pair(output, batch)
-        return F.mse_loss(pred.float(), target.float())
+        return F.mse_loss(pred, target)
 
     def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
         return self.pair(output, batch)
@@ -402,9 +442,7 @@ class ModelLoss(Task):
         return logits, self.split(batch)[1]
 
     def derived(self, values: Dict[str, float]) -> Dict[str, float]:
-        if self.count_by != "tokens":
-            return {}
-        return LanguageModel.derived(self, values)
+        return perplexity(values) if self.count_by == "tokens" else {}
 
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
         extra = {"val_ppl": False} if self.count_by == "tokens" else {}

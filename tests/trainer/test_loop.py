@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, final_weights
-from trainer.loop import window_plan, window_weights
+from trainer.loop import counted, window_factor, window_plan
 from trainer.runner import train
 
 
@@ -19,14 +19,22 @@ def test_window_plan_groups_micro_batches_into_optimizer_steps():
     assert window_plan(1000, 16, drop_last=False, limit=3, accumulate=2) == [2, 1]
 
 
-def test_window_weights_share_the_window_by_count():
-    # 16, 16, 16 samples -> thirds; 16, 16, 8 -> 0.4, 0.4, 0.2: weighted by samples
-    assert window_weights([16, 16, 16], world=1) == pytest.approx([1 / 3] * 3)
-    assert window_weights([16, 16, 8], world=1) == pytest.approx([0.4, 0.4, 0.2])
-    # device counts (valid tokens): 3 and 300 tokens weigh 3:300, not 1:1
-    weights = window_weights([torch.tensor(3), torch.tensor(300)], world=1)
-    assert [float(w) for w in weights] == pytest.approx([3 / 303, 300 / 303])
-    assert float(window_weights([torch.tensor(0)], world=1)[0]) == 0.0  # all padding
+def test_window_factor_makes_every_counted_unit_weigh_the_same():
+    cpu = torch.device("cpu")
+    # micro-batches contributed mean x count / base, base = batch 16 x 3 micro-batches
+    assert window_factor(48, 48, world=1, device=cpu) is None  # full window: nothing to do
+    assert window_factor(40, 48, world=1, device=cpu) == pytest.approx(48 / 40)  # 16, 16, 8
+    # device counts (valid tokens): 3 + 300 tokens, so each token weighs 1 / 303
+    factor = window_factor(torch.tensor(3) + torch.tensor(300), 32, world=1, device=cpu)
+    assert float(factor) == pytest.approx(32 / 303)
+    assert float(window_factor(torch.tensor(0), 32, world=1, device=cpu)) == 32  # all padding
+
+
+def test_counted_weighs_a_batch_of_padding_zero_even_when_its_mean_is_nan():
+    nan = torch.tensor(float("nan"))
+    assert float(counted(nan, torch.tensor(0))) == 0.0 and float(counted(nan, 0)) == 0.0
+    assert float(counted(torch.tensor(2.0), torch.tensor(3))) == 6.0
+    assert torch.isnan(counted(nan, torch.tensor(3)))  # a real NaN still reaches the guard
 
 
 def test_default_job_learns_digits(make_cfg):

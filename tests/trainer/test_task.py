@@ -106,6 +106,34 @@ def test_regression_loss_and_shapes():
         task.loss(pred, (None, torch.zeros(5, dtype=torch.int64)))
 
 
+def test_regression_keeps_targets_in_fp32_under_autocast_outputs():
+    pred, y = torch.randn(4, 1).bfloat16(), torch.tensor([1.0001, 2.0002, 3.0003, 4.0004])
+    p, t = Regression().metric_inputs(pred, (None, y))
+    assert t.dtype == p.dtype == torch.float32 and torch.equal(t.squeeze(1), y)
+
+
+def test_classification_takes_int32_targets():
+    logits, y = torch.randn(3, 4), torch.tensor([0, 3, 1], dtype=torch.int32)
+    assert torch.allclose(Classification().loss(logits, (None, y)),
+                          F.cross_entropy(logits, y.long()))
+
+
+def test_a_metric_that_does_not_reduce_to_one_number_is_one_line():
+    from torchmetrics.classification import MulticlassF1Score
+
+    task = Classification(metrics={"f1": MulticlassF1Score(num_classes=3, average=None)})
+    task.update_metrics(torch.randn(6, 3), (None, torch.tensor([0, 1, 2, 0, 1, 2])))
+    with pytest.raises(TaskError, match=r"^task.metrics.f1: MulticlassF1Score computed "
+                                        r"tensor\(3,\) float32, not one number; configure"):
+        task.compute_metric("f1", task.metrics["f1"])
+
+
+def test_a_model_returning_only_its_loss_trains_and_validates(make_cfg):
+    s = train(make_cfg("model._target_=tests.helpers.SelfLossMLP", "task=model_loss",
+                       "trainer.max_epochs=2"))
+    assert s["val_loss"] < 1.0 and "val_acc" not in s
+
+
 def test_model_loss_needs_a_scalar_loss():
     with pytest.raises(TaskError, match="task model_loss: no scalar loss in the model output: "
                                         "got dict{logits: tensor"):

@@ -1,0 +1,73 @@
+"""Building `_target_` nodes: signature checks, offered keys, imports, one-line errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trainer.components import accepts, build, build_callable, call, locate, parameters
+from trainer.config import ConfigError
+
+
+def node(**kw):
+    return OmegaConf.create(kw)
+
+
+def test_offered_keys_reach_only_constructors_that_name_them():
+    mlp = build(node(_target_="trainer.models.MLP", hidden=[4]), "model",
+                {"input_shape": [3], "num_classes": 2, "unused": 1})
+    assert mlp.head.out_features == 2
+    lin = build(node(_target_="torch.nn.Linear", in_features=3, out_features=2), "model",
+                {"input_shape": [3], "num_classes": 2})
+    assert isinstance(lin, torch.nn.Linear)
+
+
+def test_subclasses_passing_kwargs_on_take_their_bases_parameters():
+    from tests.helpers import WithUnusedBranch
+
+    assert {"input_shape", "num_classes", "hidden"} <= set(parameters(WithUnusedBranch))
+    assert accepts(WithUnusedBranch, "hidden") and not accepts(WithUnusedBranch, "width")
+    assert parameters(lambda **kw: None) is None  # only the target itself can tell
+
+
+def test_unknown_and_missing_arguments_are_named():
+    with pytest.raises(ConfigError, match=r"^model.hiden: trainer.models.MLP takes no argument "
+                                          r"'hiden' \(it takes: input_shape, num_classes"):
+        build(node(_target_="trainer.models.MLP", hiden=[4]), "model", {"input_shape": [3]})
+    with pytest.raises(ConfigError, match=r"^model: trainer.models.MLP needs 'num_classes': set "
+                                          r"data.num_classes or model.num_classes$"):
+        build(node(_target_="trainer.models.MLP"), "model",
+              {"input_shape": [3], "num_classes": None})
+    positional = build(node(_target_="torch.nn.Linear", _args_=[3, 2]), "model")
+    assert positional.out_features == 2
+
+
+@pytest.mark.parametrize("path,fragment", [
+    ("trainer.models.MLPP", "trainer.models has no attribute 'MLPP'"),
+    ("nopkg.models.MLP", "no module named 'nopkg'"),
+    ("trainer.modelz.MLP", "trainer has no attribute 'modelz'"),
+])
+def test_locate_names_what_is_missing(path, fragment):
+    with pytest.raises(ConfigError, match=f"^model._target_={path}: {fragment}"):
+        locate(path, "model._target_")
+
+
+def test_optimizer_value_errors_name_the_key_but_user_bugs_keep_their_traceback():
+    optim = node(_target_="torch.optim.SGD", _partial_=True, lr=-1.0)
+    with pytest.raises(ConfigError, match=r"^optim.lr=-1.0: torch.optim.SGD refused it: "
+                                          r"Invalid learning rate"):
+        call(build(optim, "optim"), "optim", optim, [torch.nn.Parameter(torch.zeros(1))])
+
+    def factory(params):
+        raise ValueError("a bug in my factory")
+
+    with pytest.raises(ValueError, match="a bug in my factory"):
+        call(factory, "optim", node(_target_="x"), [])
+
+
+def test_a_function_is_a_collate_as_it_stands():
+    from tests.helpers import pad_collate
+
+    assert build_callable(node(_target_="tests.helpers.pad_collate"), "data.collate_fn") \
+        is pad_collate
+    assert build_callable(None, "data.collate_fn") is None
