@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from data.datasets import MemmapDataset
 from trainer.config import ConfigError
 
 SHM_ROOT = Path("/dev/shm")
+OWNER = "owner.json"  # who wrote a /dev/shm cache: see reclaim_shm
 
 
 def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
@@ -70,18 +72,38 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
 
 
 def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
-            wait: Callable[[], None]) -> MemmapDataset:
+            wait: Callable[[], None], owner: Optional[dict]) -> MemmapDataset:
     """One copy per node in /dev/shm: local rank 0 writes it while the other ranks wait."""
     root = SHM_ROOT / f"stoker-{key}"
     if local_rank == 0:
-        write_arrays(dataset, root / "train", num_workers)  # "train" is MemmapDataset's layout
+        root.mkdir(parents=True, exist_ok=True)
+        # the owner first: a later run reclaims the folder once this process is gone, even
+        # after a SIGKILL that skips the atexit clean-up below
+        (root / OWNER).write_text(json.dumps(owner or {}))
         atexit.register(shutil.rmtree, root, ignore_errors=True)
+        write_arrays(dataset, root / "train", num_workers)  # "train" is MemmapDataset's layout
     wait()
     return MemmapDataset("train", str(root))
 
 
+def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Path]:
+    """Removes the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
+    returns them. Folders without an owner record are left alone."""
+    gone = []
+    for folder in root.glob("stoker-*"):
+        try:
+            who = json.loads((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not alive(who):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
 def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
-                  num_workers: int = 0, wait: Callable[[], None] = lambda: None) -> Dataset:
+                  num_workers: int = 0, wait: Callable[[], None] = lambda: None,
+                  owner: Optional[dict] = None) -> Dataset:
     """`dataset` as `data.cache` says: unchanged ("none"), materialised in this process's
     memory ("memory"), or in node-shared memory under /dev/shm ("shm").
 
@@ -94,4 +116,4 @@ def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
     if mode == "memory":
         return _in_memory(dataset, num_workers)
     key = hashlib.sha1(tag.encode()).hexdigest()[:16]
-    return _in_shm(dataset, key, local_rank, num_workers, wait)
+    return _in_shm(dataset, key, local_rank, num_workers, wait, owner)

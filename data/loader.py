@@ -103,13 +103,22 @@ def _raised_in_collate(e: BaseException) -> bool:
     return False
 
 
-def batching_error(e: BaseException) -> BaseException:
-    """A ConfigError (one line) for samples the default collate cannot batch (types it does
-    not know, tensors of different shapes), else `e` itself.
+class LoaderStalled(RuntimeError):
+    """No batch came from the loader's workers within data.timeout seconds."""
+
+
+def loader_error(e: BaseException) -> BaseException:
+    """One line for what goes wrong inside a DataLoader, else `e` itself: a ConfigError for
+    samples the default collate cannot batch (types it does not know, tensors of different
+    shapes), LoaderStalled for a worker that sent nothing for data.timeout seconds.
 
     With workers, the DataLoader re-raises the worker's error with its traceback in the
     message; the last line of that message says what was wrong.
     """
+    if isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out"):
+        return LoaderStalled(f"data: {str(e).rstrip('.')} (data.timeout) waiting for a batch "
+                             "from a loader worker: stuck or stopped; raise data.timeout if "
+                             "single batches are that slow")
     if not isinstance(e, (TypeError, RuntimeError)) or not _raised_in_collate(e):
         return e
     last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from data.loader import batching_error
+from data.loader import loader_error
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
@@ -75,15 +75,16 @@ class InputTransform:
 
 
 def _readable(batches: Iterator[Any]) -> Iterator[Any]:
-    """`batches`, with the default collate's failures (samples it cannot batch) turned into one
-    line naming data.collate_fn (see data.loader.batching_error); other errors pass as they are."""
+    """`batches`, with the default collate's failures (samples it cannot batch) and a worker
+    that sends nothing for data.timeout seconds turned into one line (see
+    data.loader.loader_error); other errors pass as they are."""
     while True:
         try:
             batch = next(batches)
         except StopIteration:
             return
         except (TypeError, RuntimeError) as e:
-            error = batching_error(e)
+            error = loader_error(e)
             if error is e:
                 raise
             raise error from None

@@ -284,3 +284,51 @@ class SelfLossMLP(MLP):
 
     def forward(self, x, y):
         return {"loss": torch.nn.functional.cross_entropy(super().forward(x), y)}
+
+
+class StallingDigits(DigitsDataset):
+    """Digits whose `at`-th sample read stops (SIGSTOP) or hangs (sleeps) the process reading
+    it: on rank `rank` of a torchrun job, in the main process or a loader worker."""
+
+    def __init__(self, split: str = "train", rank: int = 0, at: int = 100,
+                 how: str = "stop", **kw):
+        super().__init__(split, **kw)
+        self.armed = split == "train" and int(os.environ.get("RANK", "0")) == rank
+        self.at, self.how, self.seen = at, how, 0
+
+    def __getitem__(self, i):
+        self.seen += 1
+        if self.armed and self.seen == self.at:
+            if self.how == "stop":
+                os.kill(os.getpid(), __import__("signal").SIGSTOP)
+            else:
+                __import__("time").sleep(3600)
+        return super().__getitem__(i)
+
+
+class NaNOnRankMLP(MLP):
+    """An MLP whose training forward returns NaN logits on rank `rank` from call `after` on."""
+
+    def __init__(self, *args, rank: int = 1, after: int = 3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.armed = int(os.environ.get("RANK", "0")) == rank
+        self.after, self.calls = after, 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.training and self.armed:
+            self.calls += 1
+            if self.calls > self.after:
+                out = out * float("nan")
+        return out
+
+
+class Empty(torch.utils.data.Dataset):
+    def __init__(self, split: str = "train"):
+        self.split = split
+
+    def __len__(self):
+        return 0
+
+    def __getitem__(self, i):
+        raise IndexError(i)

@@ -24,8 +24,8 @@ def test_ddp_two_ranks_match_one_process_and_share_one_run_dir(tmp_path):
     assert len(runs) == 1, runs  # both ranks, one timestamped dir
     run = runs[0]
     assert {p.name for p in run.iterdir()} == {
-        ".hydra", "config.yaml", "train.log", "metrics.jsonl", "summary.json", "tensorboard",
-        "checkpoints"}
+        ".hydra", "config.yaml", "train.log", "metrics.jsonl", "summary.json", "status.json",
+        "tensorboard", "checkpoints"}  # and no .stoker.lock: released at the end
     assert proc.stdout.count("global batch 32 = per-rank batch 16 x accumulation 1 x "
                              "world size 2") == 1  # rank 1 says nothing at INFO
     assert "[rank 1]" not in (run / "train.log").read_text()

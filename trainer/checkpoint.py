@@ -2,7 +2,12 @@
 
 A checkpoint is written to a temporary file in the destination directory, fsynced, then
 renamed over the real name, so a crash or a full disk mid-write never leaves a truncated file
-under a real name; older checkpoints are deleted only after the new one is complete.
+under a real name; older checkpoints are deleted only after the new one is complete. A write
+that fails (a full disk, a read-only directory) is one line naming the file and the cause.
+
+Damage is detected: torch.save writes a zip archive that holds a CRC-32 of every record (the
+pickled structure and each tensor's bytes), and `load` checks every one of them before
+unpickling, so a flipped bit in a stored weight is reported instead of loaded.
 Layout: `checkpoints/step-NNNNNNNN.pt` (the newest `keep_last`), `last.pt` and `best.pt`
 (hard links to one of them).
 """
@@ -12,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -33,13 +39,21 @@ def save(state: Dict[str, Any], path: Path) -> Path:
     """Writes `state` to `path` atomically (temp file in the same directory, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot write in {path.parent} "
+                              f"({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        _unlink_quietly(tmp)
+        raise CheckpointError(f"checkpoint {path}: the write failed ({_write_cause(e, path)}); "
+                              "the previous checkpoints are kept") from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -50,6 +64,19 @@ def save(state: Dict[str, Any], path: Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+def _write_cause(e: BaseException, path: Path) -> str:
+    """The real cause of a failed write: torch reports a full disk as "enforce fail ...
+    unexpected pos", so the free space is asked directly."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    try:
+        if shutil.disk_usage(path.parent).free < 1 << 20:
+            return "no space left on device"
+    except OSError:
+        pass
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _unlink_quietly(path: str) -> None:
@@ -64,6 +91,7 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
+    _verify(path)
     try:
         # weights_only: a checkpoint is data, never code to run
         state = torch.load(path, map_location=map_location, weights_only=True)
@@ -75,6 +103,18 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     return state
 
 
+def _verify(path: Path) -> None:
+    """Checks every record's CRC-32 in the checkpoint's zip archive (see the module doc)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}: "
+                              f"{e})") from None
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path}: damaged (checksum mismatch in {bad})")
+
+
 def candidates(run_dir: Path) -> List[Path]:
     """This run's checkpoints, newest first: last.pt, then step-*.pt by step."""
     folder = Path(run_dir) / CHECKPOINT_DIR
@@ -83,11 +123,13 @@ def candidates(run_dir: Path) -> List[Path]:
     return ([last] if last.is_file() else []) + steps
 
 
-def find_resume(resume: Optional[str], run_dir: Path,
-                warn=lambda msg: None) -> Optional[Tuple[Path, Dict[str, Any]]]:
-    """The checkpoint to resume from, loaded: null -> none; 'auto' -> the newest readable one
-    in this run dir (a damaged one is reported through `warn` and the previous one tried;
-    none at all is a fresh start); anything else -> that file, which must load."""
+def find_resume(resume: Optional[str], run_dir: Path
+                ) -> Optional[Tuple[Path, Dict[str, Any], List[str]]]:
+    """The checkpoint to resume from, loaded, with the reasons newer ones were skipped:
+    null -> none; 'auto' -> the newest one in this run dir that loads (a damaged one is
+    skipped for the previous one; no checkpoint at all is a fresh start, but checkpoints none
+    of which loads are refused, files untouched); anything else -> that file, which must load.
+    """
     if resume is None:
         return None
     if resume != "auto":
@@ -95,12 +137,18 @@ def find_resume(resume: Optional[str], run_dir: Path,
         if not path.is_file():
             raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file "
                                   "(give a path to a .pt file, auto, or null)")
-        return path, load(path)
-    for path in candidates(run_dir):
+        return path, load(path), []
+    found, skipped = candidates(run_dir), []
+    for path in found:
         try:
-            return path, load(path)
+            return path, load(path), skipped
         except CheckpointError as e:
-            warn(f"{e}; trying the previous checkpoint")
+            skipped.append(str(e))
+    if found:
+        raise CheckpointError(
+            f"trainer.resume=auto: none of the {len(found)} checkpoints in "
+            f"{Path(run_dir) / CHECKPOINT_DIR} loads ({skipped[0]}); nothing was changed: "
+            "move them away to start over, or resume from a copy by path")
     return None
 
 
@@ -139,6 +187,16 @@ def to_cpu(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
+def remove_leftovers(folder: Path) -> List[Path]:
+    """Deletes the temp files of writes a crash interrupted (`.NAME.*.tmp`, `.NAME.link`);
+    the run dir's lock guarantees no other run is writing them. Returns what it removed."""
+    gone = [p for p in list(folder.glob(".*.tmp")) + list(folder.glob(".*.link"))
+            if p.is_file()]
+    for p in gone:
+        _unlink_quietly(str(p))
+    return gone
+
+
 class Checkpointer:
     """Writes `step-NNNNNNNN.pt`, keeps the newest `keep_last`, points `last.pt` (and `best.pt`)
     at them. With `async_save` the state is copied to CPU at once (the only stall) and
@@ -150,6 +208,8 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last_saved_step: Optional[int] = None
+        if enabled:
+            remove_leftovers(self.folder)
 
     def save(self, state: Dict[str, Any], step: int, best: bool = False) -> Path:
         """Saves `state` as step `step` (only the caller on rank 0 passes enabled=True)."""

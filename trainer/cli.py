@@ -77,7 +77,23 @@ def fail(e: BaseException, code: int = EXIT_CONFIG) -> NoReturn:
     """
     if detect().is_main:
         print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
+    reap_children()
     raise SystemExit(code)
+
+
+def reap_children() -> None:
+    """Kills this process's loader workers: one that is stopped (SIGSTOP) or stuck would
+    otherwise hold the exit for ever, as Python joins its children on the way out."""
+    import multiprocessing
+    import signal
+
+    children = multiprocessing.active_children()
+    if children and hasattr(signal, "SIGCHLD"):
+        # the DataLoader's SIGCHLD handler would report each killed worker as a new error
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()  # SIGKILL: also ends a stopped process
+        child.join(timeout=5)
 
 
 _AUTO_WORKERS = re.compile(r"^(\+{0,2}data\.num_workers)=(.+)$")
@@ -116,5 +132,16 @@ def exit_on_error(main: Callable[[], None]) -> None:
         record(main)()
     except USER_ERRORS as e:
         if wants_traceback():
+            reap_children()
             raise
         fail(e)
+    except OSError as e:  # Hydra cannot create the run dir (read-only, a file in the way)
+        if wants_traceback():
+            reap_children()
+            raise
+        fail(e, code=1)
+    except SystemExit:
+        raise
+    except BaseException:  # a traceback: still, no stopped worker may hold the exit
+        reap_children()
+        raise

@@ -24,8 +24,9 @@ RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 def target_of(node: Any, key: str) -> Callable:
     """The callable a `_target_` node names; ConfigError if it is missing or not importable."""
     if not isinstance(node, (DictConfig, dict)) or "_target_" not in node:
+        shown = OmegaConf.to_container(node) if isinstance(node, DictConfig) else node
         raise ConfigError(f"{key}: needs a _target_ (an importable class or function), got "
-                          f"{OmegaConf.to_container(node) if isinstance(node, DictConfig) else node!r}")
+                          f"{shown!r}")
     return locate(str(node["_target_"]), f"{key}._target_")
 
 
@@ -125,7 +126,8 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
 
 # words torch's optimizers use for their arguments in "Invalid ..." messages
 _ALIASES = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "momentum": "momentum",
-            "weight_decay": "weight_decay", "weight decay": "weight_decay", "dampening": "dampening"}
+            "weight_decay": "weight_decay", "weight decay": "weight_decay",
+            "dampening": "dampening"}
 
 
 def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:

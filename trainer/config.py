@@ -64,7 +64,7 @@ class DataConfig:
     persistent_workers: bool = True  # ignored when num_workers=0
     shuffle: bool = True
     drop_last: bool = False
-    timeout: float = 0.0  # seconds to wait for a batch from a worker; 0: forever
+    timeout: float = 300.0  # seconds to wait for a batch from a worker; 0: forever
     multiprocessing_context: Optional[str] = None  # null (platform default) | fork | spawn | forkserver
     cache: str = "none"  # none | memory | shm: materialise the dataset once before training
     device_prefetch: bool = True  # CUDA: copy the next batch on a side stream during the step
@@ -84,7 +84,7 @@ class DDPConfig:
     static_graph: bool = False
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
-    timeout_s: float = 1800.0  # process-group timeout for collectives
+    timeout_s: float = 300.0  # a collective waiting longer fails, naming the rank that stopped
 
 
 @dataclass
@@ -107,6 +107,7 @@ class CheckpointConfig:
     monitor: Optional[str] = None  # any logged validation key (val_loss, val_acc, ...): also keep best.pt
     mode: Optional[str] = None  # max | min | null: the metric's own direction
     async_save: bool = False  # copy to CPU, write on a background thread
+    timeout_s: float = 1800.0  # how long the other ranks wait for rank 0's write
 
 
 @dataclass
@@ -233,6 +234,7 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in ("every_n_steps", "every_n_epochs"):
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
     _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
+    _check(c.timeout_s > 0, "trainer.checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
     _check(c.mode in (None, "max", "min"), "trainer.checkpoint.mode", c.mode,
            "must be max, min or null (the metric's own direction)")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
@@ -264,9 +266,8 @@ def _check_schema_keys(node: DictConfig, schema: type, prefix: str) -> None:
         _check(key in fields, f"{prefix}{key}", node[key] if not OmegaConf.is_missing(node, key)
                else "???", f"not a key of {prefix.rstrip('.') or 'the root config'} (valid keys: "
                + ", ".join(fields) + ")")
-        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING \
-            else None
-        if sub is not None and dataclasses.is_dataclass(sub):
+        sub = fields[key].default_factory
+        if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
             _check_schema_keys(node[key], sub, f"{prefix}{key}.")
 
 

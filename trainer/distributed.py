@@ -167,6 +167,8 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
 
 
 def _destroy() -> None:
+    global _CPU_GROUP
+    _CPU_GROUP = None
     if is_active():
         dist.destroy_process_group()
 
@@ -183,6 +185,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sums a tensor across ranks in place (no-op in a single process) and returns it."""
     if is_active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum over ranks, in place (no-op in a single process)."""
+    if is_active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
 
@@ -203,6 +212,19 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     if is_active():
         for buf in module.buffers():
             dist.broadcast(buf, src=0)
+
+
+_CPU_GROUP = None
+
+
+def cpu_group():
+    """A gloo group over all ranks for host-side agreement (the default group when it is
+    gloo already): created once, by every rank at the same point."""
+    global _CPU_GROUP
+    if _CPU_GROUP is None:
+        _CPU_GROUP = (dist.group.WORLD if dist.get_backend() == "gloo"
+                      else dist.new_group(backend="gloo"))
+    return _CPU_GROUP
 
 
 def barrier() -> None:

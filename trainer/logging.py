@@ -19,7 +19,10 @@ log = logging.getLogger("stoker")
 
 
 class RunLogger:
-    """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard."""
+    """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard.
+
+    Nothing is written before `open()`, which the runner calls once the run dir is known to be
+    this run's (locked, no other run's files, the resume checks passed)."""
 
     def __init__(self, run_dir: Path, main: bool, write: bool, tensorboard: bool = True,
                  progress_bar: bool = True):
@@ -27,10 +30,15 @@ class RunLogger:
         self.write = write  # metrics.jsonl and TensorBoard (off in fast_dev_run)
         self.show_progress = main and progress_bar
         self.run_dir = run_dir
+        self.tensorboard = tensorboard
         self._jsonl = None
         self._tb = None
-        if not write:
+
+    def open(self) -> None:
+        """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing)."""
+        if not self.write or self._jsonl is not None:
             return
+        run_dir, tensorboard = self.run_dir, self.tensorboard
         run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
@@ -44,7 +52,7 @@ class RunLogger:
 
     def metrics(self, split: str, step: int, values: Dict[str, Any]) -> None:
         """Records `values` for `split` ("train" or "val") at optimizer step `step`."""
-        if not self.write:
+        if self._jsonl is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in values.items()}

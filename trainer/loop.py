@@ -28,7 +28,7 @@ from trainer.logging import RunLogger
 from trainer.config import ConfigError
 from trainer.precision import MixedPrecision
 from trainer.strategy import sync_context, unwrap
-from trainer.task import Count, Task, batch_size
+from trainer.task import Count, Task, batch_size, describe
 
 
 @dataclass
@@ -133,7 +133,8 @@ class Loop:
                  scheduler, precision: MixedPrecision, train_feed: DevicePrefetcher,
                  val_feed: Optional[DevicePrefetcher], device: torch.device, logger: RunLogger,
                  state: FitState, train_limit: Optional[int],
-                 val_limit: Optional[int], callbacks: Sequence[Callback] = ()):
+                 val_limit: Optional[int], callbacks: Sequence[Callback] = (),
+                 input_shape: Optional[Sequence[int]] = None):
         self.cfg, self.model, self.task = cfg, model, task
         self.optimizer, self.scheduler = optimizer, scheduler
         self.precision, self.device, self.logger = precision, device, logger
@@ -147,6 +148,9 @@ class Loop:
         self.last_train: Dict[str, Any] = {}
         self.last_val: Dict[str, Any] = {}
         self.callbacks = list(callbacks)
+        self.phase = "training"  # training | validating | checkpointing: for the heartbeat
+        self._forwarded = False  # no forward pass has succeeded yet
+        self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
         # non-finite guard, kept on the device: no host sync per step
         self.step_loss = torch.zeros((), device=device)
@@ -168,9 +172,15 @@ class Loop:
         self.state = FitState(epoch=state["epoch"], step=state["step"],
                               position=state.get("position", 0))
 
+    def bad_steps(self) -> int:
+        """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective
+        and one host sync: every rank must call it at the same step, so that all of them take
+        the same branch afterwards, e.g. into a checkpoint's gather or not)."""
+        return int(distributed.all_reduce_max(self.bad_run.clone()))
+
     def losses_finite(self) -> bool:
-        """False while the latest optimizer steps had a non-finite loss (one host sync)."""
-        return int(self.bad_run) == 0
+        """False on every rank while any rank's latest optimizer steps had a non-finite loss."""
+        return self.bad_steps() == 0
 
     def _done(self) -> bool:
         max_steps = self.cfg.max_steps
@@ -268,8 +278,18 @@ class Loop:
 
     def _forward(self, model: nn.Module, batch) -> Any:
         try:
-            return self.task.forward(model, batch)
+            output = self.task.forward(model, batch)
+            self._forwarded = True
+            return output
         except RuntimeError as e:
+            if not self._forwarded and ("shape" in str(e) or "size" in str(e)):
+                # the first batch of the run: inputs that do not fit the model are a
+                # configuration mismatch (data.input_shape, the model's arguments), not a crash
+                raise ConfigError(
+                    f"model: {type(unwrap(model)).__name__} cannot take the first batch "
+                    f"({describe(batch)}): {str(e).splitlines()[0]}; check data.input_shape="
+                    f"{None if self.input_shape is None else list(self.input_shape)} and the "
+                    "model's arguments") from None
             unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
             if unused and not self.cfg.ddp.find_unused_parameters:
                 raise ConfigError(
@@ -320,7 +340,7 @@ class Loop:
                         wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
 
     def _check_finite(self) -> None:
-        bad = int(self.bad_run)
+        bad = self.bad_steps()
         if self.cfg.max_bad_steps and bad >= self.cfg.max_bad_steps:
             raise NonFiniteLoss(
                 f"the loss was not finite for {bad} optimizer steps in a row (up to step "
@@ -336,7 +356,9 @@ class Loop:
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
+        self.phase = "validating"
         sums = self._evaluate_batches(model)
+        self.phase = "training"
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()
         values = {"val_loss": loss_sum / count if count else math.nan}
         for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, distributed
 from trainer.distributed import DistEnv
+from trainer.liveness import monitored_barrier
 from trainer.loop import Callback
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
@@ -95,8 +96,7 @@ class Preemption:
         self._previous = {}
         self._group = None
         if env.world_size > 1 and distributed.is_active():
-            self._group = (dist.new_group(backend="gloo")
-                           if dist.get_backend() != "gloo" else dist.group.WORLD)
+            self._group = distributed.cpu_group()
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is not threading.main_thread():
@@ -140,13 +140,16 @@ class Checkpointing(Callback):
         to become best.pt."""
         if not self.enabled or (self.saver.last_saved_step == loop.state.step and not best):
             return
-        if not loop.losses_finite():
+        if not loop.losses_finite():  # agreed: no rank goes into capture's gather alone
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
                              "finite; the last good checkpoint stays", loop.state.step)
             return
+        phase, loop.phase = loop.phase, "checkpointing"
         self.saver.save(capture(loop, self.cfg, self.env), loop.state.step, best=best)
         if not self.c.async_save:
-            distributed.barrier()  # rank 0 writes, the others wait for a complete file
+            # rank 0 writes, the others wait for a complete file: longer than a collective may
+            monitored_barrier(self.c.timeout_s)
+        loop.phase = phase
 
     def after_step(self, loop) -> None:
         n = self.c.every_n_steps
@@ -173,5 +176,47 @@ class Checkpointing(Callback):
     def finish(self) -> None:
         """Waits for a background write, then for every rank (all files complete)."""
         self.saver.wait()
-        distributed.barrier()
+        monitored_barrier(self.c.timeout_s)
 
+
+
+# what a resume compares: keys whose change alters the optimisation
+RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
+               "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
+               "task")
+
+
+def _flat(value: Any, prefix: str) -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out or {prefix: {}}
+    return {prefix: value}
+
+
+def resume_changes(saved: Dict[str, Any], cfg: DictConfig, saved_world: int,
+                   world: int) -> List[str]:
+    """`key old -> new` for every optimisation setting the run changes against the checkpoint
+    it resumes from (CheckpointError for an optimizer of another class: its state cannot
+    apply)."""
+    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    old_optim = (saved.get("optim") or {}).get("_target_")
+    if old_optim and old_optim != now["optim"].get("_target_"):
+        raise checkpoint.CheckpointError(
+            f"optim._target_={now['optim'].get('_target_')}: the checkpoint holds the state of "
+            f"{old_optim}, which cannot apply to another optimizer; resume with that optimizer "
+            "or start a new run dir")
+    changes = [] if saved_world == world else [f"world size {saved_world} -> {world}"]
+    for key in RESUME_KEYS:
+        head, *rest = key.split(".")
+        old = saved.get(head, {}) if rest else saved.get(head)
+        new = now.get(head, {}) if rest else now.get(head)
+        for part in rest:
+            old = (old or {}).get(part) if isinstance(old, dict) else None
+            new = (new or {}).get(part) if isinstance(new, dict) else None
+        a, b = _flat(old, key), _flat(new, key)
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                changes.append(f"{k} {a.get(k)} -> {b.get(k)}")
+    return changes

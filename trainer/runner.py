@@ -18,18 +18,21 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset
 
-from data.cache import cache_dataset
-from data.loader import build_loader, stall_advice
+from data.cache import cache_dataset, reclaim_shm
+from data.loader import LoaderStalled, build_loader, stall_advice
 from data.prefetch import DevicePrefetcher, InputTransform
-from trainer import checkpoint, components, distributed, schedules, speed
-from trainer.cli import USER_ERRORS, fail, wants_traceback
+from trainer import checkpoint, components, distributed, rundir, schedules, speed
+from trainer.cli import EXIT_CONFIG, USER_ERRORS, describe, fail, wants_traceback
+from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, RunSpec, monitor_mode, resolve
 from trainer.distributed import DistEnv
+from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision
 from trainer.resilience import (EXIT_PREEMPTED, Checkpointing, Preempted, Preemption,
-                                set_rng_state)
+                                resume_changes, set_rng_state)
+from trainer.rundir import RunDirLock
 from trainer.strategy import unwrap, wrap
 from trainer.task import Task
 
@@ -39,20 +42,27 @@ STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earn
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
     """Command-line entry: `train`, with configuration and checkpoint errors turned into one
-    line on stderr and exit code 2 (a traceback stays for anything else)."""
+    line on stderr and exit code 2, OS errors (a full disk, a read-only dir) and a non-finite
+    loss into one line and exit code 1, a preemption into exit code 75 (a traceback stays for
+    anything else). README "Exit codes" lists them."""
     try:
         return train(cfg)
-    except USER_ERRORS as e:
-        if wants_traceback():
-            raise
-        fail(e)
     except Preempted as e:
         log.warning("%s", e)
         raise SystemExit(EXIT_PREEMPTED) from None
-    except NonFiniteLoss as e:
+    except (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError) as e:
         if wants_traceback():
             raise
-        fail(e, code=1)
+        fail(e, code=exit_code(e))
+
+
+def exit_code(e: Optional[BaseException]) -> int:
+    """The process's exit code for a run that ended with `e` (None: success)."""
+    if e is None:
+        return 0
+    if isinstance(e, Preempted):
+        return EXIT_PREEMPTED
+    return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
 
 
 def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
@@ -133,9 +143,12 @@ def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     collate = components.build_callable(d.collate_fn, "data.collate_fn")
     kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device,
               collate_fn=collate)
+    if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
+        reclaim_shm(rundir.owner_alive)
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
-        local_rank=env.local_rank, num_workers=d.num_workers, wait=distributed.barrier)
+        local_rank=env.local_rank, num_workers=d.num_workers, wait=distributed.barrier,
+        owner=rundir.owner())
         for ds, split in zip(build_datasets(cfg), ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
@@ -169,8 +182,6 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
 def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogger,
                   run_dir: Path, n_train: int) -> None:
     logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
-    if logger.write:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     logger.info("run dir %s | device %s | strategy %s | precision %s | world size %d",
                 run_dir, spec.device, spec.strategy.value, spec.precision.value, env.world_size)
     logger.info("global batch %d = per-rank batch %d x accumulation %d x world size %d "
@@ -178,45 +189,61 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
                 cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
 
 
-def _resume_setting(cfg: DictConfig, logger: RunLogger) -> Optional[str]:
+def _resume_setting(cfg: DictConfig, logger: Optional[RunLogger]) -> Optional[str]:
     """trainer.resume, except that a job torchrun restarted resumes on its own."""
     resume = cfg.trainer.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        logger.info("torchrun restart %s: resuming from this run's newest checkpoint",
-                    os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if logger is not None:
+                logger.info("torchrun restart %s: resuming from this run's newest checkpoint",
+                        os.environ["TORCHELASTIC_RESTART_COUNT"])
         return "auto"
     return resume
 
 
-def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
-             logger: RunLogger) -> None:
-    """Loads the checkpoint `trainer.resume` names into the built loop, if any."""
-    found = checkpoint.find_resume(_resume_setting(cfg, logger), run_dir,
-                                   warn=lambda msg: distributed.warn(env, "%s", msg))
+def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> str:
+    """Loads the checkpoint `trainer.resume` names into the built loop, if any; returns what
+    to log about it (logged by the caller once every check passed)."""
+    found = checkpoint.find_resume(_resume_setting(cfg, None), run_dir)
     if found is None:
-        return
-    path, state = found
-    checkpoint.check_model_state(unwrap(loop.model), state, path)
-    loop.load_state_dict(state)
+        return ""
+    path, state, skipped = found
+    for reason in skipped:  # damaged newer checkpoints, skipped for an older one that loads
+        distributed.warn(env, "%s; the previous checkpoint was used", reason)
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
+    changes = resume_changes(state.get("config", {}), cfg, old_world, env.world_size)
+    checkpoint.check_model_state(unwrap(loop.model), state, path)
+    try:
+        loop.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
+        raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
+                              f"fit this run ({type(e).__name__}: {e})") from None
+    lines = []
+    if changes:
+        # the policy: optimizer hyperparameters (lr, betas, weight decay...) and the
+        # scheduler's base lr and position live in their states, so they continue from the
+        # checkpoint; the schedule's shape (warmup, total steps) follows this config
+        lines.append("resuming with changed settings: " + "; ".join(changes) + ". The "
+                     "optimizer's hyperparameters and the lr schedule's position continue from "
+                     "the checkpoint (optim.* and sched.* changes do not apply to them); start "
+                     "a new run dir to apply them")
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank], generator)
         loop.loader_rng = rngs[env.rank].get("loader")
     elif old_world != env.world_size:
-        logger.info("the checkpoint was written by %d ranks, this job has %d: the data "
-                    "position is kept in global samples (%d into epoch %d); random states "
-                    "start from the seed", old_world, env.world_size, loop.state.position,
-                    loop.state.epoch)
-    logger.info("resumed from %s at epoch %d step %d (%d samples into the epoch)", path,
-                state["epoch"], state["step"], loop.state.position)
+        lines.append(f"the checkpoint was written by {old_world} ranks, this job has "
+                     f"{env.world_size}: the data position is kept in global samples "
+                     f"({loop.state.position} into epoch {loop.state.epoch}); random states "
+                     "start from the seed")
+    lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
+                 f"({loop.state.position} samples into the epoch)")
+    return "\n".join(lines)
 
 
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
            prof, preemption: Preemption) -> Tuple[Loop, Checkpointing]:
     train_feed, val_feed = _feeds(cfg, env, spec.device)
     train_loader = train_feed.loader
-    _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
     seed_everything(cfg.seed)
@@ -242,8 +269,14 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
                 train_limit=train_limit, val_limit=val_limit,
-                callbacks=[ProfilerSteps(prof), checkpointing])
-    _restore(cfg, env, run_dir, loop, logger)
+                callbacks=[ProfilerSteps(prof), checkpointing],
+                input_shape=cfg.data.input_shape)
+    # the first line to the log comes after every check: a refused run adds nothing to the
+    # train.log of the run whose dir it was pointed at
+    found = _restore(cfg, env, run_dir, loop)
+    _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
+    for line in found.splitlines():
+        logger.info("%s", line)
     return loop, checkpointing
 
 
@@ -264,12 +297,27 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
     seed_everything(cfg.seed)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
+    lock = RunDirLock(run_dir)
+    writing = False
     start = time.perf_counter()
     try:
+        if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
+            rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(
+                run_dir, _resume_setting(cfg, logger))), env)
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption)
-            summary = loop.fit()
+            _open_outputs(cfg, env, run_dir, logger)
+            writing = logger.write  # from here on, the run dir holds this run's files
+            heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
+            with heartbeat:
+                try:
+                    summary = loop.fit()
+                except RuntimeError as e:  # a collective that timed out: name the rank
+                    lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
+                    if lost is None:
+                        raise
+                    raise lost from e
         checkpointing.save(loop)  # the final state (skipped if this step is saved already)
         checkpointing.finish()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
@@ -278,13 +326,30 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
                        world_size=env.world_size, strategy=spec.strategy.value,
                        peak_mem_mb=peak_memory_mb(spec.device))
         logger.summary(summary)
+        if writing:
+            rundir.write_status(run_dir, 0, "")
         _final_summary(summary, env)
         if summary["run_data_wait_frac"] > STALL_ADVICE_ABOVE:
             logger.info("%s", stall_advice(cfg.data, spec.device, summary["run_data_wait_frac"],
                                            distributed.auto_num_workers(env.local_world_size)))
         return summary
+    except BaseException as e:
+        if writing:
+            rundir.write_status(run_dir, exit_code(e), describe(e))
+        raise
     finally:
         logger.close()
+        lock.release()
+
+
+def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger) -> None:
+    """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
+    record, metrics.jsonl and TensorBoard."""
+    if not logger.write:
+        return
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    rundir.record_hydra(run_dir, cfg)
+    logger.open()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -13,10 +13,20 @@ from typing import Callable
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from trainer.config import ConfigError
+
+
+def _check_warmup(warmup_steps: int) -> None:
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ConfigError(f"sched.warmup_steps={warmup_steps}: must be an integer >= 0")
+
 
 def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
                   min_lr_ratio: float = 0.0) -> LambdaLR:
     """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio` x lr."""
+    _check_warmup(warmup_steps)
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"sched.min_lr_ratio={min_lr_ratio}: must be in [0, 1]")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -31,6 +41,7 @@ def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
 def constant(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """Constant lr after an optional linear warmup."""
     del total_steps  # accepted for a uniform call signature
+    _check_warmup(warmup_steps)
     return LambdaLR(optimizer, lambda s: (s + 1) / warmup_steps if s < warmup_steps else 1.0)
 
 

@@ -24,11 +24,49 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointError, match=r"last.pt: the write failed \(No space "
+                                                         r"left on device\); the previous"):
         checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
     monkeypatch.undo()
     assert checkpoint.load(path)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_a_full_disk_under_torch_s_own_message_is_named(tmp_path, monkeypatch):
+    """torch reports ENOSPC as 'enforce fail ... unexpected pos': the free space tells."""
+    path = checkpoint.save({"model": {"w": torch.zeros(2)}, "step": 1}, tmp_path / "last.pt")
+
+    def torch_full_disk(obj, f, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", torch_full_disk)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda p: __import__("collections").namedtuple("U", "total used free")(
+                            1 << 30, 1 << 30, 0))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\(no space left on device\)"):
+        checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
+    monkeypatch.undo()
+    assert checkpoint.load(path)["step"] == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_flipped_bit_in_a_stored_weight_is_detected(tmp_path):
+    path = checkpoint.save({"model": {"w": torch.randn(1000)}, "step": 1}, tmp_path / "a.pt")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match=r"a.pt: damaged \(checksum mismatch "
+                                                         r"in .*data/0\)"):
+        checkpoint.load(path)
+
+
+def test_leftover_temp_files_are_removed_on_the_next_start(tmp_path):
+    folder = tmp_path / checkpoint.CHECKPOINT_DIR
+    folder.mkdir()
+    (folder / ".step-00000010.pt.abc123.tmp").write_bytes(b"half")
+    (folder / ".last.pt.link").write_bytes(b"half")
+    keep = checkpoint.save({"model": {}, "step": 1}, folder / "step-00000001.pt")
+    checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=False, enabled=True)
+    assert sorted(p.name for p in folder.iterdir()) == [keep.name]
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, None])
@@ -65,8 +103,8 @@ def test_find_resume(tmp_path):
     assert checkpoint.find_resume(None, tmp_path) is None
     assert checkpoint.find_resume("auto", tmp_path) is None  # nothing yet: fresh start
     step = checkpoint.save({"model": {}, "step": 4}, tmp_path / "checkpoints" / "step-00000004.pt")
-    path, state = checkpoint.find_resume("auto", tmp_path)
-    assert path == step and state["step"] == 4
+    path, state, skipped = checkpoint.find_resume("auto", tmp_path)
+    assert path == step and state["step"] == 4 and skipped == []
     assert checkpoint.find_resume(str(step), tmp_path)[0] == step
     with pytest.raises(CheckpointError, match="trainer.resume=/nope.pt"):
         checkpoint.find_resume("/nope.pt", tmp_path)
@@ -78,8 +116,7 @@ def test_auto_resume_falls_back_past_damaged_files(tmp_path):
     checkpoint.save({"model": {}, "step": 4}, folder / "step-00000004.pt")
     (folder / "step-00000004.pt").write_bytes(b"truncated")
     (folder / "last.pt").write_bytes(b"")
-    warnings = []
-    path, state = checkpoint.find_resume("auto", tmp_path, warn=warnings.append)
+    path, state, warnings = checkpoint.find_resume("auto", tmp_path)
     assert path == good and state["step"] == 2
     assert len(warnings) == 2 and all("\n" not in w for w in warnings)
     assert "last.pt" in warnings[0] and "step-00000004.pt" in warnings[1]

@@ -114,6 +114,7 @@ def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "stopped on a preemption signal" in out
     assert "torchrun restart 1: resuming" in out and "resumed from" in out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after preemption")
 
 
@@ -124,6 +125,9 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out[-2000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "preempted" and status["exit_code"] == 75
+    assert status["resume"] == "trainer.resume=auto"
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
     # saved on an optimizer-step boundary: whole windows of 2 batches of 32
@@ -156,7 +160,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
                                  "trainer.resume=auto"]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step-00000004.pt" in proc.stdout and "resumed from" in proc.stdout
-    assert "trying the previous checkpoint" in proc.stdout + proc.stderr
+    assert "the previous checkpoint was used" in proc.stdout + proc.stderr
 
 
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):

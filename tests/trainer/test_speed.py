@@ -32,11 +32,13 @@ def test_backend_flags_set_tf32_and_cudnn_autotuning(restore_backend_flags):
     assert not torch.backends.cudnn.benchmark  # deterministic wins over autotuning
 
 
-def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags):
-    train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", "trainer.cudnn_benchmark=true"))
+def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags, tmp_path):
+    train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", "trainer.cudnn_benchmark=true",
+                   run_dir=tmp_path / "a"))
     assert torch.backends.cuda.matmul.fp32_precision == "ieee"
     assert torch.backends.cudnn.benchmark
-    train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.cudnn_benchmark=false"))
+    train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.cudnn_benchmark=false",
+                   run_dir=tmp_path / "b"))  # a run dir of its own: one dir, one run
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     assert not torch.backends.cudnn.benchmark
 

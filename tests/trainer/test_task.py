@@ -34,9 +34,9 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
 
 
 @pytest.mark.parametrize("batch,output,fragment", [
-    ({"x": torch.zeros(2)}, torch.zeros(2, 3), "a batch it cannot unpack: got dict{x: tensor(2,) float32}; "
-                                  "expected (inputs, target) or a dict with the target key "
-                                  "'labels'"),
+    ({"x": torch.zeros(2)}, torch.zeros(2, 3),
+     "a batch it cannot unpack: got dict{x: tensor(2,) float32}; expected (inputs, target) or "
+     "a dict with the target key 'labels'"),
     ((torch.zeros(2, 3), torch.zeros(2)), torch.zeros(2, 3), "targets that are not integer"),
     ((torch.zeros(2, 3), torch.zeros(3, dtype=torch.int64)), torch.zeros(2, 3),
      "logits (2, 3) and targets of another shape"),
@@ -372,10 +372,12 @@ def test_modules_in_the_directory_the_command_runs_from_are_found(tmp_path):
         " torch.nn.ReLU(), torch.nn.Linear(width, num_classes))\n\n"
         "    def forward(self, x):\n        return self.layers(x)\n")
     args = ["model=custom", "trainer.max_steps=2", "trainer.progress_bar=false",
-            "data.num_workers=0", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = run_cli([*args, "model._target_=mynet.Net", "+model.width=8"], cwd=tmp_path)
+            "data.num_workers=0"]
+    proc = run_cli([*args, "model._target_=mynet.Net", "+model.width=8",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_cli([*args, "model._target_=mynet.Nett"], cwd=tmp_path)
+    proc = run_cli([*args, "model._target_=mynet.Nett", f"hydra.run.dir={tmp_path / 'typo'}"],
+                   cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "stoker: error: model._target_=mynet.Nett: mynet has no attribute 'Nett'")

@@ -1,0 +1,57 @@
+"""Liveness: a stopped or stuck rank or loader worker ends the job within minutes, naming it,
+and the exit never hangs on a stopped worker. Real processes; every test is bounded."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.helpers import ROOT, run_cli, torchrun
+
+pytestmark = pytest.mark.slow
+STALL = "data.dataset._target_=tests.helpers.StallingDigits"
+
+
+def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
+    start = time.monotonic()
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=10",
+                        STALL, "+data.dataset.rank=1", "+data.dataset.at=200",
+                        "data.num_workers=0", "trainer.progress_bar=false"], cwd=ROOT,
+                    timeout=150)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "rank 0 waited more than trainer.ddp.timeout_s=10 s in a collective" in lines[0]
+    assert "rank 1 made no progress for" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["stop", "sleep"])
+def test_a_stuck_loader_worker_ends_the_run_and_the_exit_does_not_hang(tmp_path, how):
+    start = time.monotonic()
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", STALL, f"+data.dataset.how={how}",
+                    "+data.dataset.at=20", "data.num_workers=1", "data.timeout=5",
+                    "data.persistent_workers=false", "trainer.progress_bar=false"], timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.monotonic() - start < 90
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker: error: data: DataLoader timed out after 5.0 seconds "
+                           "(data.timeout) waiting for a batch from a loader worker")
+
+
+def test_non_finite_loss_on_one_rank_at_save_steps_stops_every_rank_alike(tmp_path):
+    start = time.monotonic()
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=60",
+                        "model._target_=tests.helpers.NaNOnRankMLP", "+model.after=3",
+                        "trainer.checkpoint.every_n_steps=2", "trainer.max_bad_steps=2",
+                        "trainer.log_every_n_steps=2", "trainer.progress_bar=false"],
+                    cwd=ROOT, timeout=150)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60  # no rank sat in a collective its peer never entered
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(errors) == 1 and re.search(r"the loss was not finite for \d+ optimizer steps in "
+                                          r"a row \(up to step \d+, trainer.max_bad_steps=2\)",
+                                          errors[0])
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*.pt"))
+    assert saved == ["step-00000002.pt"]  # the last good one; none with a NaN loss

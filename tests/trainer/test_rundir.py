@@ -1,0 +1,140 @@
+"""A run dir belongs to one run: the lock, the refusal of a fresh run over another run's files
+(nothing written first), damaged and unusable checkpoints, what a resume changes, the status
+file, reclaimed /dev/shm caches, OS errors in one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.cache import OWNER, reclaim_shm
+from tests.helpers import run_cli
+from trainer import checkpoint, rundir
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError
+from trainer.runner import train
+
+QUICK = ["trainer.max_steps=4", "trainer.progress_bar=false", "data.num_workers=0"]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its bytes: to show nothing was written."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_a_live_runs_lock_refuses_and_a_dead_runs_lock_is_taken_over(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    me = rundir.owner()
+    (run_dir / rundir.LOCK).write_text(json.dumps({**me, "job": "someone-else"}))
+    with pytest.raises(ConfigError, match=rf"^run dir {run_dir} is in use by another run \(pid "
+                                          rf"{os.getpid()} on "):
+        train(make_cfg(*QUICK, run_dir=run_dir))
+    assert os.listdir(run_dir) == [rundir.LOCK]  # nothing else written
+    (run_dir / rundir.LOCK).write_text(json.dumps({**me, "pid": dead_pid(), "job": None}))
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
+    assert not (run_dir / rundir.LOCK).exists()  # released at the end
+
+
+def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli([*QUICK, f"hydra.run.dir={run_dir}"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = snapshot(run_dir)
+    assert {".hydra/config.yaml", "config.yaml", "summary.json", "status.json"} <= before.keys()
+    again = run_cli([*QUICK, "optim.lr=0.1", f"hydra.run.dir={run_dir}"])
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: run dir {run_dir} holds another run's checkpoints (last.pt...): "
+        "continue it with trainer.resume=auto, or start in a new dir (hydra.run.dir=...); "
+        "nothing was changed")
+    assert snapshot(run_dir) == before
+
+
+def test_a_refused_resume_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli([*QUICK, f"hydra.run.dir={run_dir}"]).returncode == 0
+    before = snapshot(run_dir)
+    proc = run_cli([*QUICK, "optim=sgd", "trainer.resume=auto", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "stoker: error: optim._target_=torch.optim.SGD: the checkpoint holds the state of "
+        "torch.optim.AdamW, which cannot apply to another optimizer")
+    assert snapshot(run_dir) == before
+
+
+def test_resume_names_what_changed_and_keeps_the_checkpoints_lr(make_cfg, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    common = ["sched=constant", "trainer.checkpoint.every_n_steps=2", "trainer.progress_bar=false"]
+    train(make_cfg(*common, "trainer.max_steps=2", run_dir=run_dir))
+    caplog.set_level("INFO", logger="stoker")
+    train(make_cfg(*common, "trainer.max_steps=4", "trainer.resume=auto", "optim.lr=0.03",
+                   "data.batch_size=32", "trainer.log_every_n_steps=1", run_dir=run_dir))
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("resuming with changed settings"))
+    assert "data.batch_size 64 -> 32" in line and "optim.lr 0.003 -> 0.03" in line
+    assert "continue from the checkpoint" in line
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows if r["split"] == "train" and r["step"] > 2] == [0.003] * 2
+
+
+def test_when_no_checkpoint_loads_resume_auto_refuses_and_keeps_the_files(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    train(make_cfg(*QUICK, "trainer.checkpoint.every_n_steps=2", run_dir=run_dir))
+    for p in (run_dir / "checkpoints").glob("*.pt"):
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.unlink()  # last.pt is a hard link to the newest: damage each file once
+        p.write_bytes(bytes(data))
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"trainer.resume=auto: none of the 3 checkpoints "
+                                              r"in .* loads"):
+        train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=run_dir))
+    after = snapshot(run_dir)
+    assert after == before
+
+
+def test_a_file_where_the_run_dir_should_be_is_one_line(tmp_path):
+    (tmp_path / "blocker").write_text("a file")
+    proc = run_cli([*QUICK, f"hydra.run.dir={tmp_path / 'blocker' / 'run'}"])
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker: error: [Errno 20] Not a directory: ") and "blocker" in last
+    assert "Traceback" not in proc.stderr
+
+
+def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path):
+    mine, gone = tmp_path / "stoker-mine", tmp_path / "stoker-gone"
+    for folder, who in ((mine, rundir.owner()), (gone, {**rundir.owner(), "pid": dead_pid()})):
+        folder.mkdir()
+        (folder / OWNER).write_text(json.dumps(who))
+    (tmp_path / "stoker-unknown").mkdir()  # no owner record: not ours to judge
+    assert reclaim_shm(rundir.owner_alive, root=tmp_path) == [gone]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stoker-mine", "stoker-unknown"]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["sched.warmup_steps=-5"], "sched.warmup_steps=-5: must be an integer >= 0"),
+    (["data.batch_size=5000", "data.drop_last=true"],
+     "data.batch_size=5000: no optimizer step per epoch with 1438 training samples"),
+    (["data=custom", "+data.dataset._target_=tests.helpers.Empty", "data.input_shape=[4]",
+      "data.num_classes=2"], "data.dataset: Empty has no samples"),
+    (["data.input_shape=[32]"], "model: MLP cannot take the first batch (list(tensor(64, 1, "
+                                "8, 8) float32, tensor(64,) int64)): mat1 and mat2 shapes "
+                                "cannot be multiplied"),
+])
+def test_mismatches_fail_before_the_first_step(make_cfg, args, fragment):
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(*QUICK, *args))
+    assert fragment in str(info.value) and "\n" not in str(info.value)

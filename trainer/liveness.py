@@ -1,0 +1,118 @@
+"""Liveness: a job whose rank stops making progress ends within minutes, naming the rank.
+
+Every collective has the process group's timeout (`trainer.ddp.timeout_s`, 300 s by default),
+so the ranks left waiting for a stopped, stuck or vanished peer fail instead of waiting for
+ever. To say *which* rank stopped, every rank runs a heartbeat thread that writes its progress
+(step, phase, time) to the job's store every few seconds; the thread keeps beating while its
+own main thread waits in a collective, and stops beating when the process is stopped or gone.
+When a collective times out, the waiting rank reads the beats and names the rank whose
+progress is oldest. Long phases are not mistaken for hangs: validation and checkpoint writes
+are phases of their own, and the barrier that waits for a checkpoint write has its own,
+longer timeout (`trainer.checkpoint.timeout_s`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+from data.loader import LoaderStalled
+from trainer import distributed
+
+BEAT_S = 5.0  # seconds between heartbeats
+_TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
+
+
+class PeerLost(RuntimeError):
+    """A collective timed out waiting for a rank that stopped making progress."""
+
+
+class Heartbeat:
+    """Publishes this rank's progress (`progress()` -> (step, phase)) to the job's store."""
+
+    def __init__(self, rank: int, world_size: int, progress):
+        self.rank, self.world_size, self.progress = rank, world_size, progress
+        self.store = _store() if world_size > 1 else None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Heartbeat":
+        if self.store is not None:
+            self.beat()
+            self._thread = threading.Thread(target=self._run, name="stoker-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * BEAT_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self.beat()
+            except Exception:  # the store went away: the job is ending anyway
+                return
+
+    def beat(self) -> None:
+        step, phase = self.progress()
+        self.store.set(f"stoker/beat/{self.rank}",
+                       json.dumps({"step": step, "phase": phase, "time": time.time()}))
+
+    def beats(self) -> Dict[int, dict]:
+        """Every rank's last heartbeat that the store holds."""
+        out = {}
+        for r in range(self.world_size):
+            try:
+                if self.store.check([f"stoker/beat/{r}"]):
+                    out[r] = json.loads(self.store.get(f"stoker/beat/{r}"))
+            except Exception:
+                continue
+        return out
+
+    def explain(self, error: BaseException, timeout_s: float) -> Optional[PeerLost]:
+        """A one-line PeerLost for a collective that timed out, naming the rank whose
+        progress is oldest; None for any other error."""
+        if self.store is None or isinstance(error, LoaderStalled) or \
+                not _TIMEOUT.search(str(error)):
+            return None
+        now, beats = time.time(), self.beats()
+        peers = {r: b for r, b in beats.items() if r != self.rank}
+        missing = [r for r in range(self.world_size) if r != self.rank and r not in beats]
+        if missing:
+            who = f"rank {missing[0]} never reported progress"
+        elif peers:
+            r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["time"]))
+            who = (f"rank {r} made no progress for {now - b['time']:.0f} s (last heartbeat: "
+                   f"step {b['step']}, {b['phase']})")
+        else:
+            who = "the other ranks stopped"
+        mine = beats.get(self.rank, {})
+        return PeerLost(f"rank {self.rank} waited more than trainer.ddp.timeout_s={timeout_s:g} "
+                        f"s in a collective at step {mine.get('step', '?')} "
+                        f"({mine.get('phase', '?')}): {who}; stopped, stuck or gone; the last "
+                        "checkpoint is kept")
+
+
+def _store():
+    """The default process group's store (shared by all ranks of the job)."""
+    if not distributed.is_active():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def monitored_barrier(timeout_s: float) -> None:
+    """A barrier with its own timeout that names the ranks that did not arrive (on a CPU
+    group: it needs gloo); for waits longer than a collective's, such as a checkpoint write."""
+    if not distributed.is_active():
+        return
+    import datetime
+
+    dist.monitored_barrier(group=distributed.cpu_group(),
+                           timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)

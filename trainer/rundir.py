@@ -1,0 +1,182 @@
+"""A run dir belongs to one run: a lock, a refusal to start a fresh run over another run's
+files, and Hydra's record of the run written only once those checks passed.
+
+The lock is `<run dir>/.stoker.lock`, created atomically (O_EXCL) by rank 0 and holding the
+owner's host, pid, process start time and job id. A lock whose owner is gone (same host, no
+such process, or the pid reused by a process started later) is stale and taken over; so is one
+left by an earlier attempt of the same job (a torchrun restart, a SLURM requeue on another
+node: same job id). Every other lock refuses the run in one line naming the owner.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checkpoint, distributed
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError
+
+LOCK = ".stoker.lock"
+OUTPUTS = ("metrics.jsonl", "summary.json")  # what a run that wrote anything leaves behind
+
+
+def job_id(environ=os.environ) -> Optional[str]:
+    """The id every attempt of one job shares (torchrun's run id, SLURM's job id)."""
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        value = environ.get(key)
+        if value and value != "none":
+            return f"{key}={value}"
+    return None
+
+
+def _start_time(pid: int) -> Optional[float]:
+    try:
+        return distributed._process_start(pid)
+    except (OSError, ValueError, IndexError):
+        return None  # gone, or no /proc here
+
+
+def owner() -> Dict[str, Any]:
+    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
+            "job": job_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def owner_alive(who: Dict[str, Any]) -> bool:
+    """False when the process that wrote `who` (see `owner`) is certainly gone."""
+    if who.get("host") != socket.gethostname():
+        return True  # cannot look at another host's processes
+    pid = int(who.get("pid", -1))
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    started = who.get("started")
+    if started is None:
+        return True
+    now = _start_time(pid)
+    return now is None and os.path.exists(f"/proc/{pid}") or now == started  # pid reused?
+
+
+class RunDirLock:
+    """Held by rank 0 for the run's lifetime; `acquire` refuses a dir another live run holds."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self.held = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):  # a stale lock is removed once, then created anew
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is not None and not self._stale(holder):
+                    raise ConfigError(
+                        f"run dir {self.path.parent} is in use by another run (pid "
+                        f"{holder.get('pid')} on {holder.get('host')} since "
+                        f"{holder.get('since')}); choose another hydra.run.dir, or delete "
+                        f"{self.path} if that run is gone")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner(), f)
+            self.held = True
+            return
+        raise ConfigError(f"run dir {self.path.parent}: another run took its lock first")
+
+    def _read(self) -> Optional[Dict[str, Any]]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None  # half-written by a crash: stale
+
+    @staticmethod
+    def _stale(holder: Dict[str, Any]) -> bool:
+        same_job = holder.get("job") is not None and holder.get("job") == job_id()
+        return same_job or not owner_alive(holder)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                    self.path.unlink()
+            except (OSError, ValueError):
+                pass
+
+
+def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
+    """A fresh run (`resume` null) must not write over another run's checkpoints or outputs."""
+    if resume is not None:
+        return
+    run_dir = Path(run_dir)
+    found = checkpoint.candidates(run_dir)
+    outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
+               and (run_dir / name).stat().st_size]
+    if found or outputs:
+        what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
+        raise CheckpointError(
+            f"run dir {run_dir} holds another run's {what}: continue it with "
+            "trainer.resume=auto, or start in a new dir (hydra.run.dir=...); nothing was "
+            "changed")
+
+
+def record_hydra(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra's record of the run (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`),
+    written by rank 0 once the run dir is known to be this run's (Hydra's own writing of it,
+    before any check, is turned off in conf/train.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return  # called from Python, not through train.py
+    hydra_cfg = HydraConfig.get()
+    folder = Path(run_dir) / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    (folder / "overrides.yaml").write_text(
+        OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
+
+
+def agreed(check, env) -> None:
+    """Runs `check()` on rank 0 and raises its error on every rank (so no rank goes on into
+    a collective its peers never enter)."""
+    error: Optional[BaseException] = None
+    if env.is_main:
+        try:
+            check()
+        except (ConfigError, CheckpointError, OSError) as e:
+            error = e
+    error = distributed.broadcast_object(error)
+    if error is not None:
+        raise error
+
+
+STATUS = "status.json"
+_STATUS_WORDS = {0: "completed", 2: "failed: configuration or checkpoint", 75: "preempted"}
+
+
+def write_status(run_dir: Path, code: int, error: str) -> None:
+    """`<run dir>/status.json`: how the run ended and the exit code its ranks returned (under
+    torchrun the job as a whole exits 1 for any failed rank, 75 included, so this file is where
+    a preemption is told from a failure)."""
+    status = {"status": _STATUS_WORDS.get(code, "failed"), "exit_code": code,
+              "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if code == 75:
+        status["resume"] = "trainer.resume=auto"
+    try:
+        (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
+    except OSError:
+        pass  # the dir itself may be the problem (full disk): the exit code still tells
