@@ -152,11 +152,6 @@ class TrainConfig:
     sched: Any = MISSING
 
 
-def _rank0_only(value: Any) -> Any:
-    """`value` on the job's rank 0, null on every other rank (so only rank 0 writes)."""
-    return value if distributed.detect().is_main else None
-
-
 def _log_file(run_dir: str) -> str:
     return f"{run_dir}/train.log" if distributed.detect().is_main else os.devnull
 
@@ -173,7 +168,6 @@ def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("stoker_stamp", lambda: distributed.run_stamp(),
                                     use_cache=True, replace=True)
-    OmegaConf.register_new_resolver("stoker_rank0", _rank0_only, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
     OmegaConf.register_new_resolver(
