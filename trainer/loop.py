@@ -3,11 +3,12 @@
 Conventions: a *step* is an optimizer step; a *micro-batch* is one loader batch. With
 `accumulate_grad_batches=k`, k micro-batches form a window. The loop never looks inside a batch:
 the task (trainer/task.py) runs the model, computes the loss as a mean over `count` units
-(samples, or valid tokens) and feeds the metrics. Each micro-batch's loss is weighted by its
-share of the window's units, summed over ranks when counts are tensors or the job has several
-ranks, so k micro-batches on N ranks give the update of one batch of all of them (a short last
-batch or window, or padded tokens, included). Host syncs (`.item()`, all-reduce of metrics)
-happen only at logging boundaries, never per step.
+(samples, or valid tokens) and feeds the metrics. Each micro-batch adds its mean loss times its
+count to the gradients, and at the window's end they are multiplied once so that every unit of
+the window, on all ranks, weighs the same (`window_factor`): k micro-batches on N ranks give
+the update of one batch of all of them (a short last batch or window, or padded tokens,
+included). Host syncs (`.item()`, all-reduce of metrics) happen only at logging boundaries,
+never per step.
 """
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher
 from trainer import distributed
-from trainer.config import TrainerConfig
+from trainer.config import ConfigError, TrainerConfig
 from trainer.logging import RunLogger
-from trainer.config import ConfigError
 from trainer.precision import MixedPrecision
 from trainer.strategy import sync_context, unwrap
 from trainer.task import Count, Task, batch_size, describe
@@ -322,7 +322,7 @@ class Loop:
             torch.as_tensor(v, dtype=torch.float32).to(self.device)
             for v in (w.count, w.samples, w.wait_s, wall))])
         loss_sum, count, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
-        world = distributed.world_size()
+        world = self.world
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)
         values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,

@@ -186,6 +186,13 @@ RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "da
                "task")
 
 
+def _get(tree: Dict[str, Any], dotted: str) -> Any:
+    """`tree["a"]["b"]` for "a.b"; None where a level is missing."""
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
 def _flat(value: Any, prefix: str) -> Dict[str, Any]:
     if isinstance(value, dict):
         out: Dict[str, Any] = {}
@@ -209,13 +216,7 @@ def resume_changes(saved: Dict[str, Any], cfg: DictConfig, saved_world: int,
             "or start a new run dir")
     changes = [] if saved_world == world else [f"world size {saved_world} -> {world}"]
     for key in RESUME_KEYS:
-        head, *rest = key.split(".")
-        old = saved.get(head, {}) if rest else saved.get(head)
-        new = now.get(head, {}) if rest else now.get(head)
-        for part in rest:
-            old = (old or {}).get(part) if isinstance(old, dict) else None
-            new = (new or {}).get(part) if isinstance(new, dict) else None
-        a, b = _flat(old, key), _flat(new, key)
+        a, b = _flat(_get(saved, key), key), _flat(_get(now, key), key)
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 changes.append(f"{k} {a.get(k)} -> {b.get(k)}")

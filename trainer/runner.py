@@ -10,7 +10,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -189,26 +189,24 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
                 cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
 
 
-def _resume_setting(cfg: DictConfig, logger: Optional[RunLogger]) -> Optional[str]:
+def _resume_setting(cfg: DictConfig) -> Optional[str]:
     """trainer.resume, except that a job torchrun restarted resumes on its own."""
     resume = cfg.trainer.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        if logger is not None:
-                logger.info("torchrun restart %s: resuming from this run's newest checkpoint",
-                        os.environ["TORCHELASTIC_RESTART_COUNT"])
         return "auto"
     return resume
 
 
-def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> str:
-    """Loads the checkpoint `trainer.resume` names into the built loop, if any; returns what
-    to log about it (logged by the caller once every check passed)."""
-    found = checkpoint.find_resume(_resume_setting(cfg, None), run_dir)
+def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
+             resume: Optional[str]) -> Tuple[List[str], List[str]]:
+    """Loads the checkpoint `resume` names into the built loop, if any; returns the warnings
+    and the lines to log about it, which the caller logs once every check passed."""
+    found = checkpoint.find_resume(resume, run_dir)
     if found is None:
-        return ""
+        return [], []
     path, state, skipped = found
-    for reason in skipped:  # damaged newer checkpoints, skipped for an older one that loads
-        distributed.warn(env, "%s; the previous checkpoint was used", reason)
+    # damaged newer checkpoints, skipped for an older one that loads
+    warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
     changes = resume_changes(state.get("config", {}), cfg, old_world, env.world_size)
     checkpoint.check_model_state(unwrap(loop.model), state, path)
@@ -218,6 +216,9 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> str:
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
     lines = []
+    if resume != cfg.trainer.resume:
+        lines.append(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming "
+                     "from this run's newest checkpoint")
     if changes:
         # the policy: optimizer hyperparameters (lr, betas, weight decay...) and the
         # scheduler's base lr and position live in their states, so they continue from the
@@ -237,11 +238,11 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop) -> str:
                      "start from the seed")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
-    return "\n".join(lines)
+    return warnings, lines
 
 
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
-           prof, preemption: Preemption) -> Tuple[Loop, Checkpointing]:
+           prof, preemption: Preemption, resume: Optional[str]) -> Tuple[Loop, Checkpointing]:
     train_feed, val_feed = _feeds(cfg, env, spec.device)
     train_loader = train_feed.loader
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
@@ -273,9 +274,11 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 input_shape=cfg.data.input_shape)
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
-    found = _restore(cfg, env, run_dir, loop)
+    warnings, lines = _restore(cfg, env, run_dir, loop, resume)
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
-    for line in found.splitlines():
+    for line in warnings:
+        distributed.warn(env, "%s", line)
+    for line in lines:
         logger.info("%s", line)
     return loop, checkpointing
 
@@ -298,15 +301,17 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
+    resume = _resume_setting(cfg)
     writing = False
     start = time.perf_counter()
     try:
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
-            rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(
-                run_dir, _resume_setting(cfg, logger))), env)
+            rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
+                          env)
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env) as preemption:
-            loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption)
+            loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
+                                         resume)
             _open_outputs(cfg, env, run_dir, logger)
             writing = logger.write  # from here on, the run dir holds this run's files
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
