@@ -7,14 +7,15 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data.resident import ResidentBatches, tensors_of
 from data.sampler import ResumableDistributedSampler
 
-from trainer.config import ConfigError, DataConfig
+from trainer.config import ConfigError, DataConfig, cpu_workers
 
 
 class EvalShardSampler(Sampler[int]):
@@ -26,17 +27,24 @@ class EvalShardSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.n, self.world_size))
 
+    def epoch_tensor(self) -> torch.Tensor:
+        return torch.arange(self.rank, self.n, self.world_size)
+
     def __len__(self) -> int:
         return max(0, math.ceil((self.n - self.rank) / self.world_size))
 
 
 def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 0,
                  world_size: int = 1, seed: int = 0, device: torch.device = torch.device("cpu"),
-                 shuffle: bool | None = None, collate_fn=None) -> DataLoader:
-    """A DataLoader over this rank's shard of `dataset` with the config's worker settings.
+                 shuffle: bool | None = None, collate_fn=None,
+                 num_workers: Optional[int] = None, placement: str = "host"):
+    """A DataLoader over this rank's shard of `dataset` with the config's worker settings, or
+    with `placement="device"` a ResidentBatches over the same shard (a TensorDataset's tensors
+    on `device`, batched by indexing; data/resident.py).
 
     `collate_fn` (null: PyTorch's default) turns a list of samples into a batch.
     `shuffle` overrides `cfg.shuffle` for training (overfit mode repeats the same batches).
+    `num_workers` overrides `cfg.num_workers` (the trainer passes it with `auto` resolved).
     Pinned memory is used only when the batches go to a CUDA device, and then by the
     DataLoader's pin thread, never on the training loop's thread.
     """
@@ -48,7 +56,16 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     else:
         sampler = EvalShardSampler(len(dataset), rank, world_size)
         batch_size = cfg.eval_batch_size or cfg.batch_size
-    workers = cfg.num_workers
+    # Worker seeding: each pass over the loader draws a base seed from this generator and
+    # worker w seeds python's `random`, numpy and torch with base + w. So random
+    # augmentations differ per worker, per epoch (a new base seed per pass; persistent
+    # workers continue their streams) and per rank, yet repeat exactly for the same seed.
+    generator = torch.Generator().manual_seed(seed + 7919 * rank)
+    drop_last = cfg.drop_last if train else False
+    if placement == "device":
+        return ResidentBatches(tensors_of(dataset), sampler, batch_size, drop_last, device,
+                               generator)
+    workers = cpu_workers(cfg, 1) if num_workers is None else num_workers
     extra = {}
     if workers > 0:  # these are errors for the DataLoader when there are no workers
         extra = dict(prefetch_factor=cfg.prefetch_factor,
@@ -58,35 +75,48 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and device.type == "cuda",
-        drop_last=cfg.drop_last if train else False,
-        # Worker seeding: each pass over the loader draws a base seed from this generator and
-        # worker w seeds python's `random`, numpy and torch with base + w. So random
-        # augmentations differ per worker, per epoch (a new base seed per pass; persistent
-        # workers continue their streams) and per rank, yet repeat exactly for the same seed.
-        generator=torch.Generator().manual_seed(seed + 7919 * rank), **extra)
+        drop_last=drop_last, generator=generator, **extra)
 
 
-def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float,
-                 suggested_workers: int) -> str:
-    """One line of concrete advice for a run whose steps waited `wait_frac` of their time."""
+def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
+                 cores: int, in_memory: bool, placement: str = "host") -> str:
+    """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
+
+    `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
+    may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
+    already in memory; `placement`: where the training batches were formed. The advice follows
+    what the case shows: tensors in memory need no loader at all; more workers than cores only
+    compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
+    and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
+    not a steady shortfall).
+    """
     pct = f"{100 * wait_frac:.0f}%"
-    n = cfg.num_workers
-    if n < suggested_workers:
-        fix = f"raise data.num_workers from {n} to {suggested_workers}"
-    elif n > 0 and not cfg.persistent_workers:
+    n = workers
+    if placement == "device":
+        fix = ("the batches are formed on the device already: the wait is the indexing itself; "
+               "raise data.batch_size")
+    elif in_memory:
+        fix = ("the samples are tensors in memory: set data.placement=device (or auto) to batch "
+               "them by indexing on the training device" + (
+                   f", or data.num_workers=0 (each of the {n} workers only copies them)"
+                   if n else ""))
+    elif n > cores:
+        fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
+               f"workers compete for them; lower it to {cores} (or auto)")
+    elif n < cores:
+        fix = f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has)"
+    elif not cfg.persistent_workers:
         fix = "set data.persistent_workers=true (workers restart every epoch)"
     elif device.type == "cuda" and not cfg.pin_memory:
         fix = "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
     elif device.type == "cuda" and not cfg.device_prefetch:
         fix = "enable data.device_prefetch=true (copy the next batch during the step)"
-    elif n > 0 and cfg.prefetch_factor < 4:
-        fix = f"raise data.prefetch_factor from {cfg.prefetch_factor} to {2 * cfg.prefetch_factor}"
-    elif cfg.cache == "none":
-        fix = ("pay per-sample work once: data.cache=shm if the data fits in memory, else "
-               "scripts/prepare_data.py and data=memmap")
     else:
-        fix = (f"the loader is CPU-bound at {n} workers: make per-sample work lighter or "
-               "move augmentation to the device")
+        fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode faster; pay "
+               "per-sample work once (" + ("data.cache=shm or memory if the data fits in "
+                                           "memory, else " if cfg.cache == "none" else "")
+               + "scripts/prepare_data.py and data=memmap), ship uint8 samples and move "
+               "augmentation to the device (data.augment, data.normalize_mean)")
     return f"steps waited for data {pct} of the time: {fix}"
 
 

@@ -9,19 +9,25 @@ stream (non_blocking, from pinned memory) while the compute stream runs step i:
   on the side stream before it uses a batch, so neither reads memory the other still writes;
 - every tensor handed out gets `record_stream(compute stream)`, so the caching allocator does
   not recycle its memory while the compute stream may still use it;
-- optional on-device work, done on the side stream too: uint8 -> float in [0, 1],
-  per-channel normalisation and channels_last, so workers can ship compact uint8 batches.
+- optional on-device work, done on the side stream too: uint8 -> float in [0, 1], training
+  augmentation (random crop with padding, horizontal flip), per-channel normalisation and
+  channels_last, so workers can ship compact uint8 batches and need not augment.
 
 On CPU (or with `enabled=False`) it is a pass-through that applies the same on-device
 transform in the main process, so a batch looks the same on every device.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from data.loader import loader_error
+from data.resident import ResidentBatches
+from trainer.config import ConfigError
+
+_MIX = 1_000_003  # combines (seed, rank, epoch, position) into one generator seed
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
@@ -43,34 +49,89 @@ def map_tensors(batch: Any, fn) -> Any:
     return batch
 
 
+class DeviceAugment:
+    """Random crop with zero padding and horizontal flips of N x C x H x W inputs, drawn per
+    sample on the device in one gather.
+
+    A batch's randomness is a pure function of (seed, rank, epoch, the batch's position in the
+    epoch in global samples): a run resumed mid-epoch draws exactly what the uninterrupted run
+    drew, with no generator state to save. Padding is 0 in the input's scale after uint8 inputs
+    became [0, 1] (black), before normalisation, as torchvision's RandomCrop(padding=p) on images.
+    """
+
+    def __init__(self, crop_padding: int = 0, hflip: bool = False, seed: int = 0, rank: int = 0):
+        self.pad, self.hflip, self.seed, self.rank = crop_padding, hflip, seed, rank
+        self._generators: dict = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.pad or self.hflip)
+
+    def key(self, epoch: int, position: int) -> int:
+        return (((self.seed * _MIX + self.rank) * _MIX + epoch) * _MIX + position) % 2**63
+
+    def __call__(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ConfigError(f"data.augment: crops and flips need image batches (N, C, H, W); "
+                              f"the inputs are {tuple(x.shape)}; set data.augment.crop_padding=0 "
+                              "and data.augment.hflip=false")
+        n, c, h, w = x.shape
+        dev = x.device
+        g = self._generators.get(dev)
+        if g is None:
+            g = self._generators[dev] = torch.Generator(device=dev)
+        g.manual_seed(key)
+        rows = torch.arange(h, device=dev).expand(n, h)
+        cols = torch.arange(w, device=dev).expand(n, w)
+        if self.pad:
+            p = self.pad
+            x = torch.nn.functional.pad(x, (p, p, p, p))
+            offsets = torch.randint(0, 2 * p + 1, (2, n, 1), generator=g, device=dev)
+            rows, cols = rows + offsets[0], cols + offsets[1]
+        if self.hflip:
+            flip = torch.randint(0, 2, (n, 1), generator=g, device=dev).bool()
+            cols = torch.where(flip, cols.flip(1), cols)
+        batch = torch.arange(n, device=dev).view(n, 1, 1, 1)
+        channel = torch.arange(c, device=dev).view(1, c, 1, 1)
+        return x[batch, channel, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+
+
 class InputTransform:
     """Device-side preparation of a batch's inputs (element 0 of a tuple/list batch, or the
-    "inputs" entry of a dict batch); targets and everything else pass untouched."""
+    "inputs" entry of a dict batch); targets and everything else pass untouched. Order: uint8
+    to [0, 1], augmentation (training batches, when given a key), normalisation, memory format.
+    """
 
     def __init__(self, mean: Optional[Sequence[float]] = None,
-                 std: Optional[Sequence[float]] = None, channels_last: bool = False):
+                 std: Optional[Sequence[float]] = None, channels_last: bool = False,
+                 augment: Optional[DeviceAugment] = None):
         self.mean = None if mean is None else torch.tensor(mean, dtype=torch.float32)
         self.std = None if std is None else torch.tensor(std, dtype=torch.float32)
         self.channels_last = channels_last
+        self.augment = augment if augment else None
+        self.identity = self.mean is None and not channels_last and self.augment is None
 
-    def _inputs(self, x: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, x: torch.Tensor, key: Optional[int]) -> torch.Tensor:
         if x.dtype == torch.uint8:
             x = x.float().div_(255.0)
+        if self.augment is not None and key is not None:
+            x = self.augment(x, key)
         if self.mean is not None:
             shape = (-1,) + (1,) * (x.dim() - 2)  # broadcast over the channel dimension
-            mean = self.mean.to(x.device, non_blocking=True).view(shape)
-            std = self.std.to(x.device, non_blocking=True).view(shape)
-            x = (x.float() - mean) / std
+            if self.mean.device != x.device:  # moved once, not per batch
+                self.mean, self.std = self.mean.to(x.device), self.std.to(x.device)
+            x = (x.float() - self.mean.view(shape)) / self.std.view(shape)
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def __call__(self, batch: Any) -> Any:
+    def __call__(self, batch: Any, key: Optional[int] = None) -> Any:
         if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-            items = [self._inputs(batch[0]), *batch[1:]]
+            if self.identity and batch[0].dtype != torch.uint8:
+                return batch
+            items = [self._inputs(batch[0], key), *batch[1:]]
             return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
         if isinstance(batch, dict) and isinstance(batch.get("inputs"), torch.Tensor):
-            return {**batch, "inputs": self._inputs(batch["inputs"])}
+            return {**batch, "inputs": self._inputs(batch["inputs"], key)}
         return batch
 
 
@@ -95,7 +156,8 @@ class DevicePrefetcher:
     """Iterable over a DataLoader that yields batches already on `device` (see module doc).
 
     Re-iterable (one pass per epoch), handles empty loaders, and exposes the loader it wraps
-    as `.loader` for its sampler and batch settings.
+    as `.loader` for its sampler and batch settings. A `ResidentBatches` loader's batches are
+    on the device already: they only get the transform.
     """
 
     def __init__(self, loader, device: torch.device, transform: Optional[InputTransform] = None,
@@ -103,28 +165,49 @@ class DevicePrefetcher:
         self.loader = loader
         self.device = device
         self.transform = transform or InputTransform()
+        self.resident = isinstance(loader, ResidentBatches)
         self.side_stream = (torch.cuda.Stream(device=device)
-                            if enabled and device.type == "cuda" else None)
+                            if enabled and device.type == "cuda" and not self.resident
+                            else None)
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    def _keys(self) -> Iterator[Optional[int]]:
+        """Each coming batch's augmentation key (None without augmentation): its epoch and its
+        position in the epoch, counted in global samples from where the sampler starts."""
+        augment, sampler = self.transform.augment, self.loader.sampler
+        if augment is None or not hasattr(sampler, "epoch"):
+            return itertools.repeat(None)
+        per_batch = self.loader.batch_size * getattr(sampler, "num_replicas", 1)
+        epoch = sampler.epoch
+        return (augment.key(epoch, pos)
+                for pos in itertools.count(getattr(sampler, "start", 0), per_batch))
+
     def __iter__(self) -> Iterator[Any]:
+        transform, keys = self.transform, self._keys()
+        if self.resident:
+            if transform.identity:
+                yield from self.loader
+                return
+            for batch in self.loader:
+                yield transform(batch, next(keys))
+            return
         batches = _readable(iter(self.loader))
         if self.side_stream is None:
             for batch in batches:
-                yield self.transform(to_device(batch, self.device))
+                yield transform(to_device(batch, self.device), next(keys))
             return
-        pending = self._preload(batches)
+        pending = self._preload(batches, keys)
         while pending is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.side_stream)  # the copy of `pending` must be complete
             batch = pending
             map_tensors(batch, lambda t: t.record_stream(compute))
-            pending = self._preload(batches)  # overlaps with the step that uses `batch`
+            pending = self._preload(batches, keys)  # overlaps with the step that uses `batch`
             yield batch
 
-    def _preload(self, batches: Iterator[Any]) -> Optional[Any]:
+    def _preload(self, batches: Iterator[Any], keys: Iterator[Optional[int]]) -> Optional[Any]:
         try:
             cpu_batch = next(batches)
         except StopIteration:
@@ -133,4 +216,5 @@ class DevicePrefetcher:
         # has queued so far (memory it frees may be handed to this copy)
         self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream):
-            return self.transform(to_device(cpu_batch, self.device, non_blocking=True))
+            return self.transform(to_device(cpu_batch, self.device, non_blocking=True),
+                                  next(keys))

@@ -37,29 +37,31 @@ class ResumableDistributedSampler(Sampler[int]):
         """Skips the first `global_position` positions of the current epoch (all ranks')."""
         self.start = global_position
 
-    def _epoch_order(self) -> List[int]:
+    def _epoch_order(self) -> torch.Tensor:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        return order
+            return torch.randperm(self.n, generator=g)
+        return torch.arange(self.n)
 
-    def _fit(self, indices: List[int]) -> List[int]:
+    def _fit(self, indices: torch.Tensor) -> torch.Tensor:
         """Pads (repeating from the front) or cuts `indices` to a multiple of the ranks."""
         w = self.num_replicas
         if self.drop_last:
             return indices[:len(indices) - len(indices) % w]
         pad = -len(indices) % w
-        while pad > 0 and indices:
-            indices = indices + indices[:pad]
+        while pad > 0 and len(indices):
+            indices = torch.cat([indices, indices[:pad]])
             pad = -len(indices) % w
         return indices
 
-    def epoch_indices(self) -> List[int]:
-        """This rank's indices for the rest of the current epoch."""
+    def epoch_tensor(self) -> torch.Tensor:
+        """This rank's indices for the rest of the current epoch, as an int64 tensor."""
         rest = self._fit(self._epoch_order())[self.start:]
         return self._fit(rest)[self.rank::self.num_replicas]
+
+    def epoch_indices(self) -> List[int]:
+        """This rank's indices for the rest of the current epoch."""
+        return self.epoch_tensor().tolist()
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices())

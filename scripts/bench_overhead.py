@@ -1,14 +1,30 @@
-"""What the launcher costs: the same training steps as a plain PyTorch loop and through Stoker.
+"""What the launcher costs per step: the same steps as a plain PyTorch loop and through Stoker.
 
-    python scripts/bench_overhead.py                          # CNN on synthetic images, CPU/GPU
-    python scripts/bench_overhead.py --steps 200 --repeats 5 --batch 128
+    python scripts/bench_overhead.py                           # tiny and CNN workloads, 7 repeats
+    python scripts/bench_overhead.py --workload tiny --repeats 11 --steps 600
+    python scripts/bench_overhead.py --startup-repeats 0       # skip the start-up timing
 
-Same model (SmallCNN), data (SyntheticDataset, 3x32x32), batch, loader settings, optimizer
-(AdamW, constant lr) and number of steps: (a) a hand-written loop, (b) train.py with logging,
-the stall meter and checkpointing at their defaults, (c) PyTorch Lightning when it is
-installed (skipped with a message otherwise). Each run is a fresh process; configurations
-alternate across repeats; the table shows median samples/s over the training steps (start-up
-and validation excluded) and the ratio to the plain loop. Target: Stoker >= 0.98.
+Workloads (same model, data, batch, optimizer, lr and steps for every runner):
+- `tiny`: the default job's steps with nothing else: digits MLP, batch 64, AdamW, data in
+  memory, no loader workers, no validation, no checkpoints, one thread. Its step is about a
+  millisecond, so the launcher's per-step Python work shows.
+- `cnn`: SmallCNN on synthetic 3x32x32 images through 2 loader workers: compute-bound.
+
+Runners: `plain` (a hand-written loop over a DataLoader), `stoker` (train.py's `train()` with
+`data.placement=host`: the same DataLoader path, logging and the stall meter at their defaults),
+for `tiny` also `plain_indexed` (a hand-written loop indexing batches from tensors in memory)
+and `stoker_device` (`data.placement=device`, its counterpart), and `lightning` when installed
+(PyTorch Lightning; `pip install lightning -c .venv/constraints.txt` keeps the CPU torch).
+
+Every run is a fresh process; runners alternate within each repeat. Each process times its
+steps after the first `--warmup` (start-up, first-epoch and allocator warm-up excluded), wall
+and CPU time. The table gives, per runner: median and best samples/s, wall and CPU
+microseconds per step, the overhead per step against its plain counterpart (difference of
+medians), and `vs_plain`: the median over repeats of the ratio to the counterpart measured in
+the same repeat, which cancels the machine's slow drifts. Target: `vs_plain` >= 0.97 on `tiny`.
+
+Start-up: the wall time of `python train.py debug=fdr` (one step, one validation batch, nothing
+written) next to `python -c "import torch"`, the floor any PyTorch program pays.
 """
 from __future__ import annotations
 
@@ -25,59 +41,102 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, run_train, table, write_json  # noqa: E402
+from benchlib import machine, median, table, write_json  # noqa: E402
 
-COLUMNS = ["runner", "samples_per_s", "vs_plain", "runs", "skipped"]
-LR = 0.003
+COLUMNS = ["workload", "runner", "samples_per_s", "best_samples_per_s", "step_us", "cpu_us",
+           "overhead_us", "vs_plain", "runs", "skipped"]
+STARTUP_COLUMNS = ["command", "wall_s", "best_s", "runs"]
+COUNTERPART = {"stoker": "plain", "lightning": "plain", "stoker_device": "plain_indexed"}
+RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning"],
+           "cnn": ["plain", "stoker", "lightning"]}
+LR = 1e-3
 
 
-def workload(a) -> Dict[str, Any]:
-    return dict(samples=a.samples, batch=a.batch, workers=a.workers, steps=a.steps)
+class Clock:
+    """Wall and CPU time between the end of step `warmup` and the end of step `steps`."""
+
+    def __init__(self, warmup: int, steps: int, device):
+        self.warmup, self.steps, self.device = warmup, steps, device
+        self.marks: List[tuple] = []
+
+    def tick(self, step: int) -> None:
+        if step == self.warmup or step == self.steps:
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.device)
+            self.marks.append((time.perf_counter(), time.process_time()))
+
+    def result(self, batch: int) -> Dict[str, float]:
+        (w0, c0), (w1, c1) = self.marks[0], self.marks[-1]
+        n = self.steps - self.warmup
+        return {"samples_per_s": n * batch / (w1 - w0), "step_us": 1e6 * (w1 - w0) / n,
+                "cpu_us": 1e6 * (c1 - c0) / n}
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _parts(w: Dict[str, Any]):
+    """The dataset and model of workload `w`, built as train.py builds them."""
     import torch
 
-    from data.datasets import SyntheticDataset
-    from trainer.models import SmallCNN
+    from data.datasets import DigitsDataset, SyntheticDataset
+    from trainer.models import MLP, SmallCNN
 
     torch.manual_seed(0)
+    if w["name"] == "tiny":
+        return DigitsDataset("train"), MLP([1, 8, 8], 10)
     ds = SyntheticDataset("train", num_samples=w["samples"], input_shape=[3, 32, 32])
+    return ds, SmallCNN([3, 32, 32], 10)
+
+
+def _batches(w: Dict[str, Any], ds, device, indexed: bool):
+    """An endless iterator of (x, y) batches on `device`, reshuffled every epoch."""
+    import torch
+
+    if indexed:  # tensors in memory (on the device), batches by indexing a permutation
+        x, y = (t.to(device) for t in ds.tensors)
+        g = torch.Generator().manual_seed(0)
+        while True:
+            order = torch.randperm(len(y), generator=g).to(device)
+            for idx in order.split(w["batch"]):
+                yield x[idx], y[idx]
     loader = torch.utils.data.DataLoader(
         ds, batch_size=w["batch"], shuffle=True, num_workers=w["workers"],
         persistent_workers=w["workers"] > 0, prefetch_factor=2 if w["workers"] else None,
-        pin_memory=torch.cuda.is_available())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = SmallCNN([3, 32, 32], 10).to(device)
-    return loader, model, device
+        pin_memory=device.type == "cuda")
+    while True:
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def plain_loop(w: Dict[str, Any]) -> float:
-    """The hand-written reference: samples/s over `steps` optimizer steps."""
+def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
+    """The hand-written reference."""
     import torch
     import torch.nn.functional as F
 
-    loader, model, device = _parts(w)
+    device = _device()
+    ds, model = _parts(w)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    done, start = 0, time.perf_counter()
-    while done < w["steps"]:
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            done += 1
-            if done == w["steps"]:
-                break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return done * w["batch"] / (time.perf_counter() - start)
+    clock = Clock(w["warmup"], w["steps"], device)
+    batches = _batches(w, ds, device, indexed)
+    for step in range(1, w["steps"] + 1):
+        x, y = next(batches)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        clock.tick(step)
+    return clock.result(w["batch"])
 
 
-def lightning_loop(w: Dict[str, Any]) -> float:
-    """The same steps through Lightning's Trainer at its defaults (no logger, no checkpoint
-    files: comparable outputs); throughput timed from the first to the last batch."""
+def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
+    """The same steps through Lightning's Trainer (no logger, no checkpoint files)."""
     try:
         import lightning as L
     except ImportError:
@@ -85,8 +144,12 @@ def lightning_loop(w: Dict[str, Any]) -> float:
     import torch
     import torch.nn.functional as F
 
-    loader, model, _ = _parts(w)
-    marks: List[float] = []
+    ds, model = _parts(w)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=w["batch"], shuffle=True, num_workers=w["workers"],
+        persistent_workers=w["workers"] > 0, prefetch_factor=2 if w["workers"] else None,
+        pin_memory=torch.cuda.is_available())
+    clock = Clock(w["warmup"], w["steps"], _device())
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -94,74 +157,147 @@ def lightning_loop(w: Dict[str, Any]) -> float:
             self.net = model
 
         def training_step(self, batch, i):
-            if not marks:
-                marks.append(time.perf_counter())
             x, y = batch
             return F.cross_entropy(self.net(x), y)
 
         def on_train_batch_end(self, *args):
-            marks[1:] = [time.perf_counter()]
+            clock.tick(self.global_step)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
     trainer = L.Trainer(max_steps=w["steps"], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
     trainer.fit(Module(), loader)
-    # the first batch's time is spent before the first mark, as for the others' start-up
-    return (w["steps"] - 1) * w["batch"] / (marks[1] - marks[0])
+    return clock.result(w["batch"])
 
 
-def stoker(w: Dict[str, Any], run_dir: Path) -> float:
-    s = run_train(["data=synthetic", "model=cnn", f"data.dataset.num_samples={w['samples']}",
-                   f"data.batch_size={w['batch']}", f"data.num_workers={w['workers']}",
-                   f"trainer.max_steps={w['steps']}", "sched=constant", f"optim.lr={LR}",
-                   "trainer.limit_val_batches=1"], run_dir)
-    return s["run_samples_per_s"]
+def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
+    """train.py's steps, in this process, timed by a callback."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    common = [f"hydra.run.dir={run_dir}", f"run_dir={run_dir}", "trainer.progress_bar=false",
+              "sched=constant", f"optim.lr={LR}", f"trainer.max_steps={w['steps']}",
+              "trainer.max_epochs=100000", f"data.batch_size={w['batch']}",
+              f"data.num_workers={w['workers']}", f"data.placement={placement}",
+              "trainer.val_every_n_epochs=100000", "trainer.limit_val_batches=1",
+              "trainer.save_checkpoint=false"]
+    if w["name"] == "cnn":
+        common += ["data=synthetic", "model=cnn", f"data.dataset.num_samples={w['samples']}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("train", overrides=common)
+    clock = Clock(w["warmup"], w["steps"], _device())
+
+    class Tick(Callback):
+        def after_step(self, loop) -> None:
+            clock.tick(loop.state.step)
+
+    train(cfg, callbacks=[Tick()])
+    return clock.result(w["batch"])
 
 
-def in_subprocess(kind: str, w: Dict[str, Any]) -> float:
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--workload",
-                           json.dumps(w)], capture_output=True, text=True, timeout=900)
+def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
+    if w["threads"]:
+        import torch
+
+        torch.set_num_threads(w["threads"])
+    if kind.startswith("plain"):
+        return plain_loop(w, indexed=kind == "plain_indexed")
+    if kind == "lightning":
+        return lightning_loop(w)
+    with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
+        return stoker(w, "device" if kind == "stoker_device" else "host", tmp)
+
+
+def in_subprocess(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", json.dumps(w)], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-3000:]}")
-    return float(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, Any]]:
+    rows = []
+    for kind, results in runs.items():
+        row: Dict[str, Any] = {"workload": name, "runner": kind, "runs": len(results),
+                               "all": results}
+        if not results:
+            row["skipped"] = "PyTorch Lightning not installed"
+            rows.append(row)
+            continue
+        row.update(samples_per_s=median([r["samples_per_s"] for r in results]),
+                   best_samples_per_s=max(r["samples_per_s"] for r in results),
+                   step_us=median([r["step_us"] for r in results]),
+                   cpu_us=median([r["cpu_us"] for r in results]))
+        base = runs.get(COUNTERPART.get(kind, ""), [])
+        if base:
+            row["counterpart"] = COUNTERPART[kind]
+            row["overhead_us"] = row["step_us"] - median([r["step_us"] for r in base])
+            row["vs_plain"] = median([r["samples_per_s"] / b["samples_per_s"]
+                                      for r, b in zip(results, base)])
+        rows.append(row)
+    return rows
+
+
+def startup(repeats: int) -> List[Dict[str, Any]]:
+    """Wall time of a one-step run and of importing torch, alternating, fresh processes."""
+    commands = {"python -c 'import torch'": [sys.executable, "-c", "import torch"],
+                "python train.py debug=fdr": [sys.executable, "train.py", "debug=fdr",
+                                              "trainer.progress_bar=false"]}
+    times: Dict[str, List[float]] = {k: [] for k in commands}
+    with tempfile.TemporaryDirectory(prefix="stoker-startup-") as tmp:
+        for rep in range(repeats):
+            for name, cmd in commands.items():
+                extra = [f"hydra.run.dir={tmp}/r{rep}"] if "train.py" in cmd else []
+                t0 = time.perf_counter()
+                subprocess.run(cmd + extra, cwd=ROOT, check=True, capture_output=True)
+                times[name].append(time.perf_counter() - t0)
+    return [{"command": k, "wall_s": median(v), "best_s": min(v), "runs": len(v), "all": v}
+            for k, v in times.items()]
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--samples", type=int, default=8192)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workload", choices=["tiny", "cnn", "all"], default="all")
+    p.add_argument("--steps", type=int, default=0, help="steps per run (0: 500 tiny, 150 cnn)")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--startup-repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench_overhead.json"))
-    p.add_argument("--worker", choices=["plain", "lightning"], help=argparse.SUPPRESS)
-    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.worker:  # a child process: one measurement, printed
-        w = json.loads(a.workload)
-        print(plain_loop(w) if a.worker == "plain" else lightning_loop(w))
+    if a.child:  # a child process: one measurement, printed as JSON
+        print(json.dumps(child(a.child, json.loads(a.spec))))
         return {}
-    w = workload(a)
     has_lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
-    runs: Dict[str, List[float]] = {"plain": [], "stoker": [], "lightning": []}
-    with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
+    names = ["tiny", "cnn"] if a.workload == "all" else [a.workload]
+    result: Dict[str, Any] = {"machine": machine(), "repeats": a.repeats, "target": 0.97,
+                              "workloads": {}, "results": []}
+    for name in names:
+        w = {"name": name, "batch": 64, "warmup": a.warmup,
+             "steps": a.steps or (500 if name == "tiny" else 150),
+             "workers": 0 if name == "tiny" else 2, "threads": 1 if name == "tiny" else 0,
+             "samples": 4096}
+        result["workloads"][name] = w
+        kinds = [k for k in RUNNERS[name] if k != "lightning" or has_lightning]
+        runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in RUNNERS[name]}
         for rep in range(a.repeats):
-            runs["plain"].append(in_subprocess("plain", w))
-            runs["stoker"].append(stoker(w, Path(tmp) / f"run{rep}"))
-            if has_lightning:
-                runs["lightning"].append(in_subprocess("lightning", w))
-    base = median(runs["plain"])
-    rows = [{"runner": k, "samples_per_s": median(v), "runs": len(v), "all": v,
-             "vs_plain": median(v) / base if v else None,
-             "skipped": None if v or k != "lightning" else "PyTorch Lightning not installed"}
-            for k, v in runs.items()]
-    print(table(rows, COLUMNS))
+            for kind in (kinds if rep % 2 == 0 else kinds[::-1]):  # alternate the order too
+                runs[kind].append(in_subprocess(kind, w))
+        result["results"] += summarise(name, runs)
+    print(table(result["results"], COLUMNS))
     if not has_lightning:
-        print("skipped lightning: PyTorch Lightning not installed (pip install lightning)")
-    result = {"machine": machine(), "workload": w, "repeats": a.repeats, "target": 0.98,
-              "results": rows}
+        print("skipped lightning: PyTorch Lightning not installed "
+              "(pip install lightning -c .venv/constraints.txt)")
+    if a.startup_repeats:
+        result["startup"] = startup(a.startup_repeats)
+        print(table(result["startup"], STARTUP_COLUMNS))
     write_json(a.out, result)
     print(f"wrote {a.out}")
     return result

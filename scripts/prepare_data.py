@@ -26,7 +26,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
-from trainer.runner import build_datasets  # noqa: E402
+from trainer.config import cpu_workers  # noqa: E402
+from trainer.feeds import build_datasets  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -44,7 +45,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for split, dataset in zip(("train", "val"), build_datasets(cfg)):
         if dataset is None:  # a train_dataset without a val_dataset
             continue
-        shape = write_arrays(dataset, a.out / split, num_workers=cfg.data.num_workers)
+        shape = write_arrays(dataset, a.out / split, num_workers=cpu_workers(cfg.data, 1))
         meta["input_shape"] = list(shape)
         meta["splits"][split] = len(dataset)
         print(f"{split}: {len(dataset)} samples of {list(shape)} -> {a.out / split} "

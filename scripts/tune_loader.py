@@ -29,7 +29,7 @@ from benchlib import machine, table, write_json  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
-from trainer.runner import build_datasets  # noqa: E402
+from trainer.feeds import build_datasets  # noqa: E402
 
 COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
 

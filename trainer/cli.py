@@ -96,22 +96,6 @@ def reap_children() -> None:
         child.join(timeout=5)
 
 
-_AUTO_WORKERS = re.compile(r"^(\+{0,2}data\.num_workers)=(.+)$")
-
-
-def expand_auto(argv: List[str]) -> List[str]:
-    """`data.num_workers=auto` (also inside a sweep list, `=0,2,auto`) becomes the
-    `${auto_workers:}` interpolation, so the key stays a typed int that rejects `abc`."""
-    out = []
-    for arg in argv:
-        m = _AUTO_WORKERS.match(arg)
-        if m and "auto" in m.group(2).split(","):
-            values = ["${auto_workers:}" if v == "auto" else v for v in m.group(2).split(",")]
-            arg = f"{m.group(1)}={','.join(values)}"
-        out.append(arg)
-    return out
-
-
 def wants_traceback() -> bool:
     """True when the user set HYDRA_FULL_ERROR=1: then errors keep their full traceback."""
     return os.environ.get("STOKER_TRACEBACK") == "1"
@@ -122,7 +106,6 @@ def exit_on_error(main: Callable[[], None]) -> None:
     if os.environ.get("HYDRA_FULL_ERROR"):
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
-    sys.argv[1:] = expand_auto(sys.argv[1:])
     # `_target_`s name the user's own modules: import them from where the command is run, as
     # `python -m` would (Python itself puts only train.py's folder on the path)
     if os.getcwd() not in sys.path:

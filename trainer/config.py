@@ -45,6 +45,14 @@ class Accelerator(Enum):
 
 
 @dataclass
+class AugmentConfig:
+    """Training-batch augmentation done on the device, per sample (images, N x C x H x W)."""
+
+    crop_padding: int = 0  # random crop of the input's size from it padded by this many pixels; 0: off
+    hflip: bool = False  # mirror left-right with probability 1/2
+
+
+@dataclass
 class DataConfig:
     # either `dataset` (a _target_ called with split="train" and split="val"), or
     # `train_dataset` and an optional `val_dataset` (each a _target_ called as it stands)
@@ -58,7 +66,9 @@ class DataConfig:
     num_classes: Optional[int] = None  # offered to models (and the task) that take it
     batch_size: int = 64  # per rank
     eval_batch_size: Optional[int] = None  # null: same as batch_size
-    num_workers: int = 2  # `auto` on the command line, ${auto_workers:} in YAML
+    # an int >= 0, or auto: 0 for data already in memory (tensors), else this process's CPUs
+    # shared among the node's ranks (typed Any to hold `auto`; checked in resolve)
+    num_workers: Any = "auto"
     pin_memory: bool = True  # only takes effect on CUDA
     prefetch_factor: int = 2  # batches in flight per worker; ignored when num_workers=0
     persistent_workers: bool = True  # ignored when num_workers=0
@@ -71,10 +81,17 @@ class DataConfig:
     normalize_mean: Optional[List[float]] = None  # per channel, applied on the device
     normalize_std: Optional[List[float]] = None
     channels_last: bool = False  # 4-D inputs and the model's 4-D weights in channels_last
+    # where the datasets live: auto (on the training device when it is a set of tensors within
+    # device_budget_mb, else host) | host (DataLoader) | device (tensors on the device, batched
+    # by indexing: no workers, no collate, no per-step host-to-device copy)
+    placement: str = "auto"
+    device_budget_mb: float = 1024.0  # the most tensor data auto keeps on the device (per split)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # on the device, training only
 
 
 MP_CONTEXTS = (None, "fork", "spawn", "forkserver")
 CACHE_MODES = ("none", "memory", "shm")
+PLACEMENTS = ("auto", "host", "device")
 
 
 @dataclass
@@ -120,7 +137,7 @@ class TrainerConfig:
     max_epochs: int = 20
     max_steps: int = -1  # optimizer steps; -1: no limit
     val_every_n_epochs: int = 1
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 50
     limit_train_batches: Optional[int] = None
     limit_val_batches: Optional[int] = None
     overfit_batches: int = 0  # >0: train (and validate) on the same first N batches
@@ -150,6 +167,13 @@ class TrainConfig:
     task: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
+
+
+def cpu_workers(d: DataConfig, local_world_size: int) -> int:
+    """`data.num_workers` for work that always runs on CPU workers (materialising a cache,
+    preparing shards): `auto` is the node's CPUs shared among its ranks."""
+    w = d.num_workers
+    return distributed.auto_num_workers(local_world_size) if w == "auto" else int(w)
 
 
 def _log_file(run_dir: str) -> str:
@@ -199,7 +223,14 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
     ebs = d.eval_batch_size
     _check(ebs is None or ebs >= 1, "data.eval_batch_size", ebs, "must be >= 1 or null")
-    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
+    w = d.num_workers
+    _check(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 0),
+           "data.num_workers", w, "must be auto or an integer >= 0")
+    _check(d.placement in PLACEMENTS, "data.placement", d.placement,
+           "must be auto, host or device")
+    _check(d.device_budget_mb >= 0, "data.device_budget_mb", d.device_budget_mb, "must be >= 0")
+    _check(d.augment.crop_padding >= 0, "data.augment.crop_padding", d.augment.crop_padding,
+           "must be >= 0 pixels (0: off)")
     _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "must be >= 1")
     _check(d.timeout >= 0, "data.timeout", d.timeout, "must be >= 0 seconds")
     _check(d.multiprocessing_context in MP_CONTEXTS, "data.multiprocessing_context",

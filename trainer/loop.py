@@ -16,18 +16,21 @@ import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher
 from trainer import distributed
-from trainer.config import ConfigError, TrainerConfig
+from trainer.config import ConfigError, Precision, TrainerConfig
+from trainer.ledger import Ledger, counted, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
-from trainer.strategy import sync_context, unwrap
+from trainer.strategy import unwrap
 from trainer.task import Count, Task, batch_size, describe
 
 
@@ -43,19 +46,14 @@ class FitState:
 
 @dataclass
 class Window:
-    """Running sums over one logging window; read (with one sync) at a logging boundary."""
+    """Host-side sums over one logging window (the loss sum is on the device, in the loop's
+    Ledger); read with one sync at a logging boundary."""
 
-    loss_sum: Optional[torch.Tensor] = None
     count: Count = 0  # units the loss averages over (samples or tokens)
     samples: int = 0
     wait_s: float = 0.0
+    paused_s: float = 0.0  # validation and epoch-end checkpoints inside the window: not its time
     start: float = field(default_factory=time.perf_counter)
-
-    def add(self, contrib: torch.Tensor, count: Count, samples: int) -> None:
-        """`contrib`: a micro-batch's `counted` loss (its mean loss x its count)."""
-        self.loss_sum = contrib if self.loss_sum is None else self.loss_sum + contrib
-        self.count = self.count + count
-        self.samples += samples
 
 
 def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
@@ -65,36 +63,6 @@ def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optio
     if limit is not None:
         batches = min(batches, limit)
     return [min(accumulate, batches - start) for start in range(0, batches, accumulate)]
-
-
-def counted(loss: torch.Tensor, count: Count) -> torch.Tensor:
-    """`loss * count` in fp32, and 0 for a micro-batch with nothing to count (all padding),
-    whose mean loss may be NaN (0 / 0): kept on the device, no host sync."""
-    if isinstance(count, torch.Tensor):
-        return torch.where(count > 0, loss.float() * count, 0.0)
-    return loss.float() * count if count else torch.zeros_like(loss, dtype=torch.float32)
-
-
-def window_factor(total: Count, base: int, world: int,
-                  device: torch.device) -> Optional[Union[float, torch.Tensor]]:
-    """What the window's accumulated gradients are multiplied by before the optimizer step,
-    or None when that is 1.
-
-    Every micro-batch contributed `mean loss x count / base` (`base` = per-rank batch size x
-    micro-batches in the window, the same on every rank), and DDP averaged over ranks, so
-    `base x world / global total` makes each counted unit weigh 1 / (the window's count over
-    all ranks): one batch of all of them. One process with host counts needs no collective
-    and, for full windows of samples, no multiplication at all. Otherwise the total is a
-    device tensor summed over ranks (one tiny all-reduce per step, no host sync), so every
-    rank multiplies its identical averaged gradients by the identical factor.
-    """
-    if world == 1 and not isinstance(total, torch.Tensor):
-        return None if total == base else (base / total if total else 0.0)
-    if isinstance(total, torch.Tensor):
-        total = total.to(device, torch.float32, non_blocking=True)
-    else:  # made on the device by a fill kernel, not copied from the host
-        total = torch.full((), float(total), device=device)
-    return base * world / distributed.all_reduce_sum(total).clamp(min=1)
 
 
 def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> List[int]:
@@ -135,7 +103,9 @@ class Loop:
                  state: FitState, train_limit: Optional[int],
                  val_limit: Optional[int], callbacks: Sequence[Callback] = (),
                  input_shape: Optional[Sequence[int]] = None):
-        self.cfg, self.model, self.task = cfg, model, task
+        # a plain dataclass: reading a DictConfig key costs ~10 us, and the hot loop reads several
+        self.cfg: TrainerConfig = OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg
+        self.model, self.task = model, task
         self.optimizer, self.scheduler = optimizer, scheduler
         self.precision, self.device, self.logger = precision, device, logger
         self.train_feed, self.val_feed = train_feed, val_feed
@@ -152,9 +122,11 @@ class Loop:
         self._forwarded = False  # no forward pass has succeeded yet
         self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
-        # non-finite guard, kept on the device: no host sync per step
-        self.step_loss = torch.zeros((), device=device)
-        self.bad_run = torch.zeros((), dtype=torch.int64, device=device)
+        # losses and the non-finite guard, kept on the device: no host sync per step
+        self._ddp = isinstance(model, DistributedDataParallel)
+        self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
+        self.ledger = Ledger(device)
+        self.window = Window()  # the current logging window
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything of the training state but the random states (see resilience.capture)."""
@@ -176,7 +148,8 @@ class Loop:
         """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective
         and one host sync: every rank must call it at the same step, so that all of them take
         the same branch afterwards, e.g. into a checkpoint's gather or not)."""
-        return int(distributed.all_reduce_max(self.bad_run.clone()))
+        self.ledger.fold()
+        return int(distributed.all_reduce_max(self.ledger.bad_run.clone()))
 
     def losses_finite(self) -> bool:
         """False on every rank while any rank's latest optimizer steps had a non-finite loss."""
@@ -190,17 +163,24 @@ class Loop:
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
         validated_at = None
+        self.window = Window()
         while not self._done():
             epoch = self.state.epoch
             if not self.train_epoch(epoch):
                 break  # max_steps inside the epoch
             self.state.epoch, self.state.position = epoch + 1, 0
+            paused = time.perf_counter()
             val = None
             if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
                 val = self.evaluate(epoch)
                 validated_at = self.state.step
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
+            self.window.paused_s += time.perf_counter() - paused
+        if self.window.samples:  # the steps since the last logging boundary
+            self._log_window(self.window, self.state.epoch - (0 if self.state.position else 1),
+                             None, None)
+            self.window = Window()
         if validated_at != self.state.step:  # stopped mid-epoch, or resumed at the end
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
@@ -232,24 +212,25 @@ class Loop:
         """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""
         self.model.train()
         windows, per_batch = self._start_epoch(epoch)
-        window = Window()
+        window = self.window  # logging windows run on across epochs: one row per N steps
         bar = self.logger.progress(sum(windows), f"epoch {epoch}")
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         complete = True
         loader_batch = self.train_feed.loader.batch_size
+        task, ledger, micro_step, perf = self.task, self.ledger, self._micro_step, time.perf_counter
         for w, size in enumerate(windows):
             base, total = loader_batch * size, 0
             for i in range(size):
-                t0 = time.perf_counter()
+                t0 = perf()
                 batch = next(batches)  # on the device already (copied on a side stream on CUDA)
-                window.wait_s += time.perf_counter() - t0  # time the step stood waiting for data
-                count = self.task.count(batch)
-                loss = self._micro_step(batch, count / base, boundary=i == size - 1)
+                window.wait_s += perf() - t0  # the time the step stood waiting for data
+                count = task.count(batch)
+                ledger.add(micro_step(batch, count / base, i == size - 1), count)
                 total = total + count
-                contrib = counted(loss, count)
-                window.add(contrib, count, batch_size(batch))
-                self.step_loss = self.step_loss + contrib  # NaN/inf stays NaN/inf
+                window.samples += batch_size(batch)
+            ledger.end_step()
+            window.count = window.count + total
             self.state.position += per_batch * size
             bar.update(size)
             log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0
@@ -257,24 +238,34 @@ class Loop:
                                              want_norm=log_now)
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
-                window = Window()
+                window = self.window = Window()
             for callback in self.callbacks:
                 callback.after_step(self)
             if self.cfg.max_steps > 0 and self.state.step >= self.cfg.max_steps:
                 complete = w == len(windows) - 1
                 break
-        if window.samples:
-            self._log_window(window, epoch, None, bar)
         bar.close()
         self.run_train_s += time.perf_counter() - epoch_start
         return complete
 
     def _micro_step(self, batch, weight, boundary: bool) -> torch.Tensor:
-        with sync_context(self.model, boundary):
-            with self.precision.autocast():
+        """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
+        returns the loss. Inside an accumulation window DDP skips its all-reduce."""
+        if self._ddp and not boundary:
+            with self.model.no_sync():
+                return self._forward_backward(batch, weight)
+        return self._forward_backward(batch, weight)
+
+    def _forward_backward(self, batch, weight) -> torch.Tensor:
+        if self._autocast is None:  # fp32: no context to enter
+            loss = self.task.loss(self._forward(self.model, batch), batch)
+        else:
+            with self._autocast():
                 loss = self.task.loss(self._forward(self.model, batch), batch)
-            self.precision.backward(loss * weight)
-        return loss.detach()
+        # a full window of samples in one process weighs 1: no multiplication in the graph
+        one = isinstance(weight, float) and weight == 1.0
+        self.precision.backward(loss if one else loss * weight)
+        return loss
 
     def _forward(self, model: nn.Module, batch) -> Any:
         try:
@@ -303,9 +294,6 @@ class Loop:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor)
-        finite = torch.isfinite(self.step_loss)
-        self.bad_run = torch.where(finite, torch.zeros_like(self.bad_run), self.bad_run + 1)
-        self.step_loss = torch.zeros((), device=self.device)
         norm = self.precision.step(self.optimizer, self.params, self.cfg.grad_clip, want_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
@@ -316,9 +304,8 @@ class Loop:
         """Averages the window over ranks (one all-reduce, one host sync) and records it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # wall time must include queued GPU work
-        wall = time.perf_counter() - w.start
-        loss_sum = w.loss_sum if w.loss_sum is not None else torch.zeros((), device=self.device)
-        stats = torch.stack([loss_sum.float().to(self.device), *(
+        wall = time.perf_counter() - w.start - w.paused_s
+        stats = torch.stack([self.ledger.take_loss_sum(), *(
             torch.as_tensor(v, dtype=torch.float32).to(self.device)
             for v in (w.count, w.samples, w.wait_s, wall))])
         loss_sum, count, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
@@ -336,8 +323,9 @@ class Loop:
         self._check_finite()
         self.last_train = {"train_loss": values["loss"]}
         self.logger.metrics("train", self.state.step, values)
-        bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
-                        wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
+        if bar is not None:
+            bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
+                            wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
 
     def _check_finite(self) -> None:
         bad = self.bad_steps()

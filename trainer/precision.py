@@ -7,7 +7,6 @@ gradients are unscaled before clipping so the clip threshold means the same in e
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterable, Optional
 
 import torch
@@ -47,9 +46,10 @@ class MixedPrecision:
         if self.scaler:
             self.scaler.unscale_(optimizer)
         norm = None
-        if grad_clip is not None or want_norm:
-            max_norm = grad_clip if grad_clip is not None else math.inf
-            norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+        if grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        elif want_norm:  # the norm alone: no clipping pass over the gradients
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if self.scaler:
             before = self._scale_tensor()
             self.scaler.step(optimizer)  # skips the step when the gradients are not finite

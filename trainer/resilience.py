@@ -128,7 +128,7 @@ class Checkpointing(Callback):
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool,
                  preemption: Optional[Preemption] = None, mode: Optional[str] = None):
-        c = cfg.trainer.checkpoint
+        c = OmegaConf.to_object(cfg.trainer.checkpoint)  # plain values: read every step
         self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
         self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, c.async_save,
                                              enabled=enabled and env.is_main)

@@ -8,23 +8,21 @@ import copy
 import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset, IterableDataset
 
-from data.cache import cache_dataset, reclaim_shm
-from data.loader import LoaderStalled, build_loader, stall_advice
-from data.prefetch import DevicePrefetcher, InputTransform
+from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
 from trainer.cli import EXIT_CONFIG, USER_ERRORS, describe, fail, wants_traceback
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, RunSpec, monitor_mode, resolve
+from trainer.feeds import build_feeds, feed_advice
 from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
@@ -65,8 +63,11 @@ def exit_code(e: Optional[BaseException]) -> int:
     return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
 
 
-def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
+def train(cfg: DictConfig, env: Optional[DistEnv] = None,
+          callbacks: Sequence[Callback] = ()) -> Dict[str, Any]:
     """Trains as `cfg` says and returns the run summary (losses, accuracy, rates, paths).
+    `callbacks` (trainer.loop.Callback) are called after the built-in ones at every step and
+    epoch: the Python API's hook for code of your own.
 
     Raises ConfigError for a value that cannot work and CheckpointError for an unusable
     checkpoint, both before any training step.
@@ -80,7 +81,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None) -> Dict[str, Any]:
         cfg.trainer.max_epochs, cfg.trainer.max_steps = 1, 1
         cfg.trainer.save_checkpoint = False
     with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s):
-        return _train(cfg, env, spec)
+        return _train(cfg, env, spec, callbacks)
 
 
 def seed_everything(seed: int) -> None:
@@ -95,8 +96,20 @@ def _process_flags(cfg: DictConfig) -> None:
     if t.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(bool(t.deterministic))
+    _deterministic(bool(t.deterministic), compiling=bool(t.compile.enabled))
     speed.backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
+
+
+def _deterministic(mode: bool, compiling: bool) -> None:
+    """torch.use_deterministic_algorithms(mode), without its start-up cost where it has none
+    to set: the public call also sets torch.compile's own flag, importing torch._inductor
+    (about 1.5 s), which only a compiled model reads."""
+    if torch.are_deterministic_algorithms_enabled() == mode:
+        return
+    if compiling or "torch._inductor" in sys.modules:
+        torch.use_deterministic_algorithms(mode)
+    else:
+        torch._C._set_deterministic_algorithms(mode)
 
 
 def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
@@ -106,58 +119,6 @@ def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
     if t.overfit_batches:
         return t.overfit_batches, t.limit_val_batches
     return t.limit_train_batches, t.limit_val_batches
-
-
-def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
-    """The train and val datasets the data config names (val may be None: no validation)."""
-    d = cfg.data
-    if d.dataset is not None:
-        target = components.target_of(d.dataset, "data.dataset")
-        if not components.accepts(target, "split"):
-            raise ConfigError(f"data.dataset: {d.dataset._target_} takes no split argument; "
-                              "give data.train_dataset and data.val_dataset instead")
-        sets = [components.build(d.dataset, "data.dataset", split=s,
-                                 hint="; data=custom starts from no dataset keys")
-                for s in ("train", "val")]
-        keys = ("data.dataset",) * 2
-    else:
-        keys = ("data.train_dataset", "data.val_dataset")
-        sets = [None if node is None else components.build(node, key)
-                for node, key in zip((d.train_dataset, d.val_dataset), keys)]
-    for ds, key in zip(sets, keys):
-        if ds is None:
-            continue
-        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
-            raise ConfigError(f"{key}: {type(ds).__name__} is an iterable dataset; Stoker needs "
-                              "a map-style dataset (__len__ and __getitem__) to shard it exactly "
-                              "across ranks and resume mid-epoch")
-        if len(ds) == 0:
-            raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
-    return sets[0], sets[1]
-
-
-def _feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
-    """Per-rank train and val loaders (val None without a validation set), each behind a
-    device prefetcher."""
-    d = cfg.data
-    collate = components.build_callable(d.collate_fn, "data.collate_fn")
-    kw = dict(rank=env.rank, world_size=env.world_size, seed=cfg.seed, device=device,
-              collate_fn=collate)
-    if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
-        reclaim_shm(rundir.owner_alive)
-    sets = [None if ds is None else cache_dataset(
-        ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
-        local_rank=env.local_rank, num_workers=d.num_workers, wait=distributed.barrier,
-        owner=rundir.owner())
-        for ds, split in zip(build_datasets(cfg), ("train", "val"))]
-    # overfit mode repeats the same first batches every epoch, so no shuffling
-    shuffle = False if cfg.trainer.overfit_batches else None
-    loaders = (build_loader(sets[0], d, train=True, shuffle=shuffle, **kw),
-               None if sets[1] is None else build_loader(sets[1], d, train=False, **kw))
-    transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last)
-    return tuple(None if ld is None else
-                 DevicePrefetcher(ld, device, transform, enabled=d.device_prefetch)
-                 for ld in loaders)
 
 
 def _model_and_task(cfg: DictConfig, spec: RunSpec):
@@ -242,8 +203,9 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
 
 
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
-           prof, preemption: Preemption, resume: Optional[str]) -> Tuple[Loop, Checkpointing]:
-    train_feed, val_feed = _feeds(cfg, env, spec.device)
+           prof, preemption: Preemption, resume: Optional[str],
+           callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
+    train_feed, val_feed, data_lines = build_feeds(cfg, env, spec.device)
     train_loader = train_feed.loader
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
@@ -270,7 +232,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
                 train_limit=train_limit, val_limit=val_limit,
-                callbacks=[ProfilerSteps(prof), checkpointing],
+                callbacks=[*([ProfilerSteps(prof)] if cfg.trainer.profile else []),
+                           checkpointing, *callbacks],
                 input_shape=cfg.data.input_shape)
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
@@ -278,7 +241,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     for line in warnings:
         distributed.warn(env, "%s", line)
-    for line in lines:
+    for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing
 
@@ -293,7 +256,8 @@ class ProfilerSteps(Callback):
         self.prof.step()
 
 
-def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
+def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
+           callbacks: Sequence[Callback]) -> Dict[str, Any]:
     t = cfg.trainer
     run_dir = Path(cfg.run_dir)
     _process_flags(cfg)
@@ -311,7 +275,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
-                                         resume)
+                                         resume, callbacks)
             _open_outputs(cfg, env, run_dir, logger)
             writing = logger.write  # from here on, the run dir holds this run's files
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
@@ -335,8 +299,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec) -> Dict[str, Any]:
             rundir.write_status(run_dir, 0, "")
         _final_summary(summary, env)
         if summary["run_data_wait_frac"] > STALL_ADVICE_ABOVE:
-            logger.info("%s", stall_advice(cfg.data, spec.device, summary["run_data_wait_frac"],
-                                           distributed.auto_num_workers(env.local_world_size)))
+            logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device,
+                                          summary["run_data_wait_frac"], env.local_world_size))
         return summary
     except BaseException as e:
         if writing:

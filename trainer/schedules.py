@@ -38,11 +38,29 @@ def warmup_cosine(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0,
     return LambdaLR(optimizer, factor)
 
 
+class WarmupConstant(LambdaLR):
+    """LambdaLR with a linear warmup, then a constant factor of 1. After the warmup a step only
+    counts (`last_epoch`): the learning rates are already the base ones, and recomputing them
+    every step is host work a plain loop with a constant lr does not do."""
+
+    def __init__(self, optimizer: Optimizer, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+        super().__init__(optimizer, lambda s: (s + 1) / warmup_steps if s < warmup_steps
+                         else 1.0)
+
+    def step(self, epoch=None) -> None:
+        if epoch is None and self.last_epoch >= self.warmup_steps:
+            self.last_epoch += 1
+            self._step_count += 1
+            return
+        super().step(epoch)
+
+
 def constant(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> LambdaLR:
     """Constant lr after an optional linear warmup."""
     del total_steps  # accepted for a uniform call signature
     _check_warmup(warmup_steps)
-    return LambdaLR(optimizer, lambda s: (s + 1) / warmup_steps if s < warmup_steps else 1.0)
+    return WarmupConstant(optimizer, warmup_steps)
 
 
 def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,

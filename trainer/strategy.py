@@ -6,8 +6,6 @@ single-process GIL and per-step replica broadcast are why DDP replaced it.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -36,14 +34,3 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, (DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return model
-
-
-def sync_context(model: nn.Module, is_boundary: bool):
-    """Skips DDP's gradient all-reduce on micro-steps inside an accumulation window.
-
-    Gradients still accumulate locally; the backward of the boundary micro-step all-reduces
-    the sum once, so accumulation costs one communication per optimizer step, not per batch.
-    """
-    if isinstance(model, DistributedDataParallel) and not is_boundary:
-        return model.no_sync()
-    return contextlib.nullcontext()

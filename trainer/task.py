@@ -56,6 +56,9 @@ def describe(obj: Any) -> str:
 
 def batch_size(batch: Any) -> int:
     """Samples in `batch`: the first dimension of the first tensor found in it (shapes only)."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor \
+            and batch[0].dim():  # the common (inputs, target) batch, without the walk below
+        return batch[0].shape[0]
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
     values = batch.values() if isinstance(batch, Mapping) else (
@@ -246,6 +249,7 @@ class Classification(Task):
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.num_classes = num_classes
         self._checked = False
+        self._passed: Optional[tuple] = None  # (logits shape, target shape, dtype) that passed
 
     def target(self, batch: Any) -> torch.Tensor:
         return self.split(batch)[1]
@@ -261,14 +265,19 @@ class Classification(Task):
         loop weighs that batch 0)."""
         logits, target = self.predictions(output), self.target(batch)
         self.check(logits, target)
+        if logits.dim() != 2:
+            logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
         return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).long(),
+            logits.float(), target.long(),
             ignore_index=-100 if self.ignore_index is None else self.ignore_index,
             label_smoothing=self.label_smoothing)
 
     def check(self, logits: torch.Tensor, target: Any) -> None:
-        """Shapes and dtypes on every call (metadata only); target values on the first call
-        (one host sync, once per run)."""
+        """Shapes and dtypes on every call (metadata only; skipped for the shapes and dtype
+        that passed last time); target values on the first call (one host sync, once per run)."""
+        if isinstance(target, torch.Tensor) and self._passed == (
+                logits.shape, target.shape, target.dtype):
+            return
         if not isinstance(target, torch.Tensor) or target.dtype not in (
                 torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise self.error("targets that are not integer class indices", target,
@@ -289,6 +298,7 @@ class Classification(Task):
                 raise self.error(f"a target outside 0..{classes - 1} (the logits have {classes} "
                                  f"classes)", target, "class indices below the model's "
                                  "output size (is the model's num_classes right?)")
+        self._passed = (logits.shape, target.shape, target.dtype)
 
 
 class LanguageModel(Classification):

@@ -100,15 +100,20 @@ def test_loader_passes_timeout_and_context():
     assert torch.cat([b[0] for b in ld]).tolist() == list(range(8))
 
 
-@pytest.mark.parametrize("overrides,device,expected", [
-    (dict(num_workers=0), "cpu", "raise data.num_workers from 0 to 4"),
-    (dict(num_workers=4, persistent_workers=False), "cpu", "data.persistent_workers=true"),
-    (dict(num_workers=4, pin_memory=False), "cuda", "data.pin_memory=true"),
-    (dict(num_workers=4, device_prefetch=False), "cuda", "data.device_prefetch=true"),
-    (dict(num_workers=4, prefetch_factor=2), "cpu", "data.prefetch_factor from 2 to 4"),
-    (dict(num_workers=4, prefetch_factor=4), "cpu", "data.cache=shm"),
-    (dict(num_workers=4, prefetch_factor=4, cache="shm"), "cpu", "CPU-bound at 4 workers"),
+@pytest.mark.parametrize("overrides,kw,device,expected", [
+    (dict(), dict(workers=0, in_memory=True), "cpu", "data.placement=device"),
+    (dict(), dict(workers=2, in_memory=True), "cpu", "or data.num_workers=0"),
+    (dict(), dict(workers=0, in_memory=True, placement="device"), "cpu", "raise data.batch_size"),
+    (dict(), dict(workers=0), "cpu", "raise data.num_workers from 0 to 4"),
+    (dict(), dict(workers=8), "cpu", "more than the 4 CPU cores this rank has"),
+    (dict(persistent_workers=False), dict(workers=4), "cpu", "data.persistent_workers=true"),
+    (dict(pin_memory=False), dict(workers=4), "cuda", "data.pin_memory=true"),
+    (dict(device_prefetch=False), dict(workers=4), "cuda", "data.device_prefetch=true"),
+    (dict(), dict(workers=4), "cpu", "data.cache=shm or memory"),
+    (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound: 4 workers on 4 cores"),
 ])
-def test_stall_advice_names_the_fix(overrides, device, expected):
-    line = stall_advice(cfg(**overrides), torch.device(device), 0.37, suggested_workers=4)
+def test_stall_advice_names_the_fix(overrides, kw, device, expected):
+    line = stall_advice(cfg(**overrides), torch.device(device), 0.37,
+                        **{"cores": 4, "in_memory": False, **kw})
+    assert "prefetch_factor" not in line  # a deeper queue never fixes a steady shortfall
     assert line.startswith("steps waited for data 37% of the time: ") and expected in line

@@ -12,18 +12,25 @@ from tests.helpers import ROOT
 
 
 @pytest.mark.slow
-def test_smoke_compares_plain_and_stoker(tmp_path):
+def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
     out = tmp_path / "overhead.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_overhead.py", "--steps", "3",
-                           "--repeats", "1", "--samples", "256", "--batch", "16",
-                           "--workers", "0", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "scripts/bench_overhead.py", "--steps", "6",
+                           "--warmup", "2", "--repeats", "1", "--startup-repeats", "1",
+                           "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    rows = {r["runner"]: r for r in result["results"]}
-    assert rows["plain"]["vs_plain"] == 1.0 and rows["plain"]["samples_per_s"] > 0
-    assert rows["stoker"]["runs"] == 1 and rows["stoker"]["vs_plain"] > 0
-    assert result["target"] == 0.98 and result["workload"]["steps"] == 3
+    rows = {(r["workload"], r["runner"]): r for r in result["results"]}
+    for workload, runner, base in [("tiny", "stoker", "plain"), ("cnn", "stoker", "plain"),
+                                   ("tiny", "stoker_device", "plain_indexed")]:
+        row = rows[(workload, runner)]
+        assert row["counterpart"] == base and row["runs"] == 1
+        assert row["vs_plain"] > 0 and row["step_us"] > 0 and row["cpu_us"] > 0
+        assert row["overhead_us"] == pytest.approx(
+            row["step_us"] - rows[(workload, base)]["step_us"])
+    assert result["target"] == 0.97 and result["workloads"]["tiny"]["steps"] == 6
+    assert [r["command"] for r in result["startup"]] == [
+        "python -c 'import torch'", "python train.py debug=fdr"]
     if not any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning")):
-        assert rows["lightning"]["skipped"] == "PyTorch Lightning not installed"
+        assert rows[("tiny", "lightning")]["skipped"] == "PyTorch Lightning not installed"
         assert "skipped lightning" in proc.stdout

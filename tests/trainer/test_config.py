@@ -9,7 +9,6 @@ from trainer.config import ConfigError, Precision, Strategy, monitor_mode, resol
 
 @pytest.mark.parametrize("override,key", [
     ("data.num_worker=8", "data.num_worker"),
-    ("data.num_workers=abc", "data.num_workers"),
     ("trainer.precision=fp8", "trainer.precision"),
     ("trainer.strategy=fsdp", "trainer.strategy"),
     ("trainer.max_epochs=1.5", "trainer.max_epochs"),
@@ -25,7 +24,11 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
 @pytest.mark.parametrize("override,fragment", [
     ("data.batch_size=0", "data.batch_size=0: must be >= 1"),
     ("data.eval_batch_size=0", "data.eval_batch_size=0"),
-    ("data.num_workers=-1", "data.num_workers=-1: must be >= 0"),
+    ("data.num_workers=-1", "data.num_workers=-1: must be auto or an integer >= 0"),
+    ("data.num_workers=abc", "data.num_workers=abc: must be auto or an integer >= 0"),
+    ("data.placement=gpu", "data.placement=gpu: must be auto, host or device"),
+    ("data.device_budget_mb=-1", "data.device_budget_mb=-1"),
+    ("data.augment.crop_padding=-4", "data.augment.crop_padding=-4"),
     ("data.prefetch_factor=0", "data.prefetch_factor=0"),
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),
     ("trainer.grad_clip=0", "trainer.grad_clip=0"),

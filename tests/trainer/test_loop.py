@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, final_weights
-from trainer.loop import counted, window_factor, window_plan
+from trainer.ledger import counted, window_factor
+from trainer.loop import window_plan
 from trainer.runner import train
 
 

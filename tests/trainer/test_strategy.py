@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.helpers import free_port
 from trainer.config import DDPConfig, Strategy
-from trainer.strategy import sync_context, unwrap, wrap
+from trainer.strategy import unwrap, wrap
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str, steps: int, accumulate: int):
@@ -58,11 +58,6 @@ def test_ddp_all_reduces_once_per_optimizer_step_and_replicas_agree(tmp_path):
         assert res["calls"] == steps
     for k, v in results[0]["params"].items():
         assert torch.equal(v, results[1]["params"][k]), f"{k} differs between ranks"
-
-
-def test_sync_context_only_skips_inside_a_window():
-    model = nn.Linear(2, 2)
-    assert sync_context(model, is_boundary=False).__class__.__name__ == "nullcontext"
 
 
 def test_unwrap_and_single_wrap():

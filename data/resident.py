@@ -1,0 +1,66 @@
+"""Device-resident data: a dataset of tensors kept on the training device, batched by indexing.
+
+For data that is already a set of tensors (a `TensorDataset`: data=digits, `data.cache=memory`
+results, a user's own) and fits a memory budget, a DataLoader's work per step is pure overhead:
+fetching each sample through `__getitem__`, stacking them in `collate`, then copying the batch
+to the device. `ResidentBatches` copies the tensors to the device once and forms each batch
+with one `index_select` per tensor in the sampler's order:
+
+- the same sampler as the loader path (`ResumableDistributedSampler` for training,
+  the evaluation shards for validation), so sharding, shuffling and the exact mid-epoch resume
+  are unchanged;
+- the same batches: `index_select` copies exactly the rows the default collate would stack
+  (bitwise equal on CPU), as a list like the default collate returns for tuple samples;
+- one host-to-device copy of the epoch's indices per epoch, none per step, no workers.
+
+It exposes what the trainer reads from a DataLoader (`sampler`, `batch_size`, `drop_last`,
+`generator`, `dataset`, `len()`), so the loop and checkpointing treat both alike.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import Dataset, Sampler, TensorDataset
+
+
+def tensors_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
+    """The dataset's tensors when sample i is exactly row i of each of them (a TensorDataset
+    that does not override `__getitem__`), else None."""
+    if isinstance(dataset, TensorDataset) and \
+            type(dataset).__getitem__ is TensorDataset.__getitem__:
+        return tuple(dataset.tensors)
+    return None
+
+
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ResidentBatches:
+    """Batches of `tensors` (on `device`) in `sampler`'s order; see the module doc."""
+
+    num_workers = 0
+
+    def __init__(self, tensors: Sequence[torch.Tensor], sampler: Sampler[int], batch_size: int,
+                 drop_last: bool, device: torch.device,
+                 generator: Optional[torch.Generator] = None):
+        self.tensors = tuple(t.to(device) for t in tensors)
+        self.dataset = TensorDataset(*self.tensors)
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.device = device
+        self.generator = generator  # kept for the checkpoint's random state, like a loader's
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self) -> Iterator[List[torch.Tensor]]:
+        tensor = getattr(self.sampler, "epoch_tensor", None)  # the order without a list
+        order = tensor() if tensor else torch.as_tensor(list(self.sampler), dtype=torch.int64)
+        if self.drop_last:
+            order = order[:len(order) - len(order) % self.batch_size]
+        order = order.to(self.device, non_blocking=True)  # once per epoch
+        for idx in order.split(self.batch_size):
+            yield [t.index_select(0, idx) for t in self.tensors]

@@ -1,0 +1,155 @@
+"""Datasets to per-rank feeds: build the datasets, apply the cache, place them, build loaders.
+
+`build_feeds` is the one place that decides, per split, where the data lives and how batches
+are formed (README "The input pipeline"):
+
+- `data.placement=device` (what `auto` picks for a set of tensors within the budget): the
+  tensors go to the training device once and batches are formed by indexing
+  (data/resident.py); no loader workers, no collate, no per-step host-to-device copy;
+- `host`: a DataLoader with `data.num_workers` workers (`auto`: 0 for tensors already in
+  memory, where workers only add inter-process copies, else the node's CPUs shared among its
+  ranks) behind the device prefetcher.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, IterableDataset
+
+from data.cache import cache_dataset, reclaim_shm
+from data.loader import build_loader, stall_advice
+from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
+from data.resident import nbytes, tensors_of
+from trainer import components, distributed, rundir
+from trainer.config import ConfigError, cpu_workers
+from trainer.distributed import DistEnv
+
+# the share of a GPU's free memory that device placement may take for one split
+FREE_MEMORY_SHARE = 0.5
+
+
+def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
+    """The train and val datasets the data config names (val may be None: no validation)."""
+    d = cfg.data
+    if d.dataset is not None:
+        target = components.target_of(d.dataset, "data.dataset")
+        if not components.accepts(target, "split"):
+            raise ConfigError(f"data.dataset: {d.dataset._target_} takes no split argument; "
+                              "give data.train_dataset and data.val_dataset instead")
+        sets = [components.build(d.dataset, "data.dataset", split=s,
+                                 hint="; data=custom starts from no dataset keys")
+                for s in ("train", "val")]
+        keys = ("data.dataset",) * 2
+    else:
+        keys = ("data.train_dataset", "data.val_dataset")
+        sets = [None if node is None else components.build(node, key)
+                for node, key in zip((d.train_dataset, d.val_dataset), keys)]
+    for ds, key in zip(sets, keys):
+        if ds is None:
+            continue
+        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
+            raise ConfigError(f"{key}: {type(ds).__name__} is an iterable dataset; Stoker needs "
+                              "a map-style dataset (__len__ and __getitem__) to shard it exactly "
+                              "across ranks and resume mid-epoch")
+        if len(ds) == 0:
+            raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
+    return sets[0], sets[1]
+
+
+def placement(d: DictConfig, dataset: Dataset, device: torch.device, split: str,
+              has_collate: bool) -> str:
+    """`device` or `host` for one split, as `data.placement` asks; ConfigError when `device`
+    was asked for and cannot be had."""
+    if d.placement == "host":
+        return "host"
+    tensors = tensors_of(dataset)
+    why_not = None
+    if tensors is None:
+        why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset; "
+                   "data.cache=memory makes one)")
+    elif has_collate:
+        why_not = "data.collate_fn is set, and device batches are formed by indexing"
+    elif device.type != "cpu":  # on CPU the tensors stay where they are: nothing is copied
+        size_mb = nbytes(tensors) / 2**20
+        free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda"
+                   else float("inf"))
+        if size_mb > FREE_MEMORY_SHARE * free_mb:
+            why_not = (f"its tensors take {size_mb:.0f} MB, more than half of the "
+                       f"{free_mb:.0f} MB free on {device}")
+        elif d.placement == "auto" and size_mb > d.device_budget_mb:
+            why_not = f"its tensors take {size_mb:.0f} MB > data.device_budget_mb"
+    if why_not is None:
+        return "device"
+    if d.placement == "device":
+        raise ConfigError(f"data.placement=device: the {split} set cannot be kept on the "
+                          f"device: {why_not}; use data.placement=auto or host")
+    return "host"
+
+
+def _workers(d: DictConfig, dataset: Dataset, where: str, local_world_size: int) -> int:
+    """Loader workers for one split: `data.num_workers`, with `auto` resolved."""
+    if where == "device":
+        return 0
+    if d.num_workers == "auto" and tensors_of(dataset) is not None:
+        return 0  # samples are rows of tensors in memory: workers would only copy them
+    return cpu_workers(d, local_world_size)
+
+
+def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
+    """Per-rank train and val feeds (val None without a validation set): a DataLoader or a
+    device-resident batcher, behind a DevicePrefetcher with the on-device transforms
+    (augmentation on the training feed only); and a line per split for the log, which the
+    caller writes once every check passed."""
+    d = cfg.data
+    collate = components.build_callable(d.collate_fn, "data.collate_fn")
+    if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
+        reclaim_shm(rundir.owner_alive)
+    sets = [None if ds is None else cache_dataset(
+        ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
+        local_rank=env.local_rank, num_workers=cpu_workers(d, env.local_world_size),
+        wait=distributed.barrier, owner=rundir.owner())
+        for ds, split in zip(build_datasets(cfg), ("train", "val"))]
+    # overfit mode repeats the same first batches every epoch, so no shuffling
+    shuffle = False if cfg.trainer.overfit_batches else None
+    feeds, lines = [], []
+    for ds, split in zip(sets, ("train", "val")):
+        if ds is None:
+            feeds.append(None)
+            continue
+        where = placement(d, ds, device, split, collate is not None)
+        workers = _workers(d, ds, where, env.local_world_size)
+        loader = build_loader(ds, d, train=split == "train", rank=env.rank,
+                              world_size=env.world_size, seed=cfg.seed, device=device,
+                              shuffle=shuffle, collate_fn=collate, num_workers=workers,
+                              placement=where)
+        lines.append("data: " + describe_feed(split, ds, where, workers, device, d))
+        augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \
+            if split == "train" else None
+        transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last, augment)
+        feeds.append(DevicePrefetcher(loader, device, transform, enabled=d.device_prefetch))
+    return feeds[0], feeds[1], lines
+
+
+def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
+                  device: torch.device, d: DictConfig) -> str:
+    """One line for the log: where a split's data lives and how its batches are made."""
+    if where == "device":
+        size = nbytes(tensors_of(dataset)) / 2**20
+        unused = (f"; data.num_workers={d.num_workers} is not used (data.placement=host for "
+                  "loader workers)") if d.num_workers not in ("auto", 0) else ""
+        return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of tensors kept on "
+                f"{device}, batched by indexing (data.placement={d.placement}){unused}")
+    return (f"{split} set: {len(dataset)} samples through a DataLoader with {workers} workers "
+            f"(data.num_workers={d.num_workers}, data.placement={d.placement})")
+
+
+def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,
+                local_world_size: int) -> str:
+    """The stall advice (data.loader.stall_advice) for the training feed as it was built."""
+    loader = feed.loader
+    return stall_advice(d, device, wait_frac, workers=loader.num_workers,
+                        cores=distributed.auto_num_workers(local_world_size),
+                        in_memory=tensors_of(loader.dataset) is not None,
+                        placement="device" if feed.resident else "host")
