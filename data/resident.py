@@ -61,6 +61,8 @@ class ResidentBatches:
         order = tensor() if tensor else torch.as_tensor(list(self.sampler), dtype=torch.int64)
         if self.drop_last:
             order = order[:len(order) - len(order) % self.batch_size]
+        if not len(order):
+            return  # (splitting an empty tensor would give one empty batch)
         order = order.to(self.device, non_blocking=True)  # once per epoch
         for idx in order.split(self.batch_size):
             yield [t.index_select(0, idx) for t in self.tensors]

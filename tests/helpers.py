@@ -41,13 +41,14 @@ def compose_cfg(run_dir: Path, *overrides: str) -> DictConfig:
 
 
 def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 240,
-            module: str | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+            module: str | None = None, env_extra: dict | None = None,
+            preexec_fn=None) -> subprocess.CompletedProcess:
     """Runs `python train.py ARGS` (or `python -m module ARGS`) as a user would."""
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "STOKER_TRACEBACK")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, preexec_fn=preexec_fn)
 
 
 def params_of(model: torch.nn.Module) -> List[torch.Tensor]:

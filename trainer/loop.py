@@ -189,7 +189,8 @@ class Loop:
     def run_rates(self) -> Dict[str, float]:
         train_s = max(self.run_train_s, 1e-9)
         return {"run_samples_per_s": self.run_samples / train_s,
-                "run_data_wait_frac": self.run_wait_s / train_s}
+                "run_data_wait_frac": self.run_wait_s / train_s,
+                "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s}
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and

@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from data.prefetch import DevicePrefetcher, InputTransform, to_device
+from data.loader import build_loader
+from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform, to_device
+from trainer.config import ConfigError, DataConfig
 
 Pair = namedtuple("Pair", "x y")
 CPU = torch.device("cpu")
@@ -111,3 +113,58 @@ def test_cuda_copy_does_not_block_the_compute_stream():
     copy_done.synchronize()
     x, y = next(it)
     assert torch.equal(x.cpu(), ds.tensors[0][1:2]) and y.item() == 1
+
+
+def images(n=6, c=3, h=5, w=7):
+    return torch.arange(n * c * h * w, dtype=torch.float32).view(n, c, h, w)
+
+
+def test_augment_crops_of_the_padded_image_and_mirrors_per_sample():
+    x, pad = images(), 2
+    padded = torch.nn.functional.pad(x, (pad,) * 4)
+    out = DeviceAugment(crop_padding=pad, hflip=True, seed=1)(x, key=5)
+    assert out.shape == x.shape
+    windows = [padded[:, :, dy:dy + 5, dx:dx + 7] for dy in range(5) for dx in range(5)]
+    for i in range(len(x)):  # each sample is one window of its own padded image, maybe mirrored
+        assert any(torch.equal(out[i], win[i]) or torch.equal(out[i], win[i].flip(-1))
+                   for win in windows)
+    many = DeviceAugment(crop_padding=pad, hflip=True)(images(n=64), key=0)
+    firsts = {tuple(s[0, 2, :2].tolist()) for s in many}
+    assert len(firsts) > 8  # per-sample randomness, not one draw for the batch
+
+
+def test_augment_is_a_function_of_its_key():
+    aug = DeviceAugment(crop_padding=3, hflip=True, seed=7, rank=1)
+    x = images(n=16)
+    assert torch.equal(aug(x, aug.key(2, 64)), aug(x, aug.key(2, 64)))
+    assert not torch.equal(aug(x, aug.key(2, 64)), aug(x, aug.key(2, 80)))
+    assert aug.key(2, 64) != DeviceAugment(3, True, seed=7, rank=0).key(2, 64)
+    flip_only = DeviceAugment(hflip=True)(x, key=1)
+    assert all(torch.equal(a, b) or torch.equal(a, b.flip(-1)) for a, b in zip(flip_only, x))
+
+
+def test_augment_refuses_inputs_that_are_not_images():
+    with pytest.raises(ConfigError, match="data.augment: crops and flips need image batches"):
+        DeviceAugment(hflip=True)(torch.zeros(4, 10), key=0)
+
+
+def test_augmented_batches_repeat_exactly_after_a_resume_mid_epoch():
+    """Keys come from (epoch, position): the batches after set_start are the same as the tail
+    of the full epoch, on the loader path and the device-resident path alike."""
+    ds = TensorDataset((torch.rand(40, 3, 6, 6) * 255).to(torch.uint8), torch.arange(40))
+    c = DataConfig(dataset=None, input_shape=[3, 6, 6], num_classes=40, batch_size=8,
+                   num_workers=0)
+    for placement in ("host", "device"):
+        loader = build_loader(ds, c, train=True, rank=1, world_size=2, seed=4,
+                              placement=placement)
+        feed = DevicePrefetcher(loader, CPU, InputTransform(
+            [0.5] * 3, [0.25] * 3, augment=DeviceAugment(2, True, seed=4, rank=1)))
+        loader.sampler.set_epoch(3)
+        full = list(feed)
+        loader.sampler.set_epoch(3)
+        loader.sampler.set_start(2 * 8 * 2)  # two batches on each of the two ranks
+        resumed = list(feed)
+        assert len(resumed) == len(full) - 2
+        for a, b in zip(full[2:], resumed):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert not torch.equal(full[0][0], full[1][0])

@@ -1,0 +1,71 @@
+"""ResidentBatches: the same batches as the DataLoader path, formed by indexing on the device."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from data.datasets import DigitsDataset
+from data.loader import build_loader
+from data.resident import ResidentBatches, nbytes, tensors_of
+from trainer.config import DataConfig
+
+CPU = torch.device("cpu")
+
+
+def cfg(**kw) -> DataConfig:
+    base = dict(dataset=None, input_shape=[3], num_classes=5, batch_size=8, num_workers=0)
+    return DataConfig(**{**base, **kw})
+
+
+def data(n: int = 45) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, generator=g), torch.randint(5, (n,), generator=g))
+
+
+class Doubled(TensorDataset):
+    def __getitem__(self, i):  # a transform: samples are no longer rows of the tensors
+        x, y = super().__getitem__(i)
+        return 2 * x, y
+
+
+def test_tensors_of_only_for_plain_rows_of_tensors():
+    ds = data()
+    assert tensors_of(ds) == ds.tensors and nbytes(ds.tensors) == 45 * 3 * 4 + 45 * 8
+    assert tensors_of(DigitsDataset("val")) is not None
+    assert tensors_of(Doubled(*ds.tensors)) is None
+    assert tensors_of(torch.utils.data.Subset(ds, [0, 1])) is None
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world", [1, 3])
+def test_batches_equal_the_loader_path_bitwise_per_rank_epoch_and_start(world, drop_last):
+    ds, c = data(), cfg(drop_last=drop_last)
+    for rank in range(world):
+        kw = dict(train=True, rank=rank, world_size=world, seed=3, device=CPU)
+        host = build_loader(ds, c, **kw)
+        device = build_loader(ds, c, placement="device", **kw)
+        assert isinstance(device, ResidentBatches) and device.num_workers == 0
+        for epoch, start in [(0, 0), (1, 0), (2, 24)]:  # 24: a resume mid-epoch
+            for ld in (host, device):
+                ld.sampler.set_epoch(epoch)
+                ld.sampler.set_start(start)
+            a, b = list(host), list(device)
+            assert len(a) == len(b) == len(host) == len(device)
+            # (3 ranks, drop_last, resumed at 24 of 45: 7 samples a rank, no full batch left)
+            assert a or (world, drop_last, start) == (3, True, 24)
+            for x, y in zip(a, b):
+                assert type(x) is type(y) is list  # what the default collate gives
+                assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y))
+
+
+def test_validation_shards_match_and_cover_every_sample_once():
+    ds = data(10)
+    seen = []
+    for rank in range(3):
+        host = list(build_loader(ds, cfg(), train=False, rank=rank, world_size=3))
+        device = list(build_loader(ds, cfg(), train=False, rank=rank, world_size=3,
+                                   placement="device"))
+        assert all(torch.equal(u, v) for a, b in zip(host, device) for u, v in zip(a, b))
+        seen += [row for batch in device for row in batch[1].tolist()]
+    assert sorted(seen) == sorted(ds.tensors[1].tolist())

@@ -1,0 +1,150 @@
+"""trainer/feeds.py: where each split's data lives, the workers `auto` picks, the stall advice
+on real runs, and the device-resident path training exactly like the loader path."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, final_weights, run_cli, summary_of, torchrun
+from trainer.config import ConfigError
+from trainer.runner import train
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+IMAGES = ["data=synthetic", "model=cnn", "data.dataset.num_samples=96",
+          "data.input_shape=[3,8,8]", "data.dataset.dtype=uint8", "data.batch_size=16",
+          "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]",
+          "sched=constant", "trainer.tensorboard=false"]
+
+
+def data_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+
+
+def test_auto_keeps_tensor_data_on_the_device_without_workers(make_cfg, caplog):
+    caplog.set_level(logging.INFO, logger="stoker")
+    summary = train(make_cfg("data.num_workers=auto", "trainer.max_epochs=1"))
+    lines = data_lines(caplog)
+    assert lines[0].startswith("data: train set: 1438 samples, 0.4 MB of tensors kept on cpu, "
+                               "batched by indexing (data.placement=auto)")
+    assert lines[1].startswith("data: val set: 359 samples")
+    assert summary["run_data_wait_frac"] < 0.5  # indexing, no loader
+
+
+def test_auto_workers_are_zero_for_tensors_in_memory_and_cpus_otherwise(make_cfg, caplog,
+                                                                       tmp_path):
+    caplog.set_level(logging.INFO, logger="stoker")
+    train(make_cfg("data.num_workers=auto", "data.placement=host", "trainer.max_steps=2",
+                   run_dir=tmp_path / "digits"))
+    assert "through a DataLoader with 0 workers (data.num_workers=auto" in data_lines(caplog)[0]
+    caplog.clear()
+    train(make_cfg("data.num_workers=auto", "data=synthetic", "data.dataset.num_samples=64",
+                   "data.input_shape=[1,8,8]", "trainer.max_steps=2",
+                   run_dir=tmp_path / "synthetic"))
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    expected = max(1, min(16, workers))
+    assert f"through a DataLoader with {expected} workers" in data_lines(caplog)[0]
+
+
+def test_device_placement_trains_exactly_like_the_loader(make_cfg, tmp_path):
+    common = ["trainer.max_epochs=2", "sched=constant", "trainer.tensorboard=false"]
+    host = train(make_cfg(*common, "data.placement=host", run_dir=tmp_path / "host"))
+    device = train(make_cfg(*common, "data.placement=device", run_dir=tmp_path / "device"))
+    assert host["val_acc"] == device["val_acc"] and host["val_loss"] == device["val_loss"]
+    assert same_weights(final_weights(host), final_weights(device))
+
+
+@pytest.mark.slow
+def test_two_ranks_shard_the_device_resident_data_like_the_loader(tmp_path):
+    args = ["trainer.max_epochs=2", "sched=constant", "trainer.progress_bar=false",
+            "data.num_workers=0"]
+    for placement in ("host", "device"):
+        proc = torchrun(2, [*args, f"data.placement={placement}",
+                            f"hydra.run.dir={tmp_path / placement}"], ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    host, device = summary_of(tmp_path / "host"), summary_of(tmp_path / "device")
+    assert host["val_acc"] == device["val_acc"] and host["steps"] == device["steps"] == 24
+    assert same_weights(final_weights(host), final_weights(device))
+
+
+def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path):
+    """uint8 images cached in memory, so kept on the device; crops and flips drawn per sample.
+    Stopped after 5 of 12 steps and resumed: the same weights as the run straight through."""
+    common = [*IMAGES, "data.cache=memory", "data.augment.crop_padding=2",
+              "data.augment.hflip=true"]
+    full = train(make_cfg(*common, "trainer.max_epochs=2", run_dir=tmp_path / "full"))
+    train(make_cfg(*common, "trainer.max_epochs=2", "trainer.max_steps=5",
+                   run_dir=tmp_path / "part"))
+    resumed = train(make_cfg(*common, "trainer.max_epochs=2", "trainer.resume=auto",
+                             run_dir=tmp_path / "part"))
+    assert resumed["steps"] == full["steps"] == 12
+    assert same_weights(final_weights(full), final_weights(resumed))
+    plain = train(make_cfg(*IMAGES, "data.cache=memory", "trainer.max_epochs=2",
+                           run_dir=tmp_path / "plain"))
+    assert not same_weights(final_weights(full), final_weights(plain))  # augmentation acted
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data=synthetic", "data.dataset.num_samples=32", "data.input_shape=[1,8,8]"],
+     "data.placement=device: the train set cannot be kept on the device: SyntheticDataset is "
+     "not a set of tensors"),
+    (["+data.collate_fn={_target_:torch.utils.data.default_collate}"],
+     "data.placement=device: the train set cannot be kept on the device: data.collate_fn is "
+     "set"),
+])
+def test_device_placement_that_cannot_be_had_is_one_line(make_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        train(make_cfg("data.placement=device", *overrides))
+
+
+def test_auto_budget_keeps_large_tensor_data_on_the_host():
+    from omegaconf import OmegaConf
+
+    from data.datasets import DigitsDataset
+    from trainer.config import DataConfig
+    from trainer.feeds import placement
+
+    d = OmegaConf.structured(DataConfig(device_budget_mb=0.1))
+    ds = DigitsDataset("train")  # 0.4 MB
+    # an accelerator (any non-CPU device): the budget applies; on CPU nothing is copied
+    assert placement(d, ds, torch.device("meta"), "train", False) == "host"
+    assert placement(d, ds, torch.device("cpu"), "train", False) == "device"
+    d.device_budget_mb = 1.0
+    assert placement(d, ds, torch.device("meta"), "train", False) == "device"
+
+
+def two_cores():
+    """Runs a child on two CPU cores, so `cores` in the advice is 2 on any machine."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores and sched_setaffinity")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+HEAVY = ["data=synthetic", "data.dataset.num_samples=256", "data.input_shape=[1,8,8]",
+         "data.dataset.cost_ms=4", "data.batch_size=16", "model=mlp", "trainer.max_epochs=1",
+         "data.placement=host", "trainer.progress_bar=false", "trainer.save_checkpoint=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,overrides,advice", [
+    ("CPU-bound decoding", [*HEAVY, "data.num_workers=2"],
+     "the loader is CPU-bound: 2 workers on 2 cores cannot decode faster"),
+    ("more workers than cores", [*HEAVY, "data.num_workers=4"],
+     "data.num_workers=4 is more than the 2 CPU cores this rank has"),
+    ("tiny data in memory", ["data.placement=host", "data.num_workers=2", "model.hidden=[8]",
+                             "trainer.max_epochs=2", "trainer.progress_bar=false",
+                             "trainer.save_checkpoint=false"],
+     "the samples are tensors in memory: set data.placement=device"),
+])
+def test_stall_advice_fits_the_case_it_sees(tmp_path, case, overrides, advice):
+    proc = run_cli([f"hydra.run.dir={tmp_path}", *overrides], preexec_fn=two_cores())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if "steps waited for data" in ln]
+    assert len(line) == 1 and advice in line[0], (case, proc.stdout[-1500:])
+    assert "prefetch_factor" not in line[0]

@@ -1,0 +1,71 @@
+"""The ledger: window loss sums and the non-finite guard from recorded micro-batches."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.ledger import Ledger, counted, window_factor
+
+CPU = torch.device("cpu")
+NAN, INF = float("nan"), float("inf")
+
+
+def test_window_factor_makes_every_counted_unit_weigh_the_same():
+    cpu = torch.device("cpu")
+    # micro-batches contributed mean x count / base, base = batch 16 x 3 micro-batches
+    assert window_factor(48, 48, world=1, device=cpu) is None  # full window: nothing to do
+    assert window_factor(40, 48, world=1, device=cpu) == pytest.approx(48 / 40)  # 16, 16, 8
+    # device counts (valid tokens): 3 + 300 tokens, so each token weighs 1 / 303
+    factor = window_factor(torch.tensor(3) + torch.tensor(300), 32, world=1, device=cpu)
+    assert float(factor) == pytest.approx(32 / 303)
+    assert float(window_factor(torch.tensor(0), 32, world=1, device=cpu)) == 32  # all padding
+
+
+def test_counted_weighs_a_batch_of_padding_zero_even_when_its_mean_is_nan():
+    nan = torch.tensor(float("nan"))
+    assert float(counted(nan, torch.tensor(0))) == 0.0 and float(counted(nan, 0)) == 0.0
+    assert float(counted(torch.tensor(2.0), torch.tensor(3))) == 6.0
+    assert torch.isnan(counted(nan, torch.tensor(3)))  # a real NaN still reaches the guard
+
+
+def record(ledger, steps):
+    """`steps`: per optimizer step, its micro-batches as (mean loss, count)."""
+    for micro in steps:
+        for loss, count in micro:
+            ledger.add(torch.tensor(loss), count)
+        ledger.end_step()
+
+
+def test_loss_sum_weighs_each_micro_batch_by_its_count():
+    ledger = Ledger(CPU)
+    record(ledger, [[(1.0, 4), (2.0, 2)], [(3.0, 4)]])
+    assert float(ledger.take_loss_sum()) == 1 * 4 + 2 * 2 + 3 * 4
+    assert float(ledger.take_loss_sum()) == 0  # a new window
+    record(ledger, [[(2.0, torch.tensor(5)), (NAN, torch.tensor(0))]])  # tokens, all padding
+    assert float(ledger.take_loss_sum()) == 10 and int(ledger.bad_run) == 0
+
+
+@pytest.mark.parametrize("steps,before,after", [
+    ([[(1.0, 2)], [(NAN, 2)], [(INF, 2)]], 0, 2),       # the run since the last finite step
+    ([[(NAN, 2)], [(NAN, 2)]], 3, 5),                     # no finite step: it goes on
+    ([[(NAN, 2)], [(1.0, 2)]], 7, 0),                     # a finite step ends it
+    ([[(1.0, 2), (NAN, 2)], [(1.0, 2), (1.0, 2)]], 0, 0),  # accumulation: per step
+    ([[(1.0, 2), (NAN, 2)]], 0, 1),
+])
+def test_bad_run_counts_trailing_non_finite_steps(steps, before, after):
+    ledger = Ledger(CPU)
+    ledger.bad_run = torch.tensor(before)
+    record(ledger, steps)
+    ledger.fold()
+    assert int(ledger.bad_run) == after
+    ledger.fold()  # nothing recorded since: unchanged
+    assert int(ledger.bad_run) == after
+
+
+def test_fold_without_a_completed_step_changes_nothing():
+    ledger = Ledger(CPU)
+    ledger.fold()
+    assert int(ledger.bad_run) == 0 and float(ledger.loss_sum) == 0
+    assert not math.isnan(float(ledger.take_loss_sum()))
