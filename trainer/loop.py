@@ -115,6 +115,8 @@ class Loop:
         self.run_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
+        self.run_val_s = 0.0  # time in validation
+        self.run_checkpoint_s = 0.0  # time the training thread spent in checkpoint saves
         self.last_train: Dict[str, Any] = {}
         self.last_val: Dict[str, Any] = {}
         self.callbacks = list(callbacks)
@@ -190,7 +192,8 @@ class Loop:
         train_s = max(self.run_train_s, 1e-9)
         return {"run_samples_per_s": self.run_samples / train_s,
                 "run_data_wait_frac": self.run_wait_s / train_s,
-                "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s}
+                "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s,
+                "run_val_s": self.run_val_s, "run_checkpoint_s": self.run_checkpoint_s}
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and
@@ -346,6 +349,7 @@ class Loop:
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
         self.phase = "validating"
+        start = time.perf_counter()
         sums = self._evaluate_batches(model)
         self.phase = "training"
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()
@@ -357,6 +361,7 @@ class Loop:
         # its state would otherwise send ranks into different collectives
         values = distributed.broadcast_object(values)
         self.last_val = values
+        self.run_val_s += time.perf_counter() - start
         self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
         self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
                          " ".join(f"{k} {v:.4f}" for k, v in values.items()))

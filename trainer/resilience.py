@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -145,10 +146,12 @@ class Checkpointing(Callback):
                              "finite; the last good checkpoint stays", loop.state.step)
             return
         phase, loop.phase = loop.phase, "checkpointing"
+        start = time.perf_counter()
         self.saver.save(capture(loop, self.cfg, self.env), loop.state.step, best=best)
         if not self.c.async_save:
             # rank 0 writes, the others wait for a complete file: longer than a collective may
             monitored_barrier(self.c.timeout_s)
+        loop.run_checkpoint_s += time.perf_counter() - start
         loop.phase = phase
 
     def after_step(self, loop) -> None:

@@ -335,7 +335,8 @@ def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:
         return
     val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
         or "no validation"
-    log.info("done: %d epochs, %d steps in %.1fs | %s | %.0f samples/s | waiting for data "
-             "%.1f%% of step time%s", s["epochs"], s["steps"], s["wall_s"], val,
-             s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
+    log.info("done: %d epochs, %d steps in %.1fs (training %.1fs, validation %.1fs, "
+             "checkpoints %.1fs) | %s | %.0f samples/s | waiting for data %.1f%% of step "
+             "time%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
+             s["run_checkpoint_s"], val, s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
              f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
