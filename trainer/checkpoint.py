@@ -19,7 +19,7 @@ import tempfile
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -180,6 +180,18 @@ def _link_over(src: Path, dst: Path) -> None:
     except OSError:  # a filesystem without hard links
         shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
 
 
 def to_cpu(obj: Any) -> Any:

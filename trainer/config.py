@@ -123,7 +123,10 @@ class CheckpointConfig:
     keep_last: int = 3  # periodic checkpoints kept (last.pt and best.pt come on top)
     monitor: Optional[str] = None  # any logged validation key (val_loss, val_acc, ...): also keep best.pt
     mode: Optional[str] = None  # max | min | null: the metric's own direction
-    async_save: bool = False  # copy to CPU, write on a background thread
+    # auto | true | false: copy to CPU, write on a background thread; auto: on CUDA, and on CPU
+    # for states over 64 MB (a small state's write costs less than the competition of a
+    # writing thread with training for the cores; checked in resolve)
+    async_save: Any = "auto"
     timeout_s: float = 1800.0  # how long the other ranks wait for rank 0's write
 
 
@@ -167,6 +170,20 @@ class TrainConfig:
     task: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
+
+
+ASYNC_MIN_CPU_BYTES = 64 * 2**20  # auto: on CPU, asynchronous saves above this state size
+
+
+def async_checkpoints(c: CheckpointConfig, device: torch.device, state_bytes: int) -> bool:
+    """`trainer.checkpoint.async_save` with auto resolved for a state of `state_bytes`:
+    asynchronous on CUDA, where the training thread mostly waits for the GPU and a background
+    write costs it nothing, and on CPU for large states, whose write takes far longer than
+    the copy; synchronous for small states on CPU, where a writing thread competing with
+    training for the cores costs more than the write (measured: README "Asynchronous saves")."""
+    if c.async_save != "auto":
+        return bool(c.async_save)
+    return device.type == "cuda" or state_bytes > ASYNC_MIN_CPU_BYTES
 
 
 def cpu_workers(d: DataConfig, local_world_size: int) -> int:
@@ -260,6 +277,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
     _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
     _check(c.timeout_s > 0, "trainer.checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
+    _check(c.async_save in ("auto", True, False), "trainer.checkpoint.async_save", c.async_save,
+           "must be auto, true or false")
     _check(c.mode in (None, "max", "min"), "trainer.checkpoint.mode", c.mode,
            "must be max, min or null (the metric's own direction)")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")

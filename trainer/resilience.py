@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from trainer import checkpoint, distributed
 from trainer.distributed import DistEnv
 from trainer.liveness import monitored_barrier
 from trainer.loop import Callback
+from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
@@ -73,8 +74,9 @@ def gather(obj: Any) -> List[Any]:
     return out
 
 
-def capture(loop, cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
-    """The full training state (collective: every rank must call it; rank 0 gets it all)."""
+def capture(loop, cfg: Union[DictConfig, Dict[str, Any]], env: DistEnv) -> Dict[str, Any]:
+    """The full training state (collective: every rank must call it; rank 0 gets it all).
+    `cfg`: the run's config, or its resolved plain container (saves resolving it per save)."""
     generator = loop.train_feed.loader.generator
     # mid-epoch the loader must replay this epoch's iterator, so its generator state from
     # the epoch's start; at an epoch's end, its state now
@@ -82,7 +84,8 @@ def capture(loop, cfg: DictConfig, env: DistEnv) -> Dict[str, Any]:
         generator.get_state() if generator is not None else None)
     rngs = gather(rng_state(loader))
     return {**loop.state_dict(), "rng": rngs, "world_size": env.world_size,
-            "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+            "config": cfg if isinstance(cfg, dict) else
+            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
 
 
 class Preemption:
@@ -128,10 +131,15 @@ class Checkpointing(Callback):
     saves a state whose recent losses were not finite."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool,
-                 preemption: Optional[Preemption] = None, mode: Optional[str] = None):
+                 preemption: Optional[Preemption] = None, mode: Optional[str] = None,
+                 device: torch.device = torch.device("cpu")):
         c = OmegaConf.to_object(cfg.trainer.checkpoint)  # plain values: read every step
         self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
-        self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, c.async_save,
+        # resolved once: the config does not change during a run, and resolving it took half
+        # of a small checkpoint's time
+        self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        self.device = device
+        self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode
         self.best: Optional[float] = None
@@ -147,8 +155,13 @@ class Checkpointing(Callback):
             return
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
-        self.saver.save(capture(loop, self.cfg, self.env), loop.state.step, best=best)
-        if not self.c.async_save:
+        state = capture(loop, self.config, self.env)
+        # the same on every rank: the model and optimizer states are alike on all of them
+        size = sum(t.numel() * t.element_size() for part in ("model", "optimizer")
+                   for t in checkpoint.tensors_in(state[part]))
+        self.saver.async_save = async_checkpoints(self.c, self.device, size)
+        self.saver.save(state, loop.state.step, best=best)
+        if not self.saver.async_save:
             # rank 0 writes, the others wait for a complete file: longer than a collective may
             monitored_barrier(self.c.timeout_s)
         loop.run_checkpoint_s += time.perf_counter() - start

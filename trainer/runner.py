@@ -227,7 +227,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                                 components.build(cfg.sched, "sched"), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
     checkpointing = Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint,
-                                  preemption=preemption, mode=mode)
+                                  preemption=preemption, mode=mode, device=spec.device)
     loop = Loop(cfg=cfg.trainer, model=model, task=task, optimizer=optimizer,
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),

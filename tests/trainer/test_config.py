@@ -29,6 +29,7 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
     ("data.placement=gpu", "data.placement=gpu: must be auto, host or device"),
     ("data.device_budget_mb=-1", "data.device_budget_mb=-1"),
     ("data.augment.crop_padding=-4", "data.augment.crop_padding=-4"),
+    ("trainer.checkpoint.async_save=maybe", "trainer.checkpoint.async_save=maybe: must be auto"),
     ("data.prefetch_factor=0", "data.prefetch_factor=0"),
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),
     ("trainer.grad_clip=0", "trainer.grad_clip=0"),
@@ -118,3 +119,16 @@ def test_monitor_must_be_a_logged_key_with_a_fitting_mode(make_cfg):
         with pytest.raises(ConfigError) as info:
             monitor_mode(make_cfg(*overrides), logged)
         assert fragment in str(info.value)
+
+
+def test_async_checkpoints_auto_is_async_on_cuda_and_for_large_states_on_cpu():
+    import torch
+
+    from trainer.config import ASYNC_MIN_CPU_BYTES, CheckpointConfig, async_checkpoints
+
+    auto, cpu, cuda = CheckpointConfig(), torch.device("cpu"), torch.device("cuda", 0)
+    assert async_checkpoints(auto, cuda, 1000)
+    assert not async_checkpoints(auto, cpu, 1000)
+    assert async_checkpoints(auto, cpu, ASYNC_MIN_CPU_BYTES + 1)
+    assert not async_checkpoints(CheckpointConfig(async_save=False), cuda, 1000)
+    assert async_checkpoints(CheckpointConfig(async_save=True), cpu, 1000)
