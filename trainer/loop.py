@@ -51,6 +51,7 @@ class Window:
 
     count: Count = 0  # units the loss averages over (samples or tokens)
     samples: int = 0
+    steps: int = 0  # optimizer steps in the window: the same on every rank
     wait_s: float = 0.0
     paused_s: float = 0.0  # validation and epoch-end checkpoints inside the window: not its time
     start: float = field(default_factory=time.perf_counter)
@@ -179,7 +180,7 @@ class Loop:
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
             self.window.paused_s += time.perf_counter() - paused
-        if self.window.samples:  # the steps since the last logging boundary
+        if self.window.steps:  # the steps since the last logging boundary (a collective)
             self._log_window(self.window, self.state.epoch - (0 if self.state.position else 1),
                              None, None)
             self.window = Window()
@@ -234,7 +235,7 @@ class Loop:
                 total = total + count
                 window.samples += batch_size(batch)
             ledger.end_step()
-            window.count = window.count + total
+            window.count, window.steps = window.count + total, window.steps + 1
             self.state.position += per_batch * size
             bar.update(size)
             log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0

@@ -93,12 +93,16 @@ class Preemption:
 
     The ranks may see the signal at different steps, so they compare flags with one tiny
     all-reduce per optimizer step on a CPU (gloo) group, which never syncs the GPU stream.
+    The all-reduce is asynchronous and read one step later: a blocking one made every step
+    wait for the slowest rank's host thread and for a network round trip. Every rank reads the
+    same result at the same step, one step after the signal at the latest.
     """
 
     def __init__(self, env: DistEnv):
         self.requested = False
         self._previous = {}
         self._group = None
+        self._pending = None  # (flag tensor, async work) of the last step's all-reduce
         if env.world_size > 1 and distributed.is_active():
             self._group = distributed.cpu_group()
 
@@ -109,9 +113,14 @@ class Preemption:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._pending is not None and (exc_type is None or issubclass(exc_type, Preempted)):
+            # a coordinated end: every rank issued it, so it completes; leave nothing open
+            # (after an error a peer may be gone: then it is dropped, not waited for)
+            self._pending[1].wait()
+        self._pending = None
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
@@ -120,9 +129,14 @@ class Preemption:
         """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
         if self._group is None:
             return self.requested
+        previous = self._pending
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
+                                               async_op=True))
+        if previous is None:
+            return False
+        previous[1].wait()  # issued a step ago: done by now unless a rank lags behind
+        return bool(previous[0].item())
 
 
 class Checkpointing(Callback):
