@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from data.resident import ResidentBatches, tensors_of
 from data.sampler import ResumableDistributedSampler
 
-from trainer.config import ConfigError, DataConfig, cpu_workers
+from trainer.config import ConfigError, DataConfig
 
 
 class EvalShardSampler(Sampler[int]):
@@ -65,7 +65,11 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     if placement == "device":
         return ResidentBatches(tensors_of(dataset), sampler, batch_size, drop_last, device,
                                generator)
-    workers = cpu_workers(cfg, 1) if num_workers is None else num_workers
+    workers = cfg.num_workers if num_workers is None else num_workers
+    if workers == "auto":
+        raise ValueError("build_loader: resolve data.num_workers=auto first and pass "
+                         "num_workers (trainer/feeds.py does)")
+    workers = int(str(workers))
     extra = {}
     if workers > 0:  # these are errors for the DataLoader when there are no workers
         extra = dict(prefetch_factor=cfg.prefetch_factor,
@@ -79,13 +83,15 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
 
 
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
-                 cores: int, in_memory: bool, placement: str = "host") -> str:
+                 cores: int, in_memory: bool, placement: str = "host",
+                 why_not_device: Optional[str] = None) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
 
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
     may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
     already in memory; `placement`: where the training batches were formed. The advice follows
-    what the case shows: tensors in memory need no loader at all; more workers than cores only
+    what the case shows (`why_not_device`: why the data could not be kept on the device):
+    tensors in memory need no loader at all; more workers than cores only
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
     and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
     not a steady shortfall).
@@ -95,11 +101,15 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     if placement == "device":
         fix = ("the batches are formed on the device already: the wait is the indexing itself; "
                "raise data.batch_size")
-    elif in_memory:
+    elif in_memory and why_not_device is None:
         fix = ("the samples are tensors in memory: set data.placement=device (or auto) to batch "
                "them by indexing on the training device" + (
                    f", or data.num_workers=0 (each of the {n} workers only copies them)"
                    if n else ""))
+    elif in_memory and n:
+        fix = (f"the samples are tensors in memory, which cannot stay on the device "
+               f"({why_not_device}): set data.num_workers=0 (each of the {n} workers only "
+               "copies them)")
     elif n > cores:
         fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
                f"workers compete for them; lower it to {cores} (or auto)")
@@ -115,8 +125,8 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode faster; pay "
                "per-sample work once (" + ("data.cache=shm or memory if the data fits in "
                                            "memory, else " if cfg.cache == "none" else "")
-               + "scripts/prepare_data.py and data=memmap), ship uint8 samples and move "
-               "augmentation to the device (data.augment, data.normalize_mean)")
+               + "scripts/prepare_data.py and data=memmap); if samples are images, ship uint8 "
+               "and augment on the device (data.augment, data.normalize_mean)")
     return f"steps waited for data {pct} of the time: {fix}"
 
 

@@ -186,10 +186,7 @@ class DevicePrefetcher:
 
     def __iter__(self) -> Iterator[Any]:
         transform, keys = self.transform, self._keys()
-        if self.resident:
-            if transform.identity:
-                yield from self.loader
-                return
+        if self.resident:  # on the device already; the transform passes float batches as they are
             for batch in self.loader:
                 yield transform(batch, next(keys))
             return

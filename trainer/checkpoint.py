@@ -35,6 +35,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit this run; one line naming the file."""
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import, before any thread could race on it
+
+
 def save(state: Dict[str, Any], path: Path) -> Path:
     """Writes `state` to `path` atomically (temp file in the same directory, fsync, rename)."""
     path = Path(path)
@@ -46,6 +55,9 @@ def save(state: Dict[str, Any], path: Path) -> Path:
                               f"({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp makes the file private (0600); a checkpoint gets the mode any file the
+            # user writes gets (the umask's), so teammates on a shared disk can read it
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())

@@ -181,16 +181,27 @@ def async_checkpoints(c: CheckpointConfig, device: torch.device, state_bytes: in
     write costs it nothing, and on CPU for large states, whose write takes far longer than
     the copy; synchronous for small states on CPU, where a writing thread competing with
     training for the cores costs more than the write (measured: README "Asynchronous saves")."""
-    if c.async_save != "auto":
-        return bool(c.async_save)
+    flag = _flag(c.async_save)
+    if flag != "auto":
+        return flag
     return device.type == "cuda" or state_bytes > ASYNC_MIN_CPU_BYTES
+
+
+def _flag(value: Any) -> Any:
+    """auto, True or False for a tri-state key (a bool, or a string from an interpolation);
+    None when it is none of them."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
 
 
 def cpu_workers(d: DataConfig, local_world_size: int) -> int:
     """`data.num_workers` for work that always runs on CPU workers (materialising a cache,
     preparing shards): `auto` is the node's CPUs shared among its ranks."""
     w = d.num_workers
-    return distributed.auto_num_workers(local_world_size) if w == "auto" else int(w)
+    return distributed.auto_num_workers(local_world_size) if w == "auto" else int(str(w))
 
 
 def _log_file(run_dir: str) -> str:
@@ -240,8 +251,9 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
     ebs = d.eval_batch_size
     _check(ebs is None or ebs >= 1, "data.eval_batch_size", ebs, "must be >= 1 or null")
-    w = d.num_workers
-    _check(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 0),
+    w = d.num_workers  # an int, or a string from an interpolation (${oc.env:...}) or `auto`
+    _check(w == "auto" or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
+           or (isinstance(w, str) and w.strip().isdigit()),
            "data.num_workers", w, "must be auto or an integer >= 0")
     _check(d.placement in PLACEMENTS, "data.placement", d.placement,
            "must be auto, host or device")
@@ -277,7 +289,7 @@ def _check_ranges(cfg: DictConfig) -> None:
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
     _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
     _check(c.timeout_s > 0, "trainer.checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
-    _check(c.async_save in ("auto", True, False), "trainer.checkpoint.async_save", c.async_save,
+    _check(_flag(c.async_save) is not None, "trainer.checkpoint.async_save", c.async_save,
            "must be auto, true or false")
     _check(c.mode in (None, "max", "min"), "trainer.checkpoint.mode", c.mode,
            "must be max, min or null (the metric's own direction)")

@@ -107,6 +107,15 @@ def run_stamp(environ: Mapping[str, str] = os.environ, fmt: str = "%Y-%m-%d/%H-%
     return time.strftime(fmt)
 
 
+def cpus_per_rank(local_world_size: int) -> int:
+    """This process's CPUs shared among the ranks on the node (at least 1)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_world_size))
+
+
 def auto_num_workers(local_world_size: int) -> int:
     """Loader workers per rank for `data.num_workers=auto`: this process's CPUs shared among
     the ranks on the node, at least 1 and at most 16."""

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from data.cache import cache_dataset, reclaim_shm
 from data.loader import build_loader, stall_advice
@@ -58,15 +58,18 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
     return sets[0], sets[1]
 
 
-def placement(d: DictConfig, dataset: Dataset, device: torch.device, split: str,
-              has_collate: bool) -> str:
-    """`device` or `host` for one split, as `data.placement` asks; ConfigError when `device`
-    was asked for and cannot be had."""
+def placement(d: DictConfig, dataset: Dataset, device: torch.device,
+              has_collate: bool) -> Tuple[str, Optional[str]]:
+    """(`device` or `host`, why not `device`) for one split on this rank, as `data.placement`
+    asks; `build_feeds` agrees on it across ranks before anyone acts on it."""
     if d.placement == "host":
-        return "host"
+        return "host", None
     tensors = tensors_of(dataset)
     why_not = None
-    if tensors is None:
+    if tensors is None and isinstance(dataset, TensorDataset):
+        why_not = (f"{type(dataset).__name__} overrides TensorDataset.__getitem__, so its "
+                   "samples are not rows of its tensors")
+    elif tensors is None:
         why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset; "
                    "data.cache=memory makes one)")
     elif has_collate:
@@ -76,16 +79,26 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device, split: str,
         free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda"
                    else float("inf"))
         if size_mb > FREE_MEMORY_SHARE * free_mb:
-            why_not = (f"its tensors take {size_mb:.0f} MB, more than half of the "
+            why_not = (f"its tensors take {size_mb:.1f} MB, more than half of the "
                        f"{free_mb:.0f} MB free on {device}")
         elif d.placement == "auto" and size_mb > d.device_budget_mb:
-            why_not = f"its tensors take {size_mb:.0f} MB > data.device_budget_mb"
-    if why_not is None:
-        return "device"
-    if d.placement == "device":
+            why_not = f"its tensors take {size_mb:.1f} MB > data.device_budget_mb"
+    return ("host", why_not) if why_not else ("device", None)
+
+
+def _agreed(d: DictConfig, where: str, why_not: Optional[str], split: str,
+            device: torch.device) -> str:
+    """The placement every rank uses: `device` only where every rank can (free device memory
+    differs between GPUs); `data.placement=device` that some rank cannot have fails on every
+    rank alike, so none is left waiting in a collective."""
+    if distributed.is_active():
+        flag = torch.tensor([1.0 if where == "host" else 0.0], device=device)
+        if distributed.all_reduce_max(flag).item() > 0 and where == "device":
+            where, why_not = "host", "another rank cannot keep it on its device"
+    if where == "host" and d.placement == "device":
         raise ConfigError(f"data.placement=device: the {split} set cannot be kept on the "
                           f"device: {why_not}; use data.placement=auto or host")
-    return "host"
+    return where
 
 
 def _workers(d: DictConfig, dataset: Dataset, where: str, local_world_size: int) -> int:
@@ -118,7 +131,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if ds is None:
             feeds.append(None)
             continue
-        where = placement(d, ds, device, split, collate is not None)
+        where, why_not = placement(d, ds, device, collate is not None)
+        where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
         loader = build_loader(ds, d, train=split == "train", rank=env.rank,
                               world_size=env.world_size, seed=cfg.seed, device=device,
@@ -127,8 +141,13 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         lines.append("data: " + describe_feed(split, ds, where, workers, device, d))
         augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \
             if split == "train" else None
+        if augment:
+            lines[-1] += (f"; augmented on the device (crop_padding={d.augment.crop_padding}, "
+                          f"hflip={str(d.augment.hflip).lower()})")
         transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last, augment)
-        feeds.append(DevicePrefetcher(loader, device, transform, enabled=d.device_prefetch))
+        feed = DevicePrefetcher(loader, device, transform, enabled=d.device_prefetch)
+        feed.why_not_device = why_not  # for the stall advice
+        feeds.append(feed)
     return feeds[0], feeds[1], lines
 
 
@@ -150,6 +169,7 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
     """The stall advice (data.loader.stall_advice) for the training feed as it was built."""
     loader = feed.loader
     return stall_advice(d, device, wait_frac, workers=loader.num_workers,
-                        cores=distributed.auto_num_workers(local_world_size),
+                        cores=distributed.cpus_per_rank(local_world_size),
                         in_memory=tensors_of(loader.dataset) is not None,
-                        placement="device" if feed.resident else "host")
+                        placement="device" if feed.resident else "host",
+                        why_not_device=getattr(feed, "why_not_device", None))

@@ -1,4 +1,4 @@
-"""The training loss's bookkeeping, kept off the hot path: one device copy per micro-batch.
+"""The training loss's bookkeeping, kept off the hot path: no device operation per micro-batch.
 
 The loop needs three things from the losses it computes: the logging window's mean loss, the
 run of optimizer steps whose loss was not finite (the guard that stops a diverged run), and,
@@ -18,6 +18,7 @@ import torch
 from trainer import distributed
 
 Count = Union[int, torch.Tensor]
+FOLD_AFTER = 256  # micro-batches kept before a fold at the next step's end
 
 
 def counted(loss: torch.Tensor, count: Count) -> torch.Tensor:
@@ -76,14 +77,17 @@ class Ledger:
 
     def end_step(self) -> None:
         self.steps += 1
+        if len(self.losses) >= FOLD_AFTER:  # long logging windows: bounded memory
+            self.fold()
 
     def fold(self) -> None:
         """Moves the recorded micro-batches (of completed steps) into `loss_sum` and
         `bad_run`: a few device operations, no host sync."""
-        n, k, dev = len(self.counts), self.steps, self.device
-        if n == 0 or k == 0:
+        k, dev = self.steps, self.device
+        n = sum(1 for s in self.step_of if s < k)  # the completed steps' micro-batches
+        if n == 0:
             return
-        losses, counts = torch.stack(self.losses).float(), self.counts
+        losses, counts = torch.stack(self.losses[:n]).float(), self.counts[:n]
         if all(type(c) is int and c > 0 for c in counts):
             first = counts[0]
             weights = first if all(c == first for c in counts) else \
@@ -96,12 +100,14 @@ class Ledger:
         if n == k:  # one micro-batch per step
             per_step = contrib
         else:
-            step_of = torch.tensor(self.step_of, dtype=torch.int64).to(dev, non_blocking=True)
+            step_of = torch.tensor(self.step_of[:n], dtype=torch.int64).to(dev, non_blocking=True)
             per_step = torch.zeros(k, device=dev).index_add_(0, step_of, contrib)
         # the steps after the last finite one; all k on top of the earlier run if none was
         trailing = (~torch.isfinite(per_step)).flip(0).cumprod(0).sum()
         self.bad_run = torch.where(trailing == k, self.bad_run + k, trailing)
-        self.losses, self.counts, self.step_of, self.steps = [], [], [], 0
+        # an unfinished step's micro-batches stay, renumbered as the first step of the next fold
+        self.losses, self.counts = self.losses[n:], self.counts[n:]
+        self.step_of, self.steps = [s - k for s in self.step_of[n:]], 0
 
     def take_loss_sum(self) -> torch.Tensor:
         """The window's loss sum (folded first); starts the next window at 0."""

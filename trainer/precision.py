@@ -7,13 +7,22 @@ gradients are unscaled before clipping so the clip threshold means the same in e
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
 from trainer.config import Precision
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+
+
+def total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of `grads` (torch.nn.utils.get_total_norm, which torch < 2.6 lacks)."""
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 class MixedPrecision:
@@ -49,7 +58,7 @@ class MixedPrecision:
         if grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         elif want_norm:  # the norm alone: no clipping pass over the gradients
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = total_norm([p.grad for p in params if p.grad is not None])
         if self.scaler:
             before = self._scale_tensor()
             self.scaler.step(optimizer)  # skips the step when the gradients are not finite

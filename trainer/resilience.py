@@ -95,7 +95,8 @@ class Preemption:
     all-reduce per optimizer step on a CPU (gloo) group, which never syncs the GPU stream.
     The all-reduce is asynchronous and read one step later: a blocking one made every step
     wait for the slowest rank's host thread and for a network round trip. Every rank reads the
-    same result at the same step, one step after the signal at the latest.
+    same result at the same step, within two steps of the signal (a signal in a run's last
+    two steps finds the run ending anyway, with its final checkpoint).
     """
 
     def __init__(self, env: DistEnv):
@@ -170,9 +171,11 @@ class Checkpointing(Callback):
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
         state = capture(loop, self.config, self.env)
-        # the same on every rank: the model and optimizer states are alike on all of them
         size = sum(t.numel() * t.element_size() for part in ("model", "optimizer")
                    for t in checkpoint.tensors_in(state[part]))
+        if distributed.is_active():  # whether ranks wait in the barrier below: agreed
+            size = int(distributed.all_reduce_max(
+                torch.tensor([float(size)], device=self.device)).item())
         self.saver.async_save = async_checkpoints(self.c, self.device, size)
         self.saver.save(state, loop.state.step, best=best)
         if not self.saver.async_save:
@@ -213,7 +216,7 @@ class Checkpointing(Callback):
 # what a resume compares: keys whose change alters the optimisation
 RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
                "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
-               "task")
+               "task", "trainer.max_epochs", "trainer.max_steps")  # the last two: the schedule's length
 
 
 def _get(tree: Dict[str, Any], dotted: str) -> Any:

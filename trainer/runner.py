@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
@@ -72,6 +73,11 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
     Raises ConfigError for a value that cannot work and CheckpointError for an unusable
     checkpoint, both before any training step.
     """
+    try:
+        cfg.run_dir
+    except OmegaConfBaseException as e:  # composed outside train.py: no Hydra run dir
+        raise ConfigError(f"run_dir: cannot be resolved ({type(e).__name__}); a config composed "
+                          "with hydra.compose needs a run_dir=PATH override") from None
     env = env or distributed.detect()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
         logging.getLogger().setLevel(logging.WARNING)
@@ -104,11 +110,9 @@ def _deterministic(mode: bool, compiling: bool) -> None:
     """torch.use_deterministic_algorithms(mode), without its start-up cost where it has none
     to set: the public call also sets torch.compile's own flag, importing torch._inductor
     (about 1.5 s), which only a compiled model reads."""
-    if torch.are_deterministic_algorithms_enabled() == mode:
-        return
-    if compiling or "torch._inductor" in sys.modules:
+    if compiling or "torch._inductor" in sys.modules:  # inductor's flag too, every time
         torch.use_deterministic_algorithms(mode)
-    else:
+    elif torch.are_deterministic_algorithms_enabled() != mode:
         torch._C._set_deterministic_algorithms(mode)
 
 

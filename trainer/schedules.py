@@ -48,6 +48,11 @@ class WarmupConstant(LambdaLR):
         super().__init__(optimizer, lambda s: (s + 1) / warmup_steps if s < warmup_steps
                          else 1.0)
 
+    def state_dict(self) -> dict:
+        # the warmup length is this run's config (the schedule's shape follows the config on
+        # resume), not state to restore
+        return {k: v for k, v in super().state_dict().items() if k != "warmup_steps"}
+
     def step(self, epoch=None) -> None:
         if epoch is None and self.last_epoch >= self.warmup_steps:
             self.last_epoch += 1

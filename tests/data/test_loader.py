@@ -104,6 +104,8 @@ def test_loader_passes_timeout_and_context():
     (dict(), dict(workers=0, in_memory=True), "cpu", "data.placement=device"),
     (dict(), dict(workers=2, in_memory=True), "cpu", "or data.num_workers=0"),
     (dict(), dict(workers=0, in_memory=True, placement="device"), "cpu", "raise data.batch_size"),
+    (dict(), dict(workers=2, in_memory=True, why_not_device="data.collate_fn is set"), "cpu",
+     "cannot stay on the device (data.collate_fn is set): set data.num_workers=0"),
     (dict(), dict(workers=0), "cpu", "raise data.num_workers from 0 to 4"),
     (dict(), dict(workers=8), "cpu", "more than the 4 CPU cores this rank has"),
     (dict(persistent_workers=False), dict(workers=4), "cpu", "data.persistent_workers=true"),

@@ -69,3 +69,14 @@ def test_validation_shards_match_and_cover_every_sample_once():
         assert all(torch.equal(u, v) for a, b in zip(host, device) for u, v in zip(a, b))
         seen += [row for batch in device for row in batch[1].tolist()]
     assert sorted(seen) == sorted(ds.tensors[1].tolist())
+
+
+def test_uint8_batches_become_floats_on_both_paths():
+    from data.prefetch import DevicePrefetcher
+
+    ds = TensorDataset(torch.arange(12, dtype=torch.uint8).view(12, 1) * 20, torch.arange(12))
+    feeds = [DevicePrefetcher(build_loader(ds, cfg(), train=False, placement=p), CPU)
+             for p in ("host", "device")]
+    for a, b in zip(*feeds):
+        assert a[0].dtype == b[0].dtype == torch.float32 and torch.equal(a[0], b[0])
+        assert float(a[0].max()) <= 1.0

@@ -150,3 +150,10 @@ def test_async_write_errors_surface_on_the_next_wait(tmp_path, monkeypatch):
     saver.save({"model": {}}, 1)
     with pytest.raises(OSError, match="disk"):
         saver.wait()
+
+
+def test_a_checkpoint_gets_the_mode_of_any_file_the_user_writes(tmp_path):
+    path = checkpoint.save({"x": 1}, tmp_path / "a.pt")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777

@@ -132,3 +132,16 @@ def test_async_checkpoints_auto_is_async_on_cuda_and_for_large_states_on_cpu():
     assert async_checkpoints(auto, cpu, ASYNC_MIN_CPU_BYTES + 1)
     assert not async_checkpoints(CheckpointConfig(async_save=False), cuda, 1000)
     assert async_checkpoints(CheckpointConfig(async_save=True), cpu, 1000)
+
+
+def test_values_from_interpolations_arrive_as_strings_and_are_accepted(make_cfg):
+    from trainer.config import CheckpointConfig, async_checkpoints, cpu_workers
+
+    cfg = make_cfg("data.num_workers=${oc.env:STOKER_TEST_WORKERS,3}",
+                   "trainer.checkpoint.async_save=${oc.env:STOKER_TEST_ASYNC,false}")
+    resolve(cfg)
+    assert cpu_workers(cfg.data, 1) == 3
+    assert async_checkpoints(CheckpointConfig(async_save="false"), __import__("torch").device(
+        "cuda", 0), 0) is False
+    with pytest.raises(ConfigError, match="trainer.checkpoint.async_save=1: must be auto"):
+        resolve(make_cfg("trainer.checkpoint.async_save=1"))

@@ -112,10 +112,11 @@ def test_auto_budget_keeps_large_tensor_data_on_the_host():
     d = OmegaConf.structured(DataConfig(device_budget_mb=0.1))
     ds = DigitsDataset("train")  # 0.4 MB
     # an accelerator (any non-CPU device): the budget applies; on CPU nothing is copied
-    assert placement(d, ds, torch.device("meta"), "train", False) == "host"
-    assert placement(d, ds, torch.device("cpu"), "train", False) == "device"
+    assert placement(d, ds, torch.device("meta"), False) == (
+        "host", "its tensors take 0.4 MB > data.device_budget_mb")
+    assert placement(d, ds, torch.device("cpu"), False) == ("device", None)
     d.device_budget_mb = 1.0
-    assert placement(d, ds, torch.device("meta"), "train", False) == "device"
+    assert placement(d, ds, torch.device("meta"), False) == ("device", None)
 
 
 def two_cores():

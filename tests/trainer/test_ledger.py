@@ -69,3 +69,24 @@ def test_fold_without_a_completed_step_changes_nothing():
     ledger.fold()
     assert int(ledger.bad_run) == 0 and float(ledger.loss_sum) == 0
     assert not math.isnan(float(ledger.take_loss_sum()))
+
+
+def test_a_fold_inside_a_step_keeps_that_step_for_later():
+    ledger = Ledger(CPU)
+    record(ledger, [[(1.0, 2)]])
+    ledger.add(torch.tensor(NAN), 2)  # the next step's first micro-batch
+    ledger.fold()
+    assert float(ledger.loss_sum) == 2 and int(ledger.bad_run) == 0
+    ledger.add(torch.tensor(1.0), 2)
+    ledger.end_step()
+    ledger.fold()
+    assert int(ledger.bad_run) == 1  # the NaN micro-batch counted in its own step
+
+
+def test_long_windows_fold_as_they_go():
+    from trainer.ledger import FOLD_AFTER
+
+    ledger = Ledger(CPU)
+    record(ledger, [[(1.0, 1)]] * (3 * FOLD_AFTER))
+    assert len(ledger.losses) < FOLD_AFTER
+    assert float(ledger.take_loss_sum()) == 3 * FOLD_AFTER

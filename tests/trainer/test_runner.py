@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 from tests.helpers import run_cli
@@ -124,3 +126,15 @@ def test_periodic_async_and_best_checkpoints(make_cfg, tmp_path):
     assert {"python", "numpy", "torch", "loader"} <= last["rng"][0].keys()
     best = torch.load(folder / "best.pt", weights_only=True)
     assert best["step"] in (23, 46, 69)
+
+
+def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from tests.helpers import CONF
+    from trainer.config import ConfigError
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.max_steps=1"])
+    with pytest.raises(ConfigError, match="run_dir: cannot be resolved .* needs a run_dir=PATH"):
+        train(cfg)
