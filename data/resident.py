@@ -19,7 +19,7 @@ It exposes what the trainer reads from a DataLoader (`sampler`, `batch_size`, `d
 from __future__ import annotations
 
 import math
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
@@ -34,7 +34,8 @@ def tensors_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
     return None
 
 
-def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes `tensors` hold."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

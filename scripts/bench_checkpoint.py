@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchlib import machine, median, table, write_json  # noqa: E402
-from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.checkpoint import Checkpointer, state_bytes  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
 COLUMNS = ["mode", "state_mb", "stall_s", "write_s", "stall_vs_sync"]
@@ -38,21 +38,7 @@ def build_state(width: int, layers: int, device: torch.device) -> Dict[str, Any]
 
 
 def state_mb(state: Dict[str, Any]) -> float:
-    total = 0
-
-    def walk(obj):
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            total += obj.numel() * obj.element_size()
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(state)
-    return total / 2**20
+    return state_bytes(state) / 2**20
 
 
 def one_save(state, folder: Path, async_save: bool, step: int) -> Dict[str, float]:

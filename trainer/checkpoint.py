@@ -19,11 +19,12 @@ import tempfile
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from data.prefetch import map_tensors
+from data.resident import nbytes
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"
@@ -194,16 +195,16 @@ def _link_over(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
+def tensors_in(obj: Any) -> List[torch.Tensor]:
+    """Every tensor inside nested dicts, lists and tuples (map_tensors' walk)."""
+    found: List[torch.Tensor] = []
+    map_tensors(obj, lambda t: found.append(t) or t)
+    return found
+
+
+def state_bytes(obj: Any) -> int:
+    """The bytes of every tensor inside a (nested) state."""
+    return nbytes(tensors_in(obj))
 
 
 def to_cpu(obj: Any) -> Any:
@@ -223,8 +224,9 @@ def remove_leftovers(folder: Path) -> List[Path]:
 
 class Checkpointer:
     """Writes `step-NNNNNNNN.pt`, keeps the newest `keep_last`, points `last.pt` (and `best.pt`)
-    at them. With `async_save` the state is copied to CPU at once (the only stall) and
-    written on one background thread; a new save first waits for the previous one."""
+    at them. With `async_save` (the constructor's default, or a save's own) the state is copied
+    to CPU at once (the only stall) and written on one background thread; a new save first
+    waits for the previous one."""
 
     def __init__(self, run_dir: Path, keep_last: int, async_save: bool, enabled: bool):
         self.folder = Path(run_dir) / CHECKPOINT_DIR
@@ -235,14 +237,16 @@ class Checkpointer:
         if enabled:
             remove_leftovers(self.folder)
 
-    def save(self, state: Dict[str, Any], step: int, best: bool = False) -> Path:
-        """Saves `state` as step `step` (only the caller on rank 0 passes enabled=True)."""
+    def save(self, state: Dict[str, Any], step: int, best: bool = False,
+             async_save: Optional[bool] = None) -> Path:
+        """Saves `state` as step `step` (only the caller on rank 0 passes enabled=True);
+        `async_save` None: the constructor's setting."""
         path = self.folder / f"step-{step:08d}.pt"
         self.last_saved_step = step
         if not self.enabled:
             return path
         self.wait()
-        if not self.async_save:
+        if not (self.async_save if async_save is None else async_save):
             self._write(state, path, best)
             return path
         cpu_state = to_cpu(state)  # the training stall: a device-to-host copy, no disk I/O

@@ -119,11 +119,7 @@ def cpus_per_rank(local_world_size: int) -> int:
 def auto_num_workers(local_world_size: int) -> int:
     """Loader workers per rank for `data.num_workers=auto`: this process's CPUs shared among
     the ranks on the node, at least 1 and at most 16."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus // max(1, local_world_size)))
+    return min(16, cpus_per_rank(local_world_size))
 
 
 def backend_for(device: torch.device) -> str:

@@ -87,15 +87,14 @@ class Ledger:
         n = sum(1 for s in self.step_of if s < k)  # the completed steps' micro-batches
         if n == 0:
             return
-        losses, counts = torch.stack(self.losses[:n]).float(), self.counts[:n]
-        if all(type(c) is int and c > 0 for c in counts):
-            first = counts[0]
-            weights = first if all(c == first for c in counts) else \
-                torch.tensor(counts, dtype=torch.float32).to(dev, non_blocking=True)
-            contrib = losses * weights
-        else:  # a micro-batch with nothing to count weighs 0 even when its mean is NaN (0 / 0)
-            weights = torch.stack([torch.as_tensor(c, device=dev) for c in counts]).float()
-            contrib = torch.where(weights > 0, losses * weights, 0.0)
+        losses, counts = torch.stack(self.losses[:n]), self.counts[:n]
+        if all(type(c) is int and c == counts[0] for c in counts):
+            weights = counts[0]  # one count for all (a full window's samples): a scalar
+        elif all(type(c) is int for c in counts):
+            weights = torch.tensor(counts, dtype=torch.float32).to(dev, non_blocking=True)
+        else:
+            weights = torch.stack([torch.as_tensor(c, device=dev) for c in counts])
+        contrib = counted(losses, weights)  # elementwise: a count of 0 weighs 0, NaN or not
         self.loss_sum += contrib.sum()
         if n == k:  # one micro-batch per step
             per_step = contrib

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -74,9 +74,9 @@ def gather(obj: Any) -> List[Any]:
     return out
 
 
-def capture(loop, cfg: Union[DictConfig, Dict[str, Any]], env: DistEnv) -> Dict[str, Any]:
+def capture(loop, config: Dict[str, Any], env: DistEnv) -> Dict[str, Any]:
     """The full training state (collective: every rank must call it; rank 0 gets it all).
-    `cfg`: the run's config, or its resolved plain container (saves resolving it per save)."""
+    `config`: the run's resolved config as a plain container (resolved once per run)."""
     generator = loop.train_feed.loader.generator
     # mid-epoch the loader must replay this epoch's iterator, so its generator state from
     # the epoch's start; at an epoch's end, its state now
@@ -84,8 +84,7 @@ def capture(loop, cfg: Union[DictConfig, Dict[str, Any]], env: DistEnv) -> Dict[
         generator.get_state() if generator is not None else None)
     rngs = gather(rng_state(loader))
     return {**loop.state_dict(), "rng": rngs, "world_size": env.world_size,
-            "config": cfg if isinstance(cfg, dict) else
-            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+            "config": config}
 
 
 class Preemption:
@@ -171,14 +170,13 @@ class Checkpointing(Callback):
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
         state = capture(loop, self.config, self.env)
-        size = sum(t.numel() * t.element_size() for part in ("model", "optimizer")
-                   for t in checkpoint.tensors_in(state[part]))
+        size = checkpoint.state_bytes((state["model"], state["optimizer"]))
         if distributed.is_active():  # whether ranks wait in the barrier below: agreed
             size = int(distributed.all_reduce_max(
                 torch.tensor([float(size)], device=self.device)).item())
-        self.saver.async_save = async_checkpoints(self.c, self.device, size)
-        self.saver.save(state, loop.state.step, best=best)
-        if not self.saver.async_save:
+        async_save = async_checkpoints(self.c, self.device, size)
+        self.saver.save(state, loop.state.step, best=best, async_save=async_save)
+        if not async_save:
             # rank 0 writes, the others wait for a complete file: longer than a collective may
             monitored_barrier(self.c.timeout_s)
         loop.run_checkpoint_s += time.perf_counter() - start
