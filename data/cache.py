@@ -1,9 +1,18 @@
-"""Materialising a dataset once: to .npy files (disk or /dev/shm) or into memory.
+"""Materialising a dataset once, or caching its samples as they are made.
 
 Decoding, augmenting or generating a sample every epoch is work the CPU repeats for nothing
-when the result is the same each time. `write_arrays` runs a dataset once, in parallel
-through a DataLoader, and stores inputs and targets as .npy arrays that MemmapDataset reads
-back; `cache_dataset` applies the `data.cache` setting to a freshly built dataset.
+when the result is the same each time. `data.cache` picks where the results are kept:
+
+- `memory`: the whole dataset, made once (in parallel through a DataLoader) into a
+  TensorDataset in the training process, which the trainer can then keep on the device;
+- `shm`: the same as .npy arrays in /dev/shm, one copy per node, removed when the job ends;
+- `disk`: the same as .npy arrays under `data.cache_dir`, kept between runs, keyed by the
+  dataset's config and (when it has one) its `fingerprint()` (an image folder's file names,
+  sizes and times), so a changed config or changed files get a new cache;
+- `lru`: samples kept as they are made, by each loader worker, up to `data.cache_mb` MB per
+  worker (least recently used out first): nothing is made ahead, nothing is written.
+
+`write_arrays` is also what scripts/prepare_data.py writes with; MemmapDataset reads back.
 """
 from __future__ import annotations
 
@@ -12,8 +21,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,9 +37,11 @@ OWNER = "owner.json"  # who wrote a /dev/shm cache: see reclaim_shm
 
 
 def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
-    # its own generator: materialising data must not draw from the global RNG
+    # its own generator: materialising data must not draw from the global RNG; the dataset's
+    # own collate (an image folder's leaves out the files it skipped)
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                        generator=torch.Generator().manual_seed(0))
+                        generator=torch.Generator().manual_seed(0),
+                        collate_fn=getattr(dataset, "collate_fn", None))
     for batch in loader:
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
@@ -56,11 +68,18 @@ def write_arrays(dataset: Dataset, folder: Path, num_workers: int = 0) -> Tuple[
         x_out[row:row + len(x)] = x.numpy()
         y_out[row:row + len(y)] = y.numpy()
         row += len(x)
-    if x_out is None:
+    if x_out is None or row == 0:
         raise ValueError("cannot cache an empty dataset")
     shape = tuple(x_out.shape[1:])
     for arr, name in ((x_out, "x.npy"), (y_out, "y.npy")):
         arr.flush()
+        if row < n:  # samples were skipped (unreadable files): keep the rows written
+            short = np.lib.format.open_memmap(folder / f"{name}.short", mode="w+",
+                                              dtype=arr.dtype, shape=(row, *arr.shape[1:]))
+            short[:] = arr[:row]
+            short.flush()
+            del short
+            os.replace(folder / f"{name}.short", folder / f"{name}.tmp")
         del arr
         os.replace(folder / f"{name}.tmp", folder / name)
     return shape
@@ -86,6 +105,87 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
     return MemmapDataset("train", str(root))
 
 
+def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_rank: int,
+             num_workers: int, wait: Callable[[], None]) -> MemmapDataset:
+    """`cache_dir/<key>/`, written once and kept: local rank 0 of each node writes it unless it
+    is there, into a temporary folder renamed into place when complete (a node that loses the
+    race to a shared file system drops its copy); the other ranks wait."""
+    root = cache_dir / key
+    if local_rank == 0 and not (root / "done.json").is_file():
+        tmp = cache_dir / f"{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_arrays(dataset, tmp / "train", num_workers)
+            (tmp / "done.json").write_text(json.dumps({"dataset": describe}, indent=2) + "\n")
+            try:
+                os.rename(tmp, root)
+            except OSError:  # written meanwhile by another node (or a stale partial folder)
+                if not (root / "done.json").is_file():
+                    shutil.rmtree(root, ignore_errors=True)
+                    os.rename(tmp, root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    wait()
+    return MemmapDataset("train", str(root))
+
+
+def _sample_bytes(sample: Any) -> int:
+    if isinstance(sample, torch.Tensor):
+        return sample.element_size() * sample.nelement() + 64
+    if isinstance(sample, dict):
+        return sum(_sample_bytes(v) for v in sample.values()) + 64
+    if isinstance(sample, (list, tuple)):
+        return sum(_sample_bytes(v) for v in sample) + 64
+    if isinstance(sample, np.ndarray):
+        return sample.nbytes + 64
+    return 64
+
+
+class LRUCache(Dataset):
+    """`dataset`'s samples as they are made, the most recently used up to `max_bytes` (tensor
+    bytes plus a small per-object allowance) in each process: every loader worker holds its
+    own. A sample bigger than the whole budget is passed through uncached."""
+
+    def __init__(self, dataset: Dataset, max_bytes: int):
+        self.dataset, self.max_bytes = dataset, max_bytes
+        self.collate_fn = getattr(dataset, "collate_fn", None)
+        self._items: "OrderedDict[int, Tuple[Any, int]]" = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:  # classes, skipped(), ... of the dataset
+        if name.startswith("__") or name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, i: int) -> Any:
+        found = self._items.get(i)
+        if found is not None:
+            self._items.move_to_end(i)
+            self.hits += 1
+            return found[0]
+        self.misses += 1
+        sample = self.dataset[i]
+        size = _sample_bytes(sample)
+        if sample is not None and size <= self.max_bytes:
+            self._items[i] = (sample, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, freed) = self._items.popitem(last=False)
+                self.bytes -= freed
+        return sample
+
+
+def cache_key(tag: str, dataset: Dataset) -> str:
+    """A short key for `tag` and the dataset's fingerprint (when it has one)."""
+    fingerprint = getattr(dataset, "fingerprint", None)
+    text = tag + "|" + (fingerprint() if callable(fingerprint) else "")
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
 def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Path]:
     """Removes the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
     returns them. Folders without an owner record are left alone."""
@@ -103,17 +203,23 @@ def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Pa
 
 def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
                   num_workers: int = 0, wait: Callable[[], None] = lambda: None,
-                  owner: Optional[dict] = None) -> Dataset:
-    """`dataset` as `data.cache` says: unchanged ("none"), materialised in this process's
-    memory ("memory"), or in node-shared memory under /dev/shm ("shm").
+                  owner: Optional[dict] = None, cache_dir: str = "data_cache/auto",
+                  cache_mb: float = 1024.0) -> Dataset:
+    """`dataset` as `data.cache` says (module doc): unchanged ("none"), "memory", "shm",
+    "disk" or "lru".
 
-    `tag` names the cached data, the same on every rank of a job and different between jobs
-    (the trainer uses its run dir, dataset config and split); `wait` blocks until every rank
-    got there (the job's barrier), so no rank reads /dev/shm before local rank 0 wrote it.
+    `tag` names the cached data, the same on every rank of a job (the trainer uses its run
+    dir, the data config and the split; for "disk" the data config and split only, so that
+    later runs find it); `wait` blocks until every rank got there (the job's barrier), so no
+    rank reads a shared cache before local rank 0 wrote it.
     """
     if mode == "none":
         return dataset
     if mode == "memory":
         return _in_memory(dataset, num_workers)
-    key = hashlib.sha1(tag.encode()).hexdigest()[:16]
+    if mode == "lru":
+        return LRUCache(dataset, int(cache_mb * 2**20))
+    key = cache_key(tag, dataset)
+    if mode == "disk":
+        return _on_disk(dataset, Path(cache_dir), key, tag, local_rank, num_workers, wait)
     return _in_shm(dataset, key, local_rank, num_workers, wait, owner)

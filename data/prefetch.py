@@ -144,7 +144,7 @@ def _readable(batches: Iterator[Any]) -> Iterator[Any]:
             batch = next(batches)
         except StopIteration:
             return
-        except (TypeError, RuntimeError) as e:
+        except (TypeError, RuntimeError, ConfigError) as e:
             error = loader_error(e)
             if error is e:
                 raise

@@ -198,6 +198,7 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
               "trainer.save_checkpoint=false"]
     if w["name"] == "cnn":
         common += ["data=synthetic", "model=cnn", f"data.dataset.num_samples={w['samples']}"]
+    common += w.get("overrides", [])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("train", overrides=common)
     clock = Clock(w["warmup"], w["steps"], _device())

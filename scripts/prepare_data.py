@@ -3,6 +3,8 @@
     python scripts/prepare_data.py --out data_cache/digits                  # the default data
     python scripts/prepare_data.py --out data_cache/heavy data=heavy data.num_workers=2
     python train.py data=memmap data.dataset.root=data_cache/heavy
+    python scripts/prepare_data.py --out data_cache/images data=image_folder \
+        data.dataset.root=data_images data.dataset.size=64              # decoded once
 
 The dataset is composed from conf/ exactly as train.py would (overrides after the options),
 run once through a DataLoader with `data.num_workers` workers, and stored as
@@ -26,6 +28,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
+from data.datasets import MemmapDataset  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
@@ -47,8 +50,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
             continue
         shape = write_arrays(dataset, a.out / split, num_workers=cpu_workers(cfg.data, 1))
         meta["input_shape"] = list(shape)
-        meta["splits"][split] = len(dataset)
-        print(f"{split}: {len(dataset)} samples of {list(shape)} -> {a.out / split} "
+        meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable files left out
+        if getattr(dataset, "classes", None) is not None:  # an image folder's class names
+            meta["classes"] = list(dataset.classes)
+        print(f"{split}: {meta['splits'][split]} samples of {list(shape)} -> {a.out / split} "
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

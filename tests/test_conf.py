@@ -30,6 +30,11 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
     overrides = [f"{group}={option}", *USER_OPTIONS.get((group, option), [])]
     if option == "memmap":
         overrides.append(f"data.dataset.root={make_memmap_root(tmp_path / 'mm')}")
+    if option == "image_folder":
+        from scripts.make_images import write_images
+
+        write_images(tmp_path / "images", count=12, size=20, classes=3)
+        overrides += [f"data.dataset.root={tmp_path / 'images'}", "data.dataset.size=16"]
     if group == "model" and option == "cnn":
         overrides.append("data=synthetic")  # the CNN needs [C, H, W] images, as both give
     if (group == "model" and option == "transformer") or (group, option) == (

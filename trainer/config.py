@@ -76,7 +76,9 @@ class DataConfig:
     drop_last: bool = False
     timeout: float = 300.0  # seconds to wait for a batch from a worker; 0: forever
     multiprocessing_context: Optional[str] = None  # null (platform default) | fork | spawn | forkserver
-    cache: str = "none"  # none | memory | shm: materialise the dataset once before training
+    cache: str = "none"  # none | memory | shm | disk | lru (data/cache.py)
+    cache_dir: str = "data_cache/auto"  # data.cache=disk: where the arrays are kept between runs
+    cache_mb: float = 1024.0  # data.cache=lru: MB of samples each loader worker keeps
     device_prefetch: bool = True  # CUDA: copy the next batch on a side stream during the step
     normalize_mean: Optional[List[float]] = None  # per channel, applied on the device
     normalize_std: Optional[List[float]] = None
@@ -90,7 +92,7 @@ class DataConfig:
 
 
 MP_CONTEXTS = (None, "fork", "spawn", "forkserver")
-CACHE_MODES = ("none", "memory", "shm")
+CACHE_MODES = ("none", "memory", "shm", "disk", "lru")
 PLACEMENTS = ("auto", "host", "device")
 
 
@@ -208,6 +210,12 @@ def _log_file(run_dir: str) -> str:
     return f"{run_dir}/train.log" if distributed.detect().is_main else os.devnull
 
 
+def _image_classes(root: str) -> int:
+    from data.images import image_classes  # lazy: only image folder configs need it
+
+    return image_classes(root)
+
+
 def _dataset_meta(root: str, key: str) -> Any:
     from data.datasets import read_meta  # lazy: only memmap configs need it
 
@@ -222,6 +230,7 @@ def register() -> None:
                                     use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
+    OmegaConf.register_new_resolver("stoker_image_classes", _image_classes, replace=True)
     OmegaConf.register_new_resolver(
         "auto_workers", lambda: distributed.auto_num_workers(distributed.detect().local_world_size),
         replace=True)
@@ -264,7 +273,8 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(d.timeout >= 0, "data.timeout", d.timeout, "must be >= 0 seconds")
     _check(d.multiprocessing_context in MP_CONTEXTS, "data.multiprocessing_context",
            d.multiprocessing_context, "must be null, fork, spawn or forkserver")
-    _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory or shm")
+    _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory, shm, disk or lru")
+    _check(d.cache_mb > 0, "data.cache_mb", d.cache_mb, "must be > 0 MB")
     mean, std = d.normalize_mean, d.normalize_std
     _check((mean is None) == (std is None), "data.normalize_mean", mean,
            "set data.normalize_mean and data.normalize_std together")

@@ -12,6 +12,7 @@ are formed (README "The input pipeline"):
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
@@ -119,26 +120,32 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     collate = components.build_callable(d.collate_fn, "data.collate_fn")
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
         reclaim_shm(rundir.owner_alive)
+    sources = build_datasets(cfg)
     sets = [None if ds is None else cache_dataset(
-        ds, d.cache, f"{cfg.run_dir}|{OmegaConf.to_yaml(d, resolve=True)}|{split}",
-        local_rank=env.local_rank, num_workers=cpu_workers(d, env.local_world_size),
-        wait=distributed.barrier, owner=rundir.owner())
-        for ds, split in zip(build_datasets(cfg), ("train", "val"))]
+        ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
+        num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
+        owner=rundir.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb)
+        for ds, split in zip(sources, ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
     feeds, lines = [], []
-    for ds, split in zip(sets, ("train", "val")):
+    for ds, source, split in zip(sets, sources, ("train", "val")):
         if ds is None:
             feeds.append(None)
             continue
-        where, why_not = placement(d, ds, device, collate is not None)
+        # the dataset's own collate (an image folder's leaves out the files it skipped)
+        split_collate = collate or getattr(ds, "collate_fn", None)
+        where, why_not = placement(d, ds, device, split_collate is not None)
         where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
         loader = build_loader(ds, d, train=split == "train", rank=env.rank,
                               world_size=env.world_size, seed=cfg.seed, device=device,
-                              shuffle=shuffle, collate_fn=collate, num_workers=workers,
+                              shuffle=shuffle, collate_fn=split_collate, num_workers=workers,
                               placement=where)
         lines.append("data: " + describe_feed(split, ds, where, workers, device, d))
+        if d.cache != "none":
+            lines[-1] += f"; data.cache={d.cache}" + (
+                f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
         augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \
             if split == "train" else None
         if augment:
@@ -147,8 +154,25 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last, augment)
         feed = DevicePrefetcher(loader, device, transform, enabled=d.device_prefetch)
         feed.why_not_device = why_not  # for the stall advice
+        feed.source = source  # the dataset as built (its classes, the files it skipped)
         feeds.append(feed)
     return feeds[0], feeds[1], lines
+
+
+def _cache_tag(cfg: DictConfig, split: str) -> str:
+    """What names a split's cached data: the data config (and, except for the disk cache,
+    which later runs are meant to find, the run dir)."""
+    d = cfg.data
+    data = OmegaConf.to_container(d, resolve=True)
+    mode = d.cache
+    for key in ("batch_size", "eval_batch_size", "num_workers", "pin_memory",
+                "prefetch_factor", "persistent_workers", "shuffle", "drop_last", "timeout",
+                "multiprocessing_context", "device_prefetch", "placement", "device_budget_mb",
+                "augment", "cache_dir", "cache_mb", "cache", "normalize_mean", "normalize_std",
+                "channels_last", "collate_fn"):  # how it is fed, not what it holds
+        data.pop(key, None)
+    tag = f"{OmegaConf.to_yaml(OmegaConf.create(data))}|{split}"
+    return tag if mode == "disk" else f"{cfg.run_dir}|{tag}"
 
 
 def describe_feed(split: str, dataset: Dataset, where: str, workers: int,

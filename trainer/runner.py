@@ -5,6 +5,7 @@ This is the only place that builds components from the config; the loop receives
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import random
@@ -280,7 +281,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 Preemption(env) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
                                          resume, callbacks)
-            _open_outputs(cfg, env, run_dir, logger)
+            _open_outputs(cfg, env, run_dir, logger, loop.train_feed)
             writing = logger.write  # from here on, the run dir holds this run's files
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
             with heartbeat:
@@ -295,6 +296,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         checkpointing.finish()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
                                  if t.save_checkpoint else "")
+        skipped = skipped_files(loop)
+        if skipped:
+            distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."
+                             "on_error=skip), e.g. %s", len(skipped), ", ".join(skipped[:3]))
+        summary.update(skipped_files=len(skipped))
         summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
                        world_size=env.world_size, strategy=spec.strategy.value,
                        peak_mem_mb=peak_memory_mb(spec.device))
@@ -315,14 +321,30 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         lock.release()
 
 
-def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger) -> None:
+def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
+                  train_feed) -> None:
     """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
-    record, metrics.jsonl and TensorBoard."""
+    record, the class names of a dataset that has them (`classes.json`: class i is the i-th
+    name), metrics.jsonl and TensorBoard."""
     if not logger.write:
         return
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    classes = getattr(getattr(train_feed, "source", None), "classes", None)
+    if classes is not None:
+        (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
     rundir.record_hydra(run_dir, cfg)
     logger.open()
+
+
+def skipped_files(loop: Loop) -> List[str]:
+    """The files this rank's datasets skipped as unreadable (image folders with
+    on_error=skip), in the training process and its loader workers."""
+    files: List[str] = []
+    for feed in (loop.train_feed, loop.val_feed):
+        skipped = getattr(getattr(feed, "source", None), "skipped", None)
+        if callable(skipped):
+            files += skipped()
+    return files
 
 
 def peak_memory_mb(device: torch.device) -> float:

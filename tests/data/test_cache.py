@@ -1,6 +1,7 @@
 """write_arrays and the data.cache modes give back exactly the source samples."""
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -45,3 +46,112 @@ def test_cache_refuses_datasets_that_are_not_pairs():
 
     with pytest.raises(ValueError, match="\\(input, target\\) tensor pairs"):
         cache.cache_dataset(Triples(), "memory", tag="t")
+
+
+class Counting(torch.utils.data.Dataset):
+    """SyntheticDataset samples, counting how many were made (in this process)."""
+
+    def __init__(self, n=10, tag=""):
+        self.inner, self.made, self.tag = source(), 0, tag
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.made += 1
+        return self.inner[i]
+
+    def fingerprint(self):
+        return self.tag
+
+
+def test_lru_serves_hits_without_making_the_sample_again():
+    ds = Counting()
+    lru = cache.cache_dataset(ds, "lru", tag="t", cache_mb=1.0)
+    first = [lru[i] for i in range(10)]
+    second = [lru[i] for i in range(10)]
+    assert ds.made == 10 and lru.hits == 10 and lru.misses == 10
+    assert all(a[0] is b[0] for a, b in zip(first, second))
+    same(lru, source())
+
+
+def test_lru_evicts_the_least_recently_used_by_bytes_not_items():
+    ds = Counting()
+    per_sample = cache._sample_bytes(ds.inner[0])  # 2x4x4 float32 + an int64 and allowances
+    lru = cache.LRUCache(ds, max_bytes=3 * per_sample)
+    for i in (0, 1, 2):
+        lru[i]
+    lru[0]  # 0 is now the most recently used: 1 goes first
+    lru[3]
+    assert sorted(lru._items) == [0, 2, 3] and lru.bytes <= 3 * per_sample
+    made = ds.made
+    lru[1]  # evicted: made again
+    assert ds.made == made + 1
+    big = cache.LRUCache(Counting(), max_bytes=per_sample - 1)  # nothing fits: pass-through
+    big[0]
+    assert not big._items and big.bytes == 0
+
+
+def test_lru_keeps_the_datasets_attributes_and_collate():
+    ds = Counting()
+    ds.classes, ds.collate_fn = ["a", "b"], torch.utils.data.default_collate
+    lru = cache.LRUCache(ds, 2**20)
+    assert lru.classes == ["a", "b"] and lru.collate_fn is ds.collate_fn
+    import pickle
+
+    assert len(pickle.loads(pickle.dumps(lru))) == 10  # a worker gets a copy
+
+
+def test_disk_cache_is_written_once_and_found_by_a_later_run(tmp_path):
+    first = Counting()
+    cached = cache.cache_dataset(first, "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert isinstance(cached, MemmapDataset) and first.made == 10
+    same(cached, source())
+    later = Counting()
+    again = cache.cache_dataset(later, "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert later.made == 0 and again.x.path == cached.x.path  # read, not written again
+    folders = [p.name for p in tmp_path.iterdir()]
+    assert len(folders) == 1 and ".tmp" not in folders[0]
+    assert json.loads((tmp_path / folders[0] / "done.json").read_text())["dataset"] == "cfg"
+
+
+def test_disk_cache_is_rebuilt_when_the_config_or_the_files_change(tmp_path):
+    base = cache.cache_dataset(Counting(), "disk", tag="cfg", cache_dir=str(tmp_path))
+    other_cfg = Counting()
+    by_cfg = cache.cache_dataset(other_cfg, "disk", tag="cfg2", cache_dir=str(tmp_path))
+    other_files = Counting(tag="files changed")
+    by_files = cache.cache_dataset(other_files, "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert other_cfg.made == 10 and other_files.made == 10
+    assert len({base.x.path, by_cfg.x.path, by_files.x.path}) == 3
+
+
+def test_a_failed_disk_write_leaves_no_folder_that_a_later_run_would_trust(tmp_path):
+    class Broken(Counting):
+        def __getitem__(self, i):
+            if i == 7:
+                raise RuntimeError("disk full")
+            return super().__getitem__(i)
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        cache.cache_dataset(Broken(), "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    ok = Counting()
+    cache.cache_dataset(ok, "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert ok.made == 10
+
+
+def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):
+    from torch.utils.data import default_collate
+
+    class Holes(Counting):
+        collate_fn = staticmethod(lambda s: default_collate([x for x in s if x is not None]))
+
+        def __getitem__(self, i):
+            return None if i in (2, 5) else super().__getitem__(i)
+
+    cache.write_arrays(Holes(), tmp_path / "train")
+    mm, src = MemmapDataset("train", str(tmp_path)), source()
+    assert len(mm) == 8
+    kept = [i for i in range(10) if i not in (2, 5)]
+    assert all(torch.equal(mm[j][0], src[i][0]) for j, i in enumerate(kept))

@@ -28,3 +28,29 @@ def test_prepare_then_train_on_memmap(tmp_path):
     cached = train(compose_cfg(tmp_path / "b", "data=memmap", f"data.dataset.root={out}",
                                "data.eval_batch_size=256", "trainer.max_epochs=2"))
     assert cached["val_acc"] == direct["val_acc"]  # same samples, same run
+
+
+@pytest.mark.slow
+def test_prepared_image_folder_rows_equal_the_decoded_files(tmp_path):
+    from data.images import ImageFolder
+    from scripts.make_images import write_images
+
+    root, out = tmp_path / "images", tmp_path / "packed"
+    write_images(root, count=30, size=40, classes=3)
+    (root / "train" / "class_01" / "zz_broken.png").write_bytes(b"no png")
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--out", str(out),
+                           "data=image_folder", f"data.dataset.root={root}",
+                           "data.dataset.size=24", "data.num_workers=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["input_shape"] == [3, 24, 24] and meta["num_classes"] == 3
+    assert meta["classes"] == ["class_00", "class_01", "class_02"]
+    assert meta["splits"] == {"train": 24, "val": 6}  # the broken file left out
+    for split in ("train", "val"):
+        folder = ImageFolder(split, str(root), size=24)
+        decoded = [s for s in (folder[i] for i in range(len(folder))) if s is not None]
+        packed = MemmapDataset(split, str(out))
+        assert len(packed) == len(decoded)
+        for i, (x, y) in enumerate(decoded):
+            assert torch.equal(packed[i][0], x) and int(packed[i][1]) == int(y)

@@ -138,3 +138,27 @@ def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
         cfg = compose("train", overrides=["trainer.max_steps=1"])
     with pytest.raises(ConfigError, match="run_dir: cannot be resolved .* needs a run_dir=PATH"):
         train(cfg)
+
+
+@pytest.mark.slow
+def test_an_image_folder_run_writes_its_classes_and_counts_skipped_files(make_cfg, tmp_path):
+    from scripts.make_images import write_images
+
+    root = tmp_path / "images"
+    write_images(root, count=60, size=24, classes=3)
+    (root / "train" / "class_02" / "zz_broken.jpg").write_bytes(b"\xff\xd8 not really")
+    common = ["data=image_folder", f"data.dataset.root={root}", "data.dataset.size=16",
+              "model=cnn", "trainer.max_epochs=2", "data.num_workers=2"]
+    summary = train(make_cfg(*common, run_dir=tmp_path / "a"))
+    assert json.loads((tmp_path / "a" / "classes.json").read_text()) == [
+        "class_00", "class_01", "class_02"]
+    assert summary["skipped_files"] == 1 and summary["steps"] == 2
+    # the disk cache: written by the first run, read by the second (no decoding, same result)
+    cached = [*common, "data.cache=disk", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = train(make_cfg(*cached, run_dir=tmp_path / "b"))
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("x.npy")}
+    second = train(make_cfg(*cached, run_dir=tmp_path / "c"))
+    assert len(stamp) == 2  # train and val
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("x.npy")} == stamp
+    assert first["val_loss"] == second["val_loss"] and first["skipped_files"] == 1
+    assert second["skipped_files"] == 0  # nothing was decoded

@@ -1,0 +1,178 @@
+"""Image files: a folder per class, decoded with Pillow in the loader's workers.
+
+    root/train/<class>/<file>.jpg|jpeg|png
+    root/val/<class>/<file>.jpg|jpeg|png
+
+`ImageFolder` decodes, resizes the shorter side to `resize` and centre-crops `size` x `size`,
+and returns uint8 CHW tensors: a quarter of float32's bytes through the worker queues and the
+host-to-device copy; the device prefetcher scales them to [0, 1], normalises
+(`data.normalize_mean/std`) and augments (`data.augment`) on the training device. The CPU work
+per sample is therefore a pure function of the file, which is what lets its result be cached
+(`data.cache`) or packed once (`scripts/prepare_data.py`, `data=memmap`).
+
+JPEG files are decoded in draft mode when the target is at most half their size: libjpeg then
+scales by 1/2, 1/4 or 1/8 inside the decoder (DCT scaling), several times faster than decoding
+the full image and resizing it.
+
+Classes are the sorted subfolder names of the train root, the same list for both splits; a
+val folder with a class the train root lacks is an error. An unreadable or corrupt file is
+handled by `on_error`: `skip` (a warning line naming the file, once per run; the sample is
+left out of its batch, and the run's total is reported at its end) or `fail` (one
+line naming the file, the run stops).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from trainer.config import ConfigError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+SPLIT_DIRS = {"train": "train", "val": "val"}
+ON_ERROR = ("skip", "fail")
+log = logging.getLogger("stoker")
+
+
+class ImageError(ConfigError):
+    """A file that cannot be decoded as an image (with on_error=fail): one line naming it."""
+
+
+def find_classes(folder: Path) -> List[str]:
+    """The sorted names of `folder`'s subfolders: class i is the i-th name."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
+                                "<root>/train/<class>/<image> and <root>/val/<class>/<image>)")
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise ValueError(f"data.dataset.root: {folder} has no class subfolders (expected "
+                         f"{folder}/<class>/<image>)")
+    return classes
+
+
+def find_images(folder: Path, classes: Sequence[str]) -> List[Tuple[str, int]]:
+    """(path, class index) of every image under `folder/<class>/`, sorted by class and name
+    (subfolders of a class folder included)."""
+    index = {name: i for i, name in enumerate(classes)}
+    found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    unknown = [name for name in found if name not in index]
+    if unknown:
+        raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
+                         f"{unknown[:5]}; every class needs training images")
+    samples = []
+    for name in found:
+        for dirpath, dirnames, filenames in os.walk(folder / name, followlinks=True):
+            dirnames.sort()
+            samples += [(os.path.join(dirpath, f), index[name]) for f in sorted(filenames)
+                        if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+    if not samples:
+        raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
+                         f"{folder}/<class>/")
+    return samples
+
+
+def decode(source: Any, size: int, resize: int) -> torch.Tensor:
+    """An image file (a path or an open binary file) as a uint8 (3, size, size) tensor: its
+    shorter side resized to `resize` (bilinear, antialiased), then the centre `size` x `size`."""
+    from PIL import Image
+
+    with Image.open(source) as img:
+        if img.format == "JPEG" and min(img.size) >= 2 * resize:
+            # DCT scaling inside libjpeg: never below the requested size
+            img.draft("RGB", (resize * img.size[0] // min(img.size),
+                              resize * img.size[1] // min(img.size)))
+        img = img.convert("RGB")
+        w, h = img.size
+        scale = resize / min(w, h)
+        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+        if (nw, nh) != (w, h):
+            img = img.resize((nw, nh), Image.BILINEAR, reducing_gap=None)
+        left, top = (nw - size) // 2, (nh - size) // 2
+        img = img.crop((left, top, left + size, top + size))
+        array = np.array(img, dtype=np.uint8)  # (size, size, 3), a copy this process owns
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+class SkipCollate:
+    """The default collate over the samples that are not None (files skipped by
+    on_error=skip); a batch of skipped files only is an empty batch of the right shapes."""
+
+    def __init__(self, shape: Sequence[int]):
+        self.shape = tuple(shape)
+
+    def __call__(self, samples: List[Any]) -> Any:
+        kept = [s for s in samples if s is not None]
+        if kept:
+            return default_collate(kept)
+        return [torch.empty((0, *self.shape), dtype=torch.uint8),
+                torch.empty((0,), dtype=torch.int64)]
+
+
+class ImageFolder(Dataset):
+    """(uint8 (3, size, size) image, int64 class) pairs from `root/<split>/<class>/<file>`.
+
+    `size`: the square crop; `resize`: the shorter side before cropping (null: size / 0.875,
+    the usual 256 for 224); `on_error`: skip | fail for unreadable files (module doc).
+    `classes` (sorted subfolder names of the train root) and `samples` (path, class) are
+    attributes; the trainer writes the class list to the run dir.
+    """
+
+    def __init__(self, split: str = "train", root: str = "images", size: int = 224,
+                 resize: Optional[int] = None, on_error: str = "skip"):
+        if split not in SPLIT_DIRS:
+            raise ValueError(f"split={split!r}: must be one of {tuple(SPLIT_DIRS)}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
+        if size < 1 or (resize is not None and resize < size):
+            raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
+                             "resize >= size (or null)")
+        self.root, self.split, self.on_error = Path(root), split, on_error
+        self.size = size
+        self.resize = resize if resize is not None else round(size / 0.875)
+        self.classes = find_classes(self.root / SPLIT_DIRS["train"])
+        self.samples = find_images(self.root / SPLIT_DIRS[split], self.classes)
+        # one flag per sample, in shared memory: workers mark the files they skipped
+        self.skipped_flags = multiprocessing.RawArray("b", len(self.samples))
+        self.collate_fn = SkipCollate((3, size, size))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def fingerprint(self) -> str:
+        """What identifies the decoded samples: the files (names, sizes, times) and settings;
+        a cache keyed by it is rebuilt when any of them changes."""
+        files = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p, _ in self.samples]
+        return repr((self.classes, self.size, self.resize, files))
+
+    def __getitem__(self, i: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        path, target = self.samples[i]
+        try:
+            image = decode(path, self.size, self.resize)
+        except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for broken files
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if self.on_error == "fail":
+                raise ImageError(f"data: cannot read the image {path} ({reason}); remove it, "
+                                 "or set data.dataset.on_error=skip to skip and count such "
+                                 "files") from None
+            if not self.skipped_flags[i]:  # shared by the workers: one warning per file
+                self.skipped_flags[i] = 1
+                log.warning("data: skipped an unreadable image %s (%s); "
+                            "data.dataset.on_error=skip", path, reason)
+            return None
+        return image, torch.tensor(target)
+
+    def skipped(self) -> List[str]:
+        """The files skipped so far, in this process and its workers."""
+        flags = np.frombuffer(self.skipped_flags, dtype=np.int8)
+        return [self.samples[i][0] for i in np.flatnonzero(flags)]
+
+
+def image_classes(root: str) -> int:
+    """The number of classes of an image folder (the config's `data.num_classes`)."""
+    return len(find_classes(Path(root) / SPLIT_DIRS["train"]))

@@ -1,0 +1,158 @@
+"""data/images.py: the class map, decoded sizes, draft decoding, unreadable files under each
+policy, directly and through loader workers."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from data import images
+from data.images import ImageError, ImageFolder, SkipCollate, decode
+from data.prefetch import DevicePrefetcher
+from scripts.make_images import write_images
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    write_images(root, count=24, size=48, classes=3, val_fraction=0.25)
+    return root
+
+
+def broken_copy(folder, tmp_path):
+    """The folder with one garbage file and one truncated JPEG added to the train split."""
+    import shutil
+
+    root = tmp_path / "broken"
+    shutil.copytree(folder, root)
+    (root / "train" / "class_00" / "zz_garbage.jpg").write_bytes(b"not an image")
+    good = (root / "train" / "class_01" / "00000.jpg").read_bytes()
+    (root / "train" / "class_01" / "zz_truncated.jpg").write_bytes(good[:300])
+    return root
+
+
+def test_classes_are_sorted_folders_and_samples_are_uint8_chw(folder):
+    train, val = ImageFolder("train", str(folder), size=32), ImageFolder("val", str(folder), 32)
+    assert train.classes == val.classes == ["class_00", "class_01", "class_02"]
+    assert len(train) == 18 and len(val) == 6
+    labels = [label for _, label in train.samples]
+    assert labels == sorted(labels) and set(labels) == {0, 1, 2}
+    x, y = train[0]
+    assert x.dtype == torch.uint8 and x.shape == (3, 32, 32) and y.dtype == torch.int64
+    assert torch.equal(x, decode(train.samples[0][0], 32, train.resize))
+    assert train.resize == round(32 / 0.875)
+    assert images.image_classes(str(folder)) == 3
+
+
+def test_a_non_square_image_is_resized_by_its_shorter_side_and_centre_cropped(tmp_path):
+    from PIL import Image
+
+    pixels = np.zeros((40, 80, 3), dtype=np.uint8)
+    pixels[:, 20:60] = 255  # a white centre band as wide as the crop of the resized image
+    Image.fromarray(pixels).save(tmp_path / "wide.png")
+    out = decode(tmp_path / "wide.png", size=20, resize=20)
+    assert out.shape == (3, 20, 20)
+    assert out.float().mean() > 240  # only the white middle is left
+
+
+def test_jpeg_draft_decoding_matches_a_full_decode_closely(tmp_path):
+    from PIL import Image
+
+    write_images(tmp_path, count=1, size=512, classes=1, val_fraction=0.0)
+    path = next(tmp_path.rglob("*.jpg"))
+    fast = decode(path, 64, 64)  # 512 -> draft at 1/4 (128), then resized to 64
+    with Image.open(path) as img:
+        full = np.array(img.convert("RGB").resize((64, 64), Image.BILINEAR, reducing_gap=None))
+    full = torch.from_numpy(full).permute(2, 0, 1)
+    assert fast.shape == full.shape
+    assert (fast.float() - full.float()).abs().mean() < 6  # the same picture, not bit-equal
+
+
+def test_unknown_val_classes_and_empty_or_missing_roots_are_one_line(folder, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.dataset.root: no folder"):
+        ImageFolder("train", str(tmp_path / "missing"))
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no class subfolders"):
+        ImageFolder("train", str(tmp_path / "empty"))
+    (tmp_path / "empty" / "train" / "cat").mkdir()
+    with pytest.raises(ValueError, match="no .jpg/.jpeg/.png files"):
+        ImageFolder("train", str(tmp_path / "empty"))
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(folder, odd)
+    (odd / "val" / "class_99").mkdir()
+    (odd / "val" / "class_99" / "a.jpg").write_bytes((odd / "val" / "class_00").glob(
+        "*.jpg").__next__().read_bytes())
+    with pytest.raises(ValueError, match="class folders the train set lacks: \\['class_99'\\]"):
+        ImageFolder("val", str(odd))
+    with pytest.raises(ValueError, match="on_error"):
+        ImageFolder("train", str(folder), on_error="ignore")
+
+
+def test_skip_leaves_unreadable_files_out_of_their_batch_and_counts_them(folder, tmp_path,
+                                                                         caplog):
+    root = broken_copy(folder, tmp_path)
+    ds = ImageFolder("train", str(root), size=16, on_error="skip")
+    assert len(ds) == 20
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=ds.collate_fn)
+    with caplog.at_level("WARNING", logger="stoker"):
+        seen = sum(len(y) for _, y in loader)
+        seen_again = sum(len(y) for _, y in loader)
+    assert seen == seen_again == 18
+    assert sorted(ds.skipped()) == sorted(str(p) for p in root.rglob("zz_*.jpg"))
+
+
+def test_skip_warns_once_per_file_in_the_process(folder, tmp_path, caplog):
+    root = broken_copy(folder, tmp_path)
+    ds = ImageFolder("train", str(root), size=16)
+    bad = [i for i, (p, _) in enumerate(ds.samples) if "zz_garbage" in p][0]
+    with caplog.at_level("WARNING", logger="stoker"):
+        assert ds[bad] is None and ds[bad] is None
+    lines = [r.getMessage() for r in caplog.records if "zz_garbage" in r.getMessage()]
+    assert len(lines) == 1 and "on_error=skip" in lines[0]
+
+
+def test_a_batch_of_skipped_files_only_is_empty_with_the_right_shapes():
+    x, y = SkipCollate((3, 8, 8))([None, None])
+    assert x.shape == (0, 3, 8, 8) and x.dtype == torch.uint8 and y.shape == (0,)
+    x, y = SkipCollate((3, 8, 8))([None, (torch.zeros(3, 8, 8, dtype=torch.uint8),
+                                          torch.tensor(1))])
+    assert x.shape == (1, 3, 8, 8) and y.tolist() == [1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fail_names_the_file_in_one_line_even_from_a_worker(folder, tmp_path, workers):
+    root = broken_copy(folder, tmp_path)
+    ds = ImageFolder("train", str(root), size=16, on_error="fail")
+    loader = DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=ds.collate_fn)
+    with pytest.raises(ImageError) as info:
+        for _ in DevicePrefetcher(loader, torch.device("cpu")):
+            pass
+    message = str(info.value)
+    assert "\n" not in message and "zz_" in message and "on_error=skip" in message
+
+
+def test_fingerprint_changes_with_the_files_and_the_settings(folder, tmp_path):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(folder, root)
+    before = ImageFolder("train", str(root), size=16).fingerprint()
+    assert ImageFolder("train", str(root), size=16).fingerprint() == before
+    assert ImageFolder("train", str(root), size=20).fingerprint() != before
+    (root / "train" / "class_00" / "00000.jpg").write_bytes(
+        (root / "train" / "class_01" / "00000.jpg").read_bytes())
+    assert ImageFolder("train", str(root), size=16).fingerprint() != before
+
+
+def test_the_config_reads_classes_and_shape_from_the_folder(folder, tmp_path):
+    from tests.helpers import compose_cfg
+
+    cfg = compose_cfg(tmp_path / "run", "data=image_folder", f"data.dataset.root={folder}",
+                      "data.dataset.size=40")
+    assert cfg.data.num_classes == 3 and list(cfg.data.input_shape) == [3, 40, 40]
+    assert json.loads(json.dumps(list(cfg.data.normalize_mean))) == [0.485, 0.456, 0.406]
