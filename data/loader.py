@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.resident import ResidentBatches, tensors_of
 from data.sampler import ResumableDistributedSampler
+from data.shards import ShardLoader, ShardPlan, ShardStream
 
 from trainer.config import ConfigError, DataConfig
 
@@ -70,16 +71,33 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
         raise ValueError("build_loader: resolve data.num_workers=auto first and pass "
                          "num_workers (trainer/feeds.py does)")
     workers = int(str(workers))
-    extra = {}
-    if workers > 0:  # these are errors for the DataLoader when there are no workers
-        extra = dict(prefetch_factor=cfg.prefetch_factor,
-                     persistent_workers=cfg.persistent_workers,
-                     multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout)
+    if isinstance(dataset, ShardStream):
+        return _shard_loader(dataset, cfg, train, rank, world_size, seed, device, shuffle,
+                             workers, generator)
+    extra = _loader_options(cfg, workers)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         drop_last=drop_last, generator=generator, **extra)
+
+
+def _loader_options(cfg: DataConfig, workers: int) -> dict:
+    if workers == 0:  # these are errors for the DataLoader when there are no workers
+        return {}
+    return dict(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
+                multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout)
+
+
+def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
+                  world_size: int, seed: int, device: torch.device, shuffle: Optional[bool],
+                  workers: int, generator: torch.Generator) -> ShardLoader:
+    """A ShardLoader for this rank's part of the stream (data/shards.py)."""
+    batch_size = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
+    plan = ShardPlan(len(stream), world_size, rank, train,
+                     cfg.shuffle if shuffle is None else shuffle, cfg.drop_last, seed, batch_size)
+    return ShardLoader(stream, plan, workers, cfg.pin_memory and device.type == "cuda",
+                       generator, **_loader_options(cfg, workers))
 
 
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,

@@ -5,6 +5,8 @@
     python train.py data=memmap data.dataset.root=data_cache/heavy
     python scripts/prepare_data.py --out data_cache/images data=image_folder \
         data.dataset.root=data_images data.dataset.size=64              # decoded once
+    python scripts/prepare_data.py --format shards --out shards/images data=image_folder \
+        data.dataset.root=data_images                                  # files as tar shards
 
 The dataset is composed from conf/ exactly as train.py would (overrides after the options),
 run once through a DataLoader with `data.num_workers` workers, and stored as
@@ -29,6 +31,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
+from data.shards import write_shards  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
@@ -36,8 +39,13 @@ from trainer.feeds import build_datasets  # noqa: E402
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write")
+    p.add_argument("--format", choices=["npy", "shards"], default="npy",
+                   help="npy: decoded arrays for data=memmap; shards: tar shards for data=shards")
+    p.add_argument("--shard-samples", type=int, default=1000, help="samples per tar shard")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
     a = p.parse_args(argv)
+    if a.shard_samples < 1:
+        p.error("--shard-samples must be >= 1")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
     d = cfg.data
@@ -48,18 +56,26 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for split, dataset in zip(("train", "val"), build_datasets(cfg)):
         if dataset is None:  # a train_dataset without a val_dataset
             continue
-        shape = write_arrays(dataset, a.out / split, num_workers=cpu_workers(cfg.data, 1))
-        meta["input_shape"] = list(shape)
-        meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable files left out
+        workers = cpu_workers(cfg.data, 1)
+        if a.format == "shards":
+            index = write_shards(dataset, a.out / split, a.shard_samples, workers,
+                                 seed=cfg.seed, num_classes=d.num_classes)
+            meta["splits"][split] = sum(s["samples"] for s in index["shards"])
+            what = f"{len(index['shards'])} shards ({index['kind']} samples)"
+        else:
+            shape = write_arrays(dataset, a.out / split, num_workers=workers)
+            meta["input_shape"] = list(shape)
+            meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable: left out
+            what = f"samples of {list(shape)}"
         if getattr(dataset, "classes", None) is not None:  # an image folder's class names
             meta["classes"] = list(dataset.classes)
-        print(f"{split}: {meta['splits'][split]} samples of {list(shape)} -> {a.out / split} "
+        print(f"{split}: {meta['splits'][split]} {what} -> {a.out / split} "
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"use it: python train.py data=memmap data.dataset.root={a.out}")
+    use = "data=shards" if a.format == "shards" else "data=memmap"
+    print(f"use it: python train.py {use} data.dataset.root={a.out}")
     return meta
-
 
 if __name__ == "__main__":
     main()

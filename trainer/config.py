@@ -216,6 +216,12 @@ def _image_classes(root: str) -> int:
     return image_classes(root)
 
 
+def _shards_meta(root: str, key: str, size: int) -> Any:
+    from data.shards import shards_meta  # lazy: only shard configs need it
+
+    return shards_meta(root, key, int(size))
+
+
 def _dataset_meta(root: str, key: str) -> Any:
     from data.datasets import read_meta  # lazy: only memmap configs need it
 
@@ -231,6 +237,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
     OmegaConf.register_new_resolver("stoker_image_classes", _image_classes, replace=True)
+    OmegaConf.register_new_resolver("stoker_shards", _shards_meta, replace=True)
     OmegaConf.register_new_resolver(
         "auto_workers", lambda: distributed.auto_num_workers(distributed.detect().local_world_size),
         replace=True)

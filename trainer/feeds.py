@@ -23,6 +23,7 @@ from data.cache import cache_dataset, reclaim_shm
 from data.loader import build_loader, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.resident import nbytes, tensors_of
+from data.shards import ShardStream
 from trainer import components, distributed, rundir
 from trainer.config import ConfigError, cpu_workers
 from trainer.distributed import DistEnv
@@ -121,6 +122,10 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
         reclaim_shm(rundir.owner_alive)
     sources = build_datasets(cfg)
+    if d.cache != "none" and any(isinstance(ds, ShardStream) for ds in sources):
+        raise ConfigError(f"data.cache={d.cache}: streamed shards (data=shards) are read as "
+                          "they come, not cached; use data.cache=none, or scripts/"
+                          "prepare_data.py --format npy and data=memmap for data that fits")
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
         num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
@@ -184,8 +189,10 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
                   "loader workers)") if d.num_workers not in ("auto", 0) else ""
         return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of tensors kept on "
                 f"{device}, batched by indexing (data.placement={d.placement}){unused}")
-    return (f"{split} set: {len(dataset)} samples through a DataLoader with {workers} workers "
-            f"(data.num_workers={d.num_workers}, data.placement={d.placement})")
+    source = f"streamed from {len(dataset.urls)} tar shards " \
+        if isinstance(dataset, ShardStream) else ""
+    return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with {workers} "
+            f"workers (data.num_workers={d.num_workers}, data.placement={d.placement})")
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,

@@ -1,0 +1,374 @@
+"""Data bigger than memory or local disk: samples streamed from tar shards (WebDataset format).
+
+    python scripts/prepare_data.py --format shards --out shards/images data=image_folder \
+        data.dataset.root=data_images
+    python train.py data=shards data.dataset.root=shards/images model=cnn
+
+A split is `<root>/<split>/index.json` (the shards, in order, with their sample counts) and
+the tar shards it names, read with WebDataset (`webdataset.gopen`: local paths, `file:`,
+`http(s)://` through curl, `pipe:` commands such as `pipe:aws s3 cp s3://bucket/x.tar -`;
+nothing is downloaded ahead). A sample is a group of tar members sharing a key:
+`<key>.jpg|jpeg|png` + `<key>.cls` (an image folder's files as they were, decoded in the
+workers like `data=image_folder`) or `<key>.x.npy` + `<key>.y.npy` (any dataset's tensors).
+
+How an epoch is cut (`ShardPlan`), all of it a pure function of (seed, epoch, world size,
+rank, batch size, workers), so every rank agrees without talking:
+- the shards' order is shuffled per epoch (the samples inside a shard keep theirs; prepare
+  writes them in a shuffled order), giving one stream of N samples;
+- training: rank r takes the contiguous positions [r n, (r + 1) n) of that stream, n = N / W
+  rounded up (the stream then wraps round, repeating its first samples, as PyTorch's
+  DistributedSampler pads) or down with data.drop_last; validation: rank r takes
+  [N r / W, N (r + 1) / W), no padding, so every sample is evaluated exactly once;
+- the rank's batches are split into one contiguous block per loader worker, so each worker
+  reads a run of whole shards and only the shards at a block's ends partly; the DataLoader
+  takes the workers' batches in turn, and each worker shuffles its samples within windows of
+  `shuffle_buffer` (seeded per epoch, rank, worker and window).
+
+Resume: the loop's position counts global samples (batches x batch size x ranks). With the same
+world size, batch size and data.num_workers it is exact: each worker skips, without decoding,
+the batches of its block already taken, and the workers are rotated so that the DataLoader's
+turn order continues the interrupted one. With another world size or worker count the epoch
+continues at the same position per rank, so samples near the cut may repeat or be missed until
+the epoch ends.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import posixpath
+import re
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+
+from data.images import IMAGE_EXTENSIONS, ON_ERROR, ImageError, SkipCollate, decode
+
+INDEX = "index.json"
+
+
+def _open(url: str):
+    from webdataset.gopen import gopen
+
+    return gopen(url, "rb")
+
+
+def _join(root: str, name: str) -> str:
+    if "://" in name or name.startswith(("/", "pipe:", "file:")):
+        return name
+    return posixpath.join(root, name)
+
+
+class ShardStream:
+    """One split of a shard set: its index and how samples are decoded (module doc).
+
+    `root`: the folder or URL prefix holding `<split>/index.json`; `size`/`resize`/`on_error`:
+    as `data.images.ImageFolder` for image samples; `shuffle_buffer`: samples each worker
+    shuffles together (1: none).
+    """
+
+    def __init__(self, split: str = "train", root: str = "shards", size: int = 224,
+                 resize: Optional[int] = None, on_error: str = "skip",
+                 shuffle_buffer: int = 1000):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
+        if shuffle_buffer < 1:
+            raise ValueError(f"data.dataset.shuffle_buffer={shuffle_buffer}: must be >= 1")
+        self.split, self.root = split, root
+        self.size, self.on_error, self.shuffle_buffer = size, on_error, shuffle_buffer
+        self.resize = resize if resize is not None else round(size / 0.875)
+        folder = _join(root, split)
+        try:
+            with _open(_join(folder, INDEX)) as f:
+                index = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"data.dataset.root={root}: cannot read {split}/{INDEX} "
+                                    f"({e}); write shards with scripts/prepare_data.py "
+                                    "--format shards") from None
+        self.urls = [_join(folder, s["url"]) for s in index["shards"]]
+        self.counts = [int(s["samples"]) for s in index["shards"]]
+        self.kind = index.get("kind", "image")
+        self.classes = index.get("classes")
+        self.num_classes = index.get("num_classes")
+        self.input_shape = index.get("input_shape")
+        if not self.urls or sum(self.counts) == 0:
+            raise ValueError(f"data.dataset.root={root}: {split}/{INDEX} lists no samples")
+        self.collate_fn = SkipCollate((3, size, size)) if self.kind == "image" \
+            else default_collate
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def samples_in(self, order: Sequence[int], start: int, stop: int) -> Iterator[Dict]:
+        """The raw samples (dicts of tar member bytes by extension, with __key__ and __url__)
+        at stream positions [start, stop) of the shards taken in `order`; positions past the
+        end wrap round to the beginning."""
+        n = len(self)
+        pos = start
+        while pos < stop:
+            p = pos % n
+            edges = np.cumsum([0] + [self.counts[s] for s in order])
+            k = int(np.searchsorted(edges, p, side="right")) - 1
+            shard, offset = order[k], p - int(edges[k])
+            take = min(self.counts[shard] - offset, stop - pos)
+            yield from self._read(self.urls[shard], offset, take)
+            pos += take
+
+    def _read(self, url: str, skip: int, take: int) -> Iterator[Dict]:
+        from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+        samples = group_by_keys(tar_file_expander(url_opener([{"url": url}])))
+        got = 0
+        for i, sample in enumerate(samples):
+            if i < skip:
+                continue
+            yield sample
+            got += 1
+            if got == take:
+                return
+        if got < take:
+            raise ValueError(f"data: shard {url} ended after {skip + got} samples; its "
+                             f"index says {skip + take} or more (a truncated shard?)")
+
+    def decode(self, sample: Dict) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """A raw sample as (input, target); None for an unreadable image with on_error=skip."""
+        if self.kind == "npy":
+            x = np.load(io.BytesIO(sample["x.npy"]))
+            y = np.load(io.BytesIO(sample["y.npy"]))
+            return torch.from_numpy(x), torch.from_numpy(y)
+        ext = next((e for e in (x.lstrip(".") for x in IMAGE_EXTENSIONS) if e in sample), None)
+        where = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        try:
+            if ext is None or "cls" not in sample:
+                raise ValueError(f"no image or no .cls member (has {sorted(sample)})")
+            image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
+        except (OSError, ValueError, SyntaxError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "its bytes", reason)
+            if self.on_error == "fail":
+                raise ImageError(f"data: cannot read the sample {where} ({reason}); set "
+                                 "data.dataset.on_error=skip to skip and count such "
+                                 "samples") from None
+            import logging
+
+            logging.getLogger("stoker").warning("data: skipped an unreadable sample %s (%s); "
+                                                "data.dataset.on_error=skip", where, reason)
+            return None
+        return image, torch.tensor(int(sample["cls"].decode().strip()))
+
+
+class ShardPlan:
+    """The sampler-shaped part of a shard loader: which stream positions this rank takes in an
+    epoch, and how far into it the job is (`set_epoch`, `set_start`, `len`: the samples left
+    to this rank), as data.sampler's samplers offer the loop."""
+
+    def __init__(self, n: int, num_replicas: int, rank: int, train: bool, shuffle: bool,
+                 drop_last: bool, seed: int, batch_size: int):
+        self.n, self.num_replicas, self.rank = n, num_replicas, rank
+        self.train, self.shuffle, self.drop_last = train, shuffle and train, drop_last and train
+        self.seed, self.batch_size = seed, batch_size
+        self.epoch = 0
+        self.start = 0  # global positions of this epoch already consumed
+        self.workers = 1  # the loader's worker processes (0 counts as 1): its turn order
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.start = epoch, 0
+
+    def set_start(self, global_position: int) -> None:
+        self.start = global_position
+
+    def rank_range(self) -> Tuple[int, int]:
+        """This rank's [start, stop) positions of the epoch's stream (before `start`)."""
+        n, w, r = self.n, self.num_replicas, self.rank
+        if not self.train:
+            return n * r // w, n * (r + 1) // w
+        per = n // w if self.drop_last else math.ceil(n / w)
+        return r * per, (r + 1) * per
+
+    def batches(self) -> int:
+        """This rank's batches in the whole epoch."""
+        lo, hi = self.rank_range()
+        b = self.batch_size
+        return (hi - lo) // b if self.drop_last else math.ceil((hi - lo) / b)
+
+    def taken(self) -> int:
+        """This rank's batches of the epoch already consumed (from `start`)."""
+        return min(self.batches(), self.start // (self.batch_size * self.num_replicas))
+
+    def __len__(self) -> int:
+        """The samples of this rank's batches not yet taken. The short last batch (without
+        drop_last) is the last of the last worker's block, which the turn order may have
+        passed already."""
+        lo, hi = self.rank_range()
+        b, n, taken = self.batch_size, self.batches(), self.taken()
+        short = n * b - (hi - lo) if not self.drop_last else 0
+        left = turn_order(worker_blocks(n, self.workers))[taken:]
+        return (n - taken) * b - (short if any(i == n - 1 for _, i in left) else 0)
+
+    def shard_order(self, shards: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(shards))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(shards, generator=g).tolist()
+
+
+def worker_blocks(batches: int, workers: int) -> List[Tuple[int, int]]:
+    """[first, stop) batch numbers of each worker's contiguous block (the first ones larger)."""
+    k = max(1, workers)
+    edges = [batches * w // k for w in range(k + 1)]
+    sizes = sorted((edges[w + 1] - edges[w] for w in range(k)), reverse=True)
+    starts = np.cumsum([0] + sizes)
+    return [(int(starts[w]), int(starts[w + 1])) for w in range(k)]
+
+
+def turn_order(blocks: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """(worker, batch number) in the order the DataLoader yields them: it asks the workers in
+    turn and drops each one once its batches are done."""
+    sizes = [stop - first for first, stop in blocks]
+    return [(w, blocks[w][0] + i) for i in range(max(sizes, default=0))
+            for w in range(len(blocks)) if i < sizes[w]]
+
+
+class _Epoch(IterableDataset):
+    """What each loader worker runs for one pass: its block of the rank's batches, shuffled
+    within windows, decoded and collated into batches."""
+
+    def __init__(self, stream: ShardStream, plan: ShardPlan, workers: int):
+        self.stream, self.workers = stream, max(1, workers)
+        self.order = plan.shard_order(len(stream.urls))
+        self.lo, self.hi = plan.rank_range()
+        self.batch, self.n_batches = plan.batch_size, plan.batches()
+        self.blocks = worker_blocks(self.n_batches, self.workers)
+        self.seed, self.shuffle = (plan.seed, plan.epoch, plan.rank), plan.shuffle
+        sequence = turn_order(self.blocks)
+        taken = plan.taken()
+        self.done = [0] * self.workers  # batches of each block already consumed
+        for w, _ in sequence[:taken]:
+            self.done[w] += 1
+        # the DataLoader always asks its worker 0 first: rotate so that it plays the block
+        # whose turn was next when the job stopped
+        self.rotation = sequence[taken][0] if taken < len(sequence) else 0
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        wid = 0 if info is None else info.id
+        return self._block((wid + self.rotation) % self.workers)
+
+    def _block(self, w: int) -> Iterator[Any]:
+        first, stop = self.blocks[w]
+        b, span = self.batch, self.hi - self.lo
+        start, end = self.lo + first * b, self.lo + min(stop * b, span)
+        skip = self.done[w] * b  # samples of this block already consumed: read, not decoded
+        window = self.stream.shuffle_buffer
+        pending: List[Any] = []
+        raw = self.stream.samples_in(self.order, start, end)
+        for number, offset in enumerate(range(0, end - start, window)):
+            chunk = [s for _, s in zip(range(min(window, end - start - offset)), raw)]
+            if self.shuffle and window > 1:  # the same order on a resume: seeded by position
+                seed = int(np.random.SeedSequence([*self.seed, w, number]).generate_state(1)[0])
+                g = torch.Generator().manual_seed(seed)
+                chunk = [chunk[i] for i in torch.randperm(len(chunk), generator=g).tolist()]
+            for sample in chunk:
+                if skip:
+                    skip -= 1
+                    continue
+                pending.append(self.stream.decode(sample))
+                if len(pending) == b:
+                    yield self.stream.collate_fn(pending)
+                    pending = []
+        if pending:
+            yield self.stream.collate_fn(pending)
+
+
+class ShardLoader:
+    """A loader-shaped object over a ShardStream for one rank: `sampler` (a ShardPlan),
+    `batch_size`, `drop_last`, `num_workers`, `generator`, `dataset`, `len` and, per pass, a
+    DataLoader whose workers each read their block of the rank's part of the epoch."""
+
+    def __init__(self, stream: ShardStream, plan: ShardPlan, num_workers: int,
+                 pin_memory: bool, generator: torch.Generator, **loader_kwargs: Any):
+        self.dataset, self.sampler = stream, plan
+        plan.workers = max(1, num_workers)
+        self.batch_size, self.drop_last = plan.batch_size, plan.drop_last
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.generator = generator
+        # workers are started per pass: each must know the pass's epoch and position
+        self.loader_kwargs = {k: v for k, v in loader_kwargs.items()
+                              if k not in ("persistent_workers",)}
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = _Epoch(self.dataset, self.sampler, self.num_workers)
+        loader = DataLoader(epoch, batch_size=None, num_workers=self.num_workers,
+                            pin_memory=self.pin_memory, generator=self.generator,
+                            **self.loader_kwargs)
+        return iter(loader)
+
+
+def write_shards(dataset, folder, samples_per_shard: int = 1000, num_workers: int = 0,
+                 seed: int = 0, num_classes: Optional[int] = None) -> dict:
+    """Writes `dataset` (every sample, in a seeded shuffled order, so that no shard holds one
+    class) as tar shards and `index.json` under `folder`; returns the index.
+
+    An image folder's files go in as they are (`.jpg`/`.png` + `.cls`: decoded when read, so
+    the shards are as compact as the files); any other dataset's samples as `.x.npy` and
+    `.y.npy`. The index is written last: a set of shards without it is not readable."""
+    from pathlib import Path
+
+    from webdataset import ShardWriter
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    index: Dict[str, Any] = {"kind": "image" if hasattr(dataset, "samples") else "npy",
+                             "classes": getattr(dataset, "classes", None), "shards": []}
+    if index["classes"] is not None or num_classes is not None:
+        index["num_classes"] = len(index["classes"]) if index["classes"] else num_classes
+    counts: Dict[str, int] = {}  # samples per shard file, in the order written
+    with ShardWriter(str(folder / "shard-%06d.tar"), maxcount=samples_per_shard,
+                     maxsize=float("inf"), verbose=0) as sink:
+        for pos, sample in enumerate(_records(dataset, order, num_workers)):
+            shape = sample.pop("shape", None)
+            if shape is not None:
+                index["input_shape"] = list(shape)
+            sink.write({"__key__": f"{pos:09d}", **sample})
+            name = Path(sink.fname).name
+            counts[name] = counts.get(name, 0) + 1
+    index["shards"] = [{"url": name, "samples": c} for name, c in counts.items()]
+    tmp = folder / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1) + "\n")
+    tmp.replace(folder / INDEX)
+    return index
+
+
+def _records(dataset, order: List[int], num_workers: int) -> Iterator[Dict[str, Any]]:
+    """Tar members of each sample in `order`."""
+    if hasattr(dataset, "samples"):  # an image folder: its files' bytes, not decoded
+        for i in order:
+            path, label = dataset.samples[i]
+            ext = path.rsplit(".", 1)[-1].lower()
+            with open(path, "rb") as f:
+                yield {ext: f.read(), "cls": str(label).encode()}
+        return
+    from torch.utils.data import Subset
+
+    loader = DataLoader(Subset(dataset, order), batch_size=256, num_workers=num_workers,
+                        collate_fn=getattr(dataset, "collate_fn", None))
+    for x, y in loader:
+        for xi, yi in zip(x.numpy(), y.numpy()):
+            xb, yb = io.BytesIO(), io.BytesIO()
+            np.save(xb, xi)
+            np.save(yb, yi)
+            yield {"x.npy": xb.getvalue(), "y.npy": yb.getvalue(), "shape": xi.shape}
+
+
+def shards_meta(root: str, key: str, size: int) -> Any:
+    """`num_classes` or `input_shape` of a shard set, from its train index (for the config)."""
+    stream = ShardStream("train", root, size=size)
+    if key == "num_classes":
+        return stream.num_classes
+    return [3, size, size] if stream.kind == "image" else stream.input_shape

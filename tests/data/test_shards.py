@@ -1,0 +1,205 @@
+"""data/shards.py: tar shards written once, streamed by rank and worker with every sample
+exactly once per epoch, exact validation shards, and exact resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from data.loader import build_loader
+from data.shards import ShardStream, turn_order, worker_blocks, write_shards
+from trainer.config import DataConfig
+
+
+def numbered(n):
+    """Sample i is (tensor [i, i], i): every sample says which it is."""
+    ids = torch.arange(n)
+    return TensorDataset(torch.stack([ids, ids], 1).float(), ids)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    for split, n in (("train", 103), ("val", 37)):
+        write_shards(numbered(n), root / split, samples_per_shard=10)
+    return root
+
+
+def loader(root, split="train", rank=0, world=1, workers=2, batch=8, drop_last=False,
+           shuffle=True, buffer=16):
+    cfg = DataConfig(batch_size=batch, num_workers=workers, drop_last=drop_last,
+                     shuffle=shuffle, persistent_workers=True)
+    stream = ShardStream(split, str(root), shuffle_buffer=buffer)
+    return build_loader(stream, cfg, train=split == "train", rank=rank, world_size=world,
+                        seed=3, num_workers=workers)
+
+
+def ids_of(batches):
+    return [int(i) for _, y in batches for i in y]
+
+
+def epoch(ld, e):
+    ld.sampler.set_epoch(e)
+    return [b for b in ld]
+
+
+def test_write_shards_index_lists_every_sample_in_a_shuffled_order(shards):
+    index = json.loads((shards / "train" / "index.json").read_text())
+    assert index["kind"] == "npy" and index["input_shape"] == [2]
+    assert [s["samples"] for s in index["shards"]] == [10] * 10 + [3]
+    stream = ShardStream("train", str(shards))
+    raw = list(stream.samples_in(list(range(11)), 0, 103))
+    ids = [int(stream.decode(s)[1]) for s in raw]
+    assert sorted(ids) == list(range(103)) and ids != list(range(103))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_ranks_by_two_workers_see_every_sample_once_per_epoch(shards, workers):
+    # 103 samples on 2 ranks: 52 each, the stream wrapping round for the one pad sample
+    for e in (0, 1):
+        seen = [ids_of(epoch(loader(shards, rank=r, world=2, workers=workers), e))
+                for r in (0, 1)]
+        assert len(seen[0]) == len(seen[1]) == 52
+        together = seen[0] + seen[1]
+        assert sorted(set(together)) == list(range(103))
+        assert len(together) - len(set(together)) == 1  # the padding, as DistributedSampler
+    first = ids_of(epoch(loader(shards, workers=workers), 0))
+    assert first != ids_of(epoch(loader(shards, workers=workers), 1))  # reshuffled per epoch
+    assert first == ids_of(epoch(loader(shards, workers=workers), 0))  # and reproducible
+
+
+def test_drop_last_cuts_to_whole_batches_of_equal_ranks(shards):
+    lds = [loader(shards, rank=r, world=2, drop_last=True) for r in (0, 1)]
+    seen = [ids_of(epoch(ld, 0)) for ld in lds]
+    assert len(seen[0]) == len(seen[1]) == 48 == len(lds[0].sampler) + 0
+    assert len(set(seen[0]) | set(seen[1])) == 96
+
+
+def test_validation_shards_are_exact_without_padding(shards):
+    seen = [ids_of(loader(shards, "val", rank=r, world=3)) for r in range(3)]
+    assert sorted(seen[0] + seen[1] + seen[2]) == list(range(37))
+    assert [len(s) for s in seen] == [12, 12, 13]
+    stream = ShardStream("val", str(shards))  # validation keeps the stored order
+    stored = [int(stream.decode(s)[1]) for s in stream.samples_in([0, 1, 2, 3], 0, 37)]
+    assert seen[0] + seen[1] + seen[2] == stored
+
+
+def test_the_loader_reports_its_length_and_the_loop_plan(shards):
+    ld = loader(shards, rank=1, world=2, batch=8)
+    assert len(ld.sampler) == 52 and len(ld) == 7
+    assert sum(len(y) for _, y in epoch(ld, 0)) == 52
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_resume_at_any_batch_continues_exactly(shards, workers):
+    full = [y.tolist() for _, y in epoch(loader(shards, rank=1, world=2, workers=workers), 4)]
+    for taken in range(len(full) + 1):
+        ld = loader(shards, rank=1, world=2, workers=workers)
+        ld.sampler.set_epoch(4)
+        ld.sampler.set_start(taken * 8 * 2)  # global samples: batches x batch x ranks
+        assert [y.tolist() for _, y in ld] == full[taken:], taken
+        assert len(ld.sampler) == sum(len(b) for b in full[taken:])
+
+
+def test_worker_blocks_and_turns_follow_the_dataloader():
+    assert worker_blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert turn_order(worker_blocks(5, 2)) == [(0, 0), (1, 3), (0, 1), (1, 4), (0, 2)]
+
+
+def test_image_shards_decode_like_the_folder_and_a_bad_root_is_one_line(tmp_path):
+    from data.images import ImageFolder
+    from scripts.make_images import write_images
+
+    write_images(tmp_path / "im", count=20, size=32, classes=2)
+    folder = ImageFolder("train", str(tmp_path / "im"), size=16)
+    write_shards(folder, tmp_path / "sh" / "train", samples_per_shard=7)
+    stream = ShardStream("train", str(tmp_path / "sh"), size=16)
+    assert stream.kind == "image" and stream.classes == ["class_00", "class_01"]
+    decoded = {}
+    for sample in stream.samples_in([0, 1, 2], 0, len(stream)):
+        x, y = stream.decode(sample)
+        decoded.setdefault(int(y), []).append(x)
+    expected = {}
+    for i in range(len(folder)):
+        x, y = folder[i]
+        expected.setdefault(int(y), []).append(x)
+    for label, xs in expected.items():
+        key = lambda t: t.flatten().tolist()  # noqa: E731
+        assert sorted(map(key, xs)) == sorted(map(key, decoded[label]))
+    with pytest.raises(FileNotFoundError, match="data.dataset.root=.*cannot read train/index"):
+        ShardStream("train", str(tmp_path / "nothing"))
+
+
+@pytest.mark.slow
+def test_ddp_training_on_shards_stops_mid_epoch_and_resumes_bit_exactly(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, torchrun
+    from trainer import checkpoint
+
+    out = tmp_path / "sh"
+    prep = subprocess.run([sys.executable, "scripts/prepare_data.py", "--format", "shards",
+                           "--shard-samples", "100", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    # 1438 digits on 2 ranks: 719 each, 23 batches of 32; 2 workers per rank
+    job = ["data=shards", f"data.dataset.root={out}", "data.normalize_mean=null",
+           "data.normalize_std=null", "data.num_workers=2", "data.batch_size=32",
+           "sched=constant", "trainer.max_epochs=2", "trainer.log_every_n_steps=5"]
+    ref = torchrun(2, [*job, f"hydra.run.dir={tmp_path / 'ref'}"], ROOT, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "streamed from 15 tar shards through a DataLoader with 2 workers" in ref.stdout
+    run_dir = tmp_path / "cut"
+    part = torchrun(2, [*job, f"hydra.run.dir={run_dir}", "trainer.max_steps=30"], ROOT,
+                    timeout=300)
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = torchrun(2, [*job, f"hydra.run.dir={run_dir}", "trainer.resume=auto"], ROOT,
+                    timeout=300)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stdout and "step 30" in rest.stdout
+    a = checkpoint.load(tmp_path / "ref" / "checkpoints" / "last.pt")
+    b = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 46
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    val = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text(
+    ).splitlines() if '"val"' in line]
+    assert val and all(0.0 < v["val_acc"] <= 1.0 for v in val)
+
+
+def test_caching_a_stream_is_refused_in_one_line(shards, tmp_path):
+    from tests.helpers import compose_cfg
+    from trainer.config import ConfigError
+    from trainer.runner import train
+
+    cfg = compose_cfg(tmp_path / "run", "data=shards", f"data.dataset.root={shards}",
+                      "data.normalize_mean=null", "data.normalize_std=null",
+                      "data.input_shape=[2]", "data.num_classes=103", "data.cache=memory")
+    with pytest.raises(ConfigError, match="data.cache=memory: streamed shards"):
+        train(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_unreadable_image_sample_fails_in_one_line_naming_it(tmp_path):
+    from data.images import ImageError
+
+    folder = tmp_path / "im"
+    from scripts.make_images import write_images
+
+    write_images(folder, count=6, size=16, classes=2)
+    (folder / "train" / "class_00" / "zz.jpg").write_bytes(b"broken")
+    from data.images import ImageFolder
+
+    write_shards(ImageFolder("train", str(folder), size=8), tmp_path / "sh" / "train")
+    stream = ShardStream("train", str(tmp_path / "sh"), size=8, on_error="fail")
+    with pytest.raises(ImageError, match=r"cannot read the sample .*shard-000000.tar:\d+ "
+                                         r"\(cannot identify image file its bytes\)"):
+        for sample in stream.samples_in([0], 0, len(stream)):
+            stream.decode(sample)
+    skip = ShardStream("train", str(tmp_path / "sh"), size=8)
+    decoded = [skip.decode(s) for s in skip.samples_in([0], 0, len(skip))]
+    assert sum(d is None for d in decoded) == 1 and len(decoded) == 5
