@@ -84,6 +84,15 @@ SECTIONS = [
             "bound max(compute, data / workers).",
             "results", ["config", "epoch_s", "samples_per_s", "speedup", "vs_bound"],
             lambda r: r["config"], throughput="samples_per_s"),
+    Section("bench_images", "Real image files: decoding, packing, caches, streaming",
+            "JPEG files decoded with Pillow through (a) 0 and (b) W workers (normalised on the "
+            "CPU), (c) W workers shipping uint8 normalised on the device, (d) packed memmap "
+            "arrays, (e) each data.cache on its second epoch, (f) streamed tar shards; a fixed "
+            "wait per step stands for the GPU. `vs_bound`: epoch time over max(compute, decode "
+            "cost / W); `vs_b`: speed-up over (b); `one_off_s`: packing, sharding or filling "
+            "the cache. Targets: (c) <= 1.15x the bound, (d) >= 5x (b).",
+            "results", ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s"],
+            lambda r: r["config"], throughput="samples_per_s"),
     Section("tune_loader", "Loader tuning sweep",
             "num_workers x prefetch_factor (x pin_memory on CUDA) on the configured dataset.",
             "results", ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s",

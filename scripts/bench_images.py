@@ -1,0 +1,227 @@
+"""Real image files through every input path: decoding, packing, caching and streaming.
+
+    python scripts/bench_images.py                          # 2,000 JPEGs of 256x256, crop 224
+    python scripts/bench_images.py --count 500 --workers 4 --compute-ms 20 --out images.json
+
+Writes --count real JPEG files (scripts/make_images.py: procedural, nothing downloaded), then
+measures epochs of the training feed (batch --batch, a fixed --compute-ms wait per step that
+stands for the GPU's work, as scripts/bench_loader.py does) for:
+  (a) 0 workers       decode + float conversion + normalisation on the CPU, in the main process
+  (b) W workers       the same in W worker processes (the classic torchvision pipeline)
+  (c) W workers uint8 decode only in the workers; uint8 batches, scaled and normalised by the
+                      device prefetcher (data/prefetch.py InputTransform) on the GPU (without
+                      one, that is the device's work the fixed wait stands for: not run on
+                      the CPU, its CPU cost printed beside)
+  (d) memmap          scripts/prepare_data.py's packed uint8 arrays (data=memmap): no decoding
+  (e) cache=<mode>    data.cache memory, shm, disk and lru (W workers), on the second epoch
+  (f) shards          tar shards streamed by W workers (data=shards), decoded as they come
+Each row gives the median epoch time (the second epoch for the caches), samples/s and the
+ratio to the decode bound max(compute, decode cost / W), where the decode cost is one
+process's time to decode the whole set, measured here. One-off costs (packing, sharding,
+filling a cache) are reported beside them. Targets: (c) within 1.15x of the decode bound;
+(d) at least 5x faster per epoch than (b).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from bench_loader import run_epochs  # noqa: E402
+from benchlib import machine, median, table, write_json  # noqa: E402
+from data import cache  # noqa: E402
+from data.datasets import MemmapDataset  # noqa: E402
+from data.images import ImageFolder  # noqa: E402
+from data.loader import build_loader  # noqa: E402
+from data.prefetch import DevicePrefetcher, InputTransform  # noqa: E402
+from data.shards import ShardStream, write_shards  # noqa: E402
+from make_images import write_images  # noqa: E402
+from trainer.config import DataConfig  # noqa: E402
+
+COLUMNS = ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s"]
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+class CPUNormalised(torch.utils.data.Dataset):
+    """An image folder's samples as float32, scaled and normalised on the CPU (in the worker):
+    what a torchvision ToTensor + Normalize pipeline ships."""
+
+    def __init__(self, folder: ImageFolder):
+        self.folder = folder
+        self.mean = torch.tensor(MEAN).view(3, 1, 1)
+        self.std = torch.tensor(STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int):
+        x, y = self.folder[i]
+        return (x.float().div_(255) - self.mean) / self.std, y
+
+
+def feed(dataset, workers: int, batch: int, device: torch.device, on_device: bool):
+    """The training feed; `on_device`: uint8 batches normalised by the prefetcher on the GPU.
+    Without a GPU that conversion is the device's work, which the fixed wait per step stands
+    for, so it is not run on the CPU here (its CPU cost is reported on its own)."""
+    cfg = DataConfig(batch_size=batch, num_workers=workers, persistent_workers=True,
+                     prefetch_factor=2, shuffle=True)
+    loader = build_loader(dataset, cfg, train=True, num_workers=workers, device=device,
+                          collate_fn=getattr(dataset, "collate_fn", None))
+    if not on_device:
+        transform = InputTransform()  # float batches: nothing to do
+    elif device.type == "cuda":
+        transform = InputTransform(MEAN, STD)
+    else:
+        transform = AsShipped()
+    return DevicePrefetcher(loader, device, transform)
+
+
+class AsShipped:
+    """A prefetcher transform that leaves batches as the workers shipped them (uint8)."""
+
+    augment = None
+
+    def __call__(self, batch, key=None):
+        return batch
+
+
+def transform_ms(size: int, batch: int) -> float:
+    """Milliseconds the device-side conversion of one uint8 batch takes on the CPU."""
+    x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
+    transform = InputTransform(MEAN, STD)
+    transform([x, None])
+    start = time.perf_counter()
+    for _ in range(5):
+        transform([x, None])
+    return (time.perf_counter() - start) / 5 * 1000
+
+
+def decode_cost_s(folder: ImageFolder, samples: int) -> float:
+    """Seconds for one process to decode the whole folder, estimated from `samples` files
+    with one torch thread, as in a loader worker (the first file excluded)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folder[0]
+        start = time.perf_counter()
+        for i in range(samples):
+            folder[i % len(folder)]
+        return (time.perf_counter() - start) / samples * len(folder)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(name: str, make, epochs: int, compute_s: float, second: bool = False,
+            one_off_s: Optional[float] = None) -> Dict[str, Any]:
+    """Epoch times of the feed `make()` returns; the second epoch's for caches."""
+    fed = make()
+    times = run_epochs(fed, epochs, compute_s)
+    iterator = getattr(fed.loader, "_iterator", None)
+    if iterator is not None:  # persistent workers end now, not when garbage is collected
+        iterator._shutdown_workers()
+    epoch_s = times[1] if second else median(times)
+    return {"config": name, "epoch_s": epoch_s, "epochs_s": times, "one_off_s": one_off_s}
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--count", type=int, default=2000, help="JPEG files to write")
+    p.add_argument("--image-size", type=int, default=256, help="pixels per side of the files")
+    p.add_argument("--size", type=int, default=224, help="the crop the samples are cut to")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--compute-ms", type=float, default=5.0, help="per step, standing for the GPU")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per configuration (>= 2)")
+    p.add_argument("--out", type=Path, default=Path("bench_images.json"))
+    a = p.parse_args(argv)
+    if a.epochs < 2 or a.count < 20 or a.workers < 1:
+        p.error("need --epochs >= 2 (caches are measured on the second), --count >= 20 and "
+                "--workers >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    compute_s, w, b = a.compute_ms / 1000, a.workers, a.batch
+    with tempfile.TemporaryDirectory(prefix="stoker-images-") as tmp:
+        tmp = Path(tmp)
+        start = time.perf_counter()
+        write_images(tmp / "images", a.count, a.image_size, classes=10, val_fraction=0.0)
+        print(f"wrote {a.count} JPEG files of {a.image_size}x{a.image_size} in "
+              f"{time.perf_counter() - start:.1f}s")
+        folder = ImageFolder("train", str(tmp / "images"), size=a.size)
+        decode_s = decode_cost_s(folder, min(200, len(folder)))
+        steps = -(-len(folder) // b)
+        bound = max(compute_s * steps, decode_s / w)
+        rows = [
+            measure("a_0_workers", lambda: feed(CPUNormalised(folder), 0, b, device, False),
+                    a.epochs, compute_s),
+            measure(f"b_{w}_workers", lambda: feed(CPUNormalised(folder), w, b, device, False),
+                    a.epochs, compute_s),
+            measure(f"c_{w}_workers_uint8", lambda: feed(folder, w, b, device, True),
+                    a.epochs, compute_s)]
+        start = time.perf_counter()
+        cache.write_arrays(folder, tmp / "packed" / "train", num_workers=w)
+        pack_s = time.perf_counter() - start
+        packed = MemmapDataset("train", str(tmp / "packed"))
+        rows.append(measure("d_memmap", lambda: feed(packed, w, b, device, True), a.epochs,
+                            compute_s, one_off_s=pack_s))
+        for mode in ("memory", "shm", "disk", "lru"):
+            rows.append(cached(mode, folder, tmp, w, b, device, a.epochs, compute_s))
+        start = time.perf_counter()
+        write_shards(folder, tmp / "shards" / "train", samples_per_shard=250)
+        shard_s = time.perf_counter() - start
+        stream = ShardStream("train", str(tmp / "shards"), size=a.size)
+        rows.append(measure("f_shards", lambda: feed(stream, w, b, device, True), a.epochs,
+                            compute_s, one_off_s=shard_s))
+    by_b = rows[1]["epoch_s"]
+    for r in rows:
+        r.update(samples_per_s=a.count / r["epoch_s"], vs_bound=r["epoch_s"] / bound,
+                 vs_b=by_b / r["epoch_s"])
+    on_cpu = None if device.type == "cuda" else transform_ms(a.size, b)
+    result = {"machine": machine(), "count": a.count, "image_size": a.image_size,
+              "device_transform_cpu_ms_per_batch": on_cpu,
+              "size": a.size, "batch": b, "workers": w, "compute_ms": a.compute_ms,
+              "decode_s_per_epoch": decode_s, "bound_s": bound,
+              "targets": {"c_vs_bound_max": 1.15, "d_vs_b_min": 5.0},
+              "c_vs_bound": rows[2]["vs_bound"], "d_vs_b": rows[3]["vs_b"], "results": rows}
+    print(table(rows, COLUMNS))
+    print(f"decode cost {decode_s:.2f} s per epoch in one process; bound max(compute "
+          f"{compute_s * steps:.2f} s, decode / {w} workers {decode_s / w:.2f} s) = {bound:.2f} s")
+    if on_cpu is not None:
+        print(f"no GPU: the device-side uint8 conversion of (c)-(f) is left to the fixed wait "
+              f"that stands for the device (on this CPU it takes {on_cpu:.1f} ms a batch)")
+    print(f"(c) vs bound {result['c_vs_bound']:.2f} (target <= 1.15); (d) vs (b) "
+          f"{result['d_vs_b']:.1f}x (target >= 5)")
+    write_json(a.out, result)
+    print(f"wrote {a.out}")
+    return result
+
+
+def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: torch.device,
+           epochs: int, compute_s: float) -> Dict[str, Any]:
+    """data.cache=`mode` over the folder: the time to fill it (memory, shm, disk: made before
+    the first epoch; lru: during it) and the second epoch."""
+    start = time.perf_counter()
+    if mode == "shm":
+        cache.SHM_ROOT = tmp / "shm" if not Path("/dev/shm").is_dir() else cache.SHM_ROOT
+    ds = cache.cache_dataset(folder, mode, tag=f"bench-images-{tmp.name}", num_workers=w,
+                             cache_dir=str(tmp / "disk"), cache_mb=4096)
+    fill_s = time.perf_counter() - start
+    workers = 0 if mode == "memory" else w  # tensors in memory: workers would only copy them
+    row = measure(f"e_cache_{mode}", lambda: feed(ds, workers, b, device, True), epochs,
+                  compute_s, second=True, one_off_s=fill_s if mode != "lru" else None)
+    if mode == "shm":
+        import shutil
+
+        shutil.rmtree(Path(ds.x.path).parents[1], ignore_errors=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()
