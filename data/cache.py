@@ -19,8 +19,12 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
+import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
@@ -30,8 +34,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.datasets import MemmapDataset
+from data.loader import readable
 from trainer.config import ConfigError
 
+log = logging.getLogger("stoker")
 SHM_ROOT = Path("/dev/shm")
 OWNER = "owner.json"  # who wrote a /dev/shm cache: see reclaim_shm
 
@@ -42,7 +48,7 @@ def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(0),
                         collate_fn=getattr(dataset, "collate_fn", None))
-    for batch in loader:
+    for batch in readable(iter(loader)):  # a worker's error in one line, not its traceback
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise ConfigError("data.cache and scripts/prepare_data.py need a dataset of "
@@ -56,6 +62,16 @@ def write_arrays(dataset: Dataset, folder: Path, num_workers: int = 0) -> Tuple[
     dataset in memory; returns the input shape. Files appear under their names only once
     complete (written as .tmp, then renamed)."""
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_arrays(dataset, folder, num_workers)
+    except BaseException:
+        for name in ("x.npy", "y.npy"):  # nothing half-written is left
+            for suffix in (".tmp", ".short"):
+                (folder / f"{name}{suffix}").unlink(missing_ok=True)
+        raise
+
+
+def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int, ...]:
     n = len(dataset)
     x_out = y_out = None
     row = 0
@@ -90,41 +106,92 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
+def _await(done: Path, failed: Path, what: str) -> None:
+    """Blocks until another process wrote `done` (or `failed`: then raises its message).
+
+    Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
+    than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
+    A writer that dies without a word ends the job through torchrun's agent."""
+    start = last = time.monotonic()
+    while not done.exists():
+        if failed.exists():
+            raise ConfigError(f"{what}: local rank 0 failed to write it: {failed.read_text()}")
+        if time.monotonic() - last > 60:
+            last = time.monotonic()
+            log.info("waiting for local rank 0 to write %s (%.0f s)", what, last - start)
+        time.sleep(0.2)
+
+
+def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path) -> None:
+    """write_arrays, leaving `failed` (the error's one line) for the waiting ranks if it fails."""
+    try:
+        write_arrays(dataset, folder, num_workers)
+    except BaseException as e:
+        failed.write_text(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise
+
+
 def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
             wait: Callable[[], None], owner: Optional[dict]) -> MemmapDataset:
     """One copy per node in /dev/shm: local rank 0 writes it while the other ranks wait."""
     root = SHM_ROOT / f"stoker-{key}"
+    done, failed = root / "train" / "y.npy", root / "failed.txt"  # y.npy: renamed in last
     if local_rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        failed.unlink(missing_ok=True)
         # the owner first: a later run reclaims the folder once this process is gone, even
         # after a SIGKILL that skips the atexit clean-up below
         (root / OWNER).write_text(json.dumps(owner or {}))
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-        write_arrays(dataset, root / "train", num_workers)  # "train" is MemmapDataset's layout
+        _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
+    else:
+        _await(done, failed, f"data.cache=shm in {root}")
     wait()
     return MemmapDataset("train", str(root))
+
+
+def _reclaim_tmp(cache_dir: Path) -> None:
+    """Removes this host's unfinished cache folders whose writer process is gone (killed
+    mid-write); another host's are left to that host."""
+    host = socket.gethostname()
+    for folder in cache_dir.glob(f"*.tmp-{host}-*"):
+        try:
+            pid = int(folder.name.split(f".tmp-{host}-", 1)[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
 
 
 def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_rank: int,
              num_workers: int, wait: Callable[[], None]) -> MemmapDataset:
     """`cache_dir/<key>/`, written once and kept: local rank 0 of each node writes it unless it
-    is there, into a temporary folder renamed into place when complete (a node that loses the
-    race to a shared file system drops its copy); the other ranks wait."""
+    is there, into a folder of its own renamed into place when complete (a node that loses the
+    race on a shared file system drops its copy); the other ranks wait for it."""
     root = cache_dir / key
-    if local_rank == 0 and not (root / "done.json").is_file():
-        tmp = cache_dir / f"{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+    done, failed = root / "done.json", cache_dir / f"{key}.failed-{socket.gethostname()}"
+    if local_rank == 0 and not done.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _reclaim_tmp(cache_dir)
+        failed.unlink(missing_ok=True)
+        tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        start = time.perf_counter()
         try:
-            write_arrays(dataset, tmp / "train", num_workers)
+            _write_marked(dataset, tmp / "train", num_workers, failed)
             (tmp / "done.json").write_text(json.dumps({"dataset": describe}, indent=2) + "\n")
             try:
-                os.rename(tmp, root)
-            except OSError:  # written meanwhile by another node (or a stale partial folder)
-                if not (root / "done.json").is_file():
-                    shutil.rmtree(root, ignore_errors=True)
-                    os.rename(tmp, root)
+                os.rename(tmp, root)  # atomic: `root` only ever appears complete
+            except OSError:
+                if not done.is_file():  # not another node's finished copy: say so
+                    raise
+            log.info("data.cache=disk: wrote %s in %.1f s", root, time.perf_counter() - start)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # ours alone
+    elif local_rank == 0:
+        log.info("data.cache=disk: reusing %s", root)
+    else:
+        _await(done, failed, f"data.cache=disk in {root}")
     wait()
     return MemmapDataset("train", str(root))
 

@@ -229,6 +229,8 @@ class MemmapDataset(Dataset):
         self.x, self.y = NpyRows(folder / "x.npy"), NpyRows(folder / "y.npy")
         if len(self.x) != len(self.y):
             raise ValueError(f"{folder}: x.npy has {len(self.x)} rows, y.npy {len(self.y)}")
+        meta = Path(root) / "meta.json"  # an image folder's class names, when prepared from one
+        self.classes = json.loads(meta.read_text()).get("classes") if meta.is_file() else None
 
     def __len__(self) -> int:
         return len(self.x)

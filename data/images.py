@@ -22,6 +22,7 @@ line naming the file, the run stops).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,16 @@ ON_ERROR = ("skip", "fail")
 log = logging.getLogger("stoker")
 
 
+@functools.lru_cache(maxsize=None)
+def unreadable_errors() -> tuple:
+    """The exceptions Pillow raises for a file it cannot read."""
+    from PIL import Image
+
+    # Pillow's errors for broken files; a decompression bomb (a corrupt size field, or an image
+    # over Image.MAX_IMAGE_PIXELS) is not an OSError
+    return (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
 class ImageError(ConfigError):
     """A file that cannot be decoded as an image (with on_error=fail): one line naming it."""
 
@@ -50,16 +61,21 @@ def find_classes(folder: Path) -> List[str]:
         raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
                                 "<root>/train/<class>/<image> and <root>/val/<class>/<image>)")
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise ValueError(f"data.dataset.root: {folder} has no class subfolders (expected "
-                         f"{folder}/<class>/<image>)")
+    if len(classes) < 2:
+        raise ValueError(f"data.dataset.root: {folder} has {len(classes) or 'no'} class "
+                         f"subfolder{'' if len(classes) == 1 else 's'}; a classifier needs two "
+                         f"or more (expected {folder}/<class>/<image>)")
     return classes
 
 
-def find_images(folder: Path, classes: Sequence[str]) -> List[Tuple[str, int]]:
+def find_images(folder: Path, classes: Sequence[str],
+                require_all: bool = False) -> List[Tuple[str, int]]:
     """(path, class index) of every image under `folder/<class>/`, sorted by class and name
-    (subfolders of a class folder included)."""
+    (subfolders of a class folder included); `require_all`: every class must have one."""
     index = {name: i for i, name in enumerate(classes)}
+    if not folder.is_dir():
+        raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
+                                f"{folder}/<class>/<image>, beside {folder.parent}/train)")
     found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     unknown = [name for name in found if name not in index]
     if unknown:
@@ -74,6 +90,11 @@ def find_images(folder: Path, classes: Sequence[str]) -> List[Tuple[str, int]]:
     if not samples:
         raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
                          f"{folder}/<class>/")
+    if require_all:
+        empty = sorted(set(classes) - {classes[label] for _, label in samples})
+        if empty:
+            raise ValueError(f"data.dataset.root: class folders without images under "
+                             f"{folder}: {empty[:5]}; every class needs training images")
     return samples
 
 
@@ -99,17 +120,28 @@ def decode(source: Any, size: int, resize: int) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-class SkipCollate:
-    """The default collate over the samples that are not None (files skipped by
-    on_error=skip); a batch of skipped files only is an empty batch of the right shapes."""
+def check_sizes(size: int, resize: Optional[int], on_error: str) -> None:
+    """The image settings shared by image folders and image shards, checked."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
+    if size < 1 or (resize is not None and resize < size):
+        raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
+                         "resize >= size (or null)")
 
-    def __init__(self, shape: Sequence[int]):
+
+class SkipCollate:
+    """`collate` (the default one unless given) over the samples that are not None (files
+    skipped by on_error=skip); a batch of skipped files only is an empty batch of the right
+    shapes (the loop weighs it 0)."""
+
+    def __init__(self, shape: Sequence[int], collate: Optional[Any] = None):
         self.shape = tuple(shape)
+        self.collate = collate or default_collate
 
     def __call__(self, samples: List[Any]) -> Any:
         kept = [s for s in samples if s is not None]
         if kept:
-            return default_collate(kept)
+            return self.collate(kept)
         return [torch.empty((0, *self.shape), dtype=torch.uint8),
                 torch.empty((0,), dtype=torch.int64)]
 
@@ -127,16 +159,13 @@ class ImageFolder(Dataset):
                  resize: Optional[int] = None, on_error: str = "skip"):
         if split not in SPLIT_DIRS:
             raise ValueError(f"split={split!r}: must be one of {tuple(SPLIT_DIRS)}")
-        if on_error not in ON_ERROR:
-            raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
-        if size < 1 or (resize is not None and resize < size):
-            raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
-                             "resize >= size (or null)")
+        check_sizes(size, resize, on_error)
         self.root, self.split, self.on_error = Path(root), split, on_error
         self.size = size
         self.resize = resize if resize is not None else round(size / 0.875)
         self.classes = find_classes(self.root / SPLIT_DIRS["train"])
-        self.samples = find_images(self.root / SPLIT_DIRS[split], self.classes)
+        self.samples = find_images(self.root / SPLIT_DIRS[split], self.classes,
+                                   require_all=split == "train")
         # one flag per sample, in shared memory: workers mark the files they skipped
         self.skipped_flags = multiprocessing.RawArray("b", len(self.samples))
         self.collate_fn = SkipCollate((3, size, size))
@@ -154,7 +183,7 @@ class ImageFolder(Dataset):
         path, target = self.samples[i]
         try:
             image = decode(path, self.size, self.resize)
-        except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for broken files
+        except unreadable_errors() as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if self.on_error == "fail":
                 raise ImageError(f"data: cannot read the image {path} ({reason}); remove it, "

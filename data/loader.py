@@ -7,7 +7,7 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -102,7 +102,7 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
 
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
                  cores: int, in_memory: bool, placement: str = "host",
-                 why_not_device: Optional[str] = None) -> str:
+                 why_not_device: Optional[str] = None, streamed: bool = False) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
 
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
@@ -139,12 +139,19 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         fix = "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
     elif device.type == "cuda" and not cfg.device_prefetch:
         fix = "enable data.device_prefetch=true (copy the next batch during the step)"
+    elif streamed:
+        fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode the "
+               "streamed shards faster; pack data that fits locally once (scripts/"
+               "prepare_data.py --format npy, data=memmap), or store smaller images")
+    elif cfg.cache != "none":
+        fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {n} workers on {cores} "
+               "cores cannot batch it faster; data.cache=memory keeps it in this process (and, "
+               "with data.placement=auto, on the device) if it fits, else raise data.batch_size")
     else:
         fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode faster; pay "
-               "per-sample work once (" + ("data.cache=shm or memory if the data fits in "
-                                           "memory, else " if cfg.cache == "none" else "")
-               + "scripts/prepare_data.py and data=memmap); if samples are images, ship uint8 "
-               "and augment on the device (data.augment, data.normalize_mean)")
+               "per-sample work once (data.cache=memory or shm if the decoded data fits in "
+               "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap); if "
+               "samples are images, ship uint8 and augment on the device (data.augment)")
     return f"steps waited for data {pct} of the time: {fix}"
 
 
@@ -190,3 +197,20 @@ def loader_error(e: BaseException) -> BaseException:
     return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "
                        "them, or set data.collate_fn (to pad variable-length samples, say)")
+
+
+def readable(batches: Iterator[Any]) -> Iterator[Any]:
+    """`batches`, with what `loader_error` knows turned into one line (a sample the default
+    collate cannot batch, a stalled worker, a worker's data error such as an unreadable
+    file); other errors pass as they are."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (TypeError, RuntimeError, ConfigError) as e:
+            error = loader_error(e)
+            if error is e:
+                raise
+            raise error from None
+        yield batch

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from data.loader import loader_error
+from data.loader import readable
 from data.resident import ResidentBatches
 from trainer.config import ConfigError
 
@@ -135,23 +135,6 @@ class InputTransform:
         return batch
 
 
-def _readable(batches: Iterator[Any]) -> Iterator[Any]:
-    """`batches`, with the default collate's failures (samples it cannot batch) and a worker
-    that sends nothing for data.timeout seconds turned into one line (see
-    data.loader.loader_error); other errors pass as they are."""
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (TypeError, RuntimeError, ConfigError) as e:
-            error = loader_error(e)
-            if error is e:
-                raise
-            raise error from None
-        yield batch
-
-
 class DevicePrefetcher:
     """Iterable over a DataLoader that yields batches already on `device` (see module doc).
 
@@ -190,7 +173,7 @@ class DevicePrefetcher:
             for batch in self.loader:
                 yield transform(batch, next(keys))
             return
-        batches = _readable(iter(self.loader))
+        batches = readable(iter(self.loader))
         if self.side_stream is None:
             for batch in batches:
                 yield transform(to_device(batch, self.device), next(keys))

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import multiprocessing
 import posixpath
 import re
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -44,9 +46,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from data.images import IMAGE_EXTENSIONS, ON_ERROR, ImageError, SkipCollate, decode
+from data.images import (IMAGE_EXTENSIONS, ImageError, ImageFolder, SkipCollate, check_sizes,
+                         decode, unreadable_errors)
 
 INDEX = "index.json"
+log = logging.getLogger("stoker")
 
 
 def _open(url: str):
@@ -72,8 +76,7 @@ class ShardStream:
     def __init__(self, split: str = "train", root: str = "shards", size: int = 224,
                  resize: Optional[int] = None, on_error: str = "skip",
                  shuffle_buffer: int = 1000):
-        if on_error not in ON_ERROR:
-            raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
+        check_sizes(size, resize, on_error)
         if shuffle_buffer < 1:
             raise ValueError(f"data.dataset.shuffle_buffer={shuffle_buffer}: must be >= 1")
         self.split, self.root = split, root
@@ -97,6 +100,14 @@ class ShardStream:
             raise ValueError(f"data.dataset.root={root}: {split}/{INDEX} lists no samples")
         self.collate_fn = SkipCollate((3, size, size)) if self.kind == "image" \
             else default_collate
+        # one flag per sample (keys are stream positions as prepare writes them), in shared
+        # memory: workers of every pass mark what they skipped; one warning per sample
+        self.skipped_flags = multiprocessing.RawArray("b", len(self))
+
+    def skipped(self) -> List[str]:
+        """The samples skipped so far (by key), in this process and its workers."""
+        flags = np.frombuffer(self.skipped_flags, dtype=np.int8)
+        return [f"{self.split} sample {k:09d}" for k in np.flatnonzero(flags)]
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -139,22 +150,26 @@ class ShardStream:
             y = np.load(io.BytesIO(sample["y.npy"]))
             return torch.from_numpy(x), torch.from_numpy(y)
         ext = next((e for e in (x.lstrip(".") for x in IMAGE_EXTENSIONS) if e in sample), None)
-        where = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        where = f"{sample.get('__url__')}:{sample.get('__key__')}" + (
+            f" ({sample['path'].decode()})" if "path" in sample else "")  # the file it was
         try:
             if ext is None or "cls" not in sample:
                 raise ValueError(f"no image or no .cls member (has {sorted(sample)})")
             image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
-        except (OSError, ValueError, SyntaxError) as e:
+        except unreadable_errors() as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            reason = re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "its bytes", reason)
+            reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", reason)
             if self.on_error == "fail":
                 raise ImageError(f"data: cannot read the sample {where} ({reason}); set "
                                  "data.dataset.on_error=skip to skip and count such "
                                  "samples") from None
-            import logging
-
-            logging.getLogger("stoker").warning("data: skipped an unreadable sample %s (%s); "
-                                                "data.dataset.on_error=skip", where, reason)
+            position = sample.get("__key__", "")
+            if position.isdigit() and int(position) < len(self.skipped_flags):
+                if self.skipped_flags[int(position)]:  # warned already (another worker, epoch)
+                    return None
+                self.skipped_flags[int(position)] = 1
+            log.warning("data: skipped an unreadable sample %s (%s); "
+                        "data.dataset.on_error=skip", where, reason)
             return None
         return image, torch.tensor(int(sample["cls"].decode().strip()))
 
@@ -260,11 +275,16 @@ class _Epoch(IterableDataset):
         first, stop = self.blocks[w]
         b, span = self.batch, self.hi - self.lo
         start, end = self.lo + first * b, self.lo + min(stop * b, span)
-        skip = self.done[w] * b  # samples of this block already consumed: read, not decoded
+        skip = self.done[w] * b  # samples of this block already consumed
         window = self.stream.shuffle_buffer
+        # a window is shuffled as a whole: resume reads from the start of the window that
+        # holds the resume point, and skips the rest of the way without decoding
+        first_window = skip // window
+        skip -= first_window * window
         pending: List[Any] = []
-        raw = self.stream.samples_in(self.order, start, end)
-        for number, offset in enumerate(range(0, end - start, window)):
+        raw = self.stream.samples_in(self.order, start + first_window * window, end)
+        for number, offset in enumerate(range(first_window * window, end - start, window),
+                                        start=first_window):
             chunk = [s for _, s in zip(range(min(window, end - start - offset)), raw)]
             if self.shuffle and window > 1:  # the same order on a resume: seeded by position
                 seed = int(np.random.SeedSequence([*self.seed, w, number]).generate_state(1)[0])
@@ -324,7 +344,8 @@ def write_shards(dataset, folder, samples_per_shard: int = 1000, num_workers: in
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
-    index: Dict[str, Any] = {"kind": "image" if hasattr(dataset, "samples") else "npy",
+    images = isinstance(dataset, ImageFolder)
+    index: Dict[str, Any] = {"kind": "image" if images else "npy",
                              "classes": getattr(dataset, "classes", None), "shards": []}
     if index["classes"] is not None or num_classes is not None:
         index["num_classes"] = len(index["classes"]) if index["classes"] else num_classes
@@ -347,12 +368,17 @@ def write_shards(dataset, folder, samples_per_shard: int = 1000, num_workers: in
 
 def _records(dataset, order: List[int], num_workers: int) -> Iterator[Dict[str, Any]]:
     """Tar members of each sample in `order`."""
-    if hasattr(dataset, "samples"):  # an image folder: its files' bytes, not decoded
-        for i in order:
+    from data.loader import readable  # (data.loader builds shard loaders: imported late)
+
+    if isinstance(dataset, ImageFolder):  # its files' bytes, checked by decoding them once
+        checked = DataLoader(_Checked(dataset, order), batch_size=None, num_workers=num_workers)
+        for i, ok in zip(order, readable(iter(checked))):
+            if not ok:  # on_error=skip: warned and counted by the folder; left out
+                continue
             path, label = dataset.samples[i]
             ext = path.rsplit(".", 1)[-1].lower()
             with open(path, "rb") as f:
-                yield {ext: f.read(), "cls": str(label).encode()}
+                yield {ext: f.read(), "cls": str(label).encode(), "path": path.encode()}
         return
     from torch.utils.data import Subset
 
@@ -366,9 +392,28 @@ def _records(dataset, order: List[int], num_workers: int) -> Iterator[Dict[str, 
             yield {"x.npy": xb.getvalue(), "y.npy": yb.getvalue(), "shape": xi.shape}
 
 
+class _Checked(torch.utils.data.Dataset):
+    """Whether each file (in `order`) decodes, under the folder's on_error policy: an
+    unreadable one is False with on_error=skip, and stops the packing with on_error=fail."""
+
+    def __init__(self, folder: ImageFolder, order: List[int]):
+        self.folder, self.order = folder, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> bool:
+        return self.folder[self.order[i]] is not None
+
+
 def shards_meta(root: str, key: str, size: int) -> Any:
     """`num_classes` or `input_shape` of a shard set, from its train index (for the config)."""
     stream = ShardStream("train", root, size=size)
     if key == "num_classes":
         return stream.num_classes
+    if key in IMAGENET:  # image samples are normalised on the device; other data as it is
+        return IMAGENET[key] if stream.kind == "image" else None
     return [3, size, size] if stream.kind == "image" else stream.input_shape
+
+
+IMAGENET = {"normalize_mean": [0.485, 0.456, 0.406], "normalize_std": [0.229, 0.224, 0.225]}

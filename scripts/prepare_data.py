@@ -32,11 +32,20 @@ import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import write_shards  # noqa: E402
+from trainer.cli import USER_ERRORS, fail  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
+    """The command line; a wrong setting or an unreadable file is one line and exit 2."""
+    try:
+        return prepare(argv)
+    except (*USER_ERRORS, FileNotFoundError) as e:
+        fail(e)
+
+
+def prepare(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write")
     p.add_argument("--format", choices=["npy", "shards"], default="npy",
@@ -61,12 +70,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
             index = write_shards(dataset, a.out / split, a.shard_samples, workers,
                                  seed=cfg.seed, num_classes=d.num_classes)
             meta["splits"][split] = sum(s["samples"] for s in index["shards"])
-            what = f"{len(index['shards'])} shards ({index['kind']} samples)"
+            what = f"{index['kind']} samples in {len(index['shards'])} shards"
         else:
             shape = write_arrays(dataset, a.out / split, num_workers=workers)
             meta["input_shape"] = list(shape)
             meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable: left out
             what = f"samples of {list(shape)}"
+            if getattr(dataset, "classes", None) is not None:  # images: normalised by default
+                meta.update(normalize_mean=list(d.normalize_mean or []) or None,
+                            normalize_std=list(d.normalize_std or []) or None)
         if getattr(dataset, "classes", None) is not None:  # an image folder's class names
             meta["classes"] = list(dataset.classes)
         print(f"{split}: {meta['splits'][split]} {what} -> {a.out / split} "

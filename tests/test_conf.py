@@ -35,6 +35,16 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
 
         write_images(tmp_path / "images", count=12, size=20, classes=3)
         overrides += [f"data.dataset.root={tmp_path / 'images'}", "data.dataset.size=16"]
+    if option == "shards":
+        from data.images import ImageFolder
+        from data.shards import write_shards
+        from scripts.make_images import write_images
+
+        write_images(tmp_path / "images", count=12, size=20, classes=3)
+        for split in ("train", "val"):
+            write_shards(ImageFolder(split, str(tmp_path / "images"), size=16),
+                         tmp_path / "shards" / split)
+        overrides += [f"data.dataset.root={tmp_path / 'shards'}", "data.dataset.size=16"]
     if group == "model" and option == "cnn":
         overrides.append("data=synthetic")  # the CNN needs [C, H, W] images, as both give
     if (group == "model" and option == "transformer") or (group, option) == (
@@ -47,7 +57,9 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
         if "num_samples" in cfg.data.dataset:
             cfg.data.dataset.num_samples = 8
         for split in ("train", "val"):
-            x, y = instantiate(cfg.data.dataset, split=split)[0]
+            ds = instantiate(cfg.data.dataset, split=split)
+            x, y = ds[0] if hasattr(ds, "__getitem__") else \
+                ds.decode(next(ds.samples_in([0], 0, 1)))  # a stream: its first sample
             assert list(x.shape) == list(cfg.data.input_shape)
             assert 0 <= int(y.min()) and int(y.max()) < cfg.data.num_classes
     model = build(cfg.model, "model", {"input_shape": list(cfg.data.input_shape),

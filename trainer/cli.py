@@ -45,6 +45,12 @@ def _valid_keys(e: OmegaConfBaseException) -> str:
     return ""
 
 
+# Hydra's and OmegaConf's wrappers around an error raised by the user's or our own code: the
+# wrapped message follows as the cause, so the wrapper is cut to what it adds
+_CALL = re.compile(r"^Error in call to target '([^']+)': \w+\(.*\)$")
+_RESOLVING = re.compile(r"^\w+ raised while resolving interpolation: ")
+
+
 def describe(e: BaseException) -> str:
     """One line for an exception and its causes, naming the key where one is known."""
     parts: List[str] = []
@@ -53,6 +59,12 @@ def describe(e: BaseException) -> str:
         lines = _lines(str(cur))
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
+        call = _CALL.match(text)
+        if call and cur.__cause__ is not None:
+            text = call.group(1)
+        if _RESOLVING.match(text):  # the key is where the interpolation is, not the mistake
+            text = _RESOLVING.sub("", text) + (f" (while resolving {key})" if key else "")
+            key = None
         if key and key not in text:
             text += f" (key: {key})"
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:

@@ -80,8 +80,10 @@ class DataConfig:
     cache_dir: str = "data_cache/auto"  # data.cache=disk: where the arrays are kept between runs
     cache_mb: float = 1024.0  # data.cache=lru: MB of samples each loader worker keeps
     device_prefetch: bool = True  # CUDA: copy the next batch on a side stream during the step
-    normalize_mean: Optional[List[float]] = None  # per channel, applied on the device
-    normalize_std: Optional[List[float]] = None
+    # per channel, applied on the device: null or a list of numbers (typed Any, as input_shape
+    # is, so that data=shards and data=memmap can read them from the data; checked in resolve)
+    normalize_mean: Any = None
+    normalize_std: Any = None
     channels_last: bool = False  # 4-D inputs and the model's 4-D weights in channels_last
     # where the datasets live: auto (on the training device when it is a set of tensors within
     # device_budget_mb, else host) | host (DataLoader) | device (tensors on the device, batched
@@ -225,7 +227,13 @@ def _shards_meta(root: str, key: str, size: int) -> Any:
 def _dataset_meta(root: str, key: str) -> Any:
     from data.datasets import read_meta  # lazy: only memmap configs need it
 
-    return read_meta(root)[key]
+    meta = read_meta(root)
+    if key in ("normalize_mean", "normalize_std"):  # written for image data only
+        return meta.get(key)
+    if key not in meta:
+        raise ConfigError(f"data.dataset.root={root}: its meta.json has no '{key}' (not "
+                          "written by scripts/prepare_data.py --format npy?)")
+    return meta[key]
 
 
 def register() -> None:
@@ -236,8 +244,11 @@ def register() -> None:
                                     use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
-    OmegaConf.register_new_resolver("stoker_image_classes", _image_classes, replace=True)
-    OmegaConf.register_new_resolver("stoker_shards", _shards_meta, replace=True)
+    # the folder scan and the shard index are read once per composition
+    OmegaConf.register_new_resolver("stoker_image_classes", _image_classes, replace=True,
+                                    use_cache=True)
+    OmegaConf.register_new_resolver("stoker_shards", _shards_meta, replace=True,
+                                    use_cache=True)
     OmegaConf.register_new_resolver(
         "auto_workers", lambda: distributed.auto_num_workers(distributed.detect().local_world_size),
         replace=True)
@@ -283,6 +294,11 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory, shm, disk or lru")
     _check(d.cache_mb > 0, "data.cache_mb", d.cache_mb, "must be > 0 MB")
     mean, std = d.normalize_mean, d.normalize_std
+    for key, v in (("normalize_mean", mean), ("normalize_std", std)):
+        _check(v is None or ((OmegaConf.is_list(v) or isinstance(v, (list, tuple))) and len(v)
+                             and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                     for x in v)),
+               f"data.{key}", v, "must be null or a list of numbers, one per channel")
     _check((mean is None) == (std is None), "data.normalize_mean", mean,
            "set data.normalize_mean and data.normalize_std together")
     _check(std is None or (len(std) == len(mean) and all(v > 0 for v in std)),

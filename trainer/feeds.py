@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from data.cache import cache_dataset, reclaim_shm
 from data.loader import build_loader, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
+from data.images import SkipCollate
 from data.resident import nbytes, tensors_of
 from data.shards import ShardStream
 from trainer import components, distributed, rundir
@@ -122,6 +123,9 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
         reclaim_shm(rundir.owner_alive)
     sources = build_datasets(cfg)
+    if d.collate_fn is not None and any(isinstance(ds, ShardStream) for ds in sources):
+        raise ConfigError("data.collate_fn: streamed shards (data=shards) are batched in the "
+                          "loader workers by their own collate; set data.collate_fn=null")
     if d.cache != "none" and any(isinstance(ds, ShardStream) for ds in sources):
         raise ConfigError(f"data.cache={d.cache}: streamed shards (data=shards) are read as "
                           "they come, not cached; use data.cache=none, or scripts/"
@@ -138,8 +142,11 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if ds is None:
             feeds.append(None)
             continue
-        # the dataset's own collate (an image folder's leaves out the files it skipped)
-        split_collate = collate or getattr(ds, "collate_fn", None)
+        # the dataset's own collate (an image folder's leaves out the files it skipped); a
+        # collate of the user's gets the samples that are there
+        own = getattr(ds, "collate_fn", None)
+        split_collate = (collate if not isinstance(own, SkipCollate) else
+                         SkipCollate(own.shape, collate)) if collate is not None else own
         where, why_not = placement(d, ds, device, split_collate is not None)
         where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
@@ -203,4 +210,5 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         cores=distributed.cpus_per_rank(local_world_size),
                         in_memory=tensors_of(loader.dataset) is not None,
                         placement="device" if feed.resident else "host",
-                        why_not_device=getattr(feed, "why_not_device", None))
+                        why_not_device=getattr(feed, "why_not_device", None),
+                        streamed=isinstance(loader.dataset, ShardStream))

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from data import cache
 from data.datasets import MemmapDataset, SyntheticDataset
+from trainer.config import ConfigError
 
 
 def source():
@@ -135,10 +137,40 @@ def test_a_failed_disk_write_leaves_no_folder_that_a_later_run_would_trust(tmp_p
 
     with pytest.raises(RuntimeError, match="disk full"):
         cache.cache_dataset(Broken(), "disk", tag="cfg", cache_dir=str(tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no partial folder
+    failed = [p for p in tmp_path.iterdir() if ".failed-" in p.name]
+    assert len(failed) == 1 and failed[0].read_text() == "disk full"  # for the waiting ranks
     ok = Counting()
     cache.cache_dataset(ok, "disk", tag="cfg", cache_dir=str(tmp_path))
-    assert ok.made == 10
+    assert ok.made == 10 and not any(".failed-" in p.name for p in tmp_path.iterdir())
+
+
+def test_waiting_ranks_poll_for_the_writer_and_hear_of_its_failure(tmp_path):
+    import threading
+
+    done, failed = tmp_path / "done.json", tmp_path / "failed.txt"
+    threading.Timer(0.3, done.write_text, args=("{}",)).start()
+    cache._await(done, failed, "the cache")  # returns once the writer is done
+    with pytest.raises(ConfigError, match="the other: local rank 0 failed to write it: boom"):
+        failed.write_text("boom")
+        cache._await(tmp_path / "never", failed, "the other")
+
+
+def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    dead = tmp_path / f"k.tmp-{host}-{gone}-abcd1234"
+    alive = tmp_path / f"k.tmp-{host}-{os.getpid()}-abcd1234"
+    elsewhere = tmp_path / "k.tmp-otherhost-1-abcd1234"
+    for folder in (dead, alive, elsewhere):
+        folder.mkdir()
+    cache._reclaim_tmp(tmp_path)
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
 
 
 def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):

@@ -78,10 +78,23 @@ def test_unknown_val_classes_and_empty_or_missing_roots_are_one_line(folder, tmp
     with pytest.raises(ValueError, match="no class subfolders"):
         ImageFolder("train", str(tmp_path / "empty"))
     (tmp_path / "empty" / "train" / "cat").mkdir()
+    with pytest.raises(ValueError, match="has 1 class subfolder; a classifier needs two"):
+        ImageFolder("train", str(tmp_path / "empty"))
+    (tmp_path / "empty" / "train" / "dog").mkdir()
     with pytest.raises(ValueError, match="no .jpg/.jpeg/.png files"):
         ImageFolder("train", str(tmp_path / "empty"))
     import shutil
 
+    gaps = tmp_path / "gaps"
+    shutil.copytree(folder, gaps)
+    for f in (gaps / "train" / "class_02").iterdir():
+        f.unlink()
+    with pytest.raises(ValueError, match=r"class folders without images .*\['class_02'\]"):
+        ImageFolder("train", str(gaps))
+    assert len(ImageFolder("val", str(gaps))) == 6  # a class without val images is fine
+    shutil.rmtree(gaps / "val")
+    with pytest.raises(FileNotFoundError, match="no folder .*gaps/val .*beside"):
+        ImageFolder("val", str(gaps))
     odd = tmp_path / "odd"
     shutil.copytree(folder, odd)
     (odd / "val" / "class_99").mkdir()

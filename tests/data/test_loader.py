@@ -111,8 +111,9 @@ def test_loader_passes_timeout_and_context():
     (dict(persistent_workers=False), dict(workers=4), "cpu", "data.persistent_workers=true"),
     (dict(pin_memory=False), dict(workers=4), "cuda", "data.pin_memory=true"),
     (dict(device_prefetch=False), dict(workers=4), "cuda", "data.device_prefetch=true"),
-    (dict(), dict(workers=4), "cpu", "data.cache=shm or memory"),
-    (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound: 4 workers on 4 cores"),
+    (dict(), dict(workers=4), "cpu", "data.cache=memory or shm if the decoded data fits"),
+    (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound reading data.cache=shm: 4 workers"),
+    (dict(), dict(workers=4, streamed=True), "cpu", "cannot decode the streamed shards faster"),
 ])
 def test_stall_advice_names_the_fix(overrides, kw, device, expected):
     line = stall_advice(cfg(**overrides), torch.device(device), 0.37,

@@ -184,22 +184,47 @@ def test_caching_a_stream_is_refused_in_one_line(shards, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_an_unreadable_image_sample_fails_in_one_line_naming_it(tmp_path):
-    from data.images import ImageError
+def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_path, caplog):
+    from webdataset import TarWriter
 
-    folder = tmp_path / "im"
+    from data.images import ImageError
     from scripts.make_images import write_images
 
-    write_images(folder, count=6, size=16, classes=2)
-    (folder / "train" / "class_00" / "zz.jpg").write_bytes(b"broken")
-    from data.images import ImageFolder
-
-    write_shards(ImageFolder("train", str(folder), size=8), tmp_path / "sh" / "train")
+    write_images(tmp_path / "im", count=4, size=16, classes=2, val_fraction=0.0)
+    good = sorted((tmp_path / "im").rglob("*.jpg"))[0].read_bytes()
+    (tmp_path / "sh" / "train").mkdir(parents=True)
+    with TarWriter(str(tmp_path / "sh" / "train" / "s0.tar")) as sink:
+        for pos, data in enumerate([good, b"broken", good]):
+            sink.write({"__key__": f"{pos:09d}", "jpg": data, "cls": b"1",
+                        "path": f"/data/{pos}.jpg".encode()})
+    (tmp_path / "sh" / "train" / "index.json").write_text(json.dumps(
+        {"kind": "image", "classes": ["a", "b"], "num_classes": 2,
+         "shards": [{"url": "s0.tar", "samples": 3}]}))
     stream = ShardStream("train", str(tmp_path / "sh"), size=8, on_error="fail")
-    with pytest.raises(ImageError, match=r"cannot read the sample .*shard-000000.tar:\d+ "
-                                         r"\(cannot identify image file its bytes\)"):
-        for sample in stream.samples_in([0], 0, len(stream)):
+    with pytest.raises(ImageError, match=r"cannot read the sample .*s0.tar:000000001 "
+                                         r"\(/data/1.jpg\) \(cannot identify image file\)"):
+        for sample in stream.samples_in([0], 0, 3):
             stream.decode(sample)
     skip = ShardStream("train", str(tmp_path / "sh"), size=8)
-    decoded = [skip.decode(s) for s in skip.samples_in([0], 0, len(skip))]
-    assert sum(d is None for d in decoded) == 1 and len(decoded) == 5
+    with caplog.at_level("WARNING", logger="stoker"):
+        for _ in range(2):  # two epochs: one warning
+            decoded = [skip.decode(s) for s in skip.samples_in([0], 0, 3)]
+    assert [d is None for d in decoded] == [False, True, False]
+    assert skip.skipped() == ["train sample 000000001"]
+    assert sum("/data/1.jpg" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
+    from data.images import ImageError, ImageFolder
+    from scripts.make_images import write_images
+
+    write_images(tmp_path / "im", count=6, size=16, classes=2, val_fraction=0.0)
+    (tmp_path / "im" / "train" / "class_00" / "zz.jpg").write_bytes(b"broken")
+    with pytest.raises(ImageError, match="zz.jpg"):
+        write_shards(ImageFolder("train", str(tmp_path / "im"), size=8, on_error="fail"),
+                     tmp_path / "a")
+    assert not (tmp_path / "a" / "index.json").exists()
+    folder = ImageFolder("train", str(tmp_path / "im"), size=8)
+    index = write_shards(folder, tmp_path / "b", num_workers=2)
+    assert sum(s["samples"] for s in index["shards"]) == 6
+    assert [p.endswith("zz.jpg") for p in folder.skipped()] == [True]

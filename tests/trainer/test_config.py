@@ -45,6 +45,7 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
     ("trainer.max_bad_steps=-1", "trainer.max_bad_steps=-1"),
     ("data.cache=tape", "data.cache=tape: must be none, memory, shm, disk or lru"),
     ("data.cache_mb=0", "data.cache_mb=0.0: must be > 0 MB"),
+    ("data.normalize_mean=0.5", "data.normalize_mean=0.5: must be null or a list of numbers"),
     ("data.multiprocessing_context=thread", "data.multiprocessing_context=thread"),
     ("data.timeout=-1", "data.timeout=-1"),
     ("trainer.precision=fp16", "trainer.precision=fp16: needs CUDA"),
