@@ -12,10 +12,13 @@ stands for the GPU's work, as scripts/bench_loader.py does) for:
                       device prefetcher (data/prefetch.py InputTransform) on the GPU (without
                       one, that is the device's work the fixed wait stands for: not run on
                       the CPU, its CPU cost printed beside)
+  (c') plain loader   (c)'s reference: torch's DataLoader over the same folder, nothing else
   (d) memmap          scripts/prepare_data.py's packed uint8 arrays (data=memmap): no decoding
   (e) cache=<mode>    data.cache memory, shm, disk and lru (W workers), on the second epoch
   (f) shards          tar shards streamed by W workers (data=shards), decoded as they come
-Each row gives the median epoch time (the second epoch for the caches), samples/s and the
+Each configuration runs in a fresh process, --repeats times in alternating order (the files,
+packed arrays and shards are made once). Each row gives the median over runs of the median
+epoch time (the second epoch for the caches), samples/s and the
 ratio to the decode bound max(compute, decode cost / W), where the decode cost is one
 process's time to decode the whole set, measured here. One-off costs (packing, sharding,
 filling a cache) are reported beside them. Targets: (c) within 1.15x of the decode bound;
@@ -24,6 +27,10 @@ filling a cache) are reported beside them. Targets: (c) within 1.15x of the deco
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +54,7 @@ from data.shards import ShardStream, write_shards  # noqa: E402
 from make_images import write_images  # noqa: E402
 from trainer.config import DataConfig  # noqa: E402
 
-COLUMNS = ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s"]
+COLUMNS = ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s", "runs"]
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -94,6 +101,24 @@ class AsShipped:
         return batch
 
 
+class PlainFeed:
+    """(c)'s reference: PyTorch's DataLoader as a hand-written script builds it, with nothing
+    of Stoker's around it (sampler, prefetcher, seeding)."""
+
+    def __init__(self, folder: ImageFolder, workers: int, batch: int):
+        self.loader = torch.utils.data.DataLoader(
+            folder, batch_size=batch, shuffle=True, num_workers=workers,
+            persistent_workers=True, collate_fn=folder.collate_fn,
+            pin_memory=torch.cuda.is_available())
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def plain_loader(folder: ImageFolder, workers: int, batch: int) -> PlainFeed:
+    return PlainFeed(folder, workers, batch)
+
+
 def transform_ms(size: int, batch: int) -> float:
     """Milliseconds the device-side conversion of one uint8 batch takes on the CPU."""
     x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
@@ -132,6 +157,56 @@ def measure(name: str, make, epochs: int, compute_s: float, second: bool = False
     return {"config": name, "epoch_s": epoch_s, "epochs_s": times, "one_off_s": one_off_s}
 
 
+CONFIGS = ["a_0_workers", "b_workers", "c_workers_uint8", "c_plain_dataloader", "d_memmap",
+           "e_cache_memory",
+           "e_cache_shm", "e_cache_disk", "e_cache_lru", "f_shards"]
+
+
+def child(name: str, tmp: Path, spec: Dict[str, Any]) -> Dict[str, Any]:
+    """One configuration's measurement, in a fresh process."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w, b, epochs, compute_s = spec["workers"], spec["batch"], spec["epochs"], spec["compute_s"]
+    folder = ImageFolder("train", str(tmp / "images"), size=spec["size"])
+    if name.startswith("e_cache_"):
+        return cached(name.removeprefix("e_cache_"), folder, tmp, w, b, device, epochs,
+                      compute_s)
+    make = {
+        "a_0_workers": lambda: feed(CPUNormalised(folder), 0, b, device, False),
+        "b_workers": lambda: feed(CPUNormalised(folder), w, b, device, False),
+        "c_workers_uint8": lambda: feed(folder, w, b, device, True),
+        "c_plain_dataloader": lambda: plain_loader(folder, w, b),
+        "d_memmap": lambda: feed(MemmapDataset("train", str(tmp / "packed")), w, b, device,
+                                 True),
+        "f_shards": lambda: feed(ShardStream("train", str(tmp / "shards"), size=spec["size"]),
+                                 w, b, device, True)}[name]
+    return measure(name, make, epochs, compute_s)
+
+
+def in_subprocess(name: str, tmp: Path, spec: Dict[str, Any]) -> Dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, "--child", name, "--root", str(tmp),
+                           "--spec", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=1800, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def prepare(tmp: Path, spec: Dict[str, Any], count: int, image_size: int) -> Dict[str, float]:
+    """The files, the packed arrays and the shards; returns what each one-off step took."""
+    start = time.perf_counter()
+    write_images(tmp / "images", count, image_size, classes=10, val_fraction=0.0)
+    print(f"wrote {count} JPEG files of {image_size}x{image_size} in "
+          f"{time.perf_counter() - start:.1f}s")
+    folder = ImageFolder("train", str(tmp / "images"), size=spec["size"])
+    start = time.perf_counter()
+    cache.write_arrays(folder, tmp / "packed" / "train", num_workers=spec["workers"])
+    pack_s = time.perf_counter() - start
+    start = time.perf_counter()
+    write_shards(folder, tmp / "shards" / "train", samples_per_shard=250,
+                 num_workers=spec["workers"])
+    return {"d_memmap": pack_s, "f_shards": time.perf_counter() - start}
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--count", type=int, default=2000, help="JPEG files to write")
@@ -141,58 +216,59 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--compute-ms", type=float, default=5.0, help="per step, standing for the GPU")
     p.add_argument("--epochs", type=int, default=3, help="epochs per configuration (>= 2)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh processes per configuration, in alternating order")
     p.add_argument("--out", type=Path, default=Path("bench_images.json"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.epochs < 2 or a.count < 20 or a.workers < 1:
-        p.error("need --epochs >= 2 (caches are measured on the second), --count >= 20 and "
-                "--workers >= 1")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    compute_s, w, b = a.compute_ms / 1000, a.workers, a.batch
+    if a.child:
+        print(json.dumps(child(a.child, a.root, json.loads(a.spec))))
+        return {}
+    if a.epochs < 2 or a.count < 20 or a.workers < 1 or a.repeats < 1:
+        p.error("need --epochs >= 2 (caches are measured on the second), --count >= 20, "
+                "--workers >= 1 and --repeats >= 1")
+    w, b = a.workers, a.batch
+    spec = {"workers": w, "batch": b, "epochs": a.epochs, "compute_s": a.compute_ms / 1000,
+            "size": a.size}
+    runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="stoker-images-") as tmp:
         tmp = Path(tmp)
-        start = time.perf_counter()
-        write_images(tmp / "images", a.count, a.image_size, classes=10, val_fraction=0.0)
-        print(f"wrote {a.count} JPEG files of {a.image_size}x{a.image_size} in "
-              f"{time.perf_counter() - start:.1f}s")
-        folder = ImageFolder("train", str(tmp / "images"), size=a.size)
-        decode_s = decode_cost_s(folder, min(200, len(folder)))
-        steps = -(-len(folder) // b)
-        bound = max(compute_s * steps, decode_s / w)
-        rows = [
-            measure("a_0_workers", lambda: feed(CPUNormalised(folder), 0, b, device, False),
-                    a.epochs, compute_s),
-            measure(f"b_{w}_workers", lambda: feed(CPUNormalised(folder), w, b, device, False),
-                    a.epochs, compute_s),
-            measure(f"c_{w}_workers_uint8", lambda: feed(folder, w, b, device, True),
-                    a.epochs, compute_s)]
-        start = time.perf_counter()
-        cache.write_arrays(folder, tmp / "packed" / "train", num_workers=w)
-        pack_s = time.perf_counter() - start
-        packed = MemmapDataset("train", str(tmp / "packed"))
-        rows.append(measure("d_memmap", lambda: feed(packed, w, b, device, True), a.epochs,
-                            compute_s, one_off_s=pack_s))
-        for mode in ("memory", "shm", "disk", "lru"):
-            rows.append(cached(mode, folder, tmp, w, b, device, a.epochs, compute_s))
-        start = time.perf_counter()
-        write_shards(folder, tmp / "shards" / "train", samples_per_shard=250)
-        shard_s = time.perf_counter() - start
-        stream = ShardStream("train", str(tmp / "shards"), size=a.size)
-        rows.append(measure("f_shards", lambda: feed(stream, w, b, device, True), a.epochs,
-                            compute_s, one_off_s=shard_s))
+        one_off = prepare(tmp, spec, a.count, a.image_size)
+        decode_s = decode_cost_s(ImageFolder("train", str(tmp / "images"), size=a.size),
+                                 min(200, a.count))
+        for rep in range(a.repeats):
+            for name in (CONFIGS if rep % 2 == 0 else CONFIGS[::-1]):
+                runs[name].append(in_subprocess(name, tmp, spec))
+    steps = -(-a.count // b)
+    bound = max(spec["compute_s"] * steps, decode_s / w)
+    rows = []
+    for name in CONFIGS:
+        times = [r["epoch_s"] for r in runs[name]]
+        fills = [r["one_off_s"] for r in runs[name] if r.get("one_off_s") is not None]
+        label = {"b_workers": f"b_{w}_workers", "c_workers_uint8": f"c_{w}_workers_uint8"}
+        rows.append({"config": label.get(name, name),
+                     "epoch_s": median(times), "epochs_s": [r["epochs_s"] for r in runs[name]],
+                     "runs": len(times), "one_off_s": one_off.get(name) or (
+                         median(fills) if fills else None)})
     by_b = rows[1]["epoch_s"]
     for r in rows:
         r.update(samples_per_s=a.count / r["epoch_s"], vs_bound=r["epoch_s"] / bound,
                  vs_b=by_b / r["epoch_s"])
-    on_cpu = None if device.type == "cuda" else transform_ms(a.size, b)
+    on_cpu = None if torch.cuda.is_available() else transform_ms(a.size, b)
     result = {"machine": machine(), "count": a.count, "image_size": a.image_size,
-              "device_transform_cpu_ms_per_batch": on_cpu,
+              "device_transform_cpu_ms_per_batch": on_cpu, "repeats": a.repeats,
               "size": a.size, "batch": b, "workers": w, "compute_ms": a.compute_ms,
               "decode_s_per_epoch": decode_s, "bound_s": bound,
               "targets": {"c_vs_bound_max": 1.15, "d_vs_b_min": 5.0},
-              "c_vs_bound": rows[2]["vs_bound"], "d_vs_b": rows[3]["vs_b"], "results": rows}
+              "c_vs_bound": rows[2]["vs_bound"], "c_vs_plain_dataloader":
+              rows[2]["epoch_s"] / rows[3]["epoch_s"], "d_vs_b": rows[4]["vs_b"],
+              "results": rows}
     print(table(rows, COLUMNS))
     print(f"decode cost {decode_s:.2f} s per epoch in one process; bound max(compute "
-          f"{compute_s * steps:.2f} s, decode / {w} workers {decode_s / w:.2f} s) = {bound:.2f} s")
+          f"{spec['compute_s'] * steps:.2f} s, decode / {w} workers {decode_s / w:.2f} s) = "
+          f"{bound:.2f} s")
     if on_cpu is not None:
         print(f"no GPU: the device-side uint8 conversion of (c)-(f) is left to the fixed wait "
               f"that stands for the device (on this CPU it takes {on_cpu:.1f} ms a batch)")
@@ -210,15 +286,15 @@ def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: to
     start = time.perf_counter()
     if mode == "shm":
         cache.SHM_ROOT = tmp / "shm" if not Path("/dev/shm").is_dir() else cache.SHM_ROOT
-    ds = cache.cache_dataset(folder, mode, tag=f"bench-images-{tmp.name}", num_workers=w,
-                             cache_dir=str(tmp / "disk"), cache_mb=4096)
+    # a cache of this process's own: every run fills it anew (the one-off cost measured)
+    ds = cache.cache_dataset(folder, mode, tag=f"bench-images-{tmp.name}-{os.getpid()}",
+                             num_workers=w, cache_dir=str(tmp / f"disk-{os.getpid()}"),
+                             cache_mb=4096)
     fill_s = time.perf_counter() - start
     workers = 0 if mode == "memory" else w  # tensors in memory: workers would only copy them
     row = measure(f"e_cache_{mode}", lambda: feed(ds, workers, b, device, True), epochs,
                   compute_s, second=True, one_off_s=fill_s if mode != "lru" else None)
-    if mode == "shm":
-        import shutil
-
+    if mode in ("shm", "disk"):
         shutil.rmtree(Path(ds.x.path).parents[1], ignore_errors=True)
     return row
 

@@ -16,16 +16,17 @@ def test_smoke_measures_every_path_and_writes_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/bench_images.py", "--count", "40", "--image-size", "48",
          "--size", "32", "--batch", "8", "--workers", "2", "--compute-ms", "1",
-         "--epochs", "2", "--out", str(out)],
+         "--epochs", "2", "--repeats", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     names = [r["config"] for r in result["results"]]
-    assert names == ["a_0_workers", "b_2_workers", "c_2_workers_uint8", "d_memmap",
-                     "e_cache_memory", "e_cache_shm", "e_cache_disk", "e_cache_lru",
+    assert names == ["a_0_workers", "b_2_workers", "c_2_workers_uint8", "c_plain_dataloader",
+                     "d_memmap", "e_cache_memory", "e_cache_shm", "e_cache_disk", "e_cache_lru",
                      "f_shards"]
     for r in result["results"]:
-        assert r["epoch_s"] > 0 and len(r["epochs_s"]) == 2 and r["samples_per_s"] > 0
+        assert r["epoch_s"] > 0 and r["runs"] == 1 and len(r["epochs_s"][0]) == 2
+        assert r["samples_per_s"] > 0
     assert result["bound_s"] > 0 and result["decode_s_per_epoch"] > 0
     assert result["c_vs_bound"] > 0 and result["d_vs_b"] > 0
     assert "(c) vs bound" in proc.stdout and "target" in proc.stdout
