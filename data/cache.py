@@ -179,7 +179,9 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         start = time.perf_counter()
         try:
             _write_marked(dataset, tmp / "train", num_workers, failed)
-            (tmp / "done.json").write_text(json.dumps({"dataset": describe}, indent=2) + "\n")
+            skipped = getattr(dataset, "skipped", None)  # unreadable files, left out
+            record = {"dataset": describe, "skipped": skipped() if callable(skipped) else []}
+            (tmp / "done.json").write_text(json.dumps(record, indent=2) + "\n")
             try:
                 os.rename(tmp, root)  # atomic: `root` only ever appears complete
             except OSError:
@@ -190,6 +192,10 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             shutil.rmtree(tmp, ignore_errors=True)  # ours alone
     elif local_rank == 0:
         log.info("data.cache=disk: reusing %s", root)
+        left_out = json.loads(done.read_text()).get("skipped") or []
+        if left_out:  # said again on every run that uses the cache, not only the first
+            log.warning("data.cache=disk: %d unreadable files were left out when %s was "
+                        "written, e.g. %s", len(left_out), root, ", ".join(left_out[:3]))
     else:
         _await(done, failed, f"data.cache=disk in {root}")
     wait()

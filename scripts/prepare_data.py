@@ -86,7 +86,8 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
         start = time.perf_counter()
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     use = "data=shards" if a.format == "shards" else "data=memmap"
-    print(f"use it: python train.py {use} data.dataset.root={a.out}")
+    model = " model=cnn" if meta.get("classes") else ""  # images: the reference CNN
+    print(f"use it: python train.py {use} data.dataset.root={a.out}{model}")
     return meta
 
 if __name__ == "__main__":

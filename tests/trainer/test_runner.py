@@ -162,3 +162,5 @@ def test_an_image_folder_run_writes_its_classes_and_counts_skipped_files(make_cf
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("x.npy")} == stamp
     assert first["val_loss"] == second["val_loss"] and first["skipped_files"] == 1
     assert second["skipped_files"] == 0  # nothing was decoded
+    done = [json.loads(p.read_text()) for p in (tmp_path / "cache").rglob("done.json")]
+    assert sorted(len(d["skipped"]) for d in done) == [0, 1]  # said on every later run
