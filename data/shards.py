@@ -101,8 +101,9 @@ class ShardStream:
         self.collate_fn = SkipCollate((3, size, size)) if self.kind == "image" \
             else default_collate
         # one flag per sample (keys are stream positions as prepare writes them), in shared
-        # memory: workers of every pass mark what they skipped; one warning per sample
-        self.skipped_flags = multiprocessing.RawArray("b", len(self))
+        # memory: workers of every pass mark what they skipped; one warning per sample. A byte
+        # each, for the first 64 Mi samples (beyond them: warned each time, not counted)
+        self.skipped_flags = multiprocessing.RawArray("b", min(len(self), 2**26))
 
     def skipped(self) -> List[str]:
         """The samples skipped so far (by key), in this process and its workers."""
