@@ -26,6 +26,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import re
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -55,12 +56,16 @@ class ImageError(ConfigError):
     """A file that cannot be decoded as an image (with on_error=fail): one line naming it."""
 
 
+def _subfolders(folder: Path) -> List[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def find_classes(folder: Path) -> List[str]:
     """The sorted names of `folder`'s subfolders: class i is the i-th name."""
     if not folder.is_dir():
         raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
                                 "<root>/train/<class>/<image> and <root>/val/<class>/<image>)")
-    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    classes = _subfolders(folder)
     if len(classes) < 2:
         raise ValueError(f"data.dataset.root: {folder} has {len(classes) or 'no'} class "
                          f"subfolder{'' if len(classes) == 1 else 's'}; a classifier needs two "
@@ -76,7 +81,7 @@ def find_images(folder: Path, classes: Sequence[str],
     if not folder.is_dir():
         raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
                                 f"{folder}/<class>/<image>, beside {folder.parent}/train)")
-    found = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    found = _subfolders(folder)
     unknown = [name for name in found if name not in index]
     if unknown:
         raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
@@ -120,13 +125,46 @@ def decode(source: Any, size: int, resize: int) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-def check_sizes(size: int, resize: Optional[int], on_error: str) -> None:
-    """The image settings shared by image folders and image shards, checked."""
+def image_settings(size: int, resize: Optional[int], on_error: str) -> int:
+    """The image settings shared by image folders and image shards, checked; returns the
+    shorter side to resize to (null: size / 0.875, the usual 256 for 224)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
     if size < 1 or (resize is not None and resize < size):
         raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
                          "resize >= size (or null)")
+    return resize if resize is not None else round(size / 0.875)
+
+
+class Unreadable:
+    """The on_error policy for samples Pillow cannot read, and the record of those skipped:
+    a flag per sample (the first `flags` samples) in shared memory, which the loader workers
+    mark, so that each is warned about once per run and counted in the training process.
+    `noun`/`nouns` name them in messages ("image"/"files", "sample"/"samples")."""
+
+    def __init__(self, on_error: str, flags: int, noun: str, nouns: str):
+        self.on_error, self.noun, self.nouns = on_error, noun, nouns
+        self.flags = multiprocessing.RawArray("b", flags)
+
+    def handle(self, e: BaseException, index: Optional[int], where: str) -> None:
+        """Raises ImageError for `fail`; for `skip` warns (the first time) and returns."""
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", reason)
+        if self.on_error == "fail":
+            remedy = "remove it, or " if self.noun == "image" else ""
+            raise ImageError(f"data: cannot read the {self.noun} {where} ({reason}); {remedy}"
+                             f"set data.dataset.on_error=skip to skip and count such "
+                             f"{self.nouns}") from None
+        if index is not None and index < len(self.flags):
+            if self.flags[index]:  # warned already (another worker, another epoch)
+                return
+            self.flags[index] = 1
+        log.warning("data: skipped an unreadable %s %s (%s); data.dataset.on_error=skip",
+                    self.noun, where, reason)
+
+    def indices(self) -> np.ndarray:
+        """The samples skipped so far, in this process and its workers."""
+        return np.flatnonzero(np.frombuffer(self.flags, dtype=np.int8))
 
 
 class SkipCollate:
@@ -159,15 +197,13 @@ class ImageFolder(Dataset):
                  resize: Optional[int] = None, on_error: str = "skip"):
         if split not in SPLIT_DIRS:
             raise ValueError(f"split={split!r}: must be one of {tuple(SPLIT_DIRS)}")
-        check_sizes(size, resize, on_error)
+        self.resize = image_settings(size, resize, on_error)
         self.root, self.split, self.on_error = Path(root), split, on_error
         self.size = size
-        self.resize = resize if resize is not None else round(size / 0.875)
         self.classes = find_classes(self.root / SPLIT_DIRS["train"])
         self.samples = find_images(self.root / SPLIT_DIRS[split], self.classes,
                                    require_all=split == "train")
-        # one flag per sample, in shared memory: workers mark the files they skipped
-        self.skipped_flags = multiprocessing.RawArray("b", len(self.samples))
+        self.unreadable = Unreadable(on_error, len(self.samples), "image", "files")
         self.collate_fn = SkipCollate((3, size, size))
 
     def __len__(self) -> int:
@@ -184,22 +220,13 @@ class ImageFolder(Dataset):
         try:
             image = decode(path, self.size, self.resize)
         except unreadable_errors() as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if self.on_error == "fail":
-                raise ImageError(f"data: cannot read the image {path} ({reason}); remove it, "
-                                 "or set data.dataset.on_error=skip to skip and count such "
-                                 "files") from None
-            if not self.skipped_flags[i]:  # shared by the workers: one warning per file
-                self.skipped_flags[i] = 1
-                log.warning("data: skipped an unreadable image %s (%s); "
-                            "data.dataset.on_error=skip", path, reason)
+            self.unreadable.handle(e, i, path)
             return None
         return image, torch.tensor(target)
 
     def skipped(self) -> List[str]:
         """The files skipped so far, in this process and its workers."""
-        flags = np.frombuffer(self.skipped_flags, dtype=np.int8)
-        return [self.samples[i][0] for i in np.flatnonzero(flags)]
+        return [self.samples[i][0] for i in self.unreadable.indices()]
 
 
 def image_classes(root: str) -> int:

@@ -184,15 +184,14 @@ def loader_error(e: BaseException) -> BaseException:
         return LoaderStalled(f"data: {str(e).rstrip('.')} (data.timeout) waiting for a batch "
                              "from a loader worker: stuck or stopped; raise data.timeout if "
                              "single batches are that slow")
+    last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]
     if isinstance(e, ConfigError) and "Original Traceback" in str(e):
         # raised in a worker (an unreadable file, say): the DataLoader re-raised it with the
         # worker's traceback in the message; its own one line is the last
-        last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
         head, _, rest = last.partition(": ")
         return type(e)(rest if rest and head.endswith(type(e).__name__) else last)
     if not isinstance(e, (TypeError, RuntimeError)) or not _raised_in_collate(e):
         return e
-    last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]
     last = last.removeprefix("TypeError: ").removeprefix("RuntimeError: ")
     return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "

@@ -37,17 +37,15 @@ import io
 import json
 import logging
 import math
-import multiprocessing
 import posixpath
-import re
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from data.images import (IMAGE_EXTENSIONS, ImageError, ImageFolder, SkipCollate, check_sizes,
-                         decode, unreadable_errors)
+from data.images import (IMAGE_EXTENSIONS, ImageFolder, SkipCollate, Unreadable, decode,
+                         image_settings, unreadable_errors)
 
 INDEX = "index.json"
 log = logging.getLogger("stoker")
@@ -76,12 +74,11 @@ class ShardStream:
     def __init__(self, split: str = "train", root: str = "shards", size: int = 224,
                  resize: Optional[int] = None, on_error: str = "skip",
                  shuffle_buffer: int = 1000):
-        check_sizes(size, resize, on_error)
+        self.resize = image_settings(size, resize, on_error)
         if shuffle_buffer < 1:
             raise ValueError(f"data.dataset.shuffle_buffer={shuffle_buffer}: must be >= 1")
         self.split, self.root = split, root
         self.size, self.on_error, self.shuffle_buffer = size, on_error, shuffle_buffer
-        self.resize = resize if resize is not None else round(size / 0.875)
         folder = _join(root, split)
         try:
             with _open(_join(folder, INDEX)) as f:
@@ -100,15 +97,13 @@ class ShardStream:
             raise ValueError(f"data.dataset.root={root}: {split}/{INDEX} lists no samples")
         self.collate_fn = SkipCollate((3, size, size)) if self.kind == "image" \
             else default_collate
-        # one flag per sample (keys are stream positions as prepare writes them), in shared
-        # memory: workers of every pass mark what they skipped; one warning per sample. A byte
-        # each, for the first 64 Mi samples (beyond them: warned each time, not counted)
-        self.skipped_flags = multiprocessing.RawArray("b", min(len(self), 2**26))
+        # flags by key (stream positions as prepare writes them), a byte each, for the first
+        # 64 Mi samples (beyond them: warned each time, not counted)
+        self.unreadable = Unreadable(on_error, min(len(self), 2**26), "sample", "samples")
 
     def skipped(self) -> List[str]:
         """The samples skipped so far (by key), in this process and its workers."""
-        flags = np.frombuffer(self.skipped_flags, dtype=np.int8)
-        return [f"{self.split} sample {k:09d}" for k in np.flatnonzero(flags)]
+        return [f"{self.split} sample {k:09d}" for k in self.unreadable.indices()]
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -118,10 +113,10 @@ class ShardStream:
         at stream positions [start, stop) of the shards taken in `order`; positions past the
         end wrap round to the beginning."""
         n = len(self)
+        edges = np.cumsum([0] + [self.counts[s] for s in order])
         pos = start
         while pos < stop:
             p = pos % n
-            edges = np.cumsum([0] + [self.counts[s] for s in order])
             k = int(np.searchsorted(edges, p, side="right")) - 1
             shard, offset = order[k], p - int(edges[k])
             take = min(self.counts[shard] - offset, stop - pos)
@@ -158,19 +153,8 @@ class ShardStream:
                 raise ValueError(f"no image or no .cls member (has {sorted(sample)})")
             image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
         except unreadable_errors() as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", reason)
-            if self.on_error == "fail":
-                raise ImageError(f"data: cannot read the sample {where} ({reason}); set "
-                                 "data.dataset.on_error=skip to skip and count such "
-                                 "samples") from None
-            position = sample.get("__key__", "")
-            if position.isdigit() and int(position) < len(self.skipped_flags):
-                if self.skipped_flags[int(position)]:  # warned already (another worker, epoch)
-                    return None
-                self.skipped_flags[int(position)] = 1
-            log.warning("data: skipped an unreadable sample %s (%s); "
-                        "data.dataset.on_error=skip", where, reason)
+            key = sample.get("__key__", "")
+            self.unreadable.handle(e, int(key) if key.isdigit() else None, where)
             return None
         return image, torch.tensor(int(sample["cls"].decode().strip()))
 
@@ -220,8 +204,16 @@ class ShardPlan:
         lo, hi = self.rank_range()
         b, n, taken = self.batch_size, self.batches(), self.taken()
         short = n * b - (hi - lo) if not self.drop_last else 0
-        left = turn_order(worker_blocks(n, self.workers))[taken:]
+        left = self.turns()[taken:]
         return (n - taken) * b - (short if any(i == n - 1 for _, i in left) else 0)
+
+    def blocks(self) -> List[Tuple[int, int]]:
+        """Each loader worker's block of this rank's batches (worker_blocks)."""
+        return worker_blocks(self.batches(), self.workers)
+
+    def turns(self) -> List[Tuple[int, int]]:
+        """(worker, batch number) in the order the loader yields the epoch (turn_order)."""
+        return turn_order(self.blocks())
 
     def shard_order(self, shards: int) -> List[int]:
         if not self.shuffle:
@@ -251,14 +243,14 @@ class _Epoch(IterableDataset):
     """What each loader worker runs for one pass: its block of the rank's batches, shuffled
     within windows, decoded and collated into batches."""
 
-    def __init__(self, stream: ShardStream, plan: ShardPlan, workers: int):
-        self.stream, self.workers = stream, max(1, workers)
+    def __init__(self, stream: ShardStream, plan: ShardPlan):
+        self.stream, self.workers = stream, plan.workers
         self.order = plan.shard_order(len(stream.urls))
         self.lo, self.hi = plan.rank_range()
-        self.batch, self.n_batches = plan.batch_size, plan.batches()
-        self.blocks = worker_blocks(self.n_batches, self.workers)
+        self.batch = plan.batch_size
+        self.blocks = plan.blocks()
         self.seed, self.shuffle = (plan.seed, plan.epoch, plan.rank), plan.shuffle
-        sequence = turn_order(self.blocks)
+        sequence = plan.turns()
         taken = plan.taken()
         self.done = [0] * self.workers  # batches of each block already consumed
         for w, _ in sequence[:taken]:
@@ -323,7 +315,7 @@ class ShardLoader:
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = _Epoch(self.dataset, self.sampler, self.num_workers)
+        epoch = _Epoch(self.dataset, self.sampler)
         loader = DataLoader(epoch, batch_size=None, num_workers=self.num_workers,
                             pin_memory=self.pin_memory, generator=self.generator,
                             **self.loader_kwargs)

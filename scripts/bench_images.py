@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
-from bench_loader import run_epochs  # noqa: E402
+from bench_loader import data_cost_s, run_epochs  # noqa: E402
 from benchlib import machine, median, table, write_json  # noqa: E402
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
@@ -115,10 +115,6 @@ class PlainFeed:
         return iter(self.loader)
 
 
-def plain_loader(folder: ImageFolder, workers: int, batch: int) -> PlainFeed:
-    return PlainFeed(folder, workers, batch)
-
-
 def transform_ms(size: int, batch: int) -> float:
     """Milliseconds the device-side conversion of one uint8 batch takes on the CPU."""
     x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
@@ -136,11 +132,7 @@ def decode_cost_s(folder: ImageFolder, samples: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        folder[0]
-        start = time.perf_counter()
-        for i in range(samples):
-            folder[i % len(folder)]
-        return (time.perf_counter() - start) / samples * len(folder)
+        return data_cost_s(folder, samples) * len(folder)
     finally:
         torch.set_num_threads(threads)
 
@@ -174,7 +166,7 @@ def child(name: str, tmp: Path, spec: Dict[str, Any]) -> Dict[str, Any]:
         "a_0_workers": lambda: feed(CPUNormalised(folder), 0, b, device, False),
         "b_workers": lambda: feed(CPUNormalised(folder), w, b, device, False),
         "c_workers_uint8": lambda: feed(folder, w, b, device, True),
-        "c_plain_dataloader": lambda: plain_loader(folder, w, b),
+        "c_plain_dataloader": lambda: PlainFeed(folder, w, b),
         "d_memmap": lambda: feed(MemmapDataset("train", str(tmp / "packed")), w, b, device,
                                  True),
         "f_shards": lambda: feed(ShardStream("train", str(tmp / "shards"), size=spec["size"]),

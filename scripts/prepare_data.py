@@ -66,6 +66,7 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
         if dataset is None:  # a train_dataset without a val_dataset
             continue
         workers = cpu_workers(cfg.data, 1)
+        classes = getattr(dataset, "classes", None)  # an image folder's class names
         if a.format == "shards":
             index = write_shards(dataset, a.out / split, a.shard_samples, workers,
                                  seed=cfg.seed, num_classes=d.num_classes)
@@ -76,11 +77,11 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
             meta["input_shape"] = list(shape)
             meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable: left out
             what = f"samples of {list(shape)}"
-            if getattr(dataset, "classes", None) is not None:  # images: normalised by default
+            if classes is not None:  # images: normalised by default
                 meta.update(normalize_mean=list(d.normalize_mean or []) or None,
                             normalize_std=list(d.normalize_std or []) or None)
-        if getattr(dataset, "classes", None) is not None:  # an image folder's class names
-            meta["classes"] = list(dataset.classes)
+        if classes is not None:
+            meta["classes"] = list(classes)
         print(f"{split}: {meta['splits'][split]} {what} -> {a.out / split} "
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()

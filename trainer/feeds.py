@@ -123,10 +123,11 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
         reclaim_shm(rundir.owner_alive)
     sources = build_datasets(cfg)
-    if d.collate_fn is not None and any(isinstance(ds, ShardStream) for ds in sources):
+    streamed = any(isinstance(ds, ShardStream) for ds in sources)
+    if d.collate_fn is not None and streamed:
         raise ConfigError("data.collate_fn: streamed shards (data=shards) are batched in the "
                           "loader workers by their own collate; set data.collate_fn=null")
-    if d.cache != "none" and any(isinstance(ds, ShardStream) for ds in sources):
+    if d.cache != "none" and streamed:
         raise ConfigError(f"data.cache={d.cache}: streamed shards (data=shards) are read as "
                           "they come, not cached; use data.cache=none, or scripts/"
                           "prepare_data.py --format npy and data=memmap for data that fits")
@@ -144,9 +145,10 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
             continue
         # the dataset's own collate (an image folder's leaves out the files it skipped); a
         # collate of the user's gets the samples that are there
-        own = getattr(ds, "collate_fn", None)
-        split_collate = (collate if not isinstance(own, SkipCollate) else
-                         SkipCollate(own.shape, collate)) if collate is not None else own
+        split_collate = getattr(ds, "collate_fn", None)
+        if collate is not None:
+            split_collate = SkipCollate(split_collate.shape, collate) \
+                if isinstance(split_collate, SkipCollate) else collate
         where, why_not = placement(d, ds, device, split_collate is not None)
         where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
