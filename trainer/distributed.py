@@ -127,15 +127,18 @@ def backend_for(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
-    """Joins the default process group for a multi-process job (no-op for one process).
+def process_group(env: DistEnv, device: torch.device, timeout_s: float,
+                  ddp: bool = False) -> Iterator[None]:
+    """Joins the default process group for a multi-process job, or for `ddp` in a launched
+    job of one process (`torchrun --nproc_per_node=1 train.py trainer.strategy=ddp`: DDP's
+    wrapper and collectives with a world of one); a no-op otherwise.
 
     The group lives as long as the process: the jobs of a Hydra sweep (`-m`) run one after
     another in the same processes and reuse it, since re-creating a group on torchrun's
     store deadlocks on the previous group's keys. It is destroyed at exit, or at once when
     the job raises, so a failing rank never leaves a live group behind.
     """
-    if env.world_size <= 1:
+    if env.world_size <= 1 and not ddp:
         yield
         return
     backend = backend_for(device)

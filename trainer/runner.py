@@ -23,7 +23,7 @@ from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
 from trainer.cli import EXIT_CONFIG, USER_ERRORS, describe, fail, wants_traceback
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, RunSpec, monitor_mode, resolve
+from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds, feed_advice
 from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
@@ -87,7 +87,8 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         cfg = copy.deepcopy(cfg)
         cfg.trainer.max_epochs, cfg.trainer.max_steps = 1, 1
         cfg.trainer.save_checkpoint = False
-    with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s):
+    with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s,
+                                   ddp=spec.strategy == Strategy.ddp):
         return _train(cfg, env, spec, callbacks)
 
 

@@ -1,8 +1,10 @@
-"""Rank/world detection from torchrun and SLURM environments (faked), and no-op collectives."""
+"""Rank/world detection from torchrun and SLURM environments (faked), no-op collectives, and
+the process group of a one-process DDP job."""
 from __future__ import annotations
 
 import torch
 
+from tests.helpers import ROOT, summary_of, torchrun
 from trainer import distributed
 from trainer.distributed import detect
 
@@ -46,3 +48,13 @@ def test_run_stamp_is_shared_by_the_ranks_of_a_job():
     assert distributed.run_stamp({**torchrun, "GROUP_WORLD_SIZE": "2"}) == "rdzv-abc"
     assert distributed.run_stamp({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"}) == "slurm-9"
     assert len(distributed.run_stamp({})) == len("2026-01-01/00-00-00")
+
+
+def test_ddp_in_a_torchrun_job_of_one_process_joins_a_group_of_one(tmp_path):
+    """`torchrun --nproc_per_node=1 train.py trainer.strategy=ddp`: the DDP wrapper needs a
+    process group even for a world of one (one GPU running NCCL, or gloo here)."""
+    proc = torchrun(1, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.strategy=ddp",
+                        "trainer.max_epochs=1"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "strategy ddp" in proc.stdout and "world size 1" in proc.stdout
+    assert summary_of(tmp_path / "run")["strategy"] == "ddp"
