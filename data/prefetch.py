@@ -159,7 +159,8 @@ class DevicePrefetcher:
     def _keys(self) -> Iterator[Optional[int]]:
         """Each coming batch's augmentation key (None without augmentation): its epoch and its
         position in the epoch, counted in global samples from where the sampler starts."""
-        augment, sampler = self.transform.augment, self.loader.sampler
+        augment = self.transform.augment
+        sampler = getattr(self.loader, "sampler", None)  # any iterable of batches will do
         if augment is None or not hasattr(sampler, "epoch"):
             return itertools.repeat(None)
         per_batch = self.loader.batch_size * getattr(sampler, "num_replicas", 1)

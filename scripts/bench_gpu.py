@@ -16,8 +16,8 @@ Copy bandwidth: the same pinned uint8 batches copied host-to-device by the prefe
 stream) and by a plain `tensor.to(device, non_blocking=True)` loop, and from pageable memory
 for reference, in GB/s. Needs CUDA.
 
-Targets: data-wait under 2% with the prefetcher; prefetcher bandwidth at least 80% of the
-plain pinned copy.
+Targets: data-wait under 1% on the CNN with the prefetcher; prefetcher bandwidth at least 90%
+of the plain pinned copy.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ COPY_COLUMNS = ["batch_mb", "plain_pinned_gbps", "prefetcher_gbps", "prefetcher_
 # dense bf16/fp16 tensor-core peaks (TFLOPS), by a substring of the device name
 PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0,
                "H100 PCIe": 756.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
-TARGETS = {"data_wait_frac_max": 0.02, "prefetcher_vs_plain_min": 0.80}
+TARGETS = {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.90}
 
 FULL = dict(steps=200, log_every=20, repeats=3, workers=8, samples=16384,
             cnn=dict(batch=256, image=64, channels="[64,128,256]"),
@@ -132,6 +132,14 @@ def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dic
     return rows
 
 
+class _CopyOnly:
+    """A prefetcher transform that leaves batches as copied (uint8 stays uint8)."""
+    augment = None
+
+    def __call__(self, batch, key=None):
+        return batch
+
+
 def copy_gbps(batches, device, prefetcher: bool) -> float:
     """GB/s moving `batches` (CPU tensors) to `device`, timed to the end of the last copy."""
     import torch
@@ -142,7 +150,7 @@ def copy_gbps(batches, device, prefetcher: bool) -> float:
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     if prefetcher:  # the copy alone: no uint8 -> float conversion on the side stream
-        for _ in DevicePrefetcher(batches, device, transform=lambda b: b, enabled=True):
+        for _ in DevicePrefetcher(batches, device, transform=_CopyOnly(), enabled=True):
             pass
     else:
         for (x,) in batches:

@@ -22,7 +22,7 @@ def test_smoke_writes_every_configuration(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["smoke"] is True and result["command"].endswith("--smoke --out " + str(out))
-    assert result["targets"] == {"data_wait_frac_max": 0.02, "prefetcher_vs_plain_min": 0.8}
+    assert result["targets"] == {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.9}
     rows = result["training"]
     assert [(r["model"], r["precision"], r["prefetch"]) for r in rows] == [
         ("cnn", "bf16", True), ("cnn", "bf16", False), ("transformer", "bf16", True),
