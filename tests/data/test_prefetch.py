@@ -88,7 +88,10 @@ def test_cuda_values_equal_and_one_stream_across_epochs():
     for epoch in range(3):
         got = [(x.cpu(), y.cpu()) for x, y in feed]
         assert feed.side_stream is stream  # never a new stream per epoch
-        assert torch.equal(torch.cat([x for x, _ in got]), ds.tensors[0].float() / 255)
+        # the same arithmetic on the device: CUDA divides by a scalar as a multiplication
+        # by its reciprocal, one rounding away from the CPU's division
+        want = (ds.tensors[0].to(CUDA).float() / 255).cpu()
+        assert torch.equal(torch.cat([x for x, _ in got]), want)
         assert torch.equal(torch.cat([y for _, y in got]), ds.tensors[1])
         if epoch == 0:
             torch.cuda.synchronize()

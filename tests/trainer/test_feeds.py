@@ -72,11 +72,14 @@ def test_two_ranks_shard_the_device_resident_data_like_the_loader(tmp_path):
     assert same_weights(final_weights(host), final_weights(device))
 
 
-def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path):
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path, accelerator):
     """uint8 images cached in memory, so kept on the device; crops and flips drawn per sample.
-    Stopped after 5 of 12 steps and resumed: the same weights as the run straight through."""
+    Stopped after 5 of 12 steps and resumed: the same weights as the run straight through
+    (on CUDA with trainer.deterministic, as exact comparisons of conv backward passes need)."""
     common = [*IMAGES, "data.cache=memory", "data.augment.crop_padding=2",
-              "data.augment.hflip=true"]
+              "data.augment.hflip=true", f"trainer.accelerator={accelerator}",
+              f"trainer.deterministic={accelerator == 'cuda'}"]
     full = train(make_cfg(*common, "trainer.max_epochs=2", run_dir=tmp_path / "full"))
     train(make_cfg(*common, "trainer.max_epochs=2", "trainer.max_steps=5",
                    run_dir=tmp_path / "part"))
@@ -84,7 +87,7 @@ def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path):
                              run_dir=tmp_path / "part"))
     assert resumed["steps"] == full["steps"] == 12
     assert same_weights(final_weights(full), final_weights(resumed))
-    plain = train(make_cfg(*IMAGES, "data.cache=memory", "trainer.max_epochs=2",
+    plain = train(make_cfg(*common[:-4], *common[-2:], "trainer.max_epochs=2",
                            run_dir=tmp_path / "plain"))
     assert not same_weights(final_weights(full), final_weights(plain))  # augmentation acted
 
