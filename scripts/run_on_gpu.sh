@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Every CUDA path and benchmark on a CUDA machine, from the project's root:
+#   bash scripts/run_on_gpu.sh checks            # GPU tests + short real runs on CUDA (~5 min)
+#   bash scripts/run_on_gpu.sh suite gpu_tests   # parts in order; `parts` lists them
+# Parts: suite (the whole test suite, which pins the CPU, against this machine's torch, with
+# pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job, fp16 + accumulation +
+# clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
+# image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
+# bench_overhead, bench_images, strategies, loader, checkpoint, speed. A step never outlives
+# its time limit; a 10-minute call holds checks, or two or three benchmarks.
+# Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
+# installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
+# else (logs, run dirs without weights) into one archive, $OUT/gpu-results.tar.gz, and one line
+# per step into $OUT/gpu-summary.txt.
+set -u
+if ls .gpu/whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-out}; R=/tmp/gpu-results; mkdir -p "$OUT" "$R" docs/benchmarks
+S="$OUT/gpu-summary.txt"
+TAG=${GPU_TAG:-h100}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  echo "cpus $(nproc)"; } > "$R/device.txt" 2>&1
+tee "$S" < "$R/device.txt"
+step() {  # step NAME SECONDS COMMAND...: bounded, log in the archive, one line in the summary
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" > "$R/$name.log" 2>&1; local rc=$?
+  printf '%-26s rc=%-3s %4ss | %s\n' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(grep -v '^\s*$' "$R/$name.log" | tail -1 | cut -c1-160)" | tee -a "$S"
+}
+run() {  # run NAME OVERRIDES...: train.py on CUDA into its own run dir
+  local name=$1; shift
+  python3 train.py hydra.run.dir="$R/runs/$name" trainer.progress_bar=false "$@"
+}
+export -f run; export R
+pack() {
+  cp docs/benchmarks/*_"$TAG"* "$R"/ 2>/dev/null
+  rm -rf "$R"/runs/*/checkpoints  # weights are not results; keep the archive small
+  tar -czf "$OUT/gpu-results.tar.gz" -C "$R" .
+}
+nccl() {  # DDP over NCCL in a torchrun job of one process (one GPU cannot show scaling)
+  step nccl_torchrun_1 120 torchrun --standalone --nproc_per_node=1 train.py \
+    trainer.strategy=ddp hydra.run.dir="$R/runs/nccl" trainer.progress_bar=false
+}
+[ $# -gt 0 ] || set -- checks
+[ "$1" = checks ] && set -- gpu_tests runs
+for part in "$@"; do
+case $part in
+suite)
+  step suite 220 python3 -m pytest -v -p no:cacheprovider -n 14 -m "not gpu"
+  grep -oE "(FAILED|ERROR) tests/[^ ]*" "$R/suite.log" | sort -u | head -40 | tee -a "$S"
+  ;;
+gpu_tests)
+  step pytest_gpu 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rA ${GPU_TESTS:-}
+  grep -E "^(FAILED|ERROR|PASSED)" "$R/pytest_gpu.log" | cut -c1-200 | tee -a "$S"
+  ;;
+nccl) nccl ;;
+runs)
+  step default_job 120 run default
+  step fp16_accum_clip 120 run fp16 experiment=synthetic_cnn trainer.precision=fp16 \
+    trainer.accumulate_grad_batches=2 trainer.grad_clip=1.0 trainer.max_epochs=2
+  nccl
+  step dp_mode 120 run dp experiment=synthetic_cnn trainer.strategy=dp trainer.max_epochs=2
+  step compile_cudagraphs 240 run cudagraphs experiment=synthetic_cnn trainer.precision=bf16 \
+    trainer.compile.enabled=true trainer.compile.mode=reduce-overhead trainer.max_epochs=2
+  step profile 120 python3 train.py debug=profile hydra.run.dir="$R/runs/profile"
+  step transformer_bf16 120 run lm experiment=tokens_transformer trainer.precision=bf16 \
+    trainer.max_epochs=1
+  step make_images 120 python3 scripts/make_images.py --out /tmp/imgs --count 2000
+  step image_folder_shm 120 run imgs data=image_folder data.dataset.root=/tmp/imgs \
+    data.dataset.size=64 model=cnn data.num_workers=8 data.cache=shm trainer.max_epochs=3
+  step shards_pack 120 python3 scripts/prepare_data.py --format shards --out /tmp/shards \
+    data=image_folder data.dataset.root=/tmp/imgs
+  step shards_train 120 run shards data=shards data.dataset.root=/tmp/shards \
+    data.dataset.size=64 model=cnn data.num_workers=8 trainer.max_epochs=2
+  step start_up_fdr 60 python3 train.py debug=fdr hydra.run.dir="$R/runs/fdr"
+  ;;
+bench_gpu)
+  step bench_gpu 270 python3 scripts/bench_gpu.py --repeats 2 \
+    --out "docs/benchmarks/bench_gpu_$TAG.json"
+  ;;
+bench_overhead)
+  step bench_overhead 230 python3 scripts/bench_overhead.py --repeats 3 --startup-repeats 1 \
+    --out "docs/benchmarks/bench_overhead_$TAG.json"
+  ;;
+bench_images)
+  step bench_images 200 python3 scripts/bench_images.py --workers 8 \
+    --out "docs/benchmarks/bench_images_$TAG.json"
+  ;;
+strategies)
+  step compare_strategies 100 python3 scripts/compare_strategies.py --nproc 1 \
+    --out "docs/benchmarks/compare_strategies_$TAG.json"
+  ;;
+loader)
+  step bench_loader 80 python3 scripts/bench_loader.py --workers 8 \
+    --out "docs/benchmarks/bench_loader_$TAG.json"
+  ;;
+checkpoint)
+  step bench_checkpoint 60 python3 scripts/bench_checkpoint.py \
+    --out "docs/benchmarks/bench_checkpoint_$TAG.json"
+  ;;
+speed)
+  step bench_speed 120 python3 scripts/bench_speed.py --precision bf16 --repeats 2 \
+    --out "docs/benchmarks/bench_speed_$TAG.json"
+  ;;
+*) echo "usage: run_on_gpu.sh checks | PART... (suite gpu_tests runs nccl bench_gpu bench_overhead bench_images strategies loader checkpoint speed)"; exit 2 ;;
+esac
+pack  # after every part: a call cut off by its time limit still returns the parts done
+done
+echo "archive: $(du -h "$OUT/gpu-results.tar.gz" | cut -f1)" | tee -a "$S"
