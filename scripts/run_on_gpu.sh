@@ -7,7 +7,11 @@
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead, bench_images, strategies, loader, checkpoint, speed. A step never outlives
-# its time limit; a 10-minute call holds checks, or two or three benchmarks.
+# its time limit. Seen on one H100 (2026-11-22; a call is at most 10 minutes, a session's
+# device time 30, and a machine's start a minute or two of it): gpu_tests ~60 s, runs ~5 min,
+# nccl ~25 s, bench_gpu ~3.5 min (--repeats 2), bench_overhead over 4 min with --repeats 3
+# (a fresh CUDA process per run: give it a call of its own), suite not finished in 5 min
+# with 6 workers beside the runs.
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights) into one archive, $OUT/gpu-results.tar.gz, and one line
@@ -83,7 +87,7 @@ bench_gpu)
     --out "docs/benchmarks/bench_gpu_$TAG.json"
   ;;
 bench_overhead)
-  step bench_overhead 230 python3 scripts/bench_overhead.py --repeats 3 --startup-repeats 1 \
+  step bench_overhead 540 python3 scripts/bench_overhead.py --repeats 5 --startup-repeats 2 \
     --out "docs/benchmarks/bench_overhead_$TAG.json"
   ;;
 bench_images)

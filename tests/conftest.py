@@ -20,6 +20,19 @@ def make_cfg(tmp_path) -> Callable[..., DictConfig]:
     return _make
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """Every test but the `gpu`-marked ones runs on the CPU, on a GPU machine too, as in CI:
+    CUDA is hidden from it and from the processes it starts (train.py, torchrun's ranks, the
+    benchmark scripts). Otherwise a 2-rank torchrun test would put its second rank on a GPU
+    that a one-GPU machine lacks, and scripts would take CUDA paths the test does not expect."""
+    if "gpu" in request.keywords:
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
