@@ -44,15 +44,15 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, checkpointed: bool)
     """Applies `blocks` in order, each under activation checkpointing when `checkpointed` and
     gradients are being recorded (evaluation runs them plainly)."""
     for block in blocks:
-        if checkpointed and torch.is_grad_enabled() and torch.compiler.is_compiling():
+        if not (checkpointed and torch.is_grad_enabled()):
+            x = block(x)
+        elif torch.compiler.is_compiling():
             # compiled, the recomputation is part of the backward graph, which does not
             # repeat the forward's buffer updates (and takes no context_fn but dispatch modes)
             x = checkpoint(block, x, use_reentrant=False)
-        elif checkpointed and torch.is_grad_enabled():
+        else:
             x = checkpoint(block, x, use_reentrant=False,
                            context_fn=functools.partial(_contexts, block))
-        else:
-            x = block(x)
     return x
 
 
