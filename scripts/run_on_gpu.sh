@@ -11,7 +11,7 @@
 # device time 30, and a machine's start a minute or two of it): gpu_tests ~60 s, runs ~5 min,
 # nccl ~25 s, bench_gpu ~3.5 min (--repeats 2), bench_overhead over 4 min with --repeats 3
 # (a fresh CUDA process per run: give it a call of its own), suite not finished in 5 min
-# with 6 workers beside the runs.
+# with 6 workers beside the runs (a call of its own too: -n 3 takes 8 min on 2 CPU cores).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights) into one archive, $OUT/gpu-results.tar.gz, and one line
@@ -24,7 +24,10 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}; R=/tmp/gpu-results; mkdir -p "$OUT" "$R" docs/benchmarks
 S="$OUT/gpu-summary.txt"
-TAG=${GPU_TAG:-h100}
+# JSON files are named after the GPU (bench_gpu_h100.json): the device tool may lend an H200
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+TAG=${GPU_TAG:-$(echo "$gpu" | grep -oiE 'h100|h200|a100|l40s|l4|a10g' | head -1 | tr 'A-Z' 'a-z')}
+TAG=${TAG:-gpu}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
   echo "cpus $(nproc)"; } > "$R/device.txt" 2>&1
@@ -32,16 +35,17 @@ tee "$S" < "$R/device.txt"
 step() {  # step NAME SECONDS COMMAND...: bounded, log in the archive, one line in the summary
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   timeout -k 10 "$limit" bash -c '"$@"' _ "$@" > "$R/$name.log" 2>&1; local rc=$?
-  printf '%-26s rc=%-3s %4ss | %s\n' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(grep -v '^\s*$' "$R/$name.log" | tail -1 | cut -c1-160)" | tee -a "$S"
+  local last; last=$(grep -v '^\s*$' "$R/$name.log" | tail -1 | cut -c1-160)
+  [ "$rc" = 124 ] && last="TIMED OUT after ${limit}s (incomplete) | $last"
+  printf '%-26s rc=%-3s %4ss | %s\n' "$name" "$rc" "$((SECONDS - t0))" "$last" | tee -a "$S"
 }
 run() {  # run NAME OVERRIDES...: train.py on CUDA into its own run dir
   local name=$1; shift
   python3 train.py hydra.run.dir="$R/runs/$name" trainer.progress_bar=false "$@"
 }
 export -f run; export R
-pack() {
-  cp docs/benchmarks/*_"$TAG"* "$R"/ 2>/dev/null
+pack() {  # the benchmark files this call wrote (not older committed ones), logs, run dirs
+  find docs/benchmarks -name "*_$TAG*" -newer "$R/device.txt" -exec cp {} "$R"/ \;
   rm -rf "$R"/runs/*/checkpoints  # weights are not results; keep the archive small
   tar -czf "$OUT/gpu-results.tar.gz" -C "$R" .
 }
@@ -50,11 +54,14 @@ nccl() {  # DDP over NCCL in a torchrun job of one process (one GPU cannot show 
     trainer.strategy=ddp hydra.run.dir="$R/runs/nccl" trainer.progress_bar=false
 }
 [ $# -gt 0 ] || set -- checks
-[ "$1" = checks ] && set -- gpu_tests runs
+parts=()
 for part in "$@"; do
+  if [ "$part" = checks ]; then parts+=(gpu_tests runs); else parts+=("$part"); fi
+done
+for part in "${parts[@]}"; do
 case $part in
 suite)
-  step suite 220 python3 -m pytest -v -p no:cacheprovider -n 14 -m "not gpu"
+  step suite 540 python3 -m pytest -v -p no:cacheprovider -n 14 -m "not gpu"
   grep -oE "(FAILED|ERROR) tests/[^ ]*" "$R/suite.log" | sort -u | head -40 | tee -a "$S"
   ;;
 gpu_tests)

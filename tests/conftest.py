@@ -26,7 +26,7 @@ def cpu_unless_marked_gpu(request, monkeypatch):
     CUDA is hidden from it and from the processes it starts (train.py, torchrun's ranks, the
     benchmark scripts). Otherwise a 2-rank torchrun test would put its second rank on a GPU
     that a one-GPU machine lacks, and scripts would take CUDA paths the test does not expect."""
-    if "gpu" in request.keywords:
+    if request.node.get_closest_marker("gpu"):
         return
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -396,6 +396,12 @@ def _check_speed(cfg: DictConfig, strategy: Strategy) -> None:
                "must be one of " + ", ".join(torch.compiler.list_backends() + ["aot_eager"]))
         _check(strategy != Strategy.dp, "trainer.compile.enabled", True,
                "is not supported with DataParallel (a comparison mode); use ddp or single")
+        # eager runs the captured checkpoint regions as they are: the recomputation repeats
+        # BatchNorm's in-place statistics update, which autograd then refuses
+        _check(not (c.backend == "eager" and cfg.model.get("activation_checkpointing")),
+               "trainer.compile.backend", c.backend,
+               "cannot run model.activation_checkpointing=true; use aot_eager or inductor, or "
+               "model.activation_checkpointing=false")
     optim = cfg.optim
     fused, foreach = optim.get("fused"), optim.get("foreach")
     _check(not (fused and foreach), "optim.fused", fused,

@@ -138,15 +138,15 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float,
     store deadlocks on the previous group's keys. It is destroyed at exit, or at once when
     the job raises, so a failing rank never leaves a live group behind.
     """
+    backend = backend_for(device)
+    if is_active() and dist.get_backend() != backend:  # an earlier job of a sweep joined it
+        raise RuntimeError(f"this process already joined a {dist.get_backend()} group; "
+                           f"a sweep cannot switch to {backend} between jobs")
     if env.world_size <= 1 and not ddp:
         yield
         return
-    backend = backend_for(device)
     if not is_active():
         _init(env, device, backend, timeout_s)
-    elif dist.get_backend() != backend:
-        raise RuntimeError(f"this process already joined a {dist.get_backend()} group; "
-                           f"a sweep cannot switch to {backend} between jobs")
     try:
         yield
     except BaseException:

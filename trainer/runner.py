@@ -304,6 +304,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         summary.update(skipped_files=len(skipped))
         summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
                        world_size=env.world_size, strategy=spec.strategy.value,
+                       precision=cfg.trainer.precision.value,
                        peak_mem_mb=peak_memory_mb(spec.device))
         logger.summary(summary)
         if writing:

@@ -2,6 +2,7 @@
 the process group of a one-process DDP job."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers import ROOT, summary_of, torchrun
@@ -50,6 +51,7 @@ def test_run_stamp_is_shared_by_the_ranks_of_a_job():
     assert len(distributed.run_stamp({})) == len("2026-01-01/00-00-00")
 
 
+@pytest.mark.slow
 def test_ddp_in_a_torchrun_job_of_one_process_joins_a_group_of_one(tmp_path):
     """`torchrun --nproc_per_node=1 train.py trainer.strategy=ddp`: the DDP wrapper needs a
     process group even for a world of one (one GPU running NCCL, or gloo here)."""

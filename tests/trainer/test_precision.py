@@ -60,9 +60,11 @@ def test_fp16_scaler_unscales_before_clipping():
 def test_bf16_and_fp16_reach_fp32_accuracy_on_cuda(make_cfg, tmp_path, job):
     """The default job and the CNN job, same seed, in each precision: the mixed-precision runs
     end within 1.5 points (5 of 359 validation digits) of fp32's validation accuracy."""
-    acc = {p: train(make_cfg("trainer.accelerator=cuda", *job, f"trainer.precision={p}",
-                             "trainer.save_checkpoint=false", "trainer.tensorboard=false",
-                             run_dir=tmp_path / p))["val_acc"]
-           for p in ("fp32", "bf16", "fp16")}
+    runs = {p: train(make_cfg("trainer.accelerator=cuda", *job, f"trainer.precision={p}",
+                              "trainer.save_checkpoint=false", "trainer.tensorboard=false",
+                              run_dir=tmp_path / p))
+            for p in ("fp32", "bf16", "fp16")}
+    assert {p: r["precision"] for p, r in runs.items()} == {p: p for p in runs}
+    acc = {p: r["val_acc"] for p, r in runs.items()}
     assert acc["fp32"] > 0.9, acc
     assert acc["bf16"] >= acc["fp32"] - 0.015 and acc["fp16"] >= acc["fp32"] - 0.015, acc

@@ -126,6 +126,16 @@ def test_compile_is_refused_with_data_parallel(make_cfg):
     _check_speed(cfg, Strategy.ddp)  # fine
 
 
+def test_eager_compile_backend_is_refused_with_activation_checkpointing(make_cfg):
+    cfg = make_cfg("trainer.compile.enabled=true", "trainer.compile.backend=eager", "model=cnn",
+                   "model.activation_checkpointing=true")
+    with pytest.raises(ConfigError, match="trainer.compile.backend=eager: cannot run "
+                                          "model.activation_checkpointing=true; use aot_eager"):
+        _check_speed(cfg, Strategy.single)
+    cfg.trainer.compile.backend = "aot_eager"
+    _check_speed(cfg, Strategy.single)  # fine
+
+
 def test_compile_is_off_by_default(make_cfg):
     assert make_cfg().trainer.compile == CompileConfig()
 
