@@ -82,7 +82,7 @@ USER_ERRORS = (ConfigError, CheckpointError, HydraException, OmegaConfBaseExcept
 
 def fail(e: BaseException, code: int = EXIT_CONFIG) -> NoReturn:
     """Prints `e` as one line (rank 0 only: every rank meets the same error) and exits
-    `code` (2: a configuration or checkpoint problem).
+    `code` (2: a configuration, data or checkpoint problem).
 
     Raised inside a Hydra task, SystemExit passes Hydra's job runner without its extra
     "Error executing job" line.

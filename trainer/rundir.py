@@ -165,7 +165,8 @@ def agreed(check, env) -> None:
 
 
 STATUS = "status.json"
-_STATUS_WORDS = {0: "completed", 2: "failed: configuration or checkpoint", 75: "preempted"}
+_STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
+                 75: "preempted"}
 
 
 def write_status(run_dir: Path, code: int, error: str) -> None:

@@ -138,3 +138,14 @@ def test_mismatches_fail_before_the_first_step(make_cfg, args, fragment):
     with pytest.raises(ConfigError) as info:
         train(make_cfg(*QUICK, *args))
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("code,word", [(0, "completed"), (1, "failed"),
+                                       (2, "failed: configuration, data or checkpoint"),
+                                       (75, "preempted")])
+def test_status_names_how_the_run_ended(tmp_path, code, word):
+    rundir.write_status(tmp_path, code, "" if code in (0, 75) else "stoker: error: x")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == word and status["exit_code"] == code
+    assert status["error"] == (None if code in (0, 75) else "stoker: error: x")
+    assert ("resume" in status) == (code == 75)
