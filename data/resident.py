@@ -4,7 +4,9 @@ For data that is already a set of tensors (a `TensorDataset`: data=digits, `data
 results, a user's own) and fits a memory budget, a DataLoader's work per step is pure overhead:
 fetching each sample through `__getitem__`, stacking them in `collate`, then copying the batch
 to the device. `ResidentBatches` copies the tensors to the device once and forms each batch
-with one `index_select` per tensor in the sampler's order:
+in the sampler's order: for data within `data.device_budget_mb`, one `index_select` per
+tensor per epoch and a slice (a view) per batch; for larger data, one `index_select` per tensor
+per batch:
 
 - the same sampler as the loader path (`ResumableDistributedSampler` for training,
   the evaluation shards for validation), so sharding, shuffling and the exact mid-epoch resume
@@ -40,18 +42,24 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 class ResidentBatches:
-    """Batches of `tensors` (on `device`) in `sampler`'s order; see the module doc."""
+    """Batches of `tensors` (on `device`) in `sampler`'s order; see the module doc.
+
+    Tensors of at most `gather_bytes` (None: no limit) are gathered once per epoch in the
+    sampler's order, and each batch is a slice of that copy: no work per step but a view, for
+    twice the data's memory during an epoch. Larger ones are indexed batch by batch."""
 
     num_workers = 0
 
     def __init__(self, tensors: Sequence[torch.Tensor], sampler: Sampler[int], batch_size: int,
                  drop_last: bool, device: torch.device,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None,
+                 gather_bytes: Optional[int] = None):
         self.tensors = tuple(t.to(device) for t in tensors)
         self.dataset = TensorDataset(*self.tensors)
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
         self.device = device
         self.generator = generator  # kept for the checkpoint's random state, like a loader's
+        self.gathered = gather_bytes is None or nbytes(self.tensors) <= gather_bytes
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -65,5 +73,10 @@ class ResidentBatches:
         if not len(order):
             return  # (splitting an empty tensor would give one empty batch)
         order = order.to(self.device, non_blocking=True)  # once per epoch
-        for idx in order.split(self.batch_size):
-            yield [t.index_select(0, idx) for t in self.tensors]
+        if self.gathered:  # one copy in this epoch's order; a batch is a view of it
+            epoch = [t.index_select(0, order) for t in self.tensors]
+            for start in range(0, len(order), self.batch_size):
+                yield [t[start:start + self.batch_size] for t in epoch]
+        else:
+            for idx in order.split(self.batch_size):
+                yield [t.index_select(0, idx) for t in self.tensors]

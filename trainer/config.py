@@ -89,7 +89,8 @@ class DataConfig:
     # device_budget_mb, else host) | host (DataLoader) | device (tensors on the device, batched
     # by indexing: no workers, no collate, no per-step host-to-device copy)
     placement: str = "auto"
-    device_budget_mb: float = 1024.0  # the most tensor data auto keeps on the device (per split)
+    # the most tensor data auto keeps on the device, and that is gathered once an epoch
+    device_budget_mb: float = 1024.0  # (per split)
     augment: AugmentConfig = field(default_factory=AugmentConfig)  # on the device, training only
 
 

@@ -37,15 +37,20 @@ def test_tensors_of_only_for_plain_rows_of_tensors():
     assert tensors_of(torch.utils.data.Subset(ds, [0, 1])) is None
 
 
+@pytest.mark.parametrize("budget_mb", [1024.0, 0.0], ids=["gathered", "indexed"])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 3])
-def test_batches_equal_the_loader_path_bitwise_per_rank_epoch_and_start(world, drop_last):
-    ds, c = data(), cfg(drop_last=drop_last)
+def test_batches_equal_the_loader_path_bitwise_per_rank_epoch_and_start(world, drop_last,
+                                                                        budget_mb):
+    """Within data.device_budget_mb an epoch is gathered once and batches are slices of it;
+    above it each batch is indexed: the same batches either way."""
+    ds, c = data(), cfg(drop_last=drop_last, device_budget_mb=budget_mb)
     for rank in range(world):
         kw = dict(train=True, rank=rank, world_size=world, seed=3, device=CPU)
         host = build_loader(ds, c, **kw)
         device = build_loader(ds, c, placement="device", **kw)
         assert isinstance(device, ResidentBatches) and device.num_workers == 0
+        assert device.gathered == (budget_mb > 0)
         for epoch, start in [(0, 0), (1, 0), (2, 24)]:  # 24: a resume mid-epoch
             for ld in (host, device):
                 ld.sampler.set_epoch(epoch)
@@ -80,3 +85,16 @@ def test_uint8_batches_become_floats_on_both_paths():
     for a, b in zip(*feeds):
         assert a[0].dtype == b[0].dtype == torch.float32 and torch.equal(a[0], b[0])
         assert float(a[0].max()) <= 1.0
+
+
+def test_a_gathered_batch_changed_in_place_leaves_the_data_and_other_batches_alone():
+    ds = data()
+    before = [t.clone() for t in ds.tensors]
+    loader = build_loader(ds, cfg(), train=True, seed=3, device=CPU, placement="device")
+    assert loader.gathered
+    batches = list(loader)
+    batches[0][0].mul_(0)  # a model writing into its inputs
+    assert all(torch.equal(a, b) for a, b in zip(before, ds.tensors))
+    assert all(batch[0].abs().sum() > 0 for batch in batches[1:])
+    again = list(loader)  # the next epoch gathers afresh from the untouched data
+    assert again[0][0].abs().sum() > 0
