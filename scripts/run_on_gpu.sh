@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path and benchmark on a CUDA machine, from the project's root:
 #   bash scripts/run_on_gpu.sh checks            # GPU tests + short real runs on CUDA (~5 min)
-#   bash scripts/run_on_gpu.sh suite gpu_tests   # parts in order; `parts` lists them
+#   bash scripts/run_on_gpu.sh suite gpu_tests   # parts in order (an unknown one lists them)
 # Parts: suite (the whole test suite, which pins the CPU, against this machine's torch, with
 # pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job, fp16 + accumulation +
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
@@ -14,15 +14,15 @@
 # with 6 workers beside the runs (a call of its own too: -n 3 takes 8 min on 2 CPU cores).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
-# else (logs, run dirs without weights) into one archive, $OUT/gpu-results.tar.gz, and one line
-# per step into $OUT/gpu-summary.txt.
+# else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
+# archive, $OUT/gpu-results.tar.gz, and one line per step into $OUT/gpu-summary.txt.
 set -u
 if ls .gpu/whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .gpu/whl/*.whl || { echo "wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpu-out}; R=/tmp/gpu-results; mkdir -p "$OUT" "$R" docs/benchmarks
+OUT=${OUT:-/tmp/gpu-out}; R=${R:-/tmp/gpu-results}; mkdir -p "$OUT" "$R" docs/benchmarks
 S="$OUT/gpu-summary.txt"
 # JSON files are named after the GPU (bench_gpu_h100.json): the device tool may lend an H200
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
