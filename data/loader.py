@@ -65,7 +65,7 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     drop_last = cfg.drop_last if train else False
     if placement == "device":
         return ResidentBatches(tensors_of(dataset), sampler, batch_size, drop_last, device,
-                               generator, gather_bytes=int(cfg.device_budget_mb * 2**20))
+                               generator, gather_mb=cfg.device_budget_mb)
     workers = cfg.num_workers if num_workers is None else num_workers
     if workers == "auto":
         raise ValueError("build_loader: resolve data.num_workers=auto first and pass "

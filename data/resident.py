@@ -41,25 +41,31 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def gathers(size_bytes: int, budget_mb: Optional[float]) -> bool:
+    """Whether tensors of `size_bytes` are gathered once per epoch (within `budget_mb`, None:
+    no limit; `data.device_budget_mb` in training) rather than indexed per batch."""
+    return budget_mb is None or size_bytes <= budget_mb * 2**20
+
+
 class ResidentBatches:
     """Batches of `tensors` (on `device`) in `sampler`'s order; see the module doc.
 
-    Tensors of at most `gather_bytes` (None: no limit) are gathered once per epoch in the
-    sampler's order, and each batch is a slice of that copy: no work per step but a view, for
-    twice the data's memory during an epoch. Larger ones are indexed batch by batch."""
+    Tensors within `gather_mb` (see `gathers`) are gathered once per epoch in the sampler's
+    order, and each batch is a slice of that copy: no work per step but a view, for twice the
+    data's memory during an epoch. Larger ones are indexed batch by batch."""
 
     num_workers = 0
 
     def __init__(self, tensors: Sequence[torch.Tensor], sampler: Sampler[int], batch_size: int,
                  drop_last: bool, device: torch.device,
                  generator: Optional[torch.Generator] = None,
-                 gather_bytes: Optional[int] = None):
+                 gather_mb: Optional[float] = None):
         self.tensors = tuple(t.to(device) for t in tensors)
         self.dataset = TensorDataset(*self.tensors)
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
         self.device = device
         self.generator = generator  # kept for the checkpoint's random state, like a loader's
-        self.gathered = gather_bytes is None or nbytes(self.tensors) <= gather_bytes
+        self.gathered = gathers(nbytes(self.tensors), gather_mb)
 
     def __len__(self) -> int:
         n = len(self.sampler)

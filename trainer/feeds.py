@@ -23,7 +23,7 @@ from data.cache import cache_dataset, reclaim_shm
 from data.loader import build_loader, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
-from data.resident import nbytes, tensors_of
+from data.resident import gathers, nbytes, tensors_of
 from data.shards import ShardStream
 from trainer import components, distributed, rundir
 from trainer.config import ConfigError, cpu_workers
@@ -78,11 +78,12 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
     elif has_collate:
         why_not = "data.collate_fn is set, and device batches are formed by indexing"
     elif device.type != "cpu":  # on CPU the tensors stay where they are: nothing is copied
-        size_mb = nbytes(tensors) / 2**20
+        size = nbytes(tensors)
+        size_mb = size / 2**20
         free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda"
                    else float("inf"))
-        # within the budget, an epoch's gathered copy doubles it (data/resident.py)
-        needed_mb = size_mb * (2 if size_mb <= d.device_budget_mb else 1)
+        # an epoch's gathered copy doubles it (data/resident.py)
+        needed_mb = size_mb * (2 if gathers(size, d.device_budget_mb) else 1)
         if needed_mb > FREE_MEMORY_SHARE * free_mb:
             copy = f" ({needed_mb:.1f} MB with an epoch's copy)" if needed_mb > size_mb else ""
             why_not = (f"its tensors take {size_mb:.1f} MB{copy}, more than half of the "
