@@ -277,6 +277,18 @@ def startup(repeats: int) -> List[Dict[str, Any]]:
             for k, v in times.items()]
 
 
+def lightning_version() -> Optional[str]:
+    """The installed PyTorch Lightning's version, or None."""
+    from importlib import metadata
+
+    for dist in ("lightning", "pytorch-lightning"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["tiny", "cnn", "all"], default="all")
@@ -294,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     has_lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
     names = ["tiny", "cnn"] if a.workload == "all" else [a.workload]
     result: Dict[str, Any] = {"machine": machine(), "repeats": a.repeats, "target": 0.97,
-                              "workloads": {}, "results": []}
+                              "lightning": lightning_version(), "workloads": {}, "results": []}
     for name in names:
         w = {"name": name, "batch": 64, "warmup": a.warmup,
              "steps": a.steps or (500 if name == "tiny" else 150),
@@ -303,10 +315,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         result["workloads"][name] = w
         kinds = [k for k in RUNNERS[name] if k != "lightning" or has_lightning]
         runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in RUNNERS[name]}
+        done = list(result["results"])
         for rep in range(a.repeats):
             for kind in (kinds if rep % 2 == 0 else kinds[::-1]):  # alternate the order too
                 runs[kind].append(in_subprocess(kind, w))
-        result["results"] += summarise(name, runs)
+                print(f"{name} repeat {rep + 1}/{a.repeats} {kind}: best step "
+                      f"{runs[kind][-1]['best_step_us']:.0f} us", file=sys.stderr, flush=True)
+            if min(len(runs[k]) for k in kinds) == rep + 1:  # a run cut short keeps these
+                result["results"] = done + summarise(name, runs)
+                write_json(a.out, dict(result, partial=True))
+        result["results"] = done + summarise(name, runs)
     print(table(result["results"], COLUMNS))
     if not has_lightning:
         print("skipped lightning: PyTorch Lightning not installed "

@@ -190,6 +190,9 @@ def render_file(section: Section, path: Path, page_dir: Path) -> List[str]:
              f"- date: {m.get('date')}"]
     if data.get("smoke"):
         lines.append("- **smoke run** (tiny sizes to exercise the code, not a measurement)")
+    if data.get("partial"):
+        lines.append("- **incomplete**: the run was cut off by its time limit; each row holds "
+                     "the repeats that finished (`runs`), and missing workloads were not run")
     lines += [""] + md_table(rows, section.columns)
     if section.extra and data.get(section.extra):
         lines += ["", section.extra_title, ""]

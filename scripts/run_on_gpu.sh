@@ -9,9 +9,11 @@
 # bench_overhead, bench_images, strategies, loader, checkpoint, speed. A step never outlives
 # its time limit. Seen on one H100 (2026-11-22; a call is at most 10 minutes, a session's
 # device time 30, and a machine's start a minute or two of it): gpu_tests ~60 s, runs ~5 min,
-# nccl ~25 s, bench_gpu ~3.5 min (--repeats 2), bench_overhead over 4 min with --repeats 3
-# (a fresh CUDA process per run: give it a call of its own), suite not finished in 5 min
-# with 6 workers beside the runs (a call of its own too: -n 3 takes 8 min on 2 CPU cores).
+# nccl ~25 s, bench_gpu ~4 min (--repeats 2), bench_loader 1 min, bench_checkpoint 20 s,
+# bench_images (--repeats 1 --epochs 2) 1.7 min, over 3.3 min with --repeats 3; bench_overhead
+# ~20 s per fresh CUDA process: 3 repeats of tiny (5 runners with Lightning) took ~5 min
+# (a call of its own), suite not finished in 5 min with 6 workers beside the runs (a call of
+# its own too: -n 3 takes 8 min on 2 CPU cores).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
@@ -94,11 +96,11 @@ bench_gpu)
     --out "docs/benchmarks/bench_gpu_$TAG.json"
   ;;
 bench_overhead)
-  step bench_overhead 540 python3 scripts/bench_overhead.py --repeats 5 --startup-repeats 2 \
+  step bench_overhead 330 python3 scripts/bench_overhead.py --repeats 3 --startup-repeats 0 \
     --out "docs/benchmarks/bench_overhead_$TAG.json"
   ;;
 bench_images)
-  step bench_images 200 python3 scripts/bench_images.py --workers 8 \
+  step bench_images 200 python3 scripts/bench_images.py --workers 8 --repeats 1 --epochs 2 \
     --out "docs/benchmarks/bench_images_$TAG.json"
   ;;
 strategies)

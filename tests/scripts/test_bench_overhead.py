@@ -30,9 +30,16 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
             row["best_step_us"] - rows[(workload, base)]["best_step_us"])
         assert row["best_step_us"] <= row["step_us"] * 1.0001  # the fastest stretch
     assert result["target"] == 0.97 and result["workloads"]["tiny"]["steps"] == 6
+    # each run is reported as it ends (a run cut off by a time limit shows how far it got),
+    # and the finished file is not marked partial
+    assert "tiny repeat 1/1 stoker_device: best step" in proc.stderr
+    assert "cnn repeat 1/1 stoker: best step" in proc.stderr and "partial" not in result
     assert [r["command"] for r in result["startup"]] == [
         "python -c 'import torch'", "python -c 'import torch; AdamW(...)'",
         "python train.py debug=fdr"]
     if not any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning")):
+        assert result["lightning"] is None
         assert rows[("tiny", "lightning")]["skipped"] == "PyTorch Lightning not installed"
         assert "skipped lightning" in proc.stdout
+    else:  # the version measured is recorded
+        assert result["lightning"].split()[0] in ("lightning", "pytorch-lightning")

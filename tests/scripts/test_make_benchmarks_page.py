@@ -35,8 +35,14 @@ def test_every_json_gets_its_table_command_machine_and_plot(tmp_path):
                 "skipped": "fp16 needs CUDA"}],
            "copy": [{"batch_mb": 0.25, "skipped": "needs CUDA"}]}
     (bench / "bench_gpu_cpu.json").write_text(json.dumps(gpu))
+    (bench / "bench_overhead_cpu.json").write_text(json.dumps(
+        {"command": "python scripts/bench_overhead.py", "partial": True,
+         "machine": gpu["machine"], "results": []}))
     text = page.render(bench, tmp_path / "benchmarks.md")
     assert "- command: `python scripts/bench_gpu.py --smoke`" in text
+    overhead = text.split("### `bench_overhead_cpu.json`")[1].split("###")[0]
+    assert "**incomplete**" in overhead and "**incomplete**" not in text.split(
+        "### `bench_gpu_cpu.json`")[1]
     assert "- machine: no GPU; 2 CPU cores; Linux; torch 2.13.0+cpu" in text
     assert "- date: 2026-01-02T03:04:05" in text and "**smoke run**" in text
     assert "| cnn | bf16 | yes | 120 |" in text.replace("120.500", "120")
