@@ -191,6 +191,12 @@ class NpyRows:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def tensor(self) -> torch.Tensor:
+        """Every row as one tensor over a copy-on-write mapping of the file: nothing is read
+        until it is used, and nothing written to it reaches the file."""
+        return torch.from_numpy(np.memmap(self.path, dtype=self.dtype, mode="c",
+                                          offset=self.offset, shape=tuple(self.shape)))
+
     def __getstate__(self):
         return {**self.__dict__, "_mm": None, "_pid": -1}  # never ship a mapping
 
@@ -237,6 +243,13 @@ class MemmapDataset(Dataset):
 
     def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(self.x[i]), torch.from_numpy(self.y[i])
+
+    def as_tensors(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(x, y) as memory-mapped tensors whose row i is sample i, for batching by indexing
+        (data/resident.py); None when a subclass makes its samples otherwise."""
+        if type(self).__getitem__ is not MemmapDataset.__getitem__:
+            return None
+        return self.x.tensor(), self.y.tensor()
 
 
 def read_meta(root: str) -> dict:

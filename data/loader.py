@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from data.resident import ResidentBatches, tensors_of
+from data.resident import ResidentBatches, rows_of
 from data.sampler import ResumableDistributedSampler
 from data.shards import ShardLoader, ShardPlan, ShardStream
 
@@ -64,7 +64,7 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     generator = torch.Generator().manual_seed(seed + 7919 * rank)
     drop_last = cfg.drop_last if train else False
     if placement == "device":
-        return ResidentBatches(tensors_of(dataset), sampler, batch_size, drop_last, device,
+        return ResidentBatches(rows_of(dataset), sampler, batch_size, drop_last, device,
                                generator, gather_mb=cfg.device_budget_mb)
     workers = cfg.num_workers if num_workers is None else num_workers
     if workers == "auto":

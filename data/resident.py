@@ -1,7 +1,8 @@
 """Device-resident data: a dataset of tensors kept on the training device, batched by indexing.
 
 For data that is already a set of tensors (a `TensorDataset`: data=digits, `data.cache=memory`
-results, a user's own) and fits a memory budget, a DataLoader's work per step is pure overhead:
+results, a user's own; or arrays memory-mapped from files: data=memmap, `data.cache=shm|disk`)
+and fits a memory budget, a DataLoader's work per step is pure overhead:
 fetching each sample through `__getitem__`, stacking them in `collate`, then copying the batch
 to the device. `ResidentBatches` copies the tensors to the device once and forms each batch
 in the sampler's order: for data within `data.device_budget_mb`, one `index_select` per
@@ -34,6 +35,15 @@ def tensors_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
             type(dataset).__getitem__ is TensorDataset.__getitem__:
         return tuple(dataset.tensors)
     return None
+
+
+def rows_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
+    """`tensors_of(dataset)`, or else the memory-mapped tensors of a dataset whose samples are
+    rows of arrays in files (`as_tensors()`: data=memmap, data.cache=shm and disk), or None."""
+    tensors = tensors_of(dataset)
+    if tensors is None and callable(getattr(dataset, "as_tensors", None)):
+        tensors = dataset.as_tensors()
+    return None if tensors is None else tuple(tensors)
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:

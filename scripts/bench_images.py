@@ -14,7 +14,10 @@ stands for the GPU's work, as scripts/bench_loader.py does) for:
                       the CPU, its CPU cost printed beside)
   (c') plain loader   (c)'s reference: torch's DataLoader over the same folder, nothing else
   (d) memmap          scripts/prepare_data.py's packed uint8 arrays (data=memmap): no decoding
-  (e) cache=<mode>    data.cache memory, shm, disk and lru (W workers), on the second epoch
+  (e) cache=<mode>    data.cache memory, shm, disk and lru, on the second epoch
+Every feed is the one train.py builds with data.placement=auto: the memmap, memory, shm and
+disk data (tensors or memory-mapped arrays within data.device_budget_mb) are batched by
+indexing on the training device without workers; the others go through W loader workers.
   (f) shards          tar shards streamed by W workers (data=shards), decoded as they come
 Each configuration runs in a fresh process, --repeats times in alternating order (the files,
 packed arrays and shards are made once). Each row gives the median over runs of the median
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import data_cost_s, run_epochs  # noqa: E402
 from benchlib import machine, median, table, write_json  # noqa: E402
@@ -53,6 +57,7 @@ from data.prefetch import DevicePrefetcher, InputTransform  # noqa: E402
 from data.shards import ShardStream, write_shards  # noqa: E402
 from make_images import write_images  # noqa: E402
 from trainer.config import DataConfig  # noqa: E402
+from trainer.feeds import placement  # noqa: E402
 
 COLUMNS = ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s", "runs"]
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -76,13 +81,17 @@ class CPUNormalised(torch.utils.data.Dataset):
 
 
 def feed(dataset, workers: int, batch: int, device: torch.device, on_device: bool):
-    """The training feed; `on_device`: uint8 batches normalised by the prefetcher on the GPU.
+    """The training feed train.py builds at data.placement=auto (tensors or memory-mapped
+    arrays within data.device_budget_mb: batched by indexing, no workers; else a DataLoader
+    with `workers`); `on_device`: uint8 batches normalised by the prefetcher on the GPU.
     Without a GPU that conversion is the device's work, which the fixed wait per step stands
     for, so it is not run on the CPU here (its CPU cost is reported on its own)."""
     cfg = DataConfig(batch_size=batch, num_workers=workers, persistent_workers=True,
                      prefetch_factor=2, shuffle=True)
-    loader = build_loader(dataset, cfg, train=True, num_workers=workers, device=device,
-                          collate_fn=getattr(dataset, "collate_fn", None))
+    collate = getattr(dataset, "collate_fn", None)
+    where, _ = placement(OmegaConf.structured(cfg), dataset, device, collate is not None)
+    loader = build_loader(dataset, cfg, train=True, device=device, collate_fn=collate,
+                          num_workers=0 if where == "device" else workers, placement=where)
     if not on_device:
         transform = InputTransform()  # float batches: nothing to do
     elif device.type == "cuda":
@@ -283,8 +292,7 @@ def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: to
                              num_workers=w, cache_dir=str(tmp / f"disk-{os.getpid()}"),
                              cache_mb=4096)
     fill_s = time.perf_counter() - start
-    workers = 0 if mode == "memory" else w  # tensors in memory: workers would only copy them
-    row = measure(f"e_cache_{mode}", lambda: feed(ds, workers, b, device, True), epochs,
+    row = measure(f"e_cache_{mode}", lambda: feed(ds, w, b, device, True), epochs,
                   compute_s, second=True, one_off_s=fill_s if mode != "lru" else None)
     if mode in ("shm", "disk"):
         shutil.rmtree(Path(ds.x.path).parents[1], ignore_errors=True)

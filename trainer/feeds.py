@@ -23,7 +23,7 @@ from data.cache import cache_dataset, reclaim_shm
 from data.loader import build_loader, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
-from data.resident import gathers, nbytes, tensors_of
+from data.resident import gathers, nbytes, rows_of, tensors_of
 from data.shards import ShardStream
 from trainer import components, distributed, rundir
 from trainer.config import ConfigError, cpu_workers
@@ -68,16 +68,18 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
     if d.placement == "host":
         return "host", None
     tensors = tensors_of(dataset)
+    # arrays mapped from files: on CPU too, reading them all is bounded by the budget
+    mapped = tensors is None and (tensors := rows_of(dataset)) is not None
     why_not = None
     if tensors is None and isinstance(dataset, TensorDataset):
         why_not = (f"{type(dataset).__name__} overrides TensorDataset.__getitem__, so its "
                    "samples are not rows of its tensors")
     elif tensors is None:
-        why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset; "
-                   "data.cache=memory makes one)")
+        why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset, "
+                   "which data.cache=memory makes, or memory-mapped arrays: data=memmap)")
     elif has_collate:
         why_not = "data.collate_fn is set, and device batches are formed by indexing"
-    elif device.type != "cpu":  # on CPU the tensors stay where they are: nothing is copied
+    elif device.type != "cpu" or mapped:  # on CPU tensors in memory stay where they are
         size = nbytes(tensors)
         size_mb = size / 2**20
         free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda"
@@ -89,7 +91,8 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
             why_not = (f"its tensors take {size_mb:.1f} MB{copy}, more than half of the "
                        f"{free_mb:.0f} MB free on {device}")
         elif d.placement == "auto" and size_mb > d.device_budget_mb:
-            why_not = f"its tensors take {size_mb:.1f} MB > data.device_budget_mb"
+            why_not = (f"its {'arrays' if mapped else 'tensors'} take {size_mb:.1f} MB > "
+                       "data.device_budget_mb")
     return ("host", why_not) if why_not else ("device", None)
 
 
@@ -197,10 +200,11 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
                   device: torch.device, d: DictConfig) -> str:
     """One line for the log: where a split's data lives and how its batches are made."""
     if where == "device":
-        size = nbytes(tensors_of(dataset)) / 2**20
+        size = nbytes(rows_of(dataset)) / 2**20
         unused = (f"; data.num_workers={d.num_workers} is not used (data.placement=host for "
                   "loader workers)") if d.num_workers not in ("auto", 0) else ""
-        return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of tensors kept on "
+        what = "tensors" if tensors_of(dataset) is not None else "memory-mapped arrays"
+        return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of {what} kept on "
                 f"{device}, batched by indexing (data.placement={d.placement}){unused}")
     source = f"streamed from {len(dataset.urls)} tar shards " \
         if isinstance(dataset, ShardStream) else ""

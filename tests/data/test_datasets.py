@@ -86,6 +86,30 @@ def test_memmap_is_mapped_anew_in_each_worker(tmp_path):
     assert torch.equal(xs, torch.stack([ds[i][0] for i in range(8)]))
 
 
+def test_memmap_as_tensors_are_its_samples_mapped_copy_on_write(tmp_path):
+    """Row i of as_tensors() is sample i (what batching by indexing relies on); writing to a
+    row leaves the file alone; a subclass that makes its samples otherwise offers none."""
+    from data.datasets import MemmapDataset
+    from tests.helpers import make_memmap_root
+
+    root = make_memmap_root(tmp_path / "mm", n=10, dtype="uint8")
+    ds = MemmapDataset("train", str(root))
+    x, y = ds.as_tensors()
+    assert x.shape == (10, 3, 8, 8) and x.dtype == torch.uint8 and y.shape == (10,)
+    samples = [ds[i] for i in range(10)]
+    assert torch.equal(x, torch.stack([s[0] for s in samples]))
+    assert torch.equal(y, torch.stack([s[1] for s in samples]))
+    x[3] = 7
+    assert torch.equal(MemmapDataset("train", str(root))[3][0], samples[3][0])
+
+    class Flipped(MemmapDataset):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return x.flip(-1), y
+
+    assert Flipped("train", str(root)).as_tensors() is None
+
+
 def test_memmap_missing_files_name_the_key(tmp_path):
     from data.datasets import MemmapDataset
 

@@ -122,6 +122,38 @@ def test_auto_budget_keeps_large_tensor_data_on_the_host():
     assert placement(d, ds, torch.device("meta"), False) == ("device", None)
 
 
+def test_memory_mapped_arrays_are_batched_by_indexing_within_the_budget(make_cfg, caplog,
+                                                                          tmp_path):
+    """data=memmap under auto: within data.device_budget_mb its arrays are batched by
+    indexing (no workers), training exactly as the DataLoader does; beyond it, on CPU too,
+    loader workers read them."""
+    from omegaconf import OmegaConf
+
+    from data.datasets import MemmapDataset
+    from tests.helpers import make_memmap_root
+    from trainer.config import DataConfig
+    from trainer.feeds import placement
+
+    root = make_memmap_root(tmp_path / "mm", n=64, dtype="uint8")
+    common = ["data=memmap", f"data.dataset.root={root}", "model=cnn", "data.batch_size=16",
+              "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]",
+              "trainer.max_epochs=2", "sched=constant", "trainer.tensorboard=false"]
+    caplog.set_level(logging.INFO, logger="stoker")
+    auto = train(make_cfg(*common, run_dir=tmp_path / "auto"))
+    assert data_lines(caplog)[0].startswith(
+        "data: train set: 64 samples, 0.0 MB of memory-mapped arrays kept on cpu, batched by "
+        "indexing (data.placement=auto)")
+    host = train(make_cfg(*common, "data.placement=host", "data.num_workers=0",
+                          run_dir=tmp_path / "host"))
+    assert same_weights(final_weights(auto), final_weights(host))
+    d = OmegaConf.structured(DataConfig(device_budget_mb=0.01))  # the arrays: 12 KB
+    ds = MemmapDataset("train", str(root))
+    assert placement(d, ds, torch.device("cpu"), False) == (
+        "host", "its arrays take 0.0 MB > data.device_budget_mb")
+    d.device_budget_mb = 1.0
+    assert placement(d, ds, torch.device("cpu"), False) == ("device", None)
+
+
 def two_cores():
     """Runs a child on two CPU cores, so `cores` in the advice is 2 on any machine."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
