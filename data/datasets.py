@@ -247,7 +247,8 @@ class MemmapDataset(Dataset):
     def as_tensors(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(x, y) as memory-mapped tensors whose row i is sample i, for batching by indexing
         (data/resident.py); None when a subclass makes its samples otherwise."""
-        if type(self).__getitem__ is not MemmapDataset.__getitem__:
+        if type(self).__getitem__ is not MemmapDataset.__getitem__ or \
+                type(self).__len__ is not MemmapDataset.__len__:
             return None
         return self.x.tensor(), self.y.tensor()
 

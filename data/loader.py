@@ -102,12 +102,14 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
 
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
                  cores: int, in_memory: bool, placement: str = "host",
-                 why_not_device: Optional[str] = None, streamed: bool = False) -> str:
+                 why_not_device: Optional[str] = None, streamed: bool = False,
+                 mapped: bool = False) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
 
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
     may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
-    already in memory; `placement`: where the training batches were formed. The advice follows
+    already in memory; `mapped`: rows of memory-mapped arrays (data=memmap, data.cache=shm or
+    disk) read by loader workers; `placement`: where the training batches were formed. The advice follows
     what the case shows (`why_not_device`: why the data could not be kept on the device):
     tensors in memory need no loader at all; more workers than cores only
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
@@ -128,6 +130,12 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         fix = (f"the samples are tensors in memory, which cannot stay on the device "
                f"({why_not_device}): set data.num_workers=0 (each of the {n} workers only "
                "copies them)")
+    elif mapped and (why_not_device is None or "data.device_budget_mb" in why_not_device):
+        fix = ("the samples are rows of memory-mapped arrays, read by loader workers" + (
+            f" because {why_not_device}: raise data.device_budget_mb above their size, and "
+            "data.placement=auto batches them by indexing on the training device"
+            if why_not_device else ": set data.placement=auto (or device) to batch them by "
+            "indexing on the training device"))
     elif n > cores:
         fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
                f"workers compete for them; lower it to {cores} (or auto)")
@@ -143,6 +151,10 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode the "
                "streamed shards faster; pack data that fits locally once (scripts/"
                "prepare_data.py --format npy, data=memmap), or store smaller images")
+    elif mapped:
+        fix = (f"the loader is CPU-bound reading memory-mapped arrays: {n} workers on {cores} "
+               "cores cannot batch them faster; raise data.batch_size, or store smaller samples "
+               "(uint8, a lower resolution)")
     elif cfg.cache != "none":
         fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {n} workers on {cores} "
                "cores cannot batch it faster; data.cache=memory keeps it in this process (and, "

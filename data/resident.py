@@ -41,8 +41,11 @@ def rows_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
     """`tensors_of(dataset)`, or else the memory-mapped tensors of a dataset whose samples are
     rows of arrays in files (`as_tensors()`: data=memmap, data.cache=shm and disk), or None."""
     tensors = tensors_of(dataset)
-    if tensors is None and callable(getattr(dataset, "as_tensors", None)):
-        tensors = dataset.as_tensors()
+    # looked up on the class: a wrapper that forwards attributes to the dataset it holds (a
+    # cache, a transform) has samples of its own, which the wrapped arrays are not
+    as_tensors = getattr(type(dataset), "as_tensors", None)
+    if tensors is None and callable(as_tensors):
+        tensors = as_tensors(dataset)
     return None if tensors is None else tuple(tensors)
 
 

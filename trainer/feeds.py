@@ -31,6 +31,8 @@ from trainer.distributed import DistEnv
 
 # the share of a GPU's free memory that device placement may take for one split
 FREE_MEMORY_SHARE = 0.5
+# dtypes that torch's index_select (how device batches are formed) has no kernel for
+UNINDEXABLE = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
@@ -76,9 +78,14 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
                    "samples are not rows of its tensors")
     elif tensors is None:
         why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset, "
-                   "which data.cache=memory makes, or memory-mapped arrays: data=memmap)")
+                   "which data.cache=memory makes, or memory-mapped arrays: data=memmap, "
+                   "data.cache=shm or disk)")
     elif has_collate:
         why_not = "data.collate_fn is set, and device batches are formed by indexing"
+    elif any(t.dtype in UNINDEXABLE for t in tensors):
+        dtypes = sorted({str(t.dtype) for t in tensors if t.dtype in UNINDEXABLE})
+        why_not = (f"its {'arrays' if mapped else 'tensors'} hold {', '.join(dtypes)}, which "
+                   "index_select does not support (store int64, int32 or uint8)")
     elif device.type != "cpu" or mapped:  # on CPU tensors in memory stay where they are
         size = nbytes(tensors)
         size_mb = size / 2**20
@@ -88,7 +95,8 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
         needed_mb = size_mb * (2 if gathers(size, d.device_budget_mb) else 1)
         if needed_mb > FREE_MEMORY_SHARE * free_mb:
             copy = f" ({needed_mb:.1f} MB with an epoch's copy)" if needed_mb > size_mb else ""
-            why_not = (f"its tensors take {size_mb:.1f} MB{copy}, more than half of the "
+            why_not = (f"its {'arrays' if mapped else 'tensors'} take {size_mb:.1f} MB{copy}, "
+                       "more than half of the "
                        f"{free_mb:.0f} MB free on {device}")
         elif d.placement == "auto" and size_mb > d.device_budget_mb:
             why_not = (f"its {'arrays' if mapped else 'tensors'} take {size_mb:.1f} MB > "
@@ -163,7 +171,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
                               world_size=env.world_size, seed=cfg.seed, device=device,
                               shuffle=shuffle, collate_fn=split_collate, num_workers=workers,
                               placement=where)
-        lines.append("data: " + describe_feed(split, ds, where, workers, device, d))
+        lines.append("data: " + describe_feed(split, ds, where, workers, device, d, why_not))
         if d.cache != "none":
             lines[-1] += f"; data.cache={d.cache}" + (
                 f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
@@ -197,8 +205,9 @@ def _cache_tag(cfg: DictConfig, split: str) -> str:
 
 
 def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
-                  device: torch.device, d: DictConfig) -> str:
-    """One line for the log: where a split's data lives and how its batches are made."""
+                  device: torch.device, d: DictConfig, why_not: Optional[str] = None) -> str:
+    """One line for the log: where a split's data lives and how its batches are made (and,
+    for tensors or arrays that auto placement left on the host, why)."""
     if where == "device":
         size = nbytes(rows_of(dataset)) / 2**20
         unused = (f"; data.num_workers={d.num_workers} is not used (data.placement=host for "
@@ -208,8 +217,10 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
                 f"{device}, batched by indexing (data.placement={d.placement}){unused}")
     source = f"streamed from {len(dataset.urls)} tar shards " \
         if isinstance(dataset, ShardStream) else ""
+    why = f"; not batched on the device: {why_not}" \
+        if why_not and d.placement != "host" and rows_of(dataset) is not None else ""
     return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with {workers} "
-            f"workers (data.num_workers={d.num_workers}, data.placement={d.placement})")
+            f"workers (data.num_workers={d.num_workers}, data.placement={d.placement}){why}")
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,
@@ -219,6 +230,8 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
     return stall_advice(d, device, wait_frac, workers=loader.num_workers,
                         cores=distributed.cpus_per_rank(local_world_size),
                         in_memory=tensors_of(loader.dataset) is not None,
+                        mapped=not feed.resident and tensors_of(loader.dataset) is None
+                        and rows_of(loader.dataset) is not None,
                         placement="device" if feed.resident else "host",
                         why_not_device=getattr(feed, "why_not_device", None),
                         streamed=isinstance(loader.dataset, ShardStream))

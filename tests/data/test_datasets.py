@@ -109,6 +109,12 @@ def test_memmap_as_tensors_are_its_samples_mapped_copy_on_write(tmp_path):
 
     assert Flipped("train", str(root)).as_tensors() is None
 
+    class Fewer(MemmapDataset):
+        def __len__(self):
+            return 4
+
+    assert Fewer("train", str(root)).as_tensors() is None
+
 
 def test_memmap_missing_files_name_the_key(tmp_path):
     from data.datasets import MemmapDataset

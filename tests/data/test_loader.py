@@ -114,6 +114,14 @@ def test_loader_passes_timeout_and_context():
     (dict(), dict(workers=4), "cpu", "data.cache=memory or shm if the decoded data fits"),
     (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound reading data.cache=shm: 4 workers"),
     (dict(), dict(workers=4, streamed=True), "cpu", "cannot decode the streamed shards faster"),
+    (dict(cache="disk"), dict(workers=2, mapped=True, why_not_device="its arrays take 300.0 MB "
+                              "> data.device_budget_mb"), "cpu",
+     "read by loader workers because its arrays take 300.0 MB > data.device_budget_mb: raise "
+     "data.device_budget_mb above their size"),
+    (dict(), dict(workers=2, mapped=True), "cpu", "set data.placement=auto (or device)"),
+    (dict(), dict(workers=4, mapped=True, why_not_device="its arrays take 900.0 MB (1800.0 MB "
+                  "with an epoch's copy), more than half of the 1000 MB free on cuda:0"), "cuda",
+     "CPU-bound reading memory-mapped arrays: 4 workers on 4 cores"),  # not the budget
 ])
 def test_stall_advice_names_the_fix(overrides, kw, device, expected):
     line = stall_advice(cfg(**overrides), torch.device(device), 0.37,

@@ -146,12 +146,44 @@ def test_memory_mapped_arrays_are_batched_by_indexing_within_the_budget(make_cfg
     host = train(make_cfg(*common, "data.placement=host", "data.num_workers=0",
                           run_dir=tmp_path / "host"))
     assert same_weights(final_weights(auto), final_weights(host))
+    caplog.clear()
+    train(make_cfg(*common, "data.device_budget_mb=0.01", "data.num_workers=1",
+                   "trainer.max_steps=1", run_dir=tmp_path / "over"))
+    assert data_lines(caplog)[0].startswith(
+        "data: train set: 64 samples through a DataLoader with 1 workers (data.num_workers=1, "
+        "data.placement=auto); not batched on the device: its arrays take 0.0 MB > "
+        "data.device_budget_mb")
     d = OmegaConf.structured(DataConfig(device_budget_mb=0.01))  # the arrays: 12 KB
     ds = MemmapDataset("train", str(root))
     assert placement(d, ds, torch.device("cpu"), False) == (
         "host", "its arrays take 0.0 MB > data.device_budget_mb")
     d.device_budget_mb = 1.0
     assert placement(d, ds, torch.device("cpu"), False) == ("device", None)
+
+
+def test_memory_mapped_arrays_that_cannot_be_indexed_are_read_by_workers(tmp_path):
+    """A wrapper with samples of its own (the lru cache) is not its arrays; targets stored as
+    uint16 (no index_select kernel) go to the workers with the reason, never a traceback."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from data.cache import LRUCache
+    from data.datasets import MemmapDataset
+    from data.resident import rows_of
+    from tests.helpers import make_memmap_root
+    from trainer.config import DataConfig
+    from trainer.feeds import placement
+
+    root = make_memmap_root(tmp_path / "mm", n=16, dtype="uint8")
+    d = OmegaConf.structured(DataConfig())
+    wrapped = LRUCache(MemmapDataset("train", str(root)), max_bytes=2**20)
+    assert rows_of(wrapped) is None
+    assert placement(d, wrapped, torch.device("cpu"), False)[0] == "host"
+    y = np.load(root / "train" / "y.npy")
+    np.save(root / "train" / "y.npy", y.astype(np.uint16))
+    assert placement(d, MemmapDataset("train", str(root)), torch.device("cpu"), False) == (
+        "host", "its arrays hold torch.uint16, which index_select does not support (store "
+                "int64, int32 or uint8)")
 
 
 def two_cores():
