@@ -1,6 +1,7 @@
 """build_loader: the one function through which the trainer asks for data.
 
-Every rank builds its own DataLoader. Training shards with a resumable DistributedSampler
+Every rank builds its own DataLoader (for training with persistent workers, one that runs on
+into the next epoch: data/runon.py). Training shards with a resumable DistributedSampler
 (seeded by the run's seed, re-shuffled through `set_epoch`, able to start mid-epoch); evaluation shards without padding, so every
 validation sample is seen exactly once across ranks and metrics summed over ranks are exact.
 """
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.resident import ResidentBatches, rows_of
+from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
 from data.shards import ShardLoader, ShardPlan, ShardStream
 
@@ -75,6 +77,10 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
         return _shard_loader(dataset, cfg, train, rank, world_size, seed, device, shuffle,
                              workers, generator)
     extra = _loader_options(cfg, workers)
+    if train and workers and cfg.persistent_workers and cfg.prefetch_next_epoch:
+        return RunOnLoader(dataset, sampler, batch_size, drop_last, generator,
+                           num_workers=workers, collate_fn=collate_fn,
+                           pin_memory=cfg.pin_memory and device.type == "cuda", **extra)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_fn,

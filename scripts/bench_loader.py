@@ -6,7 +6,10 @@
 Configurations, each run for --epochs epochs (the median epoch is reported):
   (a) sync       num_workers=0, no pinning
   (b) workers    num_workers=W
-  (c) pipeline   num_workers=W + pin_memory (on CUDA) + persistent workers + DevicePrefetcher
+  (c) pipeline   num_workers=W + pin_memory (on CUDA) + persistent workers + DevicePrefetcher,
+                 the workers running on into the next epoch (data.prefetch_next_epoch=true)
+  (c') restart   the same with data.prefetch_next_epoch=false: the workers wait at each
+                 epoch's end, and each epoch starts with one batch made from nothing
   (d) compute    the same steps on batches already in memory: the compute-only time
 Each step's compute is emulated as the classic benchmark does, by a fixed wait (--compute-ms)
 that stands for GPU work and leaves the CPU free for the workers, so the comparison means the
@@ -40,10 +43,12 @@ from trainer.config import DataConfig  # noqa: E402
 COLUMNS = ["config", "epoch_s", "samples_per_s", "speedup", "vs_bound"]
 
 
-def loader_cfg(batch: int, workers: int, pin: bool, persistent: bool, prefetch: int) -> DataConfig:
+def loader_cfg(batch: int, workers: int, pin: bool, persistent: bool, prefetch: int,
+               run_on: bool = True) -> DataConfig:
     return DataConfig(dataset=None, input_shape=[1], num_classes=2, batch_size=batch,
                       num_workers=workers, pin_memory=pin, persistent_workers=persistent,
-                      prefetch_factor=prefetch, shuffle=True, device_prefetch=True)
+                      prefetch_factor=prefetch, shuffle=True, device_prefetch=True,
+                      prefetch_next_epoch=run_on)
 
 
 def run_epochs(feed, epochs: int, compute_s: float) -> List[float]:
@@ -90,6 +95,9 @@ def _epoch_worker_pss(dataset, workers: int, batch: int) -> float:
     for _ in loader:
         peak = max(peak, worker_pss_mb())
     peak = max(peak, worker_pss_mb())
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
     del loader  # ends the persistent workers before the next measurement
     return peak
 
@@ -132,7 +140,7 @@ def plot(rows: List[Dict[str, Any]], bound: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["config"] for r in rows]
-    ax.bar(names, [r["epoch_s"] for r in rows], color=["#999", "#69c", "#2a7", "#ccc"])
+    ax.bar(names, [r["epoch_s"] for r in rows], color=["#999", "#69c", "#2a7", "#8c8", "#ccc"][:len(rows)])
     ax.axhline(bound, color="#c33", linestyle="--", label=f"bound {bound:.2f} s")
     ax.set_ylabel("epoch time (s, median)")
     ax.set_title("input pipeline: epoch time per configuration")
@@ -175,6 +183,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "c_pipeline": DevicePrefetcher(build_loader(
             ds, loader_cfg(a.batch, workers, True, True, a.prefetch_factor), train=True,
             device=device), device, enabled=True),
+        "c_epoch_restart": DevicePrefetcher(build_loader(
+            ds, loader_cfg(a.batch, workers, True, True, a.prefetch_factor, run_on=False),
+            train=True, device=device), device, enabled=True),
     }
     in_memory = [b for b in build_loader(ds, loader_cfg(a.batch, workers, False, False, 2),
                                          train=True)]

@@ -72,6 +72,9 @@ class DataConfig:
     pin_memory: bool = True  # only takes effect on CUDA
     prefetch_factor: int = 2  # batches in flight per worker; ignored when num_workers=0
     persistent_workers: bool = True  # ignored when num_workers=0
+    # training loader workers run on into the next epoch's order as an epoch ends, so the
+    # next one does not start empty (data/runon.py); needs workers and persistent_workers
+    prefetch_next_epoch: bool = True
     shuffle: bool = True
     drop_last: bool = False
     timeout: float = 300.0  # seconds to wait for a batch from a worker; 0: forever

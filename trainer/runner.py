@@ -221,6 +221,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     optimizer = components.call(components.build(cfg.optim, "optim"), "optim", cfg.optim,
                                 [p for p in model.parameters() if p.requires_grad])
     train_limit, val_limit = _limits(cfg)
+    if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
+        train_loader.limit = train_limit
     per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
     if per_epoch == 0:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
@@ -295,6 +297,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                     raise lost from e
         checkpointing.save(loop)  # the final state (skipped if this step is saved already)
         checkpointing.finish()
+        close = getattr(loop.train_feed.loader, "close", None)
+        if close is not None:  # run-on workers (data/runon.py) already into an untrained epoch
+            close()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
                                  if t.save_checkpoint else "")
         skipped = skipped_files(loop)

@@ -85,7 +85,8 @@ def test_worker_seeding_is_reproducible_and_distinct(persistent):
 
 def test_persistent_workers_survive_epochs():
     ds = TensorDataset(torch.arange(8))
-    ld = build_loader(ds, cfg(num_workers=2, persistent_workers=True), train=True)
+    ld = build_loader(ds, cfg(num_workers=2, persistent_workers=True, prefetch_next_epoch=False),
+                      train=True)  # (with it, one iterator runs on: tests/data/test_runon.py)
     list(ld)
     first = ld._iterator
     list(ld)

@@ -22,7 +22,7 @@ def test_smoke_writes_table_json_and_png(tmp_path):
     assert "bound" in proc.stdout and "c_pipeline" in proc.stdout
     result = json.loads(out.read_text())
     names = [r["config"] for r in result["results"]]
-    assert names == ["a_sync", "b_workers", "c_pipeline", "d_compute_only"]
+    assert names == ["a_sync", "b_workers", "c_pipeline", "c_epoch_restart", "d_compute_only"]
     for r in result["results"]:
         assert r["epoch_s"] > 0 and len(r["epochs_s"]) == 2 and r["vs_bound"] > 0
     assert result["bound_s"] > 0 and result["data_cost_ms_per_sample"] > 0

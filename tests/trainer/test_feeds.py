@@ -186,6 +186,30 @@ def test_memory_mapped_arrays_that_cannot_be_indexed_are_read_by_workers(tmp_pat
                 "int64, int32 or uint8)")
 
 
+@pytest.mark.parametrize("extra", [[], ["trainer.limit_train_batches=3"]])
+def test_training_workers_run_on_across_epochs_and_resume_exactly(make_cfg, tmp_path, extra):
+    """One DataLoader iterator for a run straight through (limited epochs too); stopped
+    mid-epoch and resumed, the same weights as the run straight through."""
+    from trainer.loop import Callback
+
+    class Restarts(Callback):
+        seen: list = []
+
+        def after_epoch(self, loop, val) -> None:
+            self.seen.append(loop.train_feed.loader.restarts)
+
+    common = ["data=synthetic", "data.dataset.num_samples=96", "data.input_shape=[1,8,8]",
+              "data.batch_size=16", "data.num_workers=2", "trainer.max_epochs=3",
+              "sched=constant", "trainer.tensorboard=false", *extra]
+    counter = Restarts()
+    full = train(make_cfg(*common, run_dir=tmp_path / "full"), callbacks=[counter])
+    assert counter.seen == [1, 1, 1]
+    train(make_cfg(*common, "trainer.max_steps=4", run_dir=tmp_path / "part"))
+    resumed = train(make_cfg(*common, "trainer.resume=auto", run_dir=tmp_path / "part"))
+    assert resumed["steps"] == full["steps"]
+    assert same_weights(final_weights(full), final_weights(resumed))
+
+
 def two_cores():
     """Runs a child on two CPU cores, so `cores` in the advice is 2 on any machine."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
