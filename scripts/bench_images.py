@@ -151,8 +151,11 @@ def measure(name: str, make, epochs: int, compute_s: float, second: bool = False
     """Epoch times of the feed `make()` returns; the second epoch's for caches."""
     fed = make()
     times = run_epochs(fed, epochs, compute_s)
+    close = getattr(fed.loader, "close", None)  # run-on workers (data/runon.py)
     iterator = getattr(fed.loader, "_iterator", None)
-    if iterator is not None:  # persistent workers end now, not when garbage is collected
+    if close is not None:
+        close()
+    elif iterator is not None:  # persistent workers end now, not when garbage is collected
         iterator._shutdown_workers()
     epoch_s = times[1] if second else median(times)
     return {"config": name, "epoch_s": epoch_s, "epochs_s": times, "one_off_s": one_off_s}

@@ -90,14 +90,13 @@ def worker_pss_mb() -> float:
 
 def _epoch_worker_pss(dataset, workers: int, batch: int) -> float:
     """Peak PSS of the loader's workers while they read one epoch of `dataset`."""
-    loader = build_loader(dataset, loader_cfg(batch, workers, False, True, 2), train=True)
+    # one epoch's reads, not the next epoch's first batches too
+    loader = build_loader(dataset, loader_cfg(batch, workers, False, True, 2, run_on=False),
+                          train=True)
     peak = 0.0
     for _ in loader:
         peak = max(peak, worker_pss_mb())
     peak = max(peak, worker_pss_mb())
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()
     del loader  # ends the persistent workers before the next measurement
     return peak
 
@@ -193,6 +192,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     times: Dict[str, List[float]] = {}
     for name, feed in configs.items():
         times[name] = run_epochs(feed, a.epochs, compute)
+        close = getattr(feed.loader, "close", None)
+        if close is not None:  # run-on workers: not making an unused epoch beside the next
+            close()
     times["d_compute_only"] = run_epochs(in_memory, a.epochs, compute)
     per_sample = data_cost_s(ds)
     bound = max(median(times["d_compute_only"]), per_sample * a.samples / workers)

@@ -276,6 +276,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     resume = _resume_setting(cfg)
     writing = False
     start = time.perf_counter()
+    loop = None
     try:
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
@@ -297,9 +298,6 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                     raise lost from e
         checkpointing.save(loop)  # the final state (skipped if this step is saved already)
         checkpointing.finish()
-        close = getattr(loop.train_feed.loader, "close", None)
-        if close is not None:  # run-on workers (data/runon.py) already into an untrained epoch
-            close()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
                                  if t.save_checkpoint else "")
         skipped = skipped_files(loop)
@@ -324,6 +322,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             rundir.write_status(run_dir, exit_code(e), describe(e))
         raise
     finally:
+        close = getattr(getattr(loop, "train_feed", None), "loader", None)
+        close = getattr(close, "close", None)
+        if close is not None:  # run-on workers (data/runon.py), also after an error
+            close()
         logger.close()
         lock.release()
 

@@ -210,6 +210,29 @@ def test_training_workers_run_on_across_epochs_and_resume_exactly(make_cfg, tmp_
     assert same_weights(final_weights(full), final_weights(resumed))
 
 
+def test_run_on_workers_end_when_training_fails(make_cfg):
+    """A run that fails (here a callback's error at step 2) leaves no loader workers behind
+    in the calling process, even while its traceback is kept."""
+    import multiprocessing
+    import time
+
+    from trainer.loop import Callback
+
+    class Boom(Callback):
+        def after_step(self, loop) -> None:
+            if loop.state.step == 2:
+                raise RuntimeError("boom")
+
+    cfg = make_cfg("data=synthetic", "data.dataset.num_samples=96", "data.input_shape=[1,8,8]",
+                   "data.batch_size=16", "data.num_workers=2", "trainer.tensorboard=false")
+    with pytest.raises(RuntimeError, match="boom") as kept:
+        train(cfg, callbacks=[Boom()])
+    deadline = time.monotonic() + 30
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children() and kept.value is not None
+
+
 def two_cores():
     """Runs a child on two CPU cores, so `cores` in the advice is 2 on any machine."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
