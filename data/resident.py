@@ -21,11 +21,12 @@ It exposes what the trainer reads from a DataLoader (`sampler`, `batch_size`, `d
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
+
+from data.sampler import epoch_batches
 
 
 def tensors_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
@@ -81,8 +82,7 @@ class ResidentBatches:
         self.gathered = gathers(nbytes(self.tensors), gather_mb)
 
     def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        return epoch_batches(len(self.sampler), self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[List[torch.Tensor]]:
         tensor = getattr(self.sampler, "epoch_tensor", None)  # the order without a list

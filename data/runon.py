@@ -18,24 +18,12 @@ the trainer left early: max_steps) starts the workers anew there.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.sampler import ResumableDistributedSampler
-
-
-def batches_taken(samples: int, start: int, batch_size: int, replicas: int, drop_last: bool,
-                  limit: Optional[int]) -> int:
-    """Batches one pass hands out of an epoch with `samples` left on this rank, `start` global
-    positions in: all of them, or what a limit of `limit` per epoch (trainer.
-    limit_train_batches) leaves."""
-    n = samples // batch_size if drop_last else math.ceil(samples / batch_size)
-    if limit is None:
-        return n
-    return min(n, max(0, limit - start // (batch_size * replicas)))
+from data.sampler import ResumableDistributedSampler, epoch_batches, limit_left
 
 
 class _RunOnBatches:
@@ -53,8 +41,8 @@ class _RunOnBatches:
         s.epoch, s.start = self.epoch, self.start
         while True:
             indices, made = s.epoch_indices(), 0
-            take = batches_taken(len(s), s.start, bs, s.num_replicas, self.drop_last,
-                                 self.limit)
+            take = epoch_batches(len(s), bs, self.drop_last,
+                                 limit_left(self.limit, s.start, bs * s.num_replicas))
             for i in range(0, len(indices), bs):
                 if made == take:
                     break
@@ -85,11 +73,12 @@ class RunOnLoader:
         self.restarts = 0  # DataLoader iterators started (1 for a run straight through)
 
     def __len__(self) -> int:
-        return batches_taken(len(self.sampler), 0, self.batch_size, 1, self.drop_last, None)
+        return epoch_batches(len(self.sampler), self.batch_size, self.drop_last)
 
     def _take(self, start: int) -> int:
-        return batches_taken(len(self.sampler), start, self.batch_size,
-                             self.sampler.num_replicas, self.drop_last, self.limit)
+        """Batches a pass hands out: the epoch's rest, or what the limit leaves of it."""
+        return epoch_batches(len(self.sampler), self.batch_size, self.drop_last, limit_left(
+            self.limit, start, self.batch_size * self.sampler.num_replicas))
 
     def __iter__(self) -> Iterator[Any]:
         here = (self.sampler.epoch, self.sampler.start)

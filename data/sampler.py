@@ -10,10 +10,24 @@ bit for bit, another world size continues with the same samples.
 from __future__ import annotations
 
 import math
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import torch
 from torch.utils.data import Sampler
+
+
+def epoch_batches(samples: int, batch_size: int, drop_last: bool,
+                  limit: Optional[int] = None) -> int:
+    """Batches of `batch_size` in `samples` (the last partial one dropped with drop_last), at
+    most `limit` (trainer.limit_train_batches, as `limit_left` leaves it)."""
+    n = samples // batch_size if drop_last else math.ceil(samples / batch_size)
+    return n if limit is None else min(n, limit)
+
+
+def limit_left(limit: Optional[int], start: int, per_batch: int) -> Optional[int]:
+    """What a limit of `limit` batches per epoch leaves of an epoch begun `start` global
+    positions in, with `per_batch` positions per batch (one batch on every rank)."""
+    return None if limit is None else max(0, limit - start // per_batch)
 
 
 class ResumableDistributedSampler(Sampler[int]):

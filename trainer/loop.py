@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher
+from data.sampler import epoch_batches, limit_left
 from trainer import distributed
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.ledger import Ledger, counted, window_factor
@@ -60,9 +61,7 @@ class Window:
 def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
                 accumulate: int) -> List[int]:
     """Micro-batches of each optimizer step (window) of one epoch on one rank."""
-    batches = num_samples // batch_size + (0 if drop_last or not num_samples % batch_size else 1)
-    if limit is not None:
-        batches = min(batches, limit)
+    batches = epoch_batches(num_samples, batch_size, drop_last, limit)
     return [min(accumulate, batches - start) for start in range(0, batches, accumulate)]
 
 
@@ -208,9 +207,7 @@ class Loop:
             sampler.set_start(start)
         elif loader.generator is not None:  # its state before this epoch's iterator draws
             self.loader_rng = loader.generator.get_state()
-        limit = self.train_limit
-        if limit is not None:
-            limit = max(0, limit - start // per_batch)
+        limit = limit_left(self.train_limit, start, per_batch)
         return epoch_plan(loader, limit, self.cfg.accumulate_grad_batches), per_batch
 
     def train_epoch(self, epoch: int) -> bool:

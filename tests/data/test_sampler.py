@@ -52,3 +52,14 @@ def test_set_epoch_resets_the_start():
     torch.manual_seed(0)
     list(RDS(8, 1, 0, seed=3))
     assert torch.equal(torch.rand(1), before)
+
+
+def test_epoch_batches_and_what_a_limit_leaves_after_a_resume():
+    from data.sampler import epoch_batches, limit_left
+
+    assert epoch_batches(50, 16, drop_last=False) == 4
+    assert epoch_batches(50, 16, drop_last=True) == 3
+    assert epoch_batches(48, 16, drop_last=False) == 3 and epoch_batches(0, 16, False) == 0
+    assert epoch_batches(50, 16, drop_last=False, limit=2) == 2
+    assert limit_left(None, 64, 32) is None
+    assert limit_left(3, 64, 32) == 1 and limit_left(3, 160, 32) == 0
