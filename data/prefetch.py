@@ -156,6 +156,14 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def close(self) -> None:
+        """Ends the loader's workers now where it can (the run-on loader, data/runon.py, whose
+        workers are already into an epoch nobody may train); others end theirs when
+        collected."""
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
     def _keys(self) -> Iterator[Optional[int]]:
         """Each coming batch's augmentation key (None without augmentation): its epoch and its
         position in the epoch, counted in global samples from where the sampler starts."""

@@ -123,6 +123,11 @@ class PlainFeed:
     def __iter__(self):
         return iter(self.loader)
 
+    def close(self) -> None:  # its persistent workers end now, not when garbage is collected
+        iterator = self.loader._iterator
+        if iterator is not None:
+            iterator._shutdown_workers()
+
 
 def transform_ms(size: int, batch: int) -> float:
     """Milliseconds the device-side conversion of one uint8 batch takes on the CPU."""
@@ -151,12 +156,7 @@ def measure(name: str, make, epochs: int, compute_s: float, second: bool = False
     """Epoch times of the feed `make()` returns; the second epoch's for caches."""
     fed = make()
     times = run_epochs(fed, epochs, compute_s)
-    close = getattr(fed.loader, "close", None)  # run-on workers (data/runon.py)
-    iterator = getattr(fed.loader, "_iterator", None)
-    if close is not None:
-        close()
-    elif iterator is not None:  # persistent workers end now, not when garbage is collected
-        iterator._shutdown_workers()
+    fed.close()  # the workers end now, not when garbage is collected
     epoch_s = times[1] if second else median(times)
     return {"config": name, "epoch_s": epoch_s, "epochs_s": times, "one_off_s": one_off_s}
 

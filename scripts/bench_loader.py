@@ -192,9 +192,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     times: Dict[str, List[float]] = {}
     for name, feed in configs.items():
         times[name] = run_epochs(feed, a.epochs, compute)
-        close = getattr(feed.loader, "close", None)
-        if close is not None:  # run-on workers: not making an unused epoch beside the next
-            close()
+        feed.close()  # run-on workers: not making an unused epoch beside the next
     times["d_compute_only"] = run_epochs(in_memory, a.epochs, compute)
     per_sample = data_cost_s(ds)
     bound = max(median(times["d_compute_only"]), per_sample * a.samples / workers)

@@ -322,10 +322,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             rundir.write_status(run_dir, exit_code(e), describe(e))
         raise
     finally:
-        close = getattr(getattr(loop, "train_feed", None), "loader", None)
-        close = getattr(close, "close", None)
-        if close is not None:  # run-on workers (data/runon.py), also after an error
-            close()
+        if loop is not None:  # run-on workers (data/runon.py), also after an error
+            loop.train_feed.close()
         logger.close()
         lock.release()
 
