@@ -115,9 +115,9 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
     may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
     already in memory; `mapped`: rows of memory-mapped arrays (data=memmap, data.cache=shm or
-    disk) read by loader workers; `placement`: where the training batches were formed. The advice follows
-    what the case shows (`why_not_device`: why the data could not be kept on the device):
-    tensors in memory need no loader at all; more workers than cores only
+    disk) read by loader workers; `placement`: where the training batches were formed. The
+    advice follows what the case shows (`why_not_device`: why the data could not be kept on
+    the device): tensors in memory need no loader at all; more workers than cores only
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
     and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
     not a steady shortfall).

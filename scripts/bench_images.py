@@ -15,10 +15,10 @@ stands for the GPU's work, as scripts/bench_loader.py does) for:
   (c') plain loader   (c)'s reference: torch's DataLoader over the same folder, nothing else
   (d) memmap          scripts/prepare_data.py's packed uint8 arrays (data=memmap): no decoding
   (e) cache=<mode>    data.cache memory, shm, disk and lru, on the second epoch
+  (f) shards          tar shards streamed by W workers (data=shards), decoded as they come
 Every feed is the one train.py builds with data.placement=auto: the memmap, memory, shm and
 disk data (tensors or memory-mapped arrays within data.device_budget_mb) are batched by
 indexing on the training device without workers; the others go through W loader workers.
-  (f) shards          tar shards streamed by W workers (data=shards), decoded as they come
 Each configuration runs in a fresh process, --repeats times in alternating order (the files,
 packed arrays and shards are made once). Each row gives the median over runs of the median
 epoch time (the second epoch for the caches), samples/s and the

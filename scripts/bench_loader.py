@@ -139,7 +139,8 @@ def plot(rows: List[Dict[str, Any]], bound: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["config"] for r in rows]
-    ax.bar(names, [r["epoch_s"] for r in rows], color=["#999", "#69c", "#2a7", "#8c8", "#ccc"][:len(rows)])
+    colors = ["#999", "#69c", "#2a7", "#8c8", "#ccc"]
+    ax.bar(names, [r["epoch_s"] for r in rows], color=colors[:len(rows)])
     ax.axhline(bound, color="#c33", linestyle="--", label=f"bound {bound:.2f} s")
     ax.set_ylabel("epoch time (s, median)")
     ax.set_title("input pipeline: epoch time per configuration")

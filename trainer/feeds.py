@@ -195,7 +195,8 @@ def _cache_tag(cfg: DictConfig, split: str) -> str:
     data = OmegaConf.to_container(d, resolve=True)
     mode = d.cache
     for key in ("batch_size", "eval_batch_size", "num_workers", "pin_memory",
-                "prefetch_factor", "persistent_workers", "prefetch_next_epoch", "shuffle", "drop_last", "timeout",
+                "prefetch_factor", "persistent_workers", "prefetch_next_epoch", "shuffle",
+                "drop_last", "timeout",
                 "multiprocessing_context", "device_prefetch", "placement", "device_budget_mb",
                 "augment", "cache_dir", "cache_mb", "cache", "normalize_mean", "normalize_std",
                 "channels_last", "collate_fn"):  # how it is fed, not what it holds
