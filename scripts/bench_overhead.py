@@ -10,6 +10,14 @@ Workloads (same model, data, batch, optimizer, lr and steps for every runner):
   millisecond, so the launcher's per-step Python work shows.
 - `cnn`: SmallCNN on synthetic 3x32x32 images through 2 loader workers: compute-bound.
 
+Every runner computes the same steps: the same initial weights (the model built right after
+seeding with train.py's seed) and the same order (torch's DistributedSampler, whose epoch
+permutation is Stoker's). Two trainings from different weights are not the same work: with
+other dead ReLU units, twice as many of AdamW's second moments stayed exactly 0, and the
+sqrt's path for zeros cost more instructions per step than the launcher did. Each run
+reports its final weights' sum (`param_sum`); `weights_diff`, the largest relative difference
+from the counterpart's, is warned about above 1e-4.
+
 Runners: `plain` (a hand-written loop over a DataLoader), `stoker` (train.py's `train()` with
 `data.placement=host`: the same DataLoader path, logging and the stall meter at their defaults),
 for `tiny` also `plain_indexed` (a hand-written loop indexing batches from tensors in memory)
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -49,12 +58,14 @@ sys.path.insert(0, str(ROOT))
 from benchlib import machine, median, table, write_json  # noqa: E402
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
-           "overhead_us", "vs_plain", "vs_plain_whole_run", "runs", "skipped"]
+           "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]
+SAME_STEPS = 1e-4  # the largest relative difference of final weights between the same steps
 STARTUP_COLUMNS = ["command", "wall_s", "best_s", "runs"]
 COUNTERPART = {"stoker": "plain", "lightning": "plain", "stoker_device": "plain_indexed"}
 RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning"],
            "cnn": ["plain", "stoker", "lightning"]}
 LR = 1e-3
+SEED = 42  # train.py's seed: the initial weights and the epochs' order
 
 
 class Clock:
@@ -91,17 +102,28 @@ def _device():
 
 
 def _parts(w: Dict[str, Any]):
-    """The dataset and model of workload `w`, built as train.py builds them."""
+    """The dataset and model of workload `w`, built as train.py builds them: the model right
+    after seeding with SEED (train.py's `seed`), so every runner starts from the same weights."""
     import torch
 
     from data.datasets import DigitsDataset, SyntheticDataset
     from trainer.models import MLP, SmallCNN
 
-    torch.manual_seed(0)
     if w["name"] == "tiny":
-        return DigitsDataset("train"), MLP([1, 8, 8], 10)
+        ds = DigitsDataset("train")
+        torch.manual_seed(SEED)
+        return ds, MLP([1, 8, 8], 10)
     ds = SyntheticDataset("train", num_samples=w["samples"], input_shape=[3, 32, 32])
+    torch.manual_seed(SEED)
     return ds, SmallCNN([3, 32, 32], 10)
+
+
+def _sampler(ds):
+    """The order every runner trains in: torch's DistributedSampler (one replica), whose epoch
+    permutation (seed + epoch) is the one Stoker's sampler draws."""
+    from torch.utils.data import DistributedSampler
+
+    return DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=SEED)
 
 
 def _batches(w: Dict[str, Any], ds, device, indexed: bool):
@@ -110,18 +132,27 @@ def _batches(w: Dict[str, Any], ds, device, indexed: bool):
 
     if indexed:  # tensors in memory (on the device), batches by indexing a permutation
         x, y = (t.to(device) for t in ds.tensors)
-        g = torch.Generator().manual_seed(0)
-        while True:
+        g = torch.Generator()
+        for epoch in itertools.count():
+            g.manual_seed(SEED + epoch)  # DistributedSampler's permutation, as a tensor
             order = torch.randperm(len(y), generator=g).to(device)
             for idx in order.split(w["batch"]):
                 yield x[idx], y[idx]
+    sampler = _sampler(ds)
     loader = torch.utils.data.DataLoader(
-        ds, batch_size=w["batch"], shuffle=True, num_workers=w["workers"],
+        ds, batch_size=w["batch"], sampler=sampler, num_workers=w["workers"],
         persistent_workers=w["workers"] > 0, prefetch_factor=2 if w["workers"] else None,
         pin_memory=device.type == "cuda")
-    while True:
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
         for x, y in loader:
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def param_sum(model) -> float:
+    """A fingerprint of the weights: runners that took the same steps end with the same one
+    (up to float rounding)."""
+    return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
 
 
 def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
@@ -142,7 +173,7 @@ def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
         loss.backward()
         opt.step()
         clock.tick(step)
-    return clock.result(w["batch"])
+    return dict(clock.result(w["batch"]), param_sum=param_sum(model))
 
 
 def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
@@ -155,8 +186,8 @@ def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
     import torch.nn.functional as F
 
     ds, model = _parts(w)
-    loader = torch.utils.data.DataLoader(
-        ds, batch_size=w["batch"], shuffle=True, num_workers=w["workers"],
+    loader = torch.utils.data.DataLoader(  # Lightning calls the sampler's set_epoch
+        ds, batch_size=w["batch"], sampler=_sampler(ds), num_workers=w["workers"],
         persistent_workers=w["workers"] > 0, prefetch_factor=2 if w["workers"] else None,
         pin_memory=torch.cuda.is_available())
     clock = Clock(w["warmup"], w["steps"], _device())
@@ -180,7 +211,7 @@ def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
                         enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(Module(), loader)
-    return clock.result(w["batch"])
+    return dict(clock.result(w["batch"]), param_sum=param_sum(model))
 
 
 def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
@@ -195,20 +226,23 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
               "trainer.max_epochs=100000", f"data.batch_size={w['batch']}",
               f"data.num_workers={w['workers']}", f"data.placement={placement}",
               "trainer.val_every_n_epochs=100000", "trainer.limit_val_batches=1",
-              "trainer.save_checkpoint=false"]
+              "trainer.save_checkpoint=false", f"seed={SEED}"]
     if w["name"] == "cnn":
         common += ["data=synthetic", "model=cnn", f"data.dataset.num_samples={w['samples']}"]
     common += w.get("overrides", [])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("train", overrides=common)
     clock = Clock(w["warmup"], w["steps"], _device())
+    final: Dict[str, float] = {}
 
     class Tick(Callback):
         def after_step(self, loop) -> None:
             clock.tick(loop.state.step)
+            if loop.state.step == w["steps"]:
+                final["param_sum"] = param_sum(loop.model)
 
     train(cfg, callbacks=[Tick()])
-    return clock.result(w["batch"])
+    return dict(clock.result(w["batch"]), **final)
 
 
 def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
@@ -254,6 +288,8 @@ def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[s
                                       for r, b in zip(results, base)])
             row["vs_plain_whole_run"] = median([r["samples_per_s"] / b["samples_per_s"]
                                                 for r, b in zip(results, base)])
+            row["weights_diff"] = max(abs(r["param_sum"] - b["param_sum"]) / abs(b["param_sum"])
+                                      for r, b in zip(results, base))
         rows.append(row)
     return rows
 
@@ -326,6 +362,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 write_json(a.out, dict(result, partial=True))
         result["results"] = done + summarise(name, runs)
     print(table(result["results"], COLUMNS))
+    for row in result["results"]:
+        if row.get("weights_diff", 0.0) > SAME_STEPS:
+            print(f"warning: {row['workload']} {row['runner']} did not take the steps of "
+                  f"{row['counterpart']} (final weights differ by {row['weights_diff']:.1e}): "
+                  "the ratio compares different computations")
     if not has_lightning:
         print("skipped lightning: PyTorch Lightning not installed "
               "(pip install lightning -c .venv/constraints.txt)")
