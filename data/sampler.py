@@ -70,7 +70,10 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def epoch_tensor(self) -> torch.Tensor:
         """This rank's indices for the rest of the current epoch, as an int64 tensor."""
-        rest = self._fit(self._epoch_order())[self.start:]
+        order = self._epoch_order()
+        if self.num_replicas == 1:  # nothing to pad, cut or deal (once an epoch: microseconds)
+            return order[self.start:] if self.start else order
+        rest = self._fit(order)[self.start:]
         return self._fit(rest)[self.rank::self.num_replicas]
 
     def epoch_indices(self) -> List[int]:

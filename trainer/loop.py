@@ -151,7 +151,10 @@ class Loop:
         and one host sync: every rank must call it at the same step, so that all of them take
         the same branch afterwards, e.g. into a checkpoint's gather or not)."""
         self.ledger.fold()
-        return int(distributed.all_reduce_max(self.ledger.bad_run.clone()))
+        if self.world == 1:
+            return self.ledger.bad_run
+        bad = torch.tensor(self.ledger.bad_run, dtype=torch.int64, device=self.device)
+        return int(distributed.all_reduce_max(bad))
 
     def losses_finite(self) -> bool:
         """False on every rank while any rank's latest optimizer steps had a non-finite loss."""
@@ -220,7 +223,7 @@ class Loop:
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         complete = True
-        loader_batch = self.train_feed.loader.batch_size
+        loader_batch, alone = self.train_feed.loader.batch_size, self.world == 1
         task, ledger, micro_step, perf = self.task, self.ledger, self._micro_step, time.perf_counter
         for w, size in enumerate(windows):
             base, total = loader_batch * size, 0
@@ -229,6 +232,9 @@ class Loop:
                 batch = next(batches)  # on the device already (copied on a side stream on CUDA)
                 window.wait_s += perf() - t0  # the time the step stood waiting for data
                 count = task.count(batch)
+                if size == 1 and alone and type(count) is int and count:
+                    base = count  # the window is this batch (an epoch's short last one too):
+                    # its mean loss, unweighted, as a plain loop steps (window_factor: None)
                 ledger.add(micro_step(batch, count / base, i == size - 1), count)
                 total = total + count
                 window.samples += batch_size(batch)
@@ -308,10 +314,12 @@ class Loop:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # wall time must include queued GPU work
         wall = time.perf_counter() - w.start - w.paused_s
-        stats = torch.stack([self.ledger.take_loss_sum(), *(
-            torch.as_tensor(v, dtype=torch.float32).to(self.device)
-            for v in (w.count, w.samples, w.wait_s, wall))])
-        loss_sum, count, samples, wait_s, wall_sum = distributed.all_reduce_sum(stats).tolist()
+        # the loss sum read to the host, and a device count of tokens: the boundary's sync
+        sums = [self.ledger.take_loss_sum(), float(w.count), w.samples, w.wait_s, wall]
+        if self.world > 1:
+            sums = distributed.all_reduce_sum(
+                torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
+        loss_sum, count, samples, wait_s, wall_sum = sums
         world = self.world
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)

@@ -56,7 +56,7 @@ def test_loss_sum_weighs_each_micro_batch_by_its_count():
 ])
 def test_bad_run_counts_trailing_non_finite_steps(steps, before, after):
     ledger = Ledger(CPU)
-    ledger.bad_run = torch.tensor(before)
+    ledger.bad_run = before
     record(ledger, steps)
     ledger.fold()
     assert int(ledger.bad_run) == after
@@ -88,5 +88,31 @@ def test_long_windows_fold_as_they_go():
 
     ledger = Ledger(CPU)
     record(ledger, [[(1.0, 1)]] * (3 * FOLD_AFTER))
-    assert len(ledger.losses) < FOLD_AFTER
-    assert float(ledger.take_loss_sum()) == 3 * FOLD_AFTER
+    assert len(ledger.losses) < FOLD_AFTER and len(ledger.stacked) == 3  # stacked, not folded
+    assert float(ledger.take_loss_sum()) == 3 * FOLD_AFTER and not ledger.stacked
+
+
+def test_stacked_micro_batches_fold_like_separate_ones():
+    """Compaction keeps each micro-batch's count (host ints and device token counts, padding
+    included) and step, so the loss sum and the non-finite run come out the same."""
+    from trainer.ledger import FOLD_AFTER
+
+    body = [[(1.0, 2), (2.0, torch.tensor(3))], [(NAN, torch.tensor(0)), (4.0, 1)]]
+    body = body * (FOLD_AFTER // 2 + 1)
+    tail = body[:FOLD_AFTER // 2] + [[(NAN, 2)], [(1.0, 1), (INF, torch.tensor(5))]]
+    long, short = Ledger(CPU), Ledger(CPU)
+    for ledger, fold_every_step in ((long, False), (short, True)):
+        for step in body:
+            record(ledger, [step])
+            if fold_every_step:
+                ledger.fold()
+    assert long.stacked  # the first FOLD_AFTER micro-batches were stacked
+    assert long.take_loss_sum() == short.take_loss_sum() == (2 + 6 + 4) * len(body) // 2
+    for ledger, fold_every_step in ((long, False), (short, True)):
+        for step in tail:
+            record(ledger, [step])
+            if fold_every_step:
+                ledger.fold()
+    long.fold()
+    assert long.bad_run == short.bad_run == 2
+    assert isinstance(long.bad_run, int)  # a host number: the guard costs no device work

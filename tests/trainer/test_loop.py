@@ -51,6 +51,35 @@ def test_accumulation_handles_a_short_last_window(make_cfg, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_steps_are_a_hand_written_loops_steps_bitwise(make_cfg, tmp_path, placement):
+    """One process, no accumulation: the update is the plain one, the epoch's short last
+    batch (1438 = 22 x 64 + 30) included: no weighting that rounds differently."""
+    import torch.nn.functional as F
+
+    from data.datasets import DigitsDataset
+    from trainer.models import MLP
+
+    summary = train(make_cfg("trainer.max_steps=26", "sched=constant", "seed=3",
+                             f"data.placement={placement}", run_dir=tmp_path / placement))
+    x, y = DigitsDataset("train").tensors
+    torch.manual_seed(3)
+    model = MLP([1, 8, 8], 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.003, weight_decay=0.01)
+    step = 0
+    for epoch in range(2):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(3 + epoch))
+        for idx in order.split(64)[:26 - step]:
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+    assert step == 26
+    weights = final_weights(summary)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_precisions_train(make_cfg, tmp_path, precision):
     summary = train(make_cfg(f"trainer.precision={precision}", "trainer.max_epochs=4",
