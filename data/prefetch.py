@@ -186,6 +186,10 @@ class DevicePrefetcher:
                 yield transform(batch, next(keys))
             return
         batches = readable(iter(self.loader))
+        if self.device.type == "cpu":  # a loader's batches are there already: nothing to walk
+            for batch in batches:
+                yield transform(batch, next(keys))
+            return
         if self.side_stream is None:
             for batch in batches:
                 yield transform(to_device(batch, self.device), next(keys))

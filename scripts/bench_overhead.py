@@ -24,6 +24,14 @@ for `tiny` also `plain_indexed` (a hand-written loop indexing batches from tenso
 and `stoker_device` (`data.placement=device`, its counterpart), and `lightning` when installed
 (PyTorch Lightning; `pip install lightning -c .venv/constraints.txt` keeps the CPU torch).
 
+`lockstep_host` and `lockstep_device` (tiny) run Stoker and its plain counterpart in one process,
+one step each in turn (a callback takes the plain step after each of Stoker's): every step's
+time is paired with the other's a millisecond away, so the shared machine's drifts, seconds
+long, fall on both. On a 2-core shared VM the fresh-process pairs of the same code spread
+0.55-1.6 in one run, the lockstep pairs 0.95-0.97: this is the measure that resolves a few
+percent there. (Both loops' caches are colder than alone: steps are slower than in the other
+rows, the ratio is what to read.)
+
 Every run is a fresh process; runners alternate within each repeat (and their order flips
 every other repeat). Each process times its steps after the first `--warmup` (start-up,
 first-epoch and allocator warm-up excluded), wall and CPU time, and the fastest of five equal
@@ -62,7 +70,8 @@ COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_ste
 SAME_STEPS = 1e-4  # the largest relative difference of final weights between the same steps
 STARTUP_COLUMNS = ["command", "wall_s", "best_s", "runs"]
 COUNTERPART = {"stoker": "plain", "lightning": "plain", "stoker_device": "plain_indexed"}
-RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning"],
+RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning",
+                    "lockstep_host", "lockstep_device"],
            "cnn": ["plain", "stoker", "lightning"]}
 LR = 1e-3
 SEED = 42  # train.py's seed: the initial weights and the epochs' order
@@ -155,8 +164,8 @@ def param_sum(model) -> float:
     return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
 
 
-def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
-    """The hand-written reference."""
+def plain_stepper(w: Dict[str, Any], indexed: bool):
+    """The hand-written reference: its model and a function that takes one step."""
     import torch
     import torch.nn.functional as F
 
@@ -164,15 +173,25 @@ def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
     ds, model = _parts(w)
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    clock = Clock(w["warmup"], w["steps"], device)
     batches = _batches(w, ds, device, indexed)
-    for step in range(1, w["steps"] + 1):
+
+    def step() -> None:
         x, y = next(batches)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        clock.tick(step)
+
+    return model, step
+
+
+def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
+    """The hand-written reference's steps, timed."""
+    model, step = plain_stepper(w, indexed)
+    clock = Clock(w["warmup"], w["steps"], _device())
+    for n in range(1, w["steps"] + 1):
+        step()
+        clock.tick(n)
     return dict(clock.result(w["batch"]), param_sum=param_sum(model))
 
 
@@ -214,12 +233,8 @@ def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
     return dict(clock.result(w["batch"]), param_sum=param_sum(model))
 
 
-def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
-    """train.py's steps, in this process, timed by a callback."""
+def _stoker_cfg(w: Dict[str, Any], placement: str, run_dir: str):
     from hydra import compose, initialize_config_dir
-
-    from trainer.loop import Callback
-    from trainer.runner import train
 
     common = [f"hydra.run.dir={run_dir}", f"run_dir={run_dir}", "trainer.progress_bar=false",
               "sched=constant", f"optim.lr={LR}", f"trainer.max_steps={w['steps']}",
@@ -231,7 +246,15 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
         common += ["data=synthetic", "model=cnn", f"data.dataset.num_samples={w['samples']}"]
     common += w.get("overrides", [])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("train", overrides=common)
+        return compose("train", overrides=common)
+
+
+def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
+    """train.py's steps, in this process, timed by a callback."""
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    cfg = _stoker_cfg(w, placement, run_dir)
     clock = Clock(w["warmup"], w["steps"], _device())
     final: Dict[str, float] = {}
 
@@ -245,6 +268,52 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
     return dict(clock.result(w["batch"]), **final)
 
 
+def lockstep(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
+    """Stoker's steps and the plain counterpart's in one process, one after the other: after
+    each of Stoker's steps a callback takes one plain step. Each step's time is paired with
+    the other's a millisecond away, so the machine's drifts (seconds long on a shared host)
+    fall on both; what is left is the launcher's work per step (epoch crossings and logging
+    boundaries included) against the hand-written step's."""
+    import torch
+
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    device = _device()
+    model, plain_step = plain_stepper(w, indexed=placement == "device")
+    cfg = _stoker_cfg(w, placement, run_dir)
+    spent = {"stoker": [], "plain": []}  # per step, microseconds
+    final: Dict[str, float] = {}
+    perf = time.perf_counter
+
+    class Alternate(Callback):
+        mark = 0.0  # when the last plain step ended: Stoker's step runs from there
+
+        def after_step(self, loop) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = perf()
+            plain_step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.mark, last = perf(), self.mark
+            if loop.state.step > w["warmup"]:
+                spent["stoker"].append(1e6 * (now - last))
+                spent["plain"].append(1e6 * (self.mark - now))
+            if loop.state.step == w["steps"]:
+                final["param_sum"] = param_sum(loop.model)
+                final["plain_param_sum"] = param_sum(model)
+
+    train(cfg, callbacks=[Alternate()])
+    n = len(spent["stoker"])
+    k = min(5, n)  # five equal stretches, as Clock's
+    stretches = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+    best = {k: min(sum(v[s]) / len(v[s]) for s in stretches) for k, v in spent.items()}
+    return {"samples_per_s": 1e6 * w["batch"] * n / sum(spent["stoker"]),
+            "step_us": sum(spent["stoker"]) / n, "plain_step_us": sum(spent["plain"]) / n,
+            "best_step_us": best["stoker"], "plain_best_step_us": best["plain"], **final}
+
+
 def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
     if w["threads"]:
         import torch
@@ -255,6 +324,8 @@ def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
     if kind == "lightning":
         return lightning_loop(w)
     with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
+        if kind.startswith("lockstep"):
+            return lockstep(w, "device" if kind == "lockstep_device" else "host", tmp)
         return stoker(w, "device" if kind == "stoker_device" else "host", tmp)
 
 
@@ -278,8 +349,12 @@ def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[s
         row.update(samples_per_s=median([r["samples_per_s"] for r in results]),
                    best_samples_per_s=max(r["samples_per_s"] for r in results),
                    step_us=median([r["step_us"] for r in results]),
-                   cpu_us=median([r["cpu_us"] for r in results]),
+                   cpu_us=median([r["cpu_us"] for r in results if "cpu_us" in r]),
                    best_step_us=median([r["best_step_us"] for r in results]))
+        if kind.startswith("lockstep"):
+            row.update(_paired(results))
+            rows.append(row)
+            continue
         base = runs.get(COUNTERPART.get(kind, ""), [])
         if base:
             row["counterpart"] = COUNTERPART[kind]
@@ -292,6 +367,18 @@ def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[s
                                       for r, b in zip(results, base))
         rows.append(row)
     return rows
+
+
+def _paired(results: List[Dict[str, float]]) -> Dict[str, Any]:
+    """A lockstep runner's row: Stoker against the plain steps taken in the same process."""
+    return {"counterpart": "plain steps in the same process",
+            "plain_best_step_us": median([r["plain_best_step_us"] for r in results]),
+            "overhead_us": median([r["best_step_us"] - r["plain_best_step_us"]
+                                   for r in results]),
+            "vs_plain": median([r["plain_best_step_us"] / r["best_step_us"] for r in results]),
+            "vs_plain_whole_run": median([r["plain_step_us"] / r["step_us"] for r in results]),
+            "weights_diff": max(abs(r["param_sum"] - r["plain_param_sum"]) / r["plain_param_sum"]
+                                for r in results)}
 
 
 def startup(repeats: int) -> List[Dict[str, Any]]:

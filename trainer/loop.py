@@ -223,8 +223,13 @@ class Loop:
         batches = iter(self.train_feed)
         epoch_start = time.perf_counter()
         complete = True
-        loader_batch, alone = self.train_feed.loader.batch_size, self.world == 1
-        task, ledger, micro_step, perf = self.task, self.ledger, self._micro_step, time.perf_counter
+        # the step's own work is a tiny step's overhead: names looked up once an epoch
+        loader_batch, alone, state = self.train_feed.loader.batch_size, self.world == 1, self.state
+        task, ledger, forward_backward, perf = (self.task, self.ledger, self._forward_backward,
+                                                time.perf_counter)
+        log_every, max_steps, callbacks = (self.cfg.log_every_n_steps, self.cfg.max_steps,
+                                           self.callbacks)
+        no_sync = self.model.no_sync if self._ddp else None
         for w, size in enumerate(windows):
             base, total = loader_batch * size, 0
             for i in range(size):
@@ -235,68 +240,74 @@ class Loop:
                 if size == 1 and alone and type(count) is int and count:
                     base = count  # the window is this batch (an epoch's short last one too):
                     # its mean loss, unweighted, as a plain loop steps (window_factor: None)
-                ledger.add(micro_step(batch, count / base, i == size - 1), count)
+                if no_sync is not None and i < size - 1:  # inside the window: no all-reduce
+                    with no_sync():
+                        loss = forward_backward(batch, count / base)
+                else:
+                    loss = forward_backward(batch, count / base)
+                ledger.add(loss, count)
                 total = total + count
                 window.samples += batch_size(batch)
             ledger.end_step()
             window.count, window.steps = window.count + total, window.steps + 1
-            self.state.position += per_batch * size
+            state.position += per_batch * size
             bar.update(size)
-            log_now = (self.state.step + 1) % self.cfg.log_every_n_steps == 0
+            log_now = (state.step + 1) % log_every == 0
             grad_norm = self._optimizer_step(window_factor(total, base, self.world, self.device),
                                              want_norm=log_now)
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
                 window = self.window = Window()
-            for callback in self.callbacks:
+            for callback in callbacks:
                 callback.after_step(self)
-            if self.cfg.max_steps > 0 and self.state.step >= self.cfg.max_steps:
+            if max_steps > 0 and state.step >= max_steps:
                 complete = w == len(windows) - 1
                 break
         bar.close()
         self.run_train_s += time.perf_counter() - epoch_start
         return complete
 
-    def _micro_step(self, batch, weight, boundary: bool) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
-        returns the loss. Inside an accumulation window DDP skips its all-reduce."""
-        if self._ddp and not boundary:
-            with self.model.no_sync():
-                return self._forward_backward(batch, weight)
-        return self._forward_backward(batch, weight)
-
     def _forward_backward(self, batch, weight) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
+        returns the loss."""
         if self._autocast is None:  # fp32: no context to enter
-            loss = self.task.loss(self._forward(self.model, batch), batch)
+            loss = self.task.loss(self._forward(batch), batch)
         else:
             with self._autocast():
-                loss = self.task.loss(self._forward(self.model, batch), batch)
+                loss = self.task.loss(self._forward(batch), batch)
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
         self.precision.backward(loss if one else loss * weight)
         return loss
 
-    def _forward(self, model: nn.Module, batch) -> Any:
+    def _forward(self, batch) -> Any:
         try:
-            output = self.task.forward(model, batch)
-            self._forwarded = True
-            return output
+            output = self.task.forward(self.model, batch)
         except RuntimeError as e:
-            if not self._forwarded and ("shape" in str(e) or "size" in str(e)):
-                # the first batch of the run: inputs that do not fit the model are a
-                # configuration mismatch (data.input_shape, the model's arguments), not a crash
-                raise ConfigError(
-                    f"model: {type(unwrap(model)).__name__} cannot take the first batch "
-                    f"({describe(batch)}): {str(e).splitlines()[0]}; check data.input_shape="
-                    f"{None if self.input_shape is None else list(self.input_shape)} and the "
-                    "model's arguments") from None
-            unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
-            if unused and not self.cfg.ddp.find_unused_parameters:
-                raise ConfigError(
-                    "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
-                    "got no gradient in a step (unused outputs or branches), which DDP cannot "
-                    "reduce; set trainer.ddp.find_unused_parameters=true") from None
-            raise
+            error = self._forward_error(e, batch)
+            if error is e:
+                raise
+            raise error from None
+        self._forwarded = True
+        return output
+
+    def _forward_error(self, e: RuntimeError, batch) -> Exception:
+        """What a forward pass's (or loss's) RuntimeError is reported as."""
+        if not self._forwarded and ("shape" in str(e) or "size" in str(e)):
+            # the first batch of the run: inputs that do not fit the model are a
+            # configuration mismatch (data.input_shape, the model's arguments), not a crash
+            return ConfigError(
+                f"model: {type(unwrap(self.model)).__name__} cannot take the first batch "
+                f"({describe(batch)}): {str(e).splitlines()[0]}; check data.input_shape="
+                f"{None if self.input_shape is None else list(self.input_shape)} and the "
+                "model's arguments")
+        unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
+        if unused and not self.cfg.ddp.find_unused_parameters:
+            return ConfigError(
+                "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
+                "got no gradient in a step (unused outputs or branches), which DDP cannot "
+                "reduce; set trainer.ddp.find_unused_parameters=true")
+        return e
 
     def _optimizer_step(self, factor, want_norm: bool) -> Optional[torch.Tensor]:
         if factor is not None:  # see window_factor
