@@ -38,15 +38,18 @@ class Section:
 
 SECTIONS = [
     Section("bench_overhead", "Launcher overhead: plain PyTorch loop vs Stoker (vs Lightning)",
-            "Same model, data, batch, optimizer and steps; steady-state samples/s (steps after "
-            "the first 50), wall and CPU microseconds per step, the fastest of five stretches "
-            "(`best_step_us`), the overhead per step against the plain counterpart, and "
-            "`vs_plain`: the median of per-repeat ratios to it. "
+            "Same model, data, batch, optimizer, steps, initial weights and order (`weights_diff`: "
+            "the final weights' relative difference from the counterpart's); steady-state "
+            "samples/s (steps after the first 50), wall and CPU microseconds per step, the "
+            "fastest of five stretches (`best_step_us`), the overhead per step against the plain "
+            "counterpart, and `vs_plain`: the median of per-repeat ratios to it. `lockstep_*` "
+            "rows take Stoker's and the plain loop's steps in turn in one process (the ratio "
+            "that resolves a few percent on a shared machine). "
             "`tiny` is the default job's step alone (digits MLP, batch 64, one thread); `cnn` "
             "a compute-bound CNN step. Target: `vs_plain` >= 0.97 on `tiny`.",
             "results", ["workload", "runner", "counterpart", "samples_per_s", "step_us",
                         "cpu_us", "best_step_us", "overhead_us", "vs_plain",
-                        "vs_plain_whole_run", "runs", "skipped"],
+                        "vs_plain_whole_run", "weights_diff", "runs", "skipped"],
             lambda r: f"{r.get('workload', '')} {r['runner']}".strip(),
             throughput="samples_per_s", extra="startup",
             extra_title="Start-up: wall seconds from the command to its exit (one step "
