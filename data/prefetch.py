@@ -179,7 +179,9 @@ class DevicePrefetcher:
     def __iter__(self) -> Iterator[Any]:
         transform, keys = self.transform, self._keys()
         if self.resident:  # on the device already; the transform passes float batches as they are
-            if transform.identity and self.loader.tensors[0].dtype != torch.uint8:
+            # (a transform of one's own, with no `identity`, is called on every batch)
+            identity = getattr(transform, "identity", False)
+            if identity and self.loader.tensors[0].dtype != torch.uint8:
                 yield from self.loader  # nothing to do per batch (a tiny step's microsecond)
                 return
             for batch in self.loader:

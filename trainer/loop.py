@@ -292,7 +292,8 @@ class Loop:
         return output
 
     def _forward_error(self, e: RuntimeError, batch) -> Exception:
-        """What a forward pass's (or loss's) RuntimeError is reported as."""
+        """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
+        mistakes it can name (a first batch the model cannot take, unused DDP parameters)."""
         if not self._forwarded and ("shape" in str(e) or "size" in str(e)):
             # the first batch of the run: inputs that do not fit the model are a
             # configuration mismatch (data.input_shape, the model's arguments), not a crash

@@ -47,6 +47,34 @@ def test_cpu_pass_through_order_exhaustion_and_reiteration():
         next(it)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_resident_batches_pass_through_or_get_any_callable_transform(dtype):
+    """Float resident batches skip an identity transform; uint8 ones are still converted;
+    a transform of one's own (a callable with `augment`, no `identity`) is called on every
+    batch."""
+    from data.resident import ResidentBatches
+    from data.sampler import ResumableDistributedSampler
+
+    x = torch.arange(24, dtype=torch.float32).view(6, 4).to(dtype)
+    sampler = ResumableDistributedSampler(6, shuffle=False)
+    resident = ResidentBatches([x, torch.arange(6)], sampler, batch_size=4, drop_last=False,
+                               device=torch.device("cpu"))
+    plain = [b[0] for b in DevicePrefetcher(resident, torch.device("cpu"))]
+    assert [b.dtype for b in plain] == [torch.float32] * 2
+    assert torch.equal(torch.cat(plain), x.float() / (255.0 if dtype == torch.uint8 else 1.0))
+    calls = []
+
+    class Tag:
+        augment = None
+
+        def __call__(self, batch, key=None):
+            calls.append(key)
+            return batch
+
+    assert len(list(DevicePrefetcher(resident, torch.device("cpu"), Tag()))) == 2
+    assert calls == [None, None]
+
+
 def test_empty_loader_yields_nothing():
     empty = TensorDataset(torch.zeros(0, 1), torch.zeros(0))
     assert list(DevicePrefetcher(DataLoader(empty, batch_size=4), CPU)) == []
