@@ -188,13 +188,10 @@ class DevicePrefetcher:
                 yield transform(batch, next(keys))
             return
         batches = readable(iter(self.loader))
-        if self.device.type == "cpu":  # a loader's batches are there already: nothing to walk
-            for batch in batches:
-                yield transform(batch, next(keys))
-            return
         if self.side_stream is None:
+            on_cpu = self.device.type == "cpu"  # a loader's batches are there: nothing to walk
             for batch in batches:
-                yield transform(to_device(batch, self.device), next(keys))
+                yield transform(batch if on_cpu else to_device(batch, self.device), next(keys))
             return
         pending = self._preload(batches, keys)
         while pending is not None:

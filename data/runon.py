@@ -26,6 +26,14 @@ from torch.utils.data import DataLoader, Dataset
 from data.sampler import ResumableDistributedSampler, epoch_batches, limit_left
 
 
+def batches_taken(sampler: ResumableDistributedSampler, batch_size: int, drop_last: bool,
+                  limit: Optional[int]) -> int:
+    """Batches of the sampler's epoch from its start that a pass hands out: the rest of the
+    epoch, or what a limit of `limit` batches per epoch leaves of it."""
+    return epoch_batches(len(sampler), batch_size, drop_last, limit_left(
+        limit, sampler.start, batch_size * sampler.num_replicas))
+
+
 class _RunOnBatches:
     """Batches of indices: `sampler`'s order from (`epoch`, `start`) on, epoch after epoch.
     (It holds nothing of the RunOnLoader: no reference cycle keeps workers alive.)"""
@@ -41,8 +49,7 @@ class _RunOnBatches:
         s.epoch, s.start = self.epoch, self.start
         while True:
             indices, made = s.epoch_indices(), 0
-            take = epoch_batches(len(s), bs, self.drop_last,
-                                 limit_left(self.limit, s.start, bs * s.num_replicas))
+            take = batches_taken(s, bs, self.drop_last, self.limit)
             for i in range(0, len(indices), bs):
                 if made == take:
                     break
@@ -75,11 +82,6 @@ class RunOnLoader:
     def __len__(self) -> int:
         return epoch_batches(len(self.sampler), self.batch_size, self.drop_last)
 
-    def _take(self, start: int) -> int:
-        """Batches a pass hands out: the epoch's rest, or what the limit leaves of it."""
-        return epoch_batches(len(self.sampler), self.batch_size, self.drop_last, limit_left(
-            self.limit, start, self.batch_size * self.sampler.num_replicas))
-
     def __iter__(self) -> Iterator[Any]:
         here = (self.sampler.epoch, self.sampler.start)
         if self._batches is None or self._at != here or self._limit != self.limit:
@@ -90,7 +92,9 @@ class RunOnLoader:
             self._limit = self.limit  # the running batches follow this limit
             self._batches, self.restarts = iter(loader), self.restarts + 1
         self._at = None  # until this pass has handed out the whole epoch
-        return self._epoch(self._take(here[1]), here[0])
+        # the sampler stands at `here`: the same count as the running batches hand out
+        return self._epoch(batches_taken(self.sampler, self.batch_size, self.drop_last,
+                                         self.limit), here[0])
 
     def _epoch(self, count: int, epoch: int) -> Iterator[Any]:
         batches = self._batches
