@@ -30,7 +30,9 @@ time is paired with the other's a millisecond away, so the shared machine's drif
 long, fall on both. On a 2-core shared VM the fresh-process pairs of the same code spread
 0.55-1.6 in one run, the lockstep pairs 0.95-0.97: this is the measure that resolves a few
 percent there. (Both loops' caches are colder than alone: steps are slower than in the other
-rows, the ratio is what to read.)
+rows, the ratio is what to read.) `lockstep_null` calibrates them: two plain loops (DataLoader
+path) in the same alternation, the first in Stoker's place, so its `vs_plain` is what the
+harness itself reads for identical work (its bias and resolution).
 
 Every run is a fresh process; runners alternate within each repeat (and their order flips
 every other repeat). Each process times its steps after the first `--warmup` (start-up,
@@ -71,7 +73,7 @@ SAME_STEPS = 1e-4  # the largest relative difference of final weights between th
 STARTUP_COLUMNS = ["command", "wall_s", "best_s", "runs"]
 COUNTERPART = {"stoker": "plain", "lightning": "plain", "stoker_device": "plain_indexed"}
 RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning",
-                    "lockstep_host", "lockstep_device"],
+                    "lockstep_host", "lockstep_device", "lockstep_null"],
            "cnn": ["plain", "stoker", "lightning"]}
 LR = 1e-3
 SEED = 42  # train.py's seed: the initial weights and the epochs' order
@@ -305,12 +307,46 @@ def lockstep(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float
                 final["plain_param_sum"] = param_sum(model)
 
     train(cfg, callbacks=[Alternate()])
-    n = len(spent["stoker"])
-    k = min(5, n)  # five equal stretches, as Clock's
+    return _lockstep_result(w, spent["stoker"], spent["plain"], **final)
+
+
+def lockstep_null(w: Dict[str, Any]) -> Dict[str, float]:
+    """Two plain loops one step each in turn, timed as `lockstep` times Stoker and its
+    counterpart: the first stands in Stoker's place. Identical work, so the ratio is the
+    harness's own reading of no difference."""
+    import torch
+
+    device = _device()
+    first_model, first = plain_stepper(w, indexed=False)
+    model, second = plain_stepper(w, indexed=False)
+    spent: Dict[str, List[float]] = {"first": [], "second": []}
+    perf, mark = time.perf_counter, time.perf_counter()
+    for n in range(1, w["steps"] + 1):
+        first()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = perf()
+        second()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mark, last = perf(), mark
+        if n > w["warmup"]:
+            spent["first"].append(1e6 * (now - last))
+            spent["second"].append(1e6 * (mark - now))
+    return _lockstep_result(w, spent["first"], spent["second"],
+                            param_sum=param_sum(first_model), plain_param_sum=param_sum(model))
+
+
+def _lockstep_result(w: Dict[str, Any], stoker: List[float], plain: List[float],
+                     **final: float) -> Dict[str, float]:
+    """Whole-run and best-stretch (five equal stretches, as Clock's) step times of a pair."""
+    n = len(stoker)
+    k = min(5, n)
     stretches = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-    best = {k: min(sum(v[s]) / len(v[s]) for s in stretches) for k, v in spent.items()}
-    return {"samples_per_s": 1e6 * w["batch"] * n / sum(spent["stoker"]),
-            "step_us": sum(spent["stoker"]) / n, "plain_step_us": sum(spent["plain"]) / n,
+    best = {k: min(sum(v[s]) / len(v[s]) for s in stretches)
+            for k, v in (("stoker", stoker), ("plain", plain))}
+    return {"samples_per_s": 1e6 * w["batch"] * n / sum(stoker),
+            "step_us": sum(stoker) / n, "plain_step_us": sum(plain) / n,
             "best_step_us": best["stoker"], "plain_best_step_us": best["plain"], **final}
 
 
@@ -323,6 +359,8 @@ def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
         return plain_loop(w, indexed=kind == "plain_indexed")
     if kind == "lightning":
         return lightning_loop(w)
+    if kind == "lockstep_null":
+        return lockstep_null(w)
     with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
         if kind.startswith("lockstep"):
             return lockstep(w, "device" if kind == "lockstep_device" else "host", tmp)
@@ -353,6 +391,8 @@ def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[s
                    best_step_us=median([r["best_step_us"] for r in results]))
         if kind.startswith("lockstep"):
             row.update(_paired(results))
+            if kind == "lockstep_null":
+                row["counterpart"] = "a second plain loop in the same process"
             rows.append(row)
             continue
         base = runs.get(COUNTERPART.get(kind, ""), [])
