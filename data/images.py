@@ -113,16 +113,19 @@ def decode(source: Any, size: int, resize: int) -> torch.Tensor:
             # DCT scaling inside libjpeg: never below the requested size
             img.draft("RGB", (resize * img.size[0] // min(img.size),
                               resize * img.size[1] // min(img.size)))
-        img = img.convert("RGB")
+        if img.mode != "RGB":  # (converting an RGB image would only copy it)
+            img = img.convert("RGB")
         w, h = img.size
         scale = resize / min(w, h)
         nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
         if (nw, nh) != (w, h):
             img = img.resize((nw, nh), Image.BILINEAR, reducing_gap=None)
         left, top = (nw - size) // 2, (nh - size) // 2
-        img = img.crop((left, top, left + size, top + size))
-        array = np.array(img, dtype=np.uint8)  # (size, size, 3), a copy this process owns
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+        pixels = np.asarray(img)  # (nh, nw, 3): decodes; read-only, the image's bytes
+    # the crop and the channels-first layout in one copy (Pillow's crop, np.array and a
+    # contiguous permute took three: 20% of a 256x256 JPEG's time)
+    chw = pixels[top:top + size, left:left + size].transpose(2, 0, 1).copy()
+    return torch.from_numpy(chw)
 
 
 def image_settings(size: int, resize: Optional[int], on_error: str) -> int:

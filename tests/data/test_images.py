@@ -58,6 +58,28 @@ def test_a_non_square_image_is_resized_by_its_shorter_side_and_centre_cropped(tm
     assert out.float().mean() > 240  # only the white middle is left
 
 
+@pytest.mark.parametrize("mode", ["RGB", "L", "RGBA"])
+def test_samples_are_pillows_resize_and_centre_crop_bit_for_bit(tmp_path, mode):
+    from PIL import Image
+
+    channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+    pixels = (np.arange(50 * 70 * channels) * 7 % 251).astype(np.uint8)
+    Image.fromarray(pixels.reshape(50, 70, channels).squeeze(), mode).save(tmp_path / "a.png")
+    for size, resize in [(32, 40), (50, 50), (24, 60), (1, 1)]:
+        out = decode(tmp_path / "a.png", size, resize)
+        with Image.open(tmp_path / "a.png") as img:  # Pillow's own steps, one at a time
+            img = img.convert("RGB")
+            scale = resize / 50
+            w, h = max(size, round(70 * scale)), max(size, round(50 * scale))
+            if (w, h) != img.size:
+                img = img.resize((w, h), Image.BILINEAR, reducing_gap=None)
+            left, top = (w - size) // 2, (h - size) // 2
+            want = np.array(img.crop((left, top, left + size, top + size)))
+        assert out.dtype == torch.uint8 and out.shape == (3, size, size)
+        assert torch.equal(out, torch.from_numpy(want).permute(2, 0, 1))
+        assert out.is_contiguous() and out.numpy().flags.writeable  # owned, not Pillow's bytes
+
+
 def test_jpeg_draft_decoding_matches_a_full_decode_closely(tmp_path):
     from PIL import Image
 
