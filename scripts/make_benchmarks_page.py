@@ -44,7 +44,9 @@ SECTIONS = [
             "fastest of five stretches (`best_step_us`), the overhead per step against the plain "
             "counterpart, and `vs_plain`: the median of per-repeat ratios to it. `lockstep_*` "
             "rows take Stoker's and the plain loop's steps in turn in one process (the ratio "
-            "that resolves a few percent on a shared machine). "
+            "that resolves a few percent on a shared machine); `lockstep_null` takes two plain "
+            "loops' steps so, the first in Stoker's place: the harness's reading of identical "
+            "work. "
             "`tiny` is the default job's step alone (digits MLP, batch 64, one thread); `cnn` "
             "a compute-bound CNN step. Target: `vs_plain` >= 0.97 on `tiny`.",
             "results", ["workload", "runner", "counterpart", "samples_per_s", "step_us",
@@ -92,10 +94,14 @@ SECTIONS = [
             "JPEG files decoded with Pillow through (a) 0 and (b) W workers (normalised on the "
             "CPU), (c) W workers shipping uint8 normalised on the device, (d) packed memmap "
             "arrays, (e) each data.cache on its second epoch, (f) streamed tar shards; a fixed "
-            "wait per step stands for the GPU. `vs_bound`: epoch time over max(compute, decode "
-            "cost / W); `vs_b`: speed-up over (b); `one_off_s`: packing, sharding or filling "
-            "the cache. Targets: (c) <= 1.15x the bound, (d) >= 5x (b).",
-            "results", ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_b", "one_off_s"],
+            "wait per step stands for the GPU; decode_1_process and decode_W_processes decode the "
+            "set with no loader in 1 and W processes at once. `vs_bound`: epoch time over "
+            "max(compute, decode cost / W); `vs_machine`: over max(compute, decode_W_processes), "
+            "what W cores decode together here; `vs_b`: speed-up over (b); `one_off_s`: "
+            "packing, sharding or filling the cache. Targets: (c) <= 1.15x the bound, (d) >= "
+            "5x (b).",
+            "results", ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_machine", "vs_b",
+                        "one_off_s"],
             lambda r: r["config"], throughput="samples_per_s"),
     Section("tune_loader", "Loader tuning sweep",
             "num_workers x prefetch_factor (x pin_memory on CUDA) on the configured dataset.",

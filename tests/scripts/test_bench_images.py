@@ -23,10 +23,14 @@ def test_smoke_measures_every_path_and_writes_json(tmp_path):
     names = [r["config"] for r in result["results"]]
     assert names == ["a_0_workers", "b_2_workers", "c_2_workers_uint8", "c_plain_dataloader",
                      "d_memmap", "e_cache_memory", "e_cache_shm", "e_cache_disk", "e_cache_lru",
-                     "f_shards"]
+                     "f_shards", "decode_1_process", "decode_2_processes"]
     for r in result["results"]:
-        assert r["epoch_s"] > 0 and r["runs"] == 1 and len(r["epochs_s"][0]) == 2
+        epochs = 1 if r["config"].startswith("decode_") else 2  # decoding, not a feed's epochs
+        assert r["epoch_s"] > 0 and r["runs"] == 1 and len(r["epochs_s"][0]) == epochs
         assert r["samples_per_s"] > 0
     assert result["bound_s"] > 0 and result["decode_s_per_epoch"] > 0
+    # the machine's bound: 2 processes decoding together, no loader
+    assert result["decode_parallel_s_per_epoch"] > 0 and result["machine_bound_s"] > 0
+    assert result["c_vs_machine_bound"] > 0
     assert result["c_vs_bound"] > 0 and result["d_vs_b"] > 0
     assert "(c) vs bound" in proc.stdout and "target" in proc.stdout
