@@ -270,84 +270,84 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
     return dict(clock.result(w["batch"]), **final)
 
 
+class Pairing:
+    """The lockstep timing of two loops taking one step each in turn: after each of the first
+    loop's steps, `follow` takes the second's. The first's time runs from the end of the
+    second's previous step to the start of this one, the second's is its own; both are kept,
+    in microseconds, for steps after `warmup`."""
+
+    def __init__(self, warmup: int, device):
+        self.warmup, self.device = warmup, device
+        self.first: List[float] = []
+        self.second: List[float] = []
+        self.mark = time.perf_counter()  # when the second loop's last step ended
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def follow(self, step: int, second_step) -> None:
+        """The first loop's `step` just ended: times it, then takes and times the second's."""
+        self._sync()
+        now = time.perf_counter()
+        second_step()
+        self._sync()
+        self.mark, last = time.perf_counter(), self.mark
+        if step > self.warmup:
+            self.first.append(1e6 * (now - last))
+            self.second.append(1e6 * (self.mark - now))
+
+    def result(self, batch: int, **final: float) -> Dict[str, float]:
+        """Whole-run and best-stretch (the fastest of five equal stretches, as Clock's) step
+        times: the first loop's as Stoker's, the second's as the plain counterpart's."""
+        n = len(self.first)
+        parts = min(5, n)
+        stretches = [slice(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+        best = [min(sum(v[s]) / len(v[s]) for s in stretches) for v in (self.first, self.second)]
+        return {"samples_per_s": 1e6 * batch * n / sum(self.first),
+                "step_us": sum(self.first) / n, "plain_step_us": sum(self.second) / n,
+                "best_step_us": best[0], "plain_best_step_us": best[1], **final}
+
+
 def lockstep(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
     """Stoker's steps and the plain counterpart's in one process, one after the other: after
     each of Stoker's steps a callback takes one plain step. Each step's time is paired with
     the other's a millisecond away, so the machine's drifts (seconds long on a shared host)
     fall on both; what is left is the launcher's work per step (epoch crossings and logging
     boundaries included) against the hand-written step's."""
-    import torch
-
     from trainer.loop import Callback
     from trainer.runner import train
 
-    device = _device()
     model, plain_step = plain_stepper(w, indexed=placement == "device")
     cfg = _stoker_cfg(w, placement, run_dir)
-    spent = {"stoker": [], "plain": []}  # per step, microseconds
     final: Dict[str, float] = {}
-    perf = time.perf_counter
+    pairing = Pairing(w["warmup"], _device())
 
     class Alternate(Callback):
-        mark = 0.0  # when the last plain step ended: Stoker's step runs from there
-
         def after_step(self, loop) -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = perf()
-            plain_step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.mark, last = perf(), self.mark
-            if loop.state.step > w["warmup"]:
-                spent["stoker"].append(1e6 * (now - last))
-                spent["plain"].append(1e6 * (self.mark - now))
+            pairing.follow(loop.state.step, plain_step)
             if loop.state.step == w["steps"]:
                 final["param_sum"] = param_sum(loop.model)
                 final["plain_param_sum"] = param_sum(model)
 
     train(cfg, callbacks=[Alternate()])
-    return _lockstep_result(w, spent["stoker"], spent["plain"], **final)
+    return pairing.result(w["batch"], **final)
 
 
 def lockstep_null(w: Dict[str, Any]) -> Dict[str, float]:
-    """Two plain loops one step each in turn, timed as `lockstep` times Stoker and its
-    counterpart: the first stands in Stoker's place. Identical work, so the ratio is the
-    harness's own reading of no difference."""
-    import torch
-
-    device = _device()
+    """Two plain loops one step each in turn, timed by the same Pairing as `lockstep`: the
+    first stands in Stoker's place. Identical work, so the ratio is the harness's own reading
+    of no difference."""
     first_model, first = plain_stepper(w, indexed=False)
     model, second = plain_stepper(w, indexed=False)
-    spent: Dict[str, List[float]] = {"first": [], "second": []}
-    perf, mark = time.perf_counter, time.perf_counter()
+    pairing = Pairing(w["warmup"], _device())
     for n in range(1, w["steps"] + 1):
         first()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        now = perf()
-        second()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        mark, last = perf(), mark
-        if n > w["warmup"]:
-            spent["first"].append(1e6 * (now - last))
-            spent["second"].append(1e6 * (mark - now))
-    return _lockstep_result(w, spent["first"], spent["second"],
-                            param_sum=param_sum(first_model), plain_param_sum=param_sum(model))
-
-
-def _lockstep_result(w: Dict[str, Any], stoker: List[float], plain: List[float],
-                     **final: float) -> Dict[str, float]:
-    """Whole-run and best-stretch (five equal stretches, as Clock's) step times of a pair."""
-    n = len(stoker)
-    k = min(5, n)
-    stretches = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-    best = {k: min(sum(v[s]) / len(v[s]) for s in stretches)
-            for k, v in (("stoker", stoker), ("plain", plain))}
-    return {"samples_per_s": 1e6 * w["batch"] * n / sum(stoker),
-            "step_us": sum(stoker) / n, "plain_step_us": sum(plain) / n,
-            "best_step_us": best["stoker"], "plain_best_step_us": best["plain"], **final}
+        pairing.follow(n, second)
+    return pairing.result(w["batch"], param_sum=param_sum(first_model),
+                          plain_param_sum=param_sum(model))
 
 
 def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
