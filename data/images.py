@@ -10,6 +10,11 @@ host-to-device copy; the device prefetcher scales them to [0, 1], normalises
 per sample is therefore a pure function of the file, which is what lets its result be cached
 (`data.cache`) or packed once (`scripts/prepare_data.py`, `data=memmap`).
 
+A loader asks for a batch's samples at once (`__getitems__`): each file is decoded straight into
+its row of one batch tensor, which in a worker is shared memory already (and, under the
+training loader, one of a few blocks the worker reuses: data/batchpool.py), so no sample is
+allocated, stacked or copied into shared memory on its own.
+
 JPEG files are decoded in draft mode when the target is at most half their size: libjpeg then
 scales by 1/2, 1/4 or 1/8 inside the decoder (DCT scaling), several times faster than decoding
 the full image and resizing it.
@@ -27,13 +32,15 @@ import logging
 import multiprocessing
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from data.batchpool import batch_buffer, hand_out
 from trainer.config import ConfigError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -106,6 +113,14 @@ def find_images(folder: Path, classes: Sequence[str],
 def decode(source: Any, size: int, resize: int) -> torch.Tensor:
     """An image file (a path or an open binary file) as a uint8 (3, size, size) tensor: its
     shorter side resized to `resize` (bilinear, antialiased), then the centre `size` x `size`."""
+    out = torch.empty((3, size, size), dtype=torch.uint8)
+    decode_into(source, out.numpy(), size, resize)
+    return out
+
+
+def decode_into(source: Any, out: np.ndarray, size: int, resize: int) -> None:
+    """`decode`, written into `out` (uint8, (3, size, size)); `out` is left as it was when the
+    file cannot be read."""
     from PIL import Image
 
     with Image.open(source) as img:
@@ -122,10 +137,9 @@ def decode(source: Any, size: int, resize: int) -> torch.Tensor:
             img = img.resize((nw, nh), Image.BILINEAR, reducing_gap=None)
         left, top = (nw - size) // 2, (nh - size) // 2
         pixels = np.asarray(img)  # (nh, nw, 3): decodes; read-only, the image's bytes
-    # the crop and the channels-first layout in one copy (Pillow's crop, np.array and a
-    # contiguous permute took three: 20% of a 256x256 JPEG's time)
-    chw = pixels[top:top + size, left:left + size].transpose(2, 0, 1).copy()
-    return torch.from_numpy(chw)
+    # the crop and the channels-first layout in one copy, straight into its place in the
+    # batch (Pillow's crop, np.array, a contiguous permute and the collate's stack took four)
+    np.copyto(out, pixels[top:top + size, left:left + size].transpose(2, 0, 1))
 
 
 def image_settings(size: int, resize: Optional[int], on_error: str) -> int:
@@ -170,19 +184,51 @@ class Unreadable:
         return np.flatnonzero(np.frombuffer(self.flags, dtype=np.int8))
 
 
+class DecodedBatch(Sequence):
+    """The samples of a batch decoded into one tensor (`ImageFolder.__getitems__`): a
+    sequence of (image, label) samples like the list a DataLoader collates, whose images and
+    labels are already stacked in `images` and `labels` (the first `count` rows of the
+    buffers they were made in: files skipped under on_error=skip are left out). `lease`: the
+    buffers' pool lease (data/batchpool.py), for the collate to hand the batch out with."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, count: int, lease: Any):
+        self.images, self.labels, self.lease = images[:count], labels[:count], lease
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        return self.images[k], self.labels[k]
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+
 class SkipCollate:
     """`collate` (the default one unless given) over the samples that are not None (files
     skipped by on_error=skip); a batch of skipped files only is an empty batch of the right
-    shapes (the loop weighs it 0)."""
+    shapes (the loop weighs it 0). A `DecodedBatch` is stacked already: with the default
+    collate it is the batch as it stands, no copy."""
 
     def __init__(self, shape: Sequence[int], collate: Optional[Any] = None):
         self.shape = tuple(shape)
         self.collate = collate or default_collate
 
-    def __call__(self, samples: List[Any]) -> Any:
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        if isinstance(samples, DecodedBatch):
+            if self.collate is default_collate:
+                batch = [samples.images, samples.labels]
+            else:
+                batch = self.collate(list(samples)) if len(samples) else self.empty()
+            return hand_out(batch, samples.lease)
         kept = [s for s in samples if s is not None]
         if kept:
             return self.collate(kept)
+        return self.empty()
+
+    def empty(self) -> List[torch.Tensor]:
         return [torch.empty((0, *self.shape), dtype=torch.uint8),
                 torch.empty((0,), dtype=torch.int64)]
 
@@ -226,6 +272,27 @@ class ImageFolder(Dataset):
             self.unreadable.handle(e, i, path)
             return None
         return image, torch.tensor(target)
+
+    def __getitems__(self, indices: List[int]) -> Sequence[Any]:
+        """The samples `indices`, each decoded straight into its row of one batch tensor (a
+        slot of the loader's batch pool in a worker: data/batchpool.py); the DataLoader's
+        batched fetch. A subclass with a `__getitem__` of its own gets its samples from it."""
+        if type(self).__getitem__ is not ImageFolder.__getitem__:
+            return [self[i] for i in indices]
+        n = len(indices)
+        (images, labels), lease = batch_buffer(((n, 3, self.size, self.size), torch.uint8),
+                                               ((n,), torch.int64))
+        rows, count = images.numpy(), 0
+        for i in indices:
+            path, target = self.samples[i]
+            try:
+                decode_into(path, rows[count], self.size, self.resize)
+            except unreadable_errors() as e:
+                self.unreadable.handle(e, i, path)
+                continue
+            labels[count] = target
+            count += 1
+        return DecodedBatch(images, labels, count, lease)
 
     def skipped(self) -> List[str]:
         """The files skipped so far, in this process and its workers."""

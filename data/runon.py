@@ -23,6 +23,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.batchpool import BatchPool
 from data.sampler import ResumableDistributedSampler, epoch_batches, limit_left
 
 
@@ -77,6 +78,7 @@ class RunOnLoader:
         self._limit: Optional[int] = None
         self._batches: Optional[Iterator[Any]] = None
         self._at: Optional[Tuple[int, int]] = None  # (epoch, start) the next batch begins
+        self.pool: Optional[BatchPool] = None  # the running DataLoader's
         self.restarts = 0  # DataLoader iterators started (1 for a run straight through)
 
     def __len__(self) -> int:
@@ -86,9 +88,14 @@ class RunOnLoader:
         here = (self.sampler.epoch, self.sampler.start)
         if self._batches is None or self._at != here or self._limit != self.limit:
             self.close()
+            kwargs = dict(self.loader_kwargs)
+            # the batches in flight, those the loop and the prefetcher hold, and one the
+            # pool has not seen gone yet
+            self.pool = BatchPool(self.num_workers, (kwargs.get("prefetch_factor") or 2) + 3,
+                                  kwargs.pop("worker_init_fn", None))
             loader = DataLoader(self.dataset, batch_sampler=_RunOnBatches(
                 self.sampler, self.batch_size, self.drop_last, *here, self.limit),
-                generator=self.generator, **self.loader_kwargs)
+                generator=self.generator, worker_init_fn=self.pool.install, **kwargs)
             self._limit = self.limit  # the running batches follow this limit
             self._batches, self.restarts = iter(loader), self.restarts + 1
         self._at = None  # until this pass has handed out the whole epoch
@@ -97,14 +104,14 @@ class RunOnLoader:
                                          self.limit), here[0])
 
     def _epoch(self, count: int, epoch: int) -> Iterator[Any]:
-        batches = self._batches
+        batches, pool = self._batches, self.pool
         if not count:
             self._at = (epoch + 1, 0)
         for i in range(count):
             batch = next(batches)
             if i == count - 1:  # handed out whole (a loop takes the last batch, no more)
                 self._at = (epoch + 1, 0)
-            yield batch
+            yield pool.received(batch)
 
     def close(self) -> None:
         """Ends the running DataLoader iterator's workers now (not when it is collected)."""

@@ -191,3 +191,50 @@ def test_the_config_reads_classes_and_shape_from_the_folder(folder, tmp_path):
                       "data.dataset.size=40")
     assert cfg.data.num_classes == 3 and list(cfg.data.input_shape) == [3, 40, 40]
     assert json.loads(json.dumps(list(cfg.data.normalize_mean))) == [0.485, 0.456, 0.406]
+
+
+def one_by_one(ds, indices):
+    """The batch of `indices` as PyTorch's per-sample fetch and default collate make it."""
+    from torch.utils.data import default_collate
+
+    return default_collate([s for s in (ds[i] for i in indices) if s is not None])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batched_fetch_is_the_per_sample_batch_bit_for_bit(folder, tmp_path, workers):
+    root = broken_copy(folder, tmp_path)  # skipped files inside batches, kept ones in order
+    ds = ImageFolder("train", str(root), size=16)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    loader = DataLoader(ds, batch_size=6, sampler=order, num_workers=workers,
+                        collate_fn=ds.collate_fn)
+    batches = list(loader)
+    assert len(batches) == 4 and sum(len(y) for _, y in batches) == 18
+    for k, (x, y) in enumerate(batches):
+        want_x, want_y = one_by_one(ds, order[6 * k:6 * k + 6])
+        assert x.dtype == torch.uint8 and y.dtype == torch.int64 and x.is_contiguous()
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+def test_a_batched_fetch_of_skipped_files_only_is_empty_and_a_users_collate_gets_samples(
+        folder, tmp_path):
+    root = broken_copy(folder, tmp_path)
+    ds = ImageFolder("train", str(root), size=16)
+    bad = [i for i, (p, _) in enumerate(ds.samples) if "zz_" in p]
+    x, y = ds.collate_fn(ds.__getitems__(bad))
+    assert x.shape == (0, 3, 16, 16) and x.dtype == torch.uint8 and y.shape == (0,)
+    seen = []
+    collate = SkipCollate((3, 16, 16), lambda samples: seen.append(samples) or len(samples))
+    assert collate(ds.__getitems__([0, bad[0], 1])) == 2
+    assert [type(s) for s in seen[0]] == [tuple, tuple]
+    assert torch.equal(seen[0][1][0], ds[1][0]) and int(seen[0][1][1]) == ds.samples[1][1]
+
+
+def test_a_subclass_with_its_own_getitem_is_fetched_through_it(folder):
+    class Flipped(ImageFolder):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return x.flip(-1), y
+
+    ds = Flipped("train", str(folder), size=16)
+    x, _ = next(iter(DataLoader(ds, batch_size=3, collate_fn=ds.collate_fn)))
+    assert torch.equal(x[0], ImageFolder("train", str(folder), size=16)[0][0].flip(-1))

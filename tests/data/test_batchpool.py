@@ -1,0 +1,139 @@
+"""data/batchpool.py: loader workers form batches in shared-memory slots they reuse, and only
+once the training process holds none of a slot's batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from data import batchpool
+from data.batchpool import BatchPool, PooledBatch
+from data.images import ImageFolder, SkipCollate
+from data.runon import RunOnLoader
+from data.sampler import ResumableDistributedSampler
+from scripts.make_images import write_images
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool")
+    write_images(root, count=40, size=24, classes=4, val_fraction=0.0)
+    return ImageFolder("train", str(root), size=16)
+
+
+def run_on(ds, collate, context=None):
+    sampler = ResumableDistributedSampler(len(ds), 1, 0, seed=5)
+    return RunOnLoader(ds, sampler, 4, False, torch.Generator().manual_seed(0), num_workers=2,
+                       prefetch_factor=2, collate_fn=collate, multiprocessing_context=context)
+
+
+def expected(ds, sampler, epoch):
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [default_collate([ds[i] for i in order[k:k + 4]]) for k in range(0, len(order), 4)]
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_a_run_on_loader_over_images_forms_the_same_batches_in_reused_slots(images, context):
+    loader = run_on(images, images.collate_fn, context)
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        got = list(loader)
+        want = expected(images, run_on(images, None).sampler, epoch)
+        assert len(got) == len(want) == 10
+        for (x, y), (wx, wy) in zip(got, want):
+            assert type(x) is torch.Tensor and torch.equal(x, wx) and torch.equal(y, wy)
+        del got  # the loop lets go of an epoch's batches: their slots come back
+    stats = loader.pool.stats()
+    assert loader.restarts == 1 and stats["reused"] > 0
+    assert stats["first"] <= 2 * loader.pool.slots
+    loader.close()
+
+
+@pytest.mark.parametrize("collate", ["default", "keeps_views"])
+def test_batches_the_loop_holds_are_never_written_over(images, collate):
+    # a user's collate that returns the samples as they come: views into the slot's memory
+    fn = images.collate_fn if collate == "default" else SkipCollate((3, 16, 16), list)
+    loader = run_on(images, fn)
+    held, window = [], 2 * (2 + 3) + 2  # more than all the workers' slots (2 x 5)
+    for epoch in range(4):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            tensors = batch if collate == "default" else [t for s in batch for t in s]
+            held.append((tensors, [t.clone() for t in tensors]))
+            if len(held) > window:  # this batch's slot may now be given back and reused
+                old, copies = held.pop(0)
+                assert all(torch.equal(a, b) for a, b in zip(old, copies))
+    for tensors, copies in held:
+        assert all(torch.equal(a, b) for a, b in zip(tensors, copies))
+    stats = loader.pool.stats()
+    # every slot was held at once (new blocks were made then) and slots came back later
+    assert stats["unpooled"] > 0 and stats["reused"] > 0
+    loader.close()
+
+
+def test_the_pin_thread_gives_the_slot_back_once_the_batch_is_copied(monkeypatch):
+    pool = BatchPool(workers=1, slots=2)
+    pool.taken[1] = 1
+    x = torch.arange(6)
+    monkeypatch.setattr("torch.utils.data._utils.pin_memory.pin_memory",
+                        lambda batch: ("pinned", batch))
+    out = PooledBatch([x], pool.token, 1, x).pin_memory()
+    assert out == ("pinned", [x]) and list(pool.taken) == [0, 0]
+
+
+def test_the_training_process_gives_a_slot_back_when_its_batch_is_gone():
+    pool = BatchPool(workers=1, slots=1)
+    pool.taken[0] = 1
+    block = torch.zeros(8)
+    batch = pool.received(PooledBatch([block[:4]], pool.token, 0, block))
+    del block
+    assert type(batch) is list
+    pool.received(None)
+    assert pool.taken[0] == 1  # the loop still holds the batch
+    del batch
+    assert pool.received("next") == "next" and pool.taken[0] == 0
+    other = BatchPool(workers=1, slots=1)
+    other.taken[0] = 1
+    assert pool.received(PooledBatch([1], other.token, 0, torch.zeros(1))) == [1]
+    other.received(None)
+    assert other.taken[0] == 1  # another pool's slot is not this pool's to give back
+
+
+def test_only_the_file_descriptor_strategy_is_pooled_and_a_users_init_still_runs(monkeypatch):
+    called = []
+    monkeypatch.setattr(batchpool, "_installed", None)
+    monkeypatch.setattr(torch.multiprocessing, "get_sharing_strategy", lambda: "file_system")
+    BatchPool(1, 1, worker_init_fn=called.append).install(3)
+    assert batchpool._installed is None and called == [3]
+    monkeypatch.setattr(torch.multiprocessing, "get_sharing_strategy",
+                        lambda: "file_descriptor")
+    pool = BatchPool(1, 1)
+    pool.install(0)
+    assert batchpool._installed is pool
+
+
+def test_outside_a_worker_a_batch_buffer_is_ordinary_memory_without_a_lease():
+    (x, y), lease = batchpool.batch_buffer(((2, 3), torch.uint8), ((2,), torch.int64))
+    assert lease is None and not x.is_shared()
+    assert x.shape == (2, 3) and y.dtype == torch.int64
+    assert y.data_ptr() % 64 == x.data_ptr() % 64  # one block, the second part aligned
+    assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+def test_pinned_batches_give_their_slots_back_in_the_pin_thread(images):
+    sampler = ResumableDistributedSampler(len(images), 1, 0, seed=5)
+    loader = RunOnLoader(images, sampler, 4, False, torch.Generator().manual_seed(0),
+                         num_workers=2, prefetch_factor=2, collate_fn=images.collate_fn,
+                         pin_memory=True)
+    held = []
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        got = list(loader)  # the loop holds every pinned batch: the slots came back anyway
+        want = expected(images, run_on(images, None).sampler, epoch)
+        for (x, y), (wx, wy) in zip(got, want):
+            assert x.is_pinned() and torch.equal(x, wx) and torch.equal(y, wy)
+        held += got
+    assert loader.pool.stats()["unpooled"] == 0 and loader.pool.stats()["reused"] > 0
+    loader.close()
