@@ -33,4 +33,8 @@ def test_smoke_measures_every_path_and_writes_json(tmp_path):
     assert result["decode_parallel_s_per_epoch"] > 0 and result["machine_bound_s"] > 0
     assert result["c_vs_machine_bound"] > 0
     assert result["c_vs_bound"] > 0 and result["d_vs_b"] > 0
+    assert result["c_vs_bound_paired"] > 0 and result["c_vs_machine_bound_paired"] > 0
+    pool = {r["config"]: r["batch_pool"] for r in result["results"]}["c_2_workers_uint8"]
+    # (c)'s 2 epochs of 5 batches (and what the workers made ahead), all in the pool's slots
+    assert pool["reused"] + pool["first"] >= 5 * 2 and pool["unpooled"] == 0
     assert "(c) vs bound" in proc.stdout and "target" in proc.stdout
