@@ -21,7 +21,7 @@ It exposes what the trainer reads from a DataLoader (`sampler`, `batch_size`, `d
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset, Sampler, TensorDataset
@@ -50,6 +50,13 @@ def rows_of(dataset: Dataset) -> Optional[Tuple[torch.Tensor, ...]]:
     return None if tensors is None else tuple(tensors)
 
 
+def _uses(t: torch.Tensor) -> Optional[int]:
+    """How many hold `t`'s memory (it, its views, storages of it); None where PyTorch does
+    not say (then no copy is ever reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
+
+
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """The bytes `tensors` hold."""
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -66,7 +73,8 @@ class ResidentBatches:
 
     Tensors within `gather_mb` (see `gathers`) are gathered once per epoch in the sampler's
     order, and each batch is a slice of that copy: no work per step but a view, for twice the
-    data's memory during an epoch. Larger ones are indexed batch by batch."""
+    data's memory (the copy is kept for the next epoch to gather into). Larger ones are
+    indexed batch by batch."""
 
     num_workers = 0
 
@@ -80,9 +88,25 @@ class ResidentBatches:
         self.device = device
         self.generator = generator  # kept for the checkpoint's random state, like a loader's
         self.gathered = gathers(nbytes(self.tensors), gather_mb)
+        # the last epoch's copy of each tensor, and how many held it when it was made
+        self._copies: Dict[int, Tuple[Optional[torch.Tensor], Optional[int]]] = {}
 
     def __len__(self) -> int:
         return epoch_batches(len(self.sampler), self.batch_size, self.drop_last)
+
+    def _gather(self, k: int, order: torch.Tensor) -> torch.Tensor:
+        """Tensor `k`'s rows in `order`: written over the last epoch's copy when nothing else
+        holds any of it (no batch of that epoch is left: the trainer's epoch has returned),
+        else a new copy. A new copy of host memory is faulted in page by page: on a VM, the
+        second epoch of 300 MB of images took 0.4-0.5 s against 0.03 s reusing the pages."""
+        t, (last, uses) = self.tensors[k], self._copies.get(k, (None, None))
+        if last is not None and uses is not None and len(last) == len(order) \
+                and _uses(last) == uses:
+            return torch.index_select(t, 0, order, out=last)
+        self._copies[k] = None, None  # (let go of the old copy first: its memory may serve)
+        copy = t.index_select(0, order)
+        self._copies[k] = copy, _uses(copy)
+        return copy
 
     def __iter__(self) -> Iterator[List[torch.Tensor]]:
         tensor = getattr(self.sampler, "epoch_tensor", None)  # the order without a list
@@ -93,7 +117,7 @@ class ResidentBatches:
             return  # (splitting an empty tensor would give one empty batch)
         order = order.to(self.device, non_blocking=True)  # once per epoch
         if self.gathered:  # one copy in this epoch's order; a batch is a view of it
-            epoch = [t.index_select(0, order) for t in self.tensors]
+            epoch = [self._gather(k, order) for k in range(len(self.tensors))]
             for start in range(0, len(order), self.batch_size):
                 yield [t[start:start + self.batch_size] for t in epoch]
         else:

@@ -98,8 +98,11 @@ SECTIONS = [
             "set with no loader in 1 and W processes at once. `vs_bound`: epoch time over "
             "max(compute, decode cost / W); `vs_machine`: over max(compute, decode_W_processes), "
             "what W cores decode together here; `vs_b`: speed-up over (b); `one_off_s`: "
-            "packing, sharding or filling the cache. Targets: (c) <= 1.15x the bound, (d) >= "
-            "5x (b).",
+            "packing, sharding or filling the cache. In (c) the workers decode each batch "
+            "into one tensor, in shared-memory blocks they reuse (the training loader's batch "
+            "pool); `c_plain_dataloader` is PyTorch's DataLoader over the same folder (one "
+            "tensor a batch, a new block each). Targets: (c) <= 1.15x the bound (also read "
+            "paired within each repeat: `c_vs_bound_paired`), (d) >= 5x (b).",
             "results", ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_machine", "vs_b",
                         "one_off_s"],
             lambda r: r["config"], throughput="samples_per_s"),

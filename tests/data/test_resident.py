@@ -98,3 +98,27 @@ def test_a_gathered_batch_changed_in_place_leaves_the_data_and_other_batches_alo
     assert all(batch[0].abs().sum() > 0 for batch in batches[1:])
     again = list(loader)  # the next epoch gathers afresh from the untouched data
     assert again[0][0].abs().sum() > 0
+
+
+def test_an_epoch_gathers_into_the_last_ones_copy_unless_a_batch_of_it_is_held():
+    ds = data()
+    host = build_loader(ds, cfg(), train=True, seed=3, device=CPU)
+    device = build_loader(ds, cfg(), train=True, seed=3, device=CPU, placement="device")
+
+    def epoch(e, start=0):
+        for ld in (host, device):
+            ld.sampler.set_epoch(e)
+            ld.sampler.set_start(start)
+        got, want = list(device), list(host)
+        assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+        return got, got[0][0].data_ptr()
+
+    first = epoch(0)[1]  # (the batches are let go of here, as the trainer's epoch does)
+    held, second = epoch(1)
+    assert second == first  # the same memory, gathered anew
+    copies = [[t.clone() for t in batch] for batch in held]
+    third = epoch(2)[1]  # a batch of epoch 1 is still held: a new copy, epoch 1's untouched
+    assert third != second
+    assert all(torch.equal(a, b) for h, c in zip(held, copies) for a, b in zip(h, c))
+    del held
+    assert epoch(3, start=16)[1] != third  # a resumed epoch is shorter: a copy of its size
