@@ -15,8 +15,13 @@ back (one a collate of the user's turned into something else, say) keeps its slo
 good: the worker then allocates a new block for each batch, as PyTorch does, and never writes
 into memory somebody may still read. With no free slot a worker does the same; it never waits.
 
-Only the file-descriptor sharing strategy (Linux's default) is pooled; under `file_system` the
-workers allocate a block per batch as before.
+Only workers under the file-descriptor sharing strategy pool (Linux's default; forked workers
+inherit the training process's, spawned ones start with the default); under `file_system`
+they allocate a block per batch as before.
+
+What the pool cannot see: the training process sending a batch on to another process (a
+logger's queue, say), which maps the same block; or code that keeps a raw pointer
+(`data_ptr()`) past the tensors. Copy such a batch first (`.clone()`).
 """
 from __future__ import annotations
 
@@ -123,28 +128,50 @@ class BatchPool:
         if not isinstance(batch, PooledBatch):
             return batch
         if batch.token == self.token:  # (another pool's slot stays taken: never reused)
-            self._lent.append((StorageWeakRef(batch.anchor.untyped_storage()), batch.slot))
+            self._lent.append((batch.storage_ref(), batch.slot))
         return batch.batch
 
 
 class PooledBatch:
     """A batch formed in a pool's slot, on its way from the worker to the training process:
     the pool (`received`, or the loader's pin thread through `pin_memory`) gives the batch to
-    the training loop and the slot back. `anchor` is a tensor over the slot's memory."""
+    the training loop and the slot back. `anchor` is a tensor over the slot's memory; `ref`
+    (instead) a weak reference to it, for a batch the pin thread could not copy whole."""
 
-    def __init__(self, batch: Any, token: int, slot: int, anchor: torch.Tensor):
-        self.batch, self.token, self.slot, self.anchor = batch, token, slot, anchor
+    def __init__(self, batch: Any, token: int, slot: int, anchor: Optional[torch.Tensor],
+                 ref: Optional[StorageWeakRef] = None):
+        self.batch, self.token, self.slot, self.anchor, self.ref = batch, token, slot, anchor, ref
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "ref"}  # (never sent: made here)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state, ref=None)
+
+    def storage_ref(self) -> StorageWeakRef:
+        """A weak reference to the slot's memory (the anchor let go of)."""
+        if self.ref is None:
+            self.ref = StorageWeakRef(self.anchor.untyped_storage())
+            self.anchor = None
+        return self.ref
 
     def pin_memory(self, device: Optional[str] = None) -> Any:
-        """The batch in page-locked memory (the DataLoader's pin thread calls this); the slot is
-        given back at once, nothing reads it after the copy."""
+        """The batch in page-locked memory (the DataLoader's pin thread calls this). The slot
+        is given back at once when the copy left nothing of it (a batch of tensors, lists,
+        dicts...); a batch of a class PyTorch does not know how to pin may still hold it, and
+        goes on to `received`, which gives the slot back once that is gone."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        pinned = pin_memory(self.batch)
-        pool = _pools.get(self.token)
-        if pool is not None:
-            pool.give_back(self.slot)
-        return pinned
+        batch, self.batch = self.batch, None
+        ref = self.storage_ref()
+        pinned = pin_memory(batch)
+        del batch
+        if ref.expired():
+            pool = _pools.get(self.token)
+            if pool is not None:
+                pool.give_back(self.slot)
+            return pinned
+        return PooledBatch(pinned, self.token, self.slot, None, ref)
 
 
 class Lease:

@@ -75,11 +75,34 @@ def test_batches_the_loop_holds_are_never_written_over(images, collate):
 def test_the_pin_thread_gives_the_slot_back_once_the_batch_is_copied(monkeypatch):
     pool = BatchPool(workers=1, slots=2)
     pool.taken[1] = 1
-    x = torch.arange(6)
+    block = torch.arange(6)
     monkeypatch.setattr("torch.utils.data._utils.pin_memory.pin_memory",
-                        lambda batch: ("pinned", batch))
-    out = PooledBatch([x], pool.token, 1, x).pin_memory()
-    assert out == ("pinned", [x]) and list(pool.taken) == [0, 0]
+                        lambda batch: [t.clone() for t in batch])  # pinned copies
+    batch = PooledBatch([block[:3]], pool.token, 1, block)
+    del block
+    out = batch.pin_memory()
+    assert type(out) is list and out[0].tolist() == [0, 1, 2] and list(pool.taken) == [0, 0]
+
+
+def test_a_batch_the_pin_thread_cannot_copy_keeps_its_slot_until_it_is_gone():
+    class Batch:  # a class of the user's: PyTorch's pin_memory passes it as it is
+        def __init__(self, x):
+            self.x = x
+
+    pool = BatchPool(workers=1, slots=1)
+    pool.taken[0] = 1
+    block = torch.arange(6)
+    out = PooledBatch(Batch(block[:3]), pool.token, 0, block).pin_memory()
+    del block
+    assert isinstance(out, PooledBatch) and pool.taken[0] == 1
+    batch = pool.received(out)
+    del out
+    assert type(batch) is Batch and batch.x.tolist() == [0, 1, 2]
+    pool.received(None)
+    assert pool.taken[0] == 1  # the loop still reads the slot's memory
+    del batch
+    pool.received(None)
+    assert pool.taken[0] == 0
 
 
 def test_the_training_process_gives_a_slot_back_when_its_batch_is_gone():

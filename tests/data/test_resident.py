@@ -122,3 +122,13 @@ def test_an_epoch_gathers_into_the_last_ones_copy_unless_a_batch_of_it_is_held()
     assert all(torch.equal(a, b) for h, c in zip(held, copies) for a, b in zip(h, c))
     del held
     assert epoch(3, start=16)[1] != third  # a resumed epoch is shorter: a copy of its size
+    for ld in (host, device):
+        ld.sampler.set_epoch(4)
+        ld.sampler.set_start(0)
+    want = list(host)
+    left = iter(device)  # epoch 4's pass, left suspended after a batch (nothing else holds it)
+    got = [[t.clone() for t in next(left)]]
+    device.sampler.set_epoch(5)
+    assert len(list(device)) == len(want)  # another pass meanwhile: a copy of its own
+    got += [[t.clone() for t in batch] for batch in left]
+    assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
