@@ -242,6 +242,8 @@ class ImageFolder(Dataset):
     attributes; the trainer writes the class list to the run dir.
     """
 
+    uint8_images = True  # (the stall advice does not tell it to ship uint8)
+
     def __init__(self, split: str = "train", root: str = "images", size: int = 224,
                  resize: Optional[int] = None, on_error: str = "skip"):
         if split not in SPLIT_DIRS:

@@ -109,13 +109,14 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
                  cores: int, in_memory: bool, placement: str = "host",
                  why_not_device: Optional[str] = None, streamed: bool = False,
-                 mapped: bool = False) -> str:
+                 mapped: bool = False, uint8_images: bool = False) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
 
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
     may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
     already in memory; `mapped`: rows of memory-mapped arrays (data=memmap, data.cache=shm or
-    disk) read by loader workers; `placement`: where the training batches were formed. The
+    disk) read by loader workers; `uint8_images`: the samples are uint8 images already (an
+    image folder); `placement`: where the training batches were formed. The
     advice follows what the case shows (`why_not_device`: why the data could not be kept on
     the device): tensors in memory need no loader at all; more workers than cores only
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
@@ -168,8 +169,10 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     else:
         fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode faster; pay "
                "per-sample work once (data.cache=memory or shm if the decoded data fits in "
-               "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap); if "
-               "samples are images, ship uint8 and augment on the device (data.augment)")
+               "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
+                   "; or store the images at the size they are cropped to" if uint8_images else
+                   "; if samples are images, ship uint8 and augment on the device "
+                   "(data.augment)"))
     return f"steps waited for data {pct} of the time: {fix}"
 
 

@@ -235,4 +235,5 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         and rows_of(loader.dataset) is not None,
                         placement="device" if feed.resident else "host",
                         why_not_device=getattr(feed, "why_not_device", None),
-                        streamed=isinstance(loader.dataset, ShardStream))
+                        streamed=isinstance(loader.dataset, ShardStream),
+                        uint8_images=getattr(loader.dataset, "uint8_images", False) is True)

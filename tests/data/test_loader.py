@@ -113,6 +113,9 @@ def test_loader_passes_timeout_and_context():
     (dict(pin_memory=False), dict(workers=4), "cuda", "data.pin_memory=true"),
     (dict(device_prefetch=False), dict(workers=4), "cuda", "data.device_prefetch=true"),
     (dict(), dict(workers=4), "cpu", "data.cache=memory or shm if the decoded data fits"),
+    (dict(), dict(workers=4), "cpu", "if samples are images, ship uint8"),
+    (dict(), dict(workers=4, uint8_images=True), "cpu",
+     "data=memmap); or store the images at the size they are cropped to"),
     (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound reading data.cache=shm: 4 workers"),
     (dict(), dict(workers=4, streamed=True), "cpu", "cannot decode the streamed shards faster"),
     (dict(cache="disk"), dict(workers=2, mapped=True, why_not_device="its arrays take 300.0 MB "
@@ -129,3 +132,5 @@ def test_stall_advice_names_the_fix(overrides, kw, device, expected):
                         **{"cores": 4, "in_memory": False, **kw})
     assert "prefetch_factor" not in line  # a deeper queue never fixes a steady shortfall
     assert line.startswith("steps waited for data 37% of the time: ") and expected in line
+    if kw.get("uint8_images"):  # an image folder ships uint8 already
+        assert "ship uint8" not in line

@@ -263,3 +263,24 @@ def test_stall_advice_fits_the_case_it_sees(tmp_path, case, overrides, advice):
     line = [ln for ln in proc.stdout.splitlines() if "steps waited for data" in ln]
     assert len(line) == 1 and advice in line[0], (case, proc.stdout[-1500:])
     assert "prefetch_factor" not in line[0]
+
+
+def test_the_advice_for_a_cpu_bound_image_folder_does_not_ask_for_uint8(tmp_path):
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from data.images import ImageFolder
+    from data.prefetch import DevicePrefetcher
+    from scripts.make_images import write_images
+    from trainer import distributed
+    from trainer.config import DataConfig
+    from trainer.feeds import feed_advice
+
+    write_images(tmp_path, count=8, size=16, classes=2, val_fraction=0.0)
+    cores = distributed.cpus_per_rank(1)
+    d = OmegaConf.structured(DataConfig(num_workers=cores))
+    for ds, uint8 in [(ImageFolder("train", str(tmp_path), size=8), True),
+                      (torch.utils.data.Subset(range(4), [0]), False)]:
+        feed = DevicePrefetcher(DataLoader(ds, num_workers=cores), torch.device("cpu"))
+        line = feed_advice(d, feed, torch.device("cpu"), 0.4, 1)
+        assert "cannot decode faster" in line and ("ship uint8" in line) != uint8, line
