@@ -40,22 +40,24 @@ _pools: "weakref.WeakValueDictionary[int, BatchPool]" = weakref.WeakValueDiction
 _tokens = itertools.count(1)
 
 
-def _views(storage: torch.UntypedStorage, specs: Sequence[Tuple[Tuple[int, ...], torch.dtype]]
-           ) -> List[torch.Tensor]:
-    """Tensors of `specs` (shape, dtype) one after another in `storage` (64-byte aligned)."""
-    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-    out, at = [], 0
+Specs = Sequence[Tuple[Tuple[int, ...], torch.dtype]]  # (shape, dtype) of each tensor
+
+
+def _layout(specs: Specs) -> Tuple[List[int], int]:
+    """Where each tensor of `specs` starts in one block (64-byte aligned), and its bytes."""
+    starts, at = [], 0
     for shape, dtype in specs:
-        size = torch.empty(0, dtype=dtype).element_size()
-        n = math.prod(shape) * size
-        out.append(raw[at:at + n].view(dtype).view(shape))
-        at += -(-n // 64) * 64
-    return out
+        starts.append(at)
+        at += -(-math.prod(shape) * dtype.itemsize // 64) * 64
+    return starts, max(at, 1)
 
 
-def _nbytes(specs: Sequence[Tuple[Tuple[int, ...], torch.dtype]]) -> int:
-    return max(1, sum(-(-math.prod(shape) * torch.empty(0, dtype=dtype).element_size() // 64)
-                      * 64 for shape, dtype in specs))
+def _views(storage: torch.UntypedStorage, specs: Specs, starts: List[int]
+           ) -> List[torch.Tensor]:
+    """Tensors of `specs` in `storage`, each from its start (`_layout`'s)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return [raw[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for at, (shape, dtype) in zip(starts, specs)]
 
 
 class BatchPool:
@@ -191,15 +193,15 @@ def batch_buffer(*specs: Tuple[Tuple[int, ...], torch.dtype]
     another worker, or with every slot out, a new shared-memory block (what PyTorch's collate
     allocates: the batch then leaves the worker without another copy); in the training
     process, ordinary memory. A leased batch must leave the worker as `hand_out` wraps it."""
-    nbytes = _nbytes(specs)
+    starts, nbytes = _layout(specs)
     info = get_worker_info()
     if info is None:
-        return _views(torch.UntypedStorage(nbytes), specs), None
+        return _views(torch.UntypedStorage(nbytes), specs, starts), None
     if _installed is not None:
         got = _installed.take(info.id, nbytes)
         if got is not None:
-            return _views(got[0], specs), Lease(_installed.token, got[1], got[0])
-    return _views(torch.UntypedStorage._new_shared(nbytes), specs), None
+            return _views(got[0], specs, starts), Lease(_installed.token, got[1], got[0])
+    return _views(torch.UntypedStorage._new_shared(nbytes), specs, starts), None
 
 
 def hand_out(batch: Any, lease: Optional[Lease]) -> Any:

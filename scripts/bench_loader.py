@@ -58,12 +58,17 @@ def run_epochs(feed, epochs: int, compute_s: float) -> List[float]:
         sampler = getattr(getattr(feed, "loader", feed), "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        start = time.perf_counter()
-        for _batch in feed:
-            time.sleep(compute_s)  # stands for the GPU's work on this batch
-        times.append(time.perf_counter() - start)
-        _batch = None  # an epoch lets go of its last batch (the trainer's epoch returns)
+        times.append(_epoch_s(feed, compute_s))
     return times
+
+
+def _epoch_s(feed, compute_s: float) -> float:
+    """One epoch's wall time. Its last batch is let go of when it returns, as when the
+    trainer's epoch returns."""
+    start = time.perf_counter()
+    for _batch in feed:
+        time.sleep(compute_s)  # stands for the GPU's work on this batch
+    return time.perf_counter() - start
 
 
 def data_cost_s(dataset, samples: int = 16) -> float:
