@@ -223,14 +223,10 @@ def readable(batches: Iterator[Any]) -> Iterator[Any]:
     """`batches`, with what `loader_error` knows turned into one line (a sample the default
     collate cannot batch, a stalled worker, a worker's data error such as an unreadable
     file); other errors pass as they are."""
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (TypeError, RuntimeError, ConfigError) as e:
-            error = loader_error(e)
-            if error is e:
-                raise
-            raise error from None
-        yield batch
+    try:
+        yield from batches  # delegated in C: nothing per batch on the training thread
+    except (TypeError, RuntimeError, ConfigError) as e:
+        error = loader_error(e)
+        if error is e:
+            raise
+        raise error from None

@@ -22,7 +22,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,8 @@ class Task:
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
         inputs, _ = self.split(batch)
+        if type(inputs) is torch.Tensor:  # the common case, before the slower Mapping check
+            return model(inputs)
         if isinstance(inputs, Mapping):
             return self.call(model, kwargs=inputs, hint="set task.input_key to the batch entry "
                              "the model takes, or task.target_key to the target's entry")
