@@ -40,6 +40,19 @@ def test_accumulation_matches_a_larger_batch(make_cfg, tmp_path):
     assert any(not torch.allclose(a[k], c[k], atol=1e-4) for k in a)
 
 
+def test_clipping_is_applied_by_the_loop(make_cfg, tmp_path):
+    """trainer.grad_clip reaches the optimizer step (the step without a scaler, clipping or a
+    logged norm is taken directly): a bound far above the norm leaves the steps bitwise as
+    unclipped, a tiny one changes them."""
+    common = ["trainer.max_steps=6", "trainer.log_every_n_steps=100"]
+    runs = {clip: final_weights(train(make_cfg(f"trainer.grad_clip={clip}", *common,
+                                               run_dir=tmp_path / clip)))
+            for clip in ("null", "1e9", "1e-4")}
+    for k in runs["null"]:
+        assert torch.equal(runs["null"][k], runs["1e9"][k])
+    assert any(not torch.allclose(runs["null"][k], runs["1e-4"][k]) for k in runs["null"])
+
+
 def test_accumulation_handles_a_short_last_window(make_cfg, tmp_path):
     """A whole epoch: 1438 samples = 44 x 32 + 30; batch 16 gives 89 + 1 short batch."""
     big = train(make_cfg("data.batch_size=32", "trainer.max_epochs=1", run_dir=tmp_path / "b"))
