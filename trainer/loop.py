@@ -127,7 +127,6 @@ class Loop:
         # losses and the non-finite guard, kept on the device: no host sync per step
         self._ddp = isinstance(model, DistributedDataParallel)
         self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
-        self._plain_step = precision.scaler is None and self.cfg.grad_clip is None
         self.ledger = Ledger(device)
         self.window = Window()  # the current logging window
 
@@ -254,10 +253,8 @@ class Loop:
             state.position += per_batch * size
             bar.update(size)
             log_now = (state.step + 1) % log_every == 0
-            # one process, a full window of samples: nothing to weigh (window_factor: None)
-            factor = None if alone and type(total) is int and total == base else \
-                window_factor(total, base, self.world, self.device)
-            grad_norm = self._optimizer_step(factor, want_norm=log_now)
+            grad_norm = self._optimizer_step(window_factor(total, base, self.world, self.device),
+                                             want_norm=log_now)
             if log_now:
                 self._log_window(window, epoch, grad_norm, bar)
                 window = self.window = Window()
@@ -318,12 +315,7 @@ class Loop:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor)
-        if self._plain_step and not want_norm:  # fp32 or bf16, no clipping: the step alone
-            norm = None
-            self.optimizer.step()
-        else:
-            norm = self.precision.step(self.optimizer, self.params, self.cfg.grad_clip,
-                                       want_norm)
+        norm = self.precision.step(self.optimizer, self.params, self.cfg.grad_clip, want_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
         self.state.step += 1

@@ -41,9 +41,8 @@ def test_accumulation_matches_a_larger_batch(make_cfg, tmp_path):
 
 
 def test_clipping_is_applied_by_the_loop(make_cfg, tmp_path):
-    """trainer.grad_clip reaches the optimizer step (the step without a scaler, clipping or a
-    logged norm is taken directly): a bound far above the norm leaves the steps bitwise as
-    unclipped, a tiny one changes them."""
+    """trainer.grad_clip reaches the optimizer step: a bound far above the norm leaves the
+    steps bitwise as unclipped, a tiny one changes them."""
     common = ["trainer.max_steps=6", "trainer.log_every_n_steps=100"]
     runs = {clip: final_weights(train(make_cfg(f"trainer.grad_clip={clip}", *common,
                                                run_dir=tmp_path / clip)))
