@@ -267,13 +267,21 @@ class ImageFolder(Dataset):
         return repr((self.classes, self.size, self.resize, files))
 
     def __getitem__(self, i: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        path, target = self.samples[i]
+        image = torch.empty((3, self.size, self.size), dtype=torch.uint8)
+        if not self._read(i, image.numpy()):
+            return None
+        return image, torch.tensor(self.samples[i][1])
+
+    def _read(self, i: int, out: np.ndarray) -> bool:
+        """Decodes sample `i`'s file into `out`; False for a file skipped under
+        on_error=skip (on_error=fail raises)."""
+        path = self.samples[i][0]
         try:
-            image = decode(path, self.size, self.resize)
+            decode_into(path, out, self.size, self.resize)
         except unreadable_errors() as e:
             self.unreadable.handle(e, i, path)
-            return None
-        return image, torch.tensor(target)
+            return False
+        return True
 
     def __getitems__(self, indices: List[int]) -> Sequence[Any]:
         """The samples `indices`, each decoded straight into its row of one batch tensor (a
@@ -286,14 +294,9 @@ class ImageFolder(Dataset):
                                                ((n,), torch.int64))
         rows, count = images.numpy(), 0
         for i in indices:
-            path, target = self.samples[i]
-            try:
-                decode_into(path, rows[count], self.size, self.resize)
-            except unreadable_errors() as e:
-                self.unreadable.handle(e, i, path)
-                continue
-            labels[count] = target
-            count += 1
+            if self._read(i, rows[count]):
+                labels[count] = self.samples[i][1]
+                count += 1
         return DecodedBatch(images, labels, count, lease)
 
     def skipped(self) -> List[str]:
