@@ -18,7 +18,10 @@ transform in the main process, so a batch looks the same on every device.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -37,15 +40,33 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> An
 
 
 def map_tensors(batch: Any, fn) -> Any:
-    """`batch` with `fn` applied to every tensor inside tuples, lists, dicts, namedtuples."""
+    """`batch` with `fn` applied to every tensor inside tuples, lists, mappings (dicts and
+    dict-like batches such as Hugging Face's `BatchEncoding`), namedtuples and dataclasses;
+    anything else passes as it is. A batch's own type is kept (a plain dict for a mapping
+    that cannot be rebuilt from one)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, map_tensors(v, fn)) for k, v in batch.items())
+    if type(batch) is dict:  # the common case, without the copy below
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):  # a copy keeps the type and its other state
+            clone = copy.copy(batch)
+            clone.update(mapped)
+            return clone
+        try:
+            return type(batch)(mapped)
+        except TypeError:
+            return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        clone = copy.copy(batch)
+        for field in dataclasses.fields(batch):  # (object.__setattr__: frozen ones too)
+            object.__setattr__(clone, field.name, map_tensors(getattr(batch, field.name), fn))
+        return clone
     return batch
 
 
@@ -177,17 +198,26 @@ class DevicePrefetcher:
                 for pos in itertools.count(getattr(sampler, "start", 0), per_batch))
 
     def __iter__(self) -> Iterator[Any]:
+        return self.take(None)
+
+    def take(self, limit: Optional[int]) -> Iterator[Any]:
+        """A pass over at most `limit` batches (None: all): on CUDA, where the next batch is
+        fetched and copied while the current one is used, none is read past the limit (a
+        validation pass of `limit_val_batches` would otherwise load one more each time)."""
         transform, keys = self.transform, self._keys()
         if self.resident:  # on the device already; the transform passes float batches as they are
             # (a transform of one's own, with no `identity`, is called on every batch)
+            source = self.loader if limit is None else itertools.islice(self.loader, limit)
             identity = getattr(transform, "identity", False)
             if identity and self.loader.tensors[0].dtype != torch.uint8:
-                yield from self.loader  # nothing to do per batch (a tiny step's microsecond)
+                yield from source  # nothing to do per batch (a tiny step's microsecond)
                 return
-            for batch in self.loader:
+            for batch in source:
                 yield transform(batch, next(keys))
             return
         batches = readable(iter(self.loader))
+        if limit is not None:
+            batches = itertools.islice(batches, limit)
         if self.side_stream is None:
             on_cpu = self.device.type == "cpu"  # a loader's batches are there: nothing to walk
             for batch in batches:

@@ -12,7 +12,6 @@ never per step.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -219,8 +218,9 @@ class Loop:
             self.model.train()
         windows, per_batch = self._start_epoch(epoch)
         window = self.window  # logging windows run on across epochs: one row per N steps
-        bar = self.logger.progress(sum(windows), f"epoch {epoch}")
-        batches = iter(self.train_feed)
+        planned = sum(windows)
+        bar = self.logger.progress(planned, f"epoch {epoch}")
+        batches = self.train_feed.take(planned)  # nothing loaded past the plan
         epoch_start = time.perf_counter()
         complete = True
         # the step's own work is a tiny step's overhead: names looked up once an epoch
@@ -393,7 +393,7 @@ class Loop:
         for metric in task.metrics.values():
             metric.reset()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in itertools.islice(self.val_feed, self.val_limit):
+        for batch in self.val_feed.take(self.val_limit):
             with self.precision.autocast():
                 output = task.forward(model, batch)
                 count = task.count(batch)

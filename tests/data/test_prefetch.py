@@ -1,14 +1,17 @@
 """DevicePrefetcher: pass-through semantics on CPU; side-stream copies on CUDA (marked gpu)."""
 from __future__ import annotations
 
-from collections import namedtuple
+import dataclasses
+from collections import UserDict, namedtuple
+from types import MappingProxyType
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.loader import build_loader
-from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform, to_device
+from data.prefetch import (DeviceAugment, DevicePrefetcher, InputTransform, map_tensors,
+                           to_device)
 from trainer.config import ConfigError, DataConfig
 
 Pair = namedtuple("Pair", "x y")
@@ -33,6 +36,42 @@ def test_to_device_keeps_nested_structure_and_types():
     assert out["img"] is batch["img"]  # already there: no copy
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenBatch:
+    x: torch.Tensor
+    ids: list
+    note: str = "kept"
+
+
+class Encoding(UserDict):
+    """A dict-like batch that is not a dict (as Hugging Face's BatchEncoding), with state of
+    its own besides its entries."""
+
+    def __init__(self, data=None, extra="kept"):
+        super().__init__(data)
+        self.extra = extra
+
+
+def test_map_tensors_reaches_into_dict_like_batches_and_dataclasses():
+    """Dict-like batches that are not dicts and dataclass batches get every tensor mapped
+    (the prefetcher moves them to the GPU with this walk), their type and other state kept."""
+    add_one = lambda t: t + 1  # noqa: E731
+    enc = Encoding({"input_ids": torch.zeros(2, 3), "labels": [torch.ones(2)]}, extra="x")
+    out = map_tensors(enc, add_one)
+    assert type(out) is Encoding and out.extra == "x" and out is not enc
+    assert out["input_ids"].eq(1).all() and out["labels"][0].eq(2).all()
+    assert enc["input_ids"].eq(0).all()  # the batch it was given is left as it was
+    frozen = FrozenBatch(torch.zeros(2), [torch.zeros(1), "id"])
+    out = map_tensors(frozen, add_one)
+    assert type(out) is FrozenBatch and out.note == "kept" and out.ids[1] == "id"
+    assert out.x.eq(1).all() and out.ids[0].eq(1).all() and frozen.x.eq(0).all()
+    state = torch.nn.BatchNorm1d(2).state_dict()  # an OrderedDict with version metadata
+    out = map_tensors(state, add_one)
+    assert type(out) is type(state) and out._metadata == state._metadata
+    assert list(out) == list(state)
+    assert map_tensors(MappingProxyType({"a": torch.zeros(1)}), add_one)["a"].eq(1).all()
+
+
 def test_cpu_pass_through_order_exhaustion_and_reiteration():
     ds = TensorDataset(torch.arange(10).float().view(10, 1), torch.arange(10))
     feed = DevicePrefetcher(DataLoader(ds, batch_size=4), CPU)
@@ -45,6 +84,35 @@ def test_cpu_pass_through_order_exhaustion_and_reiteration():
         next(it)
     with pytest.raises(StopIteration):
         next(it)
+
+
+class Counting:
+    """An iterable of 6 batches that counts the batches read from it."""
+
+    def __init__(self):
+        self.read = 0
+
+    def __len__(self):
+        return 6
+
+    def __iter__(self):
+        for i in range(6):
+            self.read += 1
+            yield torch.full((2, 3), float(i)), torch.tensor([i, i])
+
+
+@pytest.mark.parametrize("device", [CPU, pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_take_reads_no_batch_past_its_limit(device):
+    """A limited pass (limit_val_batches, an epoch's plan) reads exactly the batches it hands
+    out, though on CUDA the next batch is fetched while the current one is used."""
+    device = torch.device(device) if device == "cuda" else device
+    source = Counting()
+    feed = DevicePrefetcher(source, device)
+    assert [int(x[0, 0]) for x, _ in feed.take(4)] == [0, 1, 2, 3]
+    assert source.read == 4
+    source.read = 0
+    assert len(list(feed.take(None))) == 6 and source.read == 6
+    assert len(list(feed.take(9))) == 6  # a limit past the end: every batch, once
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
@@ -126,6 +194,26 @@ def test_cuda_values_equal_and_one_stream_across_epochs():
             after_first = torch.cuda.memory_allocated()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= after_first  # nothing accumulates per epoch
+
+
+@pytest.mark.gpu
+def test_cuda_dict_like_and_dataclass_batches_reach_the_device():
+    """Batches of the user's collate that are not tuples, lists or dicts still arrive on the
+    GPU through the side stream, with every tensor inside moved."""
+    from transformers import BatchEncoding
+
+    def collate(samples):
+        x = torch.stack([s[0] for s in samples])
+        return [BatchEncoding({"input_ids": x, "labels": torch.stack([s[1] for s in samples])}),
+                FrozenBatch(x, [x])]
+
+    ds = TensorDataset(torch.arange(32).view(8, 4), torch.arange(8))
+    feed = DevicePrefetcher(DataLoader(ds, batch_size=4, collate_fn=collate, pin_memory=True),
+                            CUDA)
+    for enc, frozen in feed:
+        assert isinstance(enc, BatchEncoding) and isinstance(frozen, FrozenBatch)
+        for t in (enc["input_ids"], enc["labels"], frozen.x, frozen.ids[0]):
+            assert t.device == CUDA
 
 
 @pytest.mark.gpu
