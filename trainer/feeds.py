@@ -64,9 +64,11 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
 
 
 def placement(d: DictConfig, dataset: Dataset, device: torch.device,
-              has_collate: bool) -> Tuple[str, Optional[str]]:
+              has_collate: bool, reserved_mb: float = 0.0) -> Tuple[str, Optional[str]]:
     """(`device` or `host`, why not `device`) for one split on this rank, as `data.placement`
-    asks; `build_feeds` agrees on it across ranks before anyone acts on it."""
+    asks; `build_feeds` agrees on it across ranks before anyone acts on it. `reserved_mb`:
+    device memory an earlier split placed there will still take (its epoch's copy, made when
+    it is first iterated), not free for this one."""
     if d.placement == "host":
         return "host", None
     tensors = tensors_of(dataset)
@@ -89,15 +91,17 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
     elif device.type != "cpu" or mapped:  # on CPU tensors in memory stay where they are
         size = nbytes(tensors)
         size_mb = size / 2**20
-        free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda"
-                   else float("inf"))
+        free_mb = (torch.cuda.mem_get_info(device)[0] / 2**20 - reserved_mb
+                   if device.type == "cuda" else float("inf"))
         # an epoch's gathered copy doubles it (data/resident.py)
         needed_mb = size_mb * (2 if gathers(size, d.device_budget_mb) else 1)
         if needed_mb > FREE_MEMORY_SHARE * free_mb:
             copy = f" ({needed_mb:.1f} MB with an epoch's copy)" if needed_mb > size_mb else ""
+            besides = f" besides {reserved_mb:.0f} MB for the training set's epoch copy" \
+                if reserved_mb else ""
             why_not = (f"its {'arrays' if mapped else 'tensors'} take {size_mb:.1f} MB{copy}, "
                        "more than half of the "
-                       f"{free_mb:.0f} MB free on {device}")
+                       f"{free_mb:.0f} MB free on {device}{besides}")
         elif d.placement == "auto" and size_mb > d.device_budget_mb:
             why_not = (f"its {'arrays' if mapped else 'tensors'} take {size_mb:.1f} MB > "
                        "data.device_budget_mb")
@@ -154,6 +158,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None
     feeds, lines = [], []
+    reserved_mb = 0.0  # the epoch copies of splits already on the device, made when iterated
     for ds, source, split in zip(sets, sources, ("train", "val")):
         if ds is None:
             feeds.append(None)
@@ -164,13 +169,15 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if collate is not None:
             split_collate = SkipCollate(split_collate.shape, collate) \
                 if isinstance(split_collate, SkipCollate) else collate
-        where, why_not = placement(d, ds, device, split_collate is not None)
+        where, why_not = placement(d, ds, device, split_collate is not None, reserved_mb)
         where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
         loader = build_loader(ds, d, train=split == "train", rank=env.rank,
                               world_size=env.world_size, seed=cfg.seed, device=device,
                               shuffle=shuffle, collate_fn=split_collate, num_workers=workers,
                               placement=where)
+        if getattr(loader, "gathered", False):  # kept from epoch to epoch (data/resident.py)
+            reserved_mb += nbytes(loader.tensors) / 2**20
         lines.append("data: " + describe_feed(split, ds, where, workers, device, d, why_not))
         if d.cache != "none":
             lines[-1] += f"; data.cache={d.cache}" + (

@@ -2,13 +2,14 @@
 on real runs, and the device-resident path training exactly like the loader path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, final_weights, run_cli, summary_of, torchrun
+from tests.helpers import ROOT, final_weights, summary_of, torchrun
 from trainer.config import ConfigError
 from trainer.runner import train
 
@@ -122,6 +123,26 @@ def test_auto_budget_keeps_large_tensor_data_on_the_host():
     assert placement(d, ds, torch.device("meta"), False) == ("device", None)
 
 
+def test_a_later_split_counts_the_epoch_copy_an_earlier_one_will_make(monkeypatch):
+    """The validation set is placed after the training set's tensors are on the GPU but before
+    the training set's epoch copy is made: that copy is counted as taken, or both splits'
+    copies together could outgrow the memory each was checked against alone."""
+    from omegaconf import OmegaConf
+
+    from data.datasets import DigitsDataset
+    from trainer.config import DataConfig
+    from trainer.feeds import placement
+
+    d = OmegaConf.structured(DataConfig())
+    ds = DigitsDataset("train")  # 0.4 MB, 0.7 MB with its epoch copy
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * 2**20, 80 * 2**30))
+    cuda = torch.device("cuda", 0)
+    assert placement(d, ds, cuda, False) == ("device", None)
+    where, why_not = placement(d, ds, cuda, False, reserved_mb=0.6)
+    assert where == "host" and "more than half of the 1 MB free on cuda:0 besides 1 MB for " \
+        "the training set's epoch copy" in why_not
+
+
 def test_memory_mapped_arrays_are_batched_by_indexing_within_the_budget(make_cfg, caplog,
                                                                           tmp_path):
     """data=memmap under auto: within data.device_budget_mb its arrays are batched by
@@ -233,12 +254,18 @@ def test_run_on_workers_end_when_training_fails(make_cfg):
     assert not multiprocessing.active_children() and kept.value is not None
 
 
+@contextlib.contextmanager
 def two_cores():
-    """Runs a child on two CPU cores, so `cores` in the advice is 2 on any machine."""
+    """This process (and the loader workers it forks) on two CPU cores, so `cores` in the
+    advice is 2 on any machine."""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPU cores and sched_setaffinity")
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    return lambda: os.sched_setaffinity(0, cores)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(before)[:2])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 HEAVY = ["data=synthetic", "data.dataset.num_samples=256", "data.input_shape=[1,8,8]",
@@ -257,11 +284,18 @@ HEAVY = ["data=synthetic", "data.dataset.num_samples=256", "data.input_shape=[1,
                              "trainer.save_checkpoint=false"],
      "the samples are tensors in memory: set data.placement=device"),
 ])
-def test_stall_advice_fits_the_case_it_sees(tmp_path, case, overrides, advice):
-    proc = run_cli([f"hydra.run.dir={tmp_path}", *overrides], preexec_fn=two_cores())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if "steps waited for data" in ln]
-    assert len(line) == 1 and advice in line[0], (case, proc.stdout[-1500:])
+def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case, overrides,
+                                           advice):
+    """The advice a run gives follows what its feed shows. Whether a run waits more than the
+    bar that earns advice depends on this machine's load, which is not what is tested here:
+    the bar is lowered to 0 so every run gives its advice."""
+    import trainer.runner
+
+    monkeypatch.setattr(trainer.runner, "STALL_ADVICE_ABOVE", 0.0)
+    with two_cores(), caplog.at_level(logging.INFO, logger="stoker"):
+        train(make_cfg(*overrides))
+    line = [r.getMessage() for r in caplog.records if "steps waited for data" in r.getMessage()]
+    assert len(line) == 1 and advice in line[0], (case, line)
     assert "prefetch_factor" not in line[0]
 
 
