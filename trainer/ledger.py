@@ -14,6 +14,7 @@ every 256 micro-batches, no sync).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List, Optional, Tuple, Union
 
@@ -84,33 +85,39 @@ class Ledger:
     def end_step(self) -> None:
         self.steps += 1
         if len(self.losses) >= FOLD_AFTER:  # long logging windows: bounded memory, no sync
-            self.stacked.append((torch.stack(self.losses), self._count_tensor(self.counts)))
+            self.stacked.append((torch.stack(self.losses), self._counts(self.counts)))
             self.losses, self.counts = [], []
 
-    def _count_tensor(self, counts: List[Count]) -> torch.Tensor:
-        # host ints become device values by a fill kernel, not a copy from the host
-        return torch.stack([c.to(torch.float32) if isinstance(c, torch.Tensor) else
-                            torch.full((), float(c), device=self.device) for c in counts])
+    def _counts(self, counts: List[Count]) -> Union[List[int], torch.Tensor]:
+        """Host counts as they are; counts with device tensors among them stacked on the
+        device (host ints made there by a fill kernel, not copied from the host)."""
+        if all(type(c) is int for c in counts):
+            return counts
+        return torch.stack([c.to(torch.float64) if isinstance(c, torch.Tensor) else
+                            torch.full((), float(c), dtype=torch.float64, device=self.device)
+                            for c in counts])
 
     def fold(self) -> None:
         """Moves the recorded micro-batches of completed steps into `loss_sum` and
-        `bad_run`: one stacked copy to the host (a sync on a GPU), the rest in Python."""
+        `bad_run`: one copy to the host of every loss and device count (a sync on a GPU), the
+        rest in Python."""
         k = self.steps
         done = sum(1 for s in self.step_of if s < k)  # the completed steps' micro-batches
         n = done - sum(len(losses) for losses, _ in self.stacked)  # ... of them not stacked
         if done == 0:
             return
+        parts = self.stacked + ([(torch.stack(self.losses[:n]), self._counts(self.counts[:n]))]
+                                if n else [])
+        on_device = [t for losses, counts in parts for t in (losses, counts)
+                     if isinstance(t, torch.Tensor)]
+        flat = iter((on_device[0] if len(on_device) == 1 else  # the one copy
+                     torch.cat([t.to(torch.float64) for t in on_device])).tolist())
         values: List[float] = []
         counts: List[float] = []
-        for losses, stacked_counts in self.stacked:
-            values += losses.tolist()
-            counts += stacked_counts.tolist()
-        if n:
-            values += torch.stack(self.losses[:n]).tolist()
-            if all(type(c) is int for c in self.counts[:n]):
-                counts += self.counts[:n]
-            else:
-                counts += self._count_tensor(self.counts[:n]).tolist()
+        for losses, part_counts in parts:
+            values += itertools.islice(flat, len(losses))
+            counts += (part_counts if isinstance(part_counts, list)
+                       else itertools.islice(flat, len(losses)))
         per_step = [0.0] * k
         for value, count, step in zip(values, counts, self.step_of):
             if count:  # a count of 0 weighs 0, even a NaN mean (0 / 0)

@@ -89,7 +89,23 @@ def test_long_windows_fold_as_they_go():
     ledger = Ledger(CPU)
     record(ledger, [[(1.0, 1)]] * (3 * FOLD_AFTER))
     assert len(ledger.losses) < FOLD_AFTER and len(ledger.stacked) == 3  # stacked, not folded
+    assert all(type(counts) is list for _, counts in ledger.stacked)  # host ints stay there
     assert float(ledger.take_loss_sum()) == 3 * FOLD_AFTER and not ledger.stacked
+
+
+def test_a_fold_reads_every_loss_and_count_in_one_copy(monkeypatch):
+    """However many chunks a long window was compacted into, host counts and device counts
+    mixed, a fold reads them to the host in one copy (each copy is a sync on a GPU)."""
+    from trainer.ledger import FOLD_AFTER
+
+    ledger = Ledger(CPU)
+    record(ledger, [[(1.0, 1)]] * FOLD_AFTER + [[(2.0, torch.tensor(3))]] * (FOLD_AFTER + 5))
+    assert len(ledger.stacked) == 2 and ledger.losses
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t) or tolist(t))
+    assert ledger.take_loss_sum() == FOLD_AFTER + 6 * (FOLD_AFTER + 5)
+    assert len(copies) == 1
 
 
 def test_stacked_micro_batches_fold_like_separate_ones():
