@@ -183,6 +183,25 @@ def tiny_gpt2(vocab_size: int = 48, context: int = 32, layers: int = 2, width: i
                                       eos_token_id=0))
 
 
+def tag_collate(samples):
+    """`pad_collate`'s batch with token tags for labels: each token's parity (a per-token
+    classification, -100 on padding), for an encoder that tags tokens."""
+    batch = pad_collate(samples)
+    batch["labels"] = (batch["input_ids"] % 2).masked_fill(batch["attention_mask"] == 0, -100)
+    return batch
+
+
+def tiny_bert_tagger(vocab_size: int = 48, width: int = 32, layers: int = 2):
+    """A Hugging Face BERT token classifier (2 tags) built from a config: no download."""
+    from transformers import BertConfig, BertForTokenClassification
+
+    torch.manual_seed(0)
+    return BertForTokenClassification(BertConfig(
+        vocab_size=vocab_size, hidden_size=width, num_hidden_layers=layers,
+        num_attention_heads=2, intermediate_size=2 * width, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
+
+
 class Diabetes(torch.utils.data.Dataset):
     """scikit-learn's diabetes regression data (442 samples, 10 features), standardised
     targets, a fixed 80/20 split."""

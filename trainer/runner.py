@@ -137,12 +137,13 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
         components.build(cfg.model, "model", offered,
                          hint="; model=custom starts from no keys but _target_"),
         d.channels_last)
-    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
-                                cfg.trainer.compile)
     task = components.build(cfg.task, "task")
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={cfg.task._target_}: builds a {type(task).__name__}; "
                           "a task must subclass trainer.task.Task")
+    task.setup(model)  # the user's own module, not a wrapper of it
+    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
+                                cfg.trainer.compile)
     return model, task.to(spec.device)
 
 
@@ -247,6 +248,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     # train.log of the run whose dir it was pointed at
     warnings, lines = _restore(cfg, env, run_dir, loop, resume)
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
+    if task.note:
+        logger.info("%s", task.note)
     for line in warnings:
         distributed.warn(env, "%s", line)
     for line in [*data_lines, *lines]:

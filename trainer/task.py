@@ -111,7 +111,13 @@ class Task:
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
         self.input_key, self.target_key, self.output_key = input_key, target_key, output_key
 
+    note: Optional[str] = None  # a line for the run's log about what `setup` decided
+
     # -- what the loop calls ---------------------------------------------------------------
+    def setup(self, model: nn.Module) -> None:
+        """Called once with the user's model (before any wrapper or compilation), before the
+        first batch: for what a task decides from the model. The base does nothing."""
+
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
         inputs, _ = self.split(batch)
@@ -397,6 +403,18 @@ class Regression(Task):
         return self.pair(output, batch)
 
 
+def causal_lm(model: nn.Module) -> bool:
+    """Whether `model` is a Hugging Face causal language model: given `labels` equal to its
+    inputs, it scores position t's logits against label t + 1 itself."""
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return True
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
 class ModelLoss(Task):
     """The model computes its own loss (Hugging Face models given `labels`, a LightningModule-
     style forward): an output with `.loss`, a dict with "loss", or a scalar tensor.
@@ -404,18 +422,42 @@ class ModelLoss(Task):
     The batch reaches the model whole: a dict as keyword arguments, a sequence as positional
     arguments, a tensor as the one argument. `count`: samples (the loss is a mean over the
     batch) or tokens (a mean over the labels not equal to `ignore_index` in
-    `batch[target_key]`, shifted by one when `shift_labels`, as causal LMs score them), so
-    that accumulation and DDP weight every token equally.
+    `batch[target_key]`), so that accumulation and DDP weight every token equally.
+    `shift_labels` (with tokens): the labels are scored one position on, as causal LMs do
+    (the last position's logits and the first label are left out of the count and the
+    metrics); `auto`: for Hugging Face causal LMs only (a token classifier, an encoder or a
+    seq2seq model scores each label where it stands).
     """
 
     name = "model_loss"
 
     def __init__(self, count: str = "samples", ignore_index: int = -100,
-                 shift_labels: bool = True, **kwargs):
+                 shift_labels: Union[bool, str] = "auto", **kwargs):
         super().__init__(**kwargs)
         if count not in ("samples", "tokens"):
             raise ConfigError(f"task.count={count}: must be samples or tokens")
+        if shift_labels not in (True, False, "auto"):
+            raise ConfigError(f"task.shift_labels={shift_labels}: must be auto, true or false")
         self.count_by, self.ignore_index, self.shift_labels = count, ignore_index, shift_labels
+        self._looked = False  # the first labels were compared with the inputs
+
+    def setup(self, model: nn.Module) -> None:
+        if self.shift_labels != "auto":
+            return
+        self.shift_labels = causal_lm(model)
+        if self.count_by == "tokens":
+            name = type(model).__name__
+            self.note = (f"task model_loss: labels scored one position on ({name} is a causal "
+                         "language model; task.shift_labels=auto)" if self.shift_labels else
+                         f"task model_loss: labels scored where they stand ({name} is not a "
+                         "Hugging Face causal language model; task.shift_labels=true if it "
+                         "predicts the next token)")
+
+    def _shift(self) -> bool:
+        if self.shift_labels == "auto":
+            raise ConfigError("task.shift_labels=auto is decided from the model: call the "
+                              "task's setup(model) first, or set true or false")
+        return self.shift_labels
 
     def forward(self, model: nn.Module, batch: Any) -> Any:
         hint = ("task=model_loss needs a model that takes the whole batch and returns its loss "
@@ -431,7 +473,22 @@ class ModelLoss(Task):
         if not isinstance(labels, torch.Tensor):
             raise self.error(f"task.count=tokens but no '{self.target_key}' tensor in the batch",
                              batch, f"a dict batch with '{self.target_key}' (task.target_key)")
-        return labels[..., 1:] if self.shift_labels else labels
+        if not self._looked:
+            self._looked = True
+            self._warn_if_inputs(batch, labels)
+        return labels[..., 1:] if self._shift() else labels
+
+    def _warn_if_inputs(self, batch: Mapping, labels: torch.Tensor) -> None:
+        """Labels equal to `input_ids` are a causal LM's, to be scored one position on:
+        with shift_labels false every metric would compare a token with itself."""
+        inputs = batch.get("input_ids")
+        if self._shift() or not isinstance(inputs, torch.Tensor) or inputs.shape != labels.shape:
+            return
+        valid = labels != self.ignore_index
+        if bool(valid.any()) and bool((inputs[valid] == labels[valid]).all()) \
+                and distributed.detect().is_main:  # every rank sees the same
+            log.warning("task model_loss: the labels equal the input_ids; if the model predicts "
+                        "the next token, set task.shift_labels=true")
 
     def count(self, batch: Any) -> Count:
         if self.count_by == "samples":
@@ -451,7 +508,8 @@ class ModelLoss(Task):
     def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
         logits = self.predictions(output)
         if self.count_by == "tokens":
-            return (logits[:, :-1] if self.shift_labels else logits), self.labels(batch)
+            labels = self.labels(batch)
+            return (logits[:, :-1] if self._shift() else logits), labels
         return logits, self.split(batch)[1]
 
     def derived(self, values: Dict[str, float]) -> Dict[str, float]:

@@ -4,6 +4,7 @@ collate, a custom task with an F1 metric, unused parameters under DDP) trained t
 train.py with no glue beyond a config folder."""
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import (ROOT, Diabetes, PaddedTokens, TwoHeads, pad_collate, run_cli,
-                           summary_of, tiny_gpt2, torchrun)
+                           summary_of, tag_collate, tiny_bert_tagger, tiny_gpt2, torchrun)
 from trainer.config import ConfigError
 from trainer.metrics import Accuracy
 from trainer.runner import train
@@ -78,12 +79,77 @@ def test_language_model_shifts_labels_like_hugging_face():
     batch = pad_collate([PaddedTokens("val", num_samples=3)[i] for i in range(3)])
     own = model(**batch).loss
     task = ModelLoss(count="tokens")
+    task.setup(model)  # auto: GPT-2 is a causal LM, its labels are scored one position on
+    assert task.shift_labels is True and "causal language model" in task.note
     lm = LanguageModel(shift_labels=True, input_key="input_ids")
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     assert torch.allclose(lm.loss(out, batch), own, rtol=1e-5)
     assert int(task.count(batch)) == int(lm.count(batch)) == int(
         (batch["labels"][:, 1:] != -100).sum())
     assert torch.allclose(task.loss(model(**batch), batch), own)
+
+
+def test_model_loss_scores_an_encoders_token_labels_where_they_stand():
+    """shift_labels=auto: a token classifier's labels are not shifted: the count and the
+    metrics see every label against its own position's logits."""
+    model = tiny_bert_tagger()
+    batch = tag_collate([PaddedTokens("val", num_samples=4)[i] for i in range(4)])
+    task = ModelLoss(count="tokens", metrics={"acc": Accuracy(ignore_index=-100)})
+    task.setup(model)
+    assert task.shift_labels is False and "not a Hugging Face causal" in task.note
+    out = model(**batch)
+    valid = batch["labels"] != -100
+    assert int(task.count(batch)) == int(valid.sum())
+    task.update_metrics(out, batch)
+    own = (out.logits.argmax(-1) == batch["labels"])[valid].float().mean()
+    assert float(task.metrics["acc"].compute()) == pytest.approx(float(own))
+
+
+def test_a_hugging_face_token_classifier_trains_with_its_own_loss_and_exact_metrics(
+        make_cfg, caplog):
+    """BERT tagging tokens with task=model_loss task.count=tokens (shift_labels=auto): the
+    logged token accuracy is the model's own, recomputed from the saved weights."""
+    cfg = make_cfg("data=custom", "+data.train_dataset._target_=tests.helpers.PaddedTokens",
+                   "+data.val_dataset._target_=tests.helpers.PaddedTokens",
+                   "+data.val_dataset.split=val", "+data.val_dataset.num_samples=20",
+                   "+data.collate_fn._target_=tests.helpers.tag_collate", "data.batch_size=8",
+                   "model=custom", "model._target_=tests.helpers.tiny_bert_tagger",
+                   "task=model_loss", "task.count=tokens", "+task.metrics.acc._target_="
+                   "trainer.metrics.Accuracy", "+task.metrics.acc.ignore_index=-100",
+                   "trainer.max_epochs=3", "optim.lr=0.01")
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        s = train(cfg)
+    assert "labels scored where they stand (BertForTokenClassification" in caplog.text
+    model = tiny_bert_tagger()
+    model.load_state_dict(torch.load(s["checkpoint"], weights_only=True)["model"])
+    model.eval()
+    batch = tag_collate([PaddedTokens("val", num_samples=20)[i] for i in range(20)])
+    with torch.no_grad():
+        logits = model(**batch).logits
+    valid = batch["labels"] != -100
+    own = float((logits.argmax(-1) == batch["labels"])[valid].float().mean())
+    assert s["val_acc"] == pytest.approx(own, abs=1e-6) and own > 0.9  # parity is learnable
+
+
+def test_model_loss_shift_labels_refuses_bad_values_and_an_undecided_auto():
+    with pytest.raises(ConfigError, match="task.shift_labels=maybe: must be auto, true or false"):
+        ModelLoss(shift_labels="maybe")
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.int64),
+             "labels": torch.ones(1, 3, dtype=torch.int64)}
+    with pytest.raises(ConfigError, match="decided from the model: call the task's setup"):
+        ModelLoss(count="tokens").count(batch)
+    assert int(ModelLoss(count="tokens", shift_labels=False).count(batch)) == 3
+
+
+def test_model_loss_warns_when_unshifted_labels_are_the_inputs(caplog):
+    ids = torch.randint(48, (2, 6))
+    task = ModelLoss(count="tokens", shift_labels=False)
+    task.count({"input_ids": ids, "labels": ids})
+    assert "the labels equal the input_ids" in caplog.text
+    caplog.clear()
+    task = ModelLoss(count="tokens", shift_labels=False)
+    task.count({"input_ids": ids, "labels": ids % 2})
+    assert "input_ids" not in caplog.text
 
 
 def test_language_model_warns_when_targets_are_the_unshifted_inputs(caplog):
