@@ -22,6 +22,7 @@ from trainer.config import ConfigError
 from trainer.distributed import detect
 
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 # Hydra hints that do not apply to a typed schema or to this command line
 _NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_FULL_ERROR=1 to "
                     r"see chained exception\.?")
@@ -137,6 +138,13 @@ def exit_on_error(main: Callable[[], None]) -> None:
         fail(e, code=1)
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a step with a checkpoint)
+        reap_children()
+        if wants_traceback():
+            raise
+        if detect().is_main:
+            print("stoker: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except BaseException:  # a traceback: still, no stopped worker may hold the exit
         reap_children()
         raise

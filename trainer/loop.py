@@ -42,6 +42,7 @@ class FitState:
     epoch: int = 0
     step: int = 0
     position: int = 0
+    validated_step: int = -1  # the step of the last validation (a run complete at its end)
 
 
 @dataclass
@@ -143,7 +144,8 @@ class Loop:
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler", {}))
         self.state = FitState(epoch=state["epoch"], step=state["step"],
-                              position=state.get("position", 0))
+                              position=state.get("position", 0),
+                              validated_step=state.get("validated_step", -1))
 
     def bad_steps(self) -> int:
         """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective
@@ -164,9 +166,13 @@ class Loop:
         return (max_steps > 0 and self.state.step >= max_steps) or \
             self.state.epoch >= self.cfg.max_epochs
 
+    def complete(self) -> bool:
+        """Nothing left to do: trained to max_epochs or max_steps and validated there (a run
+        resumed from its final checkpoint)."""
+        return self._done() and self.state.validated_step == self.state.step
+
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
-        validated_at = None
         self.window = Window()
         while not self._done():
             epoch = self.state.epoch
@@ -177,7 +183,6 @@ class Loop:
             val = None
             if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
                 val = self.evaluate(epoch)
-                validated_at = self.state.step
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
             self.window.paused_s += time.perf_counter() - paused
@@ -185,7 +190,8 @@ class Loop:
             self._log_window(self.window, self.state.epoch - (0 if self.state.position else 1),
                              None, None)
             self.window = Window()
-        if validated_at != self.state.step:  # stopped mid-epoch, or resumed at the end
+        if self.state.validated_step != self.state.step:  # stopped mid-epoch, or resumed
+            # at the end before its validation
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **self.last_train, **self.last_val, **self.run_rates()}
@@ -363,6 +369,7 @@ class Loop:
         """The loss (a mean over every counted unit) and the task's metrics over the whole
         validation set, exact on any world size; {} when there is no validation set."""
         if self.val_feed is None:
+            self.state.validated_step = self.state.step
             return {}
         model = unwrap(self.model)  # no DDP collectives in evaluation
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
@@ -380,6 +387,7 @@ class Loop:
         # its state would otherwise send ranks into different collectives
         values = distributed.broadcast_object(values)
         self.last_val = values
+        self.state.validated_step = self.state.step
         self.run_val_s += time.perf_counter() - start
         self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
         self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,

@@ -8,6 +8,7 @@ optimizer-step boundaries, never inside an accumulation window.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -20,18 +21,26 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed
+from trainer import checkpoint, distributed, rundir
 from trainer.distributed import DistEnv
 from trainer.liveness import monitored_barrier
 from trainer.loop import Callback
+from trainer.cli import EXIT_INTERRUPTED
 from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
+AGAIN_AFTER_S = 1.0  # a second Ctrl-C later than this stops at once (torchrun's forwarded
+# copy of the first one follows it within milliseconds)
 
 
 class Preempted(Exception):
-    """Raised at an optimizer-step boundary after a preemption signal; a checkpoint is saved."""
+    """Raised at an optimizer-step boundary after a preemption signal or a Ctrl-C; a
+    checkpoint is saved. `code`: the exit code (75, or 130 for a Ctrl-C)."""
+
+    def __init__(self, message: str, code: int = EXIT_PREEMPTED):
+        super().__init__(message)
+        self.code = code
 
 
 def rng_state(loader_state: Optional[torch.Tensor]) -> Dict[str, Any]:
@@ -88,7 +97,8 @@ def capture(loop, config: Dict[str, Any], env: DistEnv) -> Dict[str, Any]:
 
 
 class Preemption:
-    """Turns SIGTERM/SIGUSR1 into a flag that all ranks agree on at step boundaries.
+    """Turns SIGTERM/SIGUSR1 and a Ctrl-C (SIGINT) into a flag that all ranks agree on at step
+    boundaries. A second Ctrl-C (after AGAIN_AFTER_S) raises KeyboardInterrupt at once.
 
     The ranks may see the signal at different steps, so they compare flags with one tiny
     all-reduce per optimizer step on a CPU (gloo) group, which never syncs the GPU stream.
@@ -100,6 +110,10 @@ class Preemption:
 
     def __init__(self, env: DistEnv):
         self.requested = False
+        self.kind = 0  # what was agreed: 1 a preemption signal, 2 a Ctrl-C (any rank's)
+        self._mine = 0  # ... and what this rank received
+        self._interrupted_at: Optional[float] = None
+        self._main, self._pid = env.is_main, os.getpid()
         self._previous = {}
         self._group = None
         self._pending = None  # (flag tensor, async work) of the last step's all-reduce
@@ -109,7 +123,7 @@ class Preemption:
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only
-        for sig in PREEMPT_SIGNALS:
+        for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -123,20 +137,33 @@ class Preemption:
         self._pending = None
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked loader worker inherited this handler: the
+            return  # training process decides (and the worker stays to serve it until then)
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at > AGAIN_AFTER_S:
+                raise KeyboardInterrupt
+            if self._interrupted_at is None and self._main:  # (no logging in a handler)
+                os.write(2, b"stoker: stopping at the end of this step with a checkpoint "
+                            b"(Ctrl-C again to stop at once, without one)\n")
+            self._interrupted_at = self._interrupted_at or now
+        self._mine = max(self._mine, 2 if signum == signal.SIGINT else 1)
         self.requested = True
 
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
         if self._group is None:
+            self.kind = self._mine
             return self.requested
         previous = self._pending
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        flag = torch.tensor([self._mine], dtype=torch.int32)
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
                                                async_op=True))
         if previous is None:
             return False
         previous[1].wait()  # issued a step ago: done by now unless a rank lags behind
-        return bool(previous[0].item())
+        self.kind = int(previous[0].item())
+        return self.kind > 0
 
 
 class Checkpointing(Callback):
@@ -156,12 +183,16 @@ class Checkpointing(Callback):
         self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode
+        self.run_dir = run_dir
         self.best: Optional[float] = None
+        self.saved_validated = -1  # the saved state's validated_step
 
     def save(self, loop, best: bool = False) -> None:
         """Saves the loop's state (collective); a step already saved is saved again only
-        to become best.pt."""
-        if not self.enabled or (self.saver.last_saved_step == loop.state.step and not best):
+        to become best.pt, or once it has been validated (the final state: a run resumed from
+        it knows it is complete)."""
+        if not self.enabled or (self.saver.last_saved_step == loop.state.step and not best
+                                and self.saved_validated == loop.state.validated_step):
             return
         if not loop.losses_finite():  # agreed: no rank goes into capture's gather alone
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
@@ -176,6 +207,7 @@ class Checkpointing(Callback):
                 torch.tensor([float(size)], device=self.device)).item())
         async_save = async_checkpoints(self.c, self.device, size)
         self.saver.save(state, loop.state.step, best=best, async_save=async_save)
+        self.saved_validated = loop.state.validated_step
         if not async_save:
             # rank 0 writes, the others wait for a complete file: longer than a collective may
             monitored_barrier(self.c.timeout_s)
@@ -189,8 +221,12 @@ class Checkpointing(Callback):
         if self.preemption is not None and self.preemption.agreed():
             self.save(loop)
             self.finish()
-            raise Preempted(f"stopped on a preemption signal at step {loop.state.step}; "
-                            "checkpoint saved, resume with trainer.resume=auto")
+            ctrl_c = self.preemption.kind == 2
+            raise Preempted(
+                f"stopped on {'a Ctrl-C' if ctrl_c else 'a preemption signal'} at step "
+                f"{loop.state.step}; checkpoint saved, resume with "
+                f"{rundir.resume_args(self.run_dir)}",
+                EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)
 
     def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
         best = False

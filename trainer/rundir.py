@@ -166,7 +166,13 @@ def agreed(check, env) -> None:
 
 STATUS = "status.json"
 _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
-                 75: "preempted"}
+                 75: "preempted", 130: "interrupted"}
+
+
+def resume_args(run_dir: Path) -> str:
+    """The overrides that resume the run in `run_dir` (the default run dir is a new one per
+    launch: trainer.resume=auto alone would start afresh elsewhere)."""
+    return f"trainer.resume=auto hydra.run.dir={run_dir}"
 
 
 def write_status(run_dir: Path, code: int, error: str) -> None:
@@ -175,8 +181,8 @@ def write_status(run_dir: Path, code: int, error: str) -> None:
     a preemption is told from a failure)."""
     status = {"status": _STATUS_WORDS.get(code, "failed"), "exit_code": code,
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if code == 75:
-        status["resume"] = "trainer.resume=auto"
+    if code in (75, 130):
+        status["resume"] = resume_args(run_dir)
     try:
         (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
     except OSError:

@@ -21,7 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
-from trainer.cli import EXIT_CONFIG, USER_ERRORS, describe, fail, wants_traceback
+from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, describe, fail,
+                         wants_traceback)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds, feed_advice
@@ -30,7 +31,7 @@ from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision
-from trainer.resilience import (EXIT_PREEMPTED, Checkpointing, Preempted, Preemption,
+from trainer.resilience import (Checkpointing, Preempted, Preemption,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
 from trainer.strategy import unwrap, wrap
@@ -48,8 +49,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     try:
         return train(cfg)
     except Preempted as e:
-        log.warning("%s", e)
-        raise SystemExit(EXIT_PREEMPTED) from None
+        if distributed.detect().is_main:  # every rank stops alike: one line says it
+            log.warning("%s", e)
+        raise SystemExit(e.code) from None
     except (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError) as e:
         if wants_traceback():
             raise
@@ -61,7 +63,9 @@ def exit_code(e: Optional[BaseException]) -> int:
     if e is None:
         return 0
     if isinstance(e, Preempted):
-        return EXIT_PREEMPTED
+        return e.code
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
     return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
 
 
@@ -171,7 +175,9 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     and the lines to log about it, which the caller logs once every check passed."""
     found = checkpoint.find_resume(resume, run_dir)
     if found is None:
-        return [], []
+        return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
+                     ": a fresh start (the run to continue is named by hydra.run.dir)"]
+                    if resume == "auto" else [])
     path, state, skipped = found
     # damaged newer checkpoints, skipped for an older one that loads
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
@@ -288,6 +294,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 Preemption(env) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
                                          resume, callbacks)
+            if loop.complete():  # a finished run resumed again (a requeued job): keep its record
+                return _nothing_to_do(cfg, run_dir, loop, logger)
             _open_outputs(cfg, env, run_dir, logger, loop.train_feed)
             writing = logger.write  # from here on, the run dir holds this run's files
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
@@ -329,6 +337,21 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             loop.train_feed.close()
         logger.close()
         lock.release()
+
+
+def _nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
+                   logger: RunLogger) -> Dict[str, Any]:
+    """What a run resumed from its final checkpoint returns, writing nothing: the summary its
+    run dir holds (where this rank can read it), and one line saying so."""
+    t, state = cfg.trainer, loop.state
+    logger.info("nothing to train: the run is complete at epoch %d step %d (trainer.max_epochs="
+                "%d, trainer.max_steps=%d) and its files are left as they are; raise either to "
+                "train on", state.epoch, state.step, t.max_epochs, t.max_steps)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {**summary, "epochs": state.epoch, "steps": state.step, "complete": True}
 
 
 def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,

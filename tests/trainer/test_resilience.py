@@ -127,11 +127,63 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     assert proc.returncode == 75, out[-2000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "preempted" and status["exit_code"] == 75
-    assert status["resume"] == "trainer.resume=auto"
+    assert status["resume"] == f"trainer.resume=auto hydra.run.dir={run_dir}"
+    assert f"resume with trainer.resume=auto hydra.run.dir={run_dir}" in out
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
     # saved on an optimizer-step boundary: whole windows of 2 batches of 32
     assert state["position"] % 64 == 0
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
+    """A Ctrl-C reaches every process of the terminal's group (torchrun, its ranks, their
+    loader workers): the run stops at a step boundary with a checkpoint, like a preemption,
+    exits 130 and names the overrides that resume it; the workers do not die first."""
+    ref = run(command(tmp_path / "ref", ["data.num_workers=1"], nproc=nproc))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["data.num_workers=1"], nproc=nproc),
+                          until=lambda: logged_step(run_dir) >= 10)
+    os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C in a terminal sends
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == (130 if nproc == 1 else 1), out[-3000:]  # torchrun: 1 for any
+    assert "KeyboardInterrupt" not in out and ("Traceback" not in out or nproc > 1)
+    lines = [ln for ln in out.splitlines() if "stopped on a Ctrl-C" in ln]
+    assert len(lines) == 1, out[-3000:]  # rank 0's only
+    assert f"resume with trainer.resume=auto hydra.run.dir={run_dir}" in lines[0]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "interrupted" and status["exit_code"] == 130
+    state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] >= 10
+    resumed = run(command(run_dir, ["data.num_workers=1", "trainer.resume=auto"], nproc=nproc))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp_path):
+    """A step that does not end (a sample read that hangs): the first Ctrl-C waits for the
+    step boundary, a second one a moment later stops the run at once: one line, exit 130,
+    the checkpoints already written untouched."""
+    run_dir = tmp_path / "run"
+    proc = start_and_wait([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}",
+                           "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
+                           "data.dataset._target_=tests.helpers.StallingDigits",
+                           "+data.dataset.how=sleep", "+data.dataset.at=700",
+                           "data.num_workers=0", "trainer.checkpoint.every_n_steps=5"],
+                          until=lambda: logged_step(run_dir) >= 10)
+    time.sleep(1.0)  # (the read at sample 700 hangs in step 10 or 11)
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.pt")}
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    assert proc.poll() is None  # still waiting for the step to end
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Ctrl-C again to stop at once" in out and out.strip().endswith("stoker: interrupted")
+    assert "Traceback" not in out
+    assert json.loads((run_dir / "status.json").read_text())["exit_code"] == 130
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.pt")} == before
 
 
 def test_resume_with_another_world_size(tmp_path):

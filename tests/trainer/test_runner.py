@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -101,6 +102,30 @@ def test_resume_continues_from_last_checkpoint(make_cfg, tmp_path):
     b = torch.load(resumed["checkpoint"], weights_only=True)["model"]
     for k in a:
         torch.testing.assert_close(a[k], b[k])
+
+
+def test_a_complete_run_resumed_again_leaves_its_files_and_trains_on_when_extended(
+        make_cfg, tmp_path, caplog):
+    """A requeued job that finished already: resume=auto finds the final checkpoint, says
+    there is nothing to train and rewrites nothing (not its summary, metrics or checkpoints);
+    a larger trainer.max_epochs trains on from there. The last step's periodic checkpoint is
+    written before the final validation: the validated state is saved over it."""
+    run = tmp_path / "run"
+    args = ("sched=constant", "trainer.checkpoint.every_n_steps=23")
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        first = train(make_cfg("trainer.max_epochs=1", "trainer.resume=auto", *args))
+    assert f"trainer.resume=auto: no checkpoint in {run / 'checkpoints'}: a fresh start" \
+        in caplog.text
+    files = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+             and p.suffix in (".json", ".jsonl", ".pt", ".yaml")}
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        again = train(make_cfg("trainer.max_epochs=1", "trainer.resume=auto", *args))
+    assert "nothing to train: the run is complete at epoch 1 step 23" in caplog.text
+    assert again["complete"] and again["steps"] == first["steps"] == 23
+    assert again["val_acc"] == first["val_acc"]  # the run's own summary
+    assert {p: p.read_bytes() for p in files} == files
+    on = train(make_cfg("trainer.max_epochs=2", "trainer.resume=auto", *args))
+    assert on["steps"] == 46 and "complete" not in on
 
 
 def test_cli_trains_the_default_job(tmp_path):
