@@ -189,6 +189,11 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
+    if path.resolve().parent != (run_dir / checkpoint.CHECKPOINT_DIR).resolve():
+        # another run's checkpoint: its final validation is that run's record, not this
+        # one's, so a complete one is validated again here (on this world size) and
+        # this run dir gets its own summary
+        loop.state.validated_step = -1
     lines = []
     if resume != cfg.trainer.resume:
         lines.append(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming "

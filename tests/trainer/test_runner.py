@@ -128,6 +128,23 @@ def test_a_complete_run_resumed_again_leaves_its_files_and_trains_on_when_extend
     assert on["steps"] == 46 and "complete" not in on
 
 
+def test_a_complete_checkpoint_resumed_into_a_new_run_dir_is_validated_there(make_cfg,
+                                                                              tmp_path):
+    """Another run's final checkpoint, resumed by path into a new run dir (to evaluate it
+    on another world size, say): nothing to train, but it is validated and this run dir gets
+    its own summary and checkpoint; the other run's files are left as they are."""
+    first = train(make_cfg("trainer.max_epochs=1", run_dir=tmp_path / "first"))
+    files = {p: p.read_bytes() for p in sorted((tmp_path / "first").rglob("*")) if p.is_file()}
+    again = train(make_cfg("trainer.max_epochs=1", f"trainer.resume={first['checkpoint']}",
+                           run_dir=tmp_path / "again"))
+    assert "complete" not in again and again["steps"] == first["steps"]
+    assert again["val_acc"] == first["val_acc"]
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["val_acc"] == \
+        first["val_acc"]
+    assert (tmp_path / "again" / "checkpoints" / "last.pt").is_file()
+    assert {p: p.read_bytes() for p in files} == files
+
+
 def test_cli_trains_the_default_job(tmp_path):
     """`python train.py` as the README says: real digits, >= 95% validation accuracy."""
     proc = run_cli([f"hydra.run.dir={tmp_path}", "trainer.progress_bar=false"])
