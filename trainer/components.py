@@ -111,6 +111,16 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
         if unknown:
             raise ConfigError(f"{key}.{unknown[0]}: {name} takes no argument '{unknown[0]}' "
                               f"(it takes: {', '.join(params) or 'no arguments'}){hint}")
+        # torch's and Stoker's own signatures are known; a user's own class may take other
+        # kinds than its defaults show (hidden=128 or [128, 64]), and would have no way round
+        known = name.startswith(("torch.", "trainer."))
+        optim = name.startswith("torch.optim.")  # fixed-length tuples (betas); models' vary
+        for k in given if known else ():
+            wrong = None if not optim and _takes_other_kinds(params[k]) else \
+                _not_like_default(node[k], params[k].default, sized=optim)
+            if wrong:
+                raise ConfigError(f"{key}.{k}={node[k]}: must be {wrong} ({name}'s default is "
+                                  f"{params[k].default})")
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
     extra.update(kwargs)
@@ -122,6 +132,37 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
             raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
                               f"{key}.{missing[0]}")
     return instantiate(node, **extra)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _takes_other_kinds(param: inspect.Parameter) -> bool:
+    """Whether the parameter's annotation admits more than numbers (Conv2d's padding takes
+    "same" or a tuple besides its default 0): then its default says nothing of its kind."""
+    if param.annotation is param.empty:
+        return False
+    text = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
+    return any(word in text for word in ("str", "Any", "tuple", "Tuple", "list", "List",
+                                         "Sequence", "_size", "Callable", "object"))
+
+
+def _not_like_default(value: Any, default: Any, sized: bool) -> Optional[str]:
+    """What `value` must be, given a parameter whose default is a number (a learning rate) or,
+    with `sized` (torch's optimizers), a tuple of numbers (betas: as many as the default has),
+    when it is not that; None when it fits or nothing is known. A null is left to the callee
+    (some take None for "off"); a user's own tuple default may take other shapes."""
+    if value is None or isinstance(default, bool):
+        return None
+    if _is_number(default) and not _is_number(value):
+        return "a number"
+    if sized and isinstance(default, tuple) and default and all(map(_is_number, default)):
+        values = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) \
+            else None
+        if values is None or not all(map(_is_number, values)) or len(values) != len(default):
+            return f"{len(default)} numbers"
+    return None
 
 
 # words torch's optimizers use for their arguments in "Invalid ..." messages

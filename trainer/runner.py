@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -83,6 +84,11 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
     except OmegaConfBaseException as e:  # composed outside train.py: no Hydra run dir
         raise ConfigError(f"run_dir: cannot be resolved ({type(e).__name__}); a config composed "
                           "with hydra.compose needs a run_dir=PATH override") from None
+    empty = _empty_hydra_dir()
+    if empty:  # `hydra.run.dir=$UNSET`: the run would write into the current directory
+        raise ConfigError(f"{empty} is empty: name the {empty.split('.')[1]}'s directory "
+                          f"({empty}=outputs/my-{empty.split('.')[1]}), or leave the key out "
+                          "for a new dated one")
     env = env or distributed.detect()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
         logging.getLogger().setLevel(logging.WARNING)
@@ -122,6 +128,19 @@ def _deterministic(mode: bool, compiling: bool) -> None:
         torch._C._set_deterministic_algorithms(mode)
 
 
+def _empty_hydra_dir() -> Optional[str]:
+    """The Hydra key naming this launch's output dir when it was given empty, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    h = HydraConfig.get()
+    key, value = (("hydra.sweep.dir", h.sweep.dir) if h.mode == RunMode.MULTIRUN
+                  else ("hydra.run.dir", h.run.dir))
+    return key if not str(value or "").strip() else None
+
+
 def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
     t = cfg.trainer
     if t.fast_dev_run:
@@ -137,10 +156,12 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
     d = cfg.data
     offered = {"input_shape": None if d.input_shape is None else list(d.input_shape),
                "num_classes": d.num_classes}
-    model = speed.memory_format(
-        components.build(cfg.model, "model", offered,
-                         hint="; model=custom starts from no keys but _target_"),
-        d.channels_last)
+    model = components.build(cfg.model, "model", offered,
+                             hint="; model=custom starts from no keys but _target_")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
+                          f"{type(model).__name__}, not a torch.nn.Module")
+    model = speed.memory_format(model, d.channels_last)
     task = components.build(cfg.task, "task")
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={cfg.task._target_}: builds a {type(task).__name__}; "

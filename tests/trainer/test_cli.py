@@ -15,6 +15,8 @@ from trainer.cli import describe
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),  # semantic
     ("trainer.precision=fp16", "trainer.precision"),  # fp16 without CUDA
     ("trainer.resume=/no/such/file.pt", "trainer.resume"),
+    ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
+                                     "torch.nn.Module"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     proc = run_cli([f"hydra.run.dir={tmp_path}", override])
@@ -23,6 +25,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("stoker: error:") and needle in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_an_empty_run_dir_is_refused_and_nothing_lands_in_the_current_dir(tmp_path):
+    """`hydra.run.dir=$UNSET_VARIABLE` would otherwise make the current directory the run
+    dir: checkpoints, config and logs written among the user's files."""
+    proc = run_cli(["hydra.run.dir=", "debug=fdr"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("stoker: error: hydra.run.dir is empty: name the run's "
+                                   "directory (hydra.run.dir=outputs/my-run), or leave the key "
+                                   "out for a new dated one")
+    assert not list(tmp_path.iterdir())
 
 
 def test_user_can_ask_for_the_full_traceback(tmp_path):
