@@ -13,6 +13,10 @@ Training (train.py in a fresh process per run, configurations alternating over r
 Samples/s and data-wait are medians over the logging windows after the first. fp16 needs CUDA
 and is listed as skipped without it.
 
+The CNN's feed alone: the same pipeline feeding one linear layer instead of the CNN (rows
+`feed`), with and without the prefetcher: what the pipeline delivers on that machine. A CNN
+whose samples/s is close to it is bound by its feed, whatever the prefetcher does.
+
 Copy bandwidth: the same pinned uint8 batches copied host-to-device by the prefetcher (side
 stream) and by a plain `tensor.to(device, non_blocking=True)` loop, and from pageable memory
 for reference, in GB/s. Needs CUDA.
@@ -67,6 +71,14 @@ def cnn_overrides(s: Dict[str, Any]) -> List[str]:
             f"data.batch_size={c['batch']}", "data.cache=memory", "data.placement=host"]
 
 
+def feed_overrides(s: Dict[str, Any]) -> List[str]:
+    """The CNN's data pipeline, every setting the same, feeding a model that costs next to
+    nothing (one linear layer): its samples/s is what the pipeline itself delivers, the
+    ceiling the CNN's rate is read against (a CNN close to it waits on its feed)."""
+    return [("model=mlp" if o == "model=cnn" else o) for o in cnn_overrides(s)
+            if not o.startswith("model.channels=")] + ["model.hidden=[]"]
+
+
 def lm_overrides(s: Dict[str, Any]) -> List[str]:
     m = s["lm"]
     return ["experiment=tokens_transformer", f"data.input_shape=[{m['tokens']}]",
@@ -107,6 +119,9 @@ def configurations(s: Dict[str, Any]) -> List[Dict[str, Any]]:
                             overrides=cnn_overrides(s)))
         out.append(dict(model="transformer", precision=precision, prefetch=True,
                         overrides=lm_overrides(s)))
+    for prefetch in (True, False):  # the pipeline's own rate, with and without the side stream
+        out.append(dict(model="feed", precision="bf16", prefetch=prefetch,
+                        overrides=feed_overrides(s)))
     return out
 
 

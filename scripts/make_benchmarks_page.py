@@ -69,8 +69,8 @@ SECTIONS = [
             "tokens, bf16 and fp16, with and without the side-stream prefetcher; then the "
             "prefetcher's host-to-device bandwidth against a plain pinned copy of the same "
             "bytes. Targets: data-wait < 1% on the CNN with the prefetcher, prefetcher >= 90% "
-            "of the plain pinned copy. The settings are in each file: the H100 file's CNN "
-            "(64-128-256 channels, 8 workers) was bound by its synthetic samples.",
+            "of the plain pinned copy. The settings are in each file (the CNN's samples are made "
+            "once into data.cache=memory and batched by loader workers into pinned memory).",
             "training", ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                          "data_wait_frac", "peak_mem_mb", "mfu", "skipped"],
             lambda r: f"{r['model']} {r['precision']}" + ("" if r["prefetch"] else " no-prefetch"),

@@ -6,14 +6,16 @@
 # pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job, fp16 + accumulation +
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
-# bench_overhead, bench_images, strategies, loader, checkpoint, speed. A step never outlives
-# its time limit. Seen on one H100 (2026-11-22; a call is at most 10 minutes, a session's
-# device time 30, and a machine's start a minute or two of it): gpu_tests ~60 s, runs ~5 min,
-# nccl ~25 s, bench_gpu ~4 min (--repeats 2), bench_loader 1 min, bench_checkpoint 20 s,
-# bench_images (--repeats 1 --epochs 2) 1.7 min, over 3.3 min with --repeats 3; bench_overhead
-# ~20 s per fresh CUDA process: 3 repeats of tiny (5 runners with Lightning) took ~5 min
-# (a call of its own), suite not finished in 5 min with 6 workers beside the runs (a call of
-# its own too: -n 3 takes 8 min on 2 CPU cores).
+# bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
+# speed. A step never outlives its time limit. A call is at most 10 minutes, a session's
+# device time 30, and a machine's start a minute or two of it. Seen on one H100, 2026-11-25
+# (16 cores, torch 2.11): gpu_tests 74 s, runs 3.8 min, loader 66 s, checkpoint 26 s,
+# bench_gpu 256 s (--repeats 2, before its two feed rows: ~340 s expected), bench_overhead's
+# tiny step ~110 s a repeat (8 runners, with Lightning: 3 repeats did not fit in 330 s),
+# overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
+# speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). Three
+# full calls in a session:
+#   checks loader checkpoint (~7 min) | bench_gpu overhead_cnn (~8.5 min) | bench_overhead (~6 min)
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
@@ -92,12 +94,16 @@ runs)
   step start_up_fdr 60 python3 train.py debug=fdr hydra.run.dir="$R/runs/fdr"
   ;;
 bench_gpu)
-  step bench_gpu 270 python3 scripts/bench_gpu.py --repeats 2 \
+  step bench_gpu 400 python3 scripts/bench_gpu.py --repeats 2 \
     --out "docs/benchmarks/bench_gpu_$TAG.json"
   ;;
 bench_overhead)
-  step bench_overhead 330 python3 scripts/bench_overhead.py --repeats 3 --startup-repeats 0 \
-    --out "docs/benchmarks/bench_overhead_$TAG.json"
+  step bench_overhead 420 python3 scripts/bench_overhead.py --workload tiny --repeats 3 \
+    --startup-repeats 0 --out "docs/benchmarks/bench_overhead_$TAG.json"
+  ;;
+overhead_cnn)
+  step overhead_cnn 200 python3 scripts/bench_overhead.py --workload cnn --repeats 3 \
+    --startup-repeats 0 --out "docs/benchmarks/bench_overhead_${TAG}_cnn.json"
   ;;
 bench_images)
   step bench_images 200 python3 scripts/bench_images.py --workers 8 --repeats 1 --epochs 2 \
@@ -116,10 +122,10 @@ checkpoint)
     --out "docs/benchmarks/bench_checkpoint_$TAG.json"
   ;;
 speed)
-  step bench_speed 120 python3 scripts/bench_speed.py --precision bf16 --repeats 2 \
+  step bench_speed 330 python3 scripts/bench_speed.py --precision bf16 --repeats 2 \
     --out "docs/benchmarks/bench_speed_$TAG.json"
   ;;
-*) echo "usage: run_on_gpu.sh checks | PART... (suite gpu_tests runs nccl bench_gpu bench_overhead bench_images strategies loader checkpoint speed)"; exit 2 ;;
+*) echo "usage: run_on_gpu.sh checks | PART... (suite gpu_tests runs nccl bench_gpu bench_overhead overhead_cnn bench_images strategies loader checkpoint speed)"; exit 2 ;;
 esac
 pack  # after every part: a call cut off by its time limit still returns the parts done
 done

@@ -26,7 +26,8 @@ def test_smoke_writes_every_configuration(tmp_path):
     rows = result["training"]
     assert [(r["model"], r["precision"], r["prefetch"]) for r in rows] == [
         ("cnn", "bf16", True), ("cnn", "bf16", False), ("transformer", "bf16", True),
-        ("cnn", "fp16", True), ("cnn", "fp16", False), ("transformer", "fp16", True)]
+        ("cnn", "fp16", True), ("cnn", "fp16", False), ("transformer", "fp16", True),
+        ("feed", "bf16", True), ("feed", "bf16", False)]
     cuda = torch.cuda.is_available()
     for r in rows:
         if r["precision"] == "fp16" and not cuda:
@@ -49,6 +50,14 @@ def test_full_run_without_cuda_is_refused_in_one_line(tmp_path):  # (CUDA hidden
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device: the full GPU benchmark needs one" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_feed_rows_change_the_model_alone():
+    """The feed ceiling is read against the CNN: every data setting must be the CNN's."""
+    cnn, feed = bench_gpu.cnn_overrides(bench_gpu.FULL), bench_gpu.feed_overrides(bench_gpu.FULL)
+    assert [o for o in cnn if not o.startswith("model")] == \
+        [o for o in feed if not o.startswith("model")]
+    assert "model=cnn" in cnn and "model=mlp" in feed and "model.hidden=[]" in feed
 
 
 def test_peak_flops_by_device_name_or_given():
