@@ -117,9 +117,10 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
         optim = name.startswith("torch.optim.")  # fixed-length tuples (betas); models' vary
         for k in given if known else ():
             wrong = None if not optim and _takes_other_kinds(params[k]) else \
-                _not_like_default(node[k], params[k].default, sized=optim)
+                _not_like_default(node[k], params[k], sized=optim)
             if wrong:
-                raise ConfigError(f"{key}.{k}={node[k]}: must be {wrong} ({name}'s default is "
+                given_text = "null" if node[k] is None else node[k]  # as the user wrote it
+                raise ConfigError(f"{key}.{k}={given_text}: must be {wrong} ({name}'s default is "
                                   f"{params[k].default})")
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
@@ -148,13 +149,19 @@ def _takes_other_kinds(param: inspect.Parameter) -> bool:
                                          "Sequence", "_size", "Callable", "object"))
 
 
-def _not_like_default(value: Any, default: Any, sized: bool) -> Optional[str]:
+def _not_like_default(value: Any, param: inspect.Parameter, sized: bool) -> Optional[str]:
     """What `value` must be, given a parameter whose default is a number (a learning rate) or,
     with `sized` (torch's optimizers), a tuple of numbers (betas: as many as the default has),
-    when it is not that; None when it fits or nothing is known. A null is left to the callee
-    (some take None for "off"); a user's own tuple default may take other shapes."""
-    if value is None or isinstance(default, bool):
+    when it is not that; None when it fits or nothing is known. A null is refused only where
+    the annotation says the parameter takes no None (AdamW's `weight_decay: float`); without
+    an annotation it is left to the callee (some take None for "off")."""
+    default = param.default
+    if isinstance(default, bool):
         return None
+    if value is None:
+        text = str(param.annotation)
+        takes_none = param.annotation is param.empty or "None" in text or "Optional" in text
+        return None if takes_none or not _is_number(default) else "a number, not null"
     if _is_number(default) and not _is_number(value):
         return "a number"
     if sized and isinstance(default, tuple) and default and all(map(_is_number, default)):

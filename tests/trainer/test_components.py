@@ -77,6 +77,9 @@ def test_optimizer_value_errors_name_the_key_but_user_bugs_keep_their_traceback(
                "min_lr_ratio": [0.1]},
      "sched.min_lr_ratio=[0.1]: must be a number (trainer.schedules.warmup_cosine's default "
      "is 0.0)"),
+    ("optim", {"_target_": "torch.optim.AdamW", "_partial_": True, "weight_decay": None},
+     "optim.weight_decay=null: must be a number, not null (torch.optim.AdamW's default is "
+     "0.01)"),
 ])
 def test_a_value_unlike_its_numeric_default_is_named_before_the_call(key, node, message):
     """A learning rate, a decay factor or betas of the wrong kind are refused by name when
