@@ -54,7 +54,8 @@ def test_full_run_without_cuda_is_refused_in_one_line(tmp_path):  # (CUDA hidden
 
 def test_the_feed_rows_change_the_model_alone():
     """The feed ceiling is read against the CNN: every data setting must be the CNN's."""
-    cnn, feed = bench_gpu.cnn_overrides(bench_gpu.FULL), bench_gpu.feed_overrides(bench_gpu.FULL)
+    full = bench_gpu.FULL
+    cnn, feed = bench_gpu.cnn_overrides(full), bench_gpu.feed_overrides(full)
     assert [o for o in cnn if not o.startswith("model")] == \
         [o for o in feed if not o.startswith("model")]
     assert "model=cnn" in cnn and "model=mlp" in feed and "model.hidden=[]" in feed
