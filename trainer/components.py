@@ -139,12 +139,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _annotation(param: inspect.Parameter) -> Optional[str]:
+    """The parameter's annotation as text ('float', 'bool | None'), None where it has none."""
+    return None if param.annotation is param.empty else str(param.annotation)
+
+
 def _takes_other_kinds(param: inspect.Parameter) -> bool:
     """Whether the parameter's annotation admits more than numbers (Conv2d's padding takes
     "same" or a tuple besides its default 0): then its default says nothing of its kind."""
-    if param.annotation is param.empty:
-        return False
-    text = param.annotation if isinstance(param.annotation, str) else repr(param.annotation)
+    text = _annotation(param) or ""
     return any(word in text for word in ("str", "Any", "tuple", "Tuple", "list", "List",
                                          "Sequence", "_size", "Callable", "object"))
 
@@ -159,8 +162,8 @@ def _not_like_default(value: Any, param: inspect.Parameter, sized: bool) -> Opti
     if isinstance(default, bool):
         return None
     if value is None:
-        text = str(param.annotation)
-        takes_none = param.annotation is param.empty or "None" in text or "Optional" in text
+        text = _annotation(param)
+        takes_none = text is None or "None" in text or "Optional" in text
         return None if takes_none or not _is_number(default) else "a number, not null"
     if _is_number(default) and not _is_number(value):
         return "a number"

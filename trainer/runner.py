@@ -86,9 +86,10 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
                           "with hydra.compose needs a run_dir=PATH override") from None
     empty = _empty_hydra_dir()
     if empty:  # `hydra.run.dir=$UNSET`: the run would write into the current directory
-        raise ConfigError(f"{empty} is empty: name the {empty.split('.')[1]}'s directory "
-                          f"({empty}=outputs/my-{empty.split('.')[1]}), or leave the key out "
-                          "for a new dated one")
+        what = empty.split(".")[1]  # run or sweep
+        raise ConfigError(f"{empty} is empty: name the {what}'s directory "
+                          f"({empty}=outputs/my-{what}), or leave the key out for a new dated "
+                          "one")
     env = env or distributed.detect()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
         logging.getLogger().setLevel(logging.WARNING)
