@@ -5,10 +5,17 @@ stream (non_blocking, from pinned memory) while the compute stream runs step i:
 
 - one side stream per prefetcher, created once, never one per epoch (a stream per epoch
   leaks memory);
-- the side stream waits on the compute stream before it copies, and the compute stream waits
-  on the side stream before it uses a batch, so neither reads memory the other still writes;
+- the compute stream waits on the side stream before it uses a batch (an event recorded
+  after the batch's copy and transform; one event, recorded again for every batch);
 - every tensor handed out gets `record_stream(compute stream)`, so the caching allocator does
   not recycle its memory while the compute stream may still use it;
+- the side stream does not wait on the compute stream. It reads only the pinned batch and
+  memory of its own: the caching allocator hands a freed block only to allocations on the
+  stream it was allocated on (so the compute stream's freed activations never become a
+  copy's destination), and a handed-out batch's block is guarded by `record_stream` above.
+  A wait there would put a round trip between the streams before every copy: the copies of
+  consecutive batches could not run back to back, and a copy could not start before every
+  step queued ahead of it had finished;
 - optional on-device work, done on the side stream too: uint8 -> float in [0, 1], training
   augmentation (random crop with padding, horizontal flip), per-channel normalisation and
   channels_last, so workers can ship compact uint8 batches and need not augment.
@@ -173,6 +180,9 @@ class DevicePrefetcher:
         self.side_stream = (torch.cuda.Stream(device=device)
                             if enabled and device.type == "cuda" and not self.resident
                             else None)
+        # the compute stream's wait for a batch: one event, recorded again after each batch's
+        # copy (a wait binds to the record before it), not a new event per batch
+        self._copied = torch.cuda.Event() if self.side_stream is not None else None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -223,23 +233,24 @@ class DevicePrefetcher:
             for batch in batches:
                 yield transform(batch if on_cpu else to_device(batch, self.device), next(keys))
             return
+        side, copied = self.side_stream, self._copied
         pending = self._preload(batches, keys)
         while pending is not None:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.side_stream)  # the copy of `pending` must be complete
+            copied.record(side)  # after the copy and transform of `pending`
+            compute.wait_event(copied)  # ... which the compute stream must not overtake
             batch = pending
             map_tensors(batch, lambda t: t.record_stream(compute))
             pending = self._preload(batches, keys)  # overlaps with the step that uses `batch`
             yield batch
 
     def _preload(self, batches: Iterator[Any], keys: Iterator[Optional[int]]) -> Optional[Any]:
+        """The next batch, copied and transformed on the side stream (queued, not waited
+        for); None when the pass is over. No wait on the compute stream: see the module doc."""
         try:
             cpu_batch = next(batches)
         except StopIteration:
             return None
-        # the side stream must not start before the compute stream is done with what it
-        # has queued so far (memory it frees may be handed to this copy)
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream):
             return self.transform(to_device(cpu_batch, self.device, non_blocking=True),
                                   next(keys))

@@ -19,7 +19,9 @@ whose samples/s is close to it is bound by its feed, whatever the prefetcher doe
 
 Copy bandwidth: the same pinned uint8 batches copied host-to-device by the prefetcher (side
 stream) and by a plain `tensor.to(device, non_blocking=True)` loop, and from pageable memory
-for reference, in GB/s. Needs CUDA.
+for reference, in GB/s and microseconds per batch (`plain_us`, `prefetcher_us`). Large
+batches are bound by the copy; the 64 KB row (a tiny step's batch is 16 KB) by each loop's
+host work per batch, which is what a host-bound step pays for the prefetcher. Needs CUDA.
 
 Targets: data-wait under 1% on the CNN with the prefetcher; prefetcher bandwidth at least 90%
 of the plain pinned copy.
@@ -41,8 +43,8 @@ from benchlib import (UINT8_CNN, machine, measure, median, medians, table,  # no
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "peak_mem_mb", "mfu", "skipped"]
-COPY_COLUMNS = ["batch_mb", "plain_pinned_gbps", "prefetcher_gbps", "prefetcher_vs_plain",
-                "pageable_gbps", "skipped"]
+COPY_COLUMNS = ["batch_mb", "batches", "plain_pinned_gbps", "prefetcher_gbps",
+                "prefetcher_vs_plain", "plain_us", "prefetcher_us", "pageable_gbps", "skipped"]
 # dense bf16/fp16 tensor-core peaks (TFLOPS), by a substring of the device name
 PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0,
                "H100 PCIe": 756.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -57,11 +59,11 @@ TARGETS = {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.90}
 FULL = dict(steps=200, log_every=20, repeats=3, workers=12, samples=16384,
             cnn=dict(batch=256, image=64, channels="[128,256,512]"),
             lm=dict(batch=32, tokens=256, dim=512, layers=6, heads=8, vocab=1024),
-            copy_mb=[4.0, 64.0], copies=50)
+            copy_mb=[0.0625, 4.0, 64.0], copies=50, copy_total_mb=256)
 SMOKE = dict(steps=4, log_every=2, repeats=1, workers=0, samples=64,
              cnn=dict(batch=8, image=16, channels="[8,16]"),
              lm=dict(batch=4, tokens=16, dim=32, layers=1, heads=2, vocab=64),
-             copy_mb=[0.25], copies=3)
+             copy_mb=[0.25], copies=3, copy_total_mb=0)
 
 
 def cnn_overrides(s: Dict[str, Any]) -> List[str]:
@@ -162,13 +164,12 @@ class _CopyOnly:
         return batch
 
 
-def copy_gbps(batches, device, prefetcher: bool) -> float:
-    """GB/s moving `batches` (CPU tensors) to `device`, timed to the end of the last copy."""
+def copy_seconds(batches, device, prefetcher: bool) -> float:
+    """Seconds moving `batches` (CPU tensors) to `device`, timed to the end of the last copy."""
     import torch
 
     from data.prefetch import DevicePrefetcher
 
-    total = sum(b[0].numel() * b[0].element_size() for b in batches)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     if prefetcher:  # the copy alone: no uint8 -> float conversion on the side stream
@@ -178,7 +179,7 @@ def copy_gbps(batches, device, prefetcher: bool) -> float:
         for (x,) in batches:
             x.to(device, non_blocking=True)
     torch.cuda.synchronize(device)
-    return total / (time.perf_counter() - start) / 1e9
+    return time.perf_counter() - start
 
 
 def copy_rows(s: Dict[str, Any], cuda: bool, repeats: int) -> List[Dict[str, Any]]:
@@ -190,20 +191,24 @@ def copy_rows(s: Dict[str, Any], cuda: bool, repeats: int) -> List[Dict[str, Any
     rows = []
     for mb in s["copy_mb"]:
         n = int(mb * 2**20)
+        count = max(s["copies"], int(s.get("copy_total_mb", 0) / mb))  # small ones: many
         pinned = [(torch.randint(255, (n,), dtype=torch.uint8).pin_memory(),)
-                  for _ in range(s["copies"])]
+                  for _ in range(count)]
         pageable = [(b[0].clone(),) for b in pinned]
-        copy_gbps(pinned[:3], device, False)  # warm-up: allocator, copy engines
-        copy_gbps(pinned[:3], device, True)
+        copy_seconds(pinned[:3], device, False)  # warm-up: allocator, copy engines
+        copy_seconds(pinned[:3], device, True)
         got: Dict[str, List[float]] = {"plain": [], "prefetcher": [], "pageable": []}
         for _ in range(repeats):  # alternating
-            got["plain"].append(copy_gbps(pinned, device, False))
-            got["prefetcher"].append(copy_gbps(pinned, device, True))
-            got["pageable"].append(copy_gbps(pageable, device, False))
-        plain, pre = median(got["plain"]), median(got["prefetcher"])
-        rows.append({"batch_mb": mb, "plain_pinned_gbps": plain, "prefetcher_gbps": pre,
-                     "prefetcher_vs_plain": pre / plain, "pageable_gbps": median(got["pageable"]),
-                     "all": got})
+            got["plain"].append(copy_seconds(pinned, device, False))
+            got["prefetcher"].append(copy_seconds(pinned, device, True))
+            got["pageable"].append(copy_seconds(pageable, device, False))
+        gbps = {k: n * count / median(v) / 1e9 for k, v in got.items()}
+        rows.append({"batch_mb": mb, "batches": count, "plain_pinned_gbps": gbps["plain"],
+                     "prefetcher_gbps": gbps["prefetcher"],
+                     "prefetcher_vs_plain": gbps["prefetcher"] / gbps["plain"],
+                     "plain_us": 1e6 * median(got["plain"]) / count,
+                     "prefetcher_us": 1e6 * median(got["prefetcher"]) / count,
+                     "pageable_gbps": gbps["pageable"], "all_s": got})
         del pinned, pageable
     return rows
 

@@ -75,9 +75,10 @@ SECTIONS = [
                          "data_wait_frac", "peak_mem_mb", "mfu", "skipped"],
             lambda r: f"{r['model']} {r['precision']}" + ("" if r["prefetch"] else " no-prefetch"),
             throughput="samples_per_s", wait="data_wait_frac", extra="copy",
-            extra_title="Host-to-device copy bandwidth (GB/s):",
-            extra_columns=["batch_mb", "plain_pinned_gbps", "prefetcher_gbps",
-                           "prefetcher_vs_plain", "pageable_gbps", "skipped"]),
+            extra_title="Host-to-device copies (GB/s; microseconds per batch):",
+            extra_columns=["batch_mb", "batches", "plain_pinned_gbps", "prefetcher_gbps",
+                           "prefetcher_vs_plain", "plain_us", "prefetcher_us", "pageable_gbps",
+                           "skipped"]),
     Section("compare_strategies", "Strategies: single process vs DDP vs DataParallel",
             "The same model and global batch as one process, as DDP ranks and (on CUDA) as "
             "DataParallel.",

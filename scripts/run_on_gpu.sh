@@ -13,9 +13,11 @@
 # bench_gpu 256 s (--repeats 2, before its two feed rows: ~340 s expected), bench_overhead's
 # tiny step ~110 s a repeat (8 runners, with Lightning: 3 repeats did not fit in 330 s),
 # overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
-# speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). Three
-# full calls in a session:
-#   checks loader checkpoint (~7 min) | bench_gpu overhead_cnn (~8.5 min) | bench_overhead (~6 min)
+# speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). The
+# prefetcher changed after that session (its side stream no longer waits on the compute
+# stream; two gpu tests check it): its tests and bench_gpu go first. Three full calls:
+#   gpu_tests bench_gpu (~7 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
+#   bench_overhead (~6 min)
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one

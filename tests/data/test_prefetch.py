@@ -234,6 +234,44 @@ def test_cuda_copy_does_not_block_the_compute_stream():
     assert torch.equal(x.cpu(), ds.tensors[0][1:2]) and y.item() == 1
 
 
+@pytest.mark.gpu
+def test_cuda_next_copy_does_not_wait_for_the_steps_queued_before_it():
+    """The side stream does not wait on the compute stream: with a long step queued there,
+    the next batch's copy completes while the step still runs."""
+    ds = TensorDataset(torch.randn(4, 256), torch.arange(4))
+    feed = DevicePrefetcher(DataLoader(ds, batch_size=1, pin_memory=True), CUDA)
+    it = iter(feed)
+    next(it)  # batch 0 handed out; batch 1 copied
+    torch.cuda._sleep(2_000_000_000)  # a step of about a second on the compute stream
+    step_done = torch.cuda.Event()
+    step_done.record(torch.cuda.current_stream(CUDA))
+    next(it)  # batch 1 handed out; batch 2's copy queued on the side stream
+    copy_done = torch.cuda.Event()
+    copy_done.record(feed.side_stream)
+    copy_done.synchronize()
+    assert not step_done.query(), "the next batch's copy waited for the queued step"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_batch_in_use_survives_the_copies_after_it():
+    """A batch the compute stream reads late (its step queued behind a long one) keeps its
+    values while later batches are copied and the training loop drops its reference:
+    `record_stream` keeps the side stream from reusing its memory."""
+    ds = TensorDataset(torch.arange(8 * 2**16, dtype=torch.float32).view(8, 2**16),
+                       torch.arange(8))
+    feed = DevicePrefetcher(DataLoader(ds, batch_size=1, pin_memory=True), CUDA)
+    it = iter(feed)
+    x0, _ = next(it)
+    torch.cuda._sleep(1_000_000_000)  # the step that reads x0 starts late
+    seen = x0 * 1  # queued on the compute stream behind the sleep
+    del x0  # its block is freed while the compute stream has yet to read it
+    rest = [x for x, _ in it]  # seven more copies on the side stream, same size
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), ds.tensors[0][:1])
+    assert torch.equal(torch.cat(rest).cpu(), ds.tensors[0][1:])
+
+
 def images(n=6, c=3, h=5, w=7):
     return torch.arange(n * c * h * w, dtype=torch.float32).view(n, c, h, w)
 

@@ -82,5 +82,10 @@ def test_lm_flops_match_the_model():
 
 @pytest.mark.gpu
 def test_copy_bandwidth_rows_on_cuda():
-    rows = bench_gpu.copy_rows(dict(copy_mb=[1.0], copies=4), cuda=True, repeats=1)
-    assert rows[0]["plain_pinned_gbps"] > 0 and rows[0]["prefetcher_gbps"] > 0
+    rows = bench_gpu.copy_rows(dict(copy_mb=[1.0, 0.0625], copies=4, copy_total_mb=1),
+                               cuda=True, repeats=1)
+    assert [r["batches"] for r in rows] == [4, 16]  # small batches: enough of them to time
+    for r in rows:
+        assert r["plain_pinned_gbps"] > 0 and r["prefetcher_gbps"] > 0
+        # the same bytes over the same batches: GB/s and time per batch say the same
+        assert r["plain_us"] / r["prefetcher_us"] == pytest.approx(r["prefetcher_vs_plain"])

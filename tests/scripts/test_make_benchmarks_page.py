@@ -47,7 +47,7 @@ def test_every_json_gets_its_table_command_machine_and_plot(tmp_path):
     assert "- date: 2026-01-02T03:04:05" in text and "**smoke run**" in text
     assert "| cnn | bf16 | yes | 120 |" in text.replace("120.500", "120")
     assert "| cnn | fp16 | yes | - | - | - | - | - | fp16 needs CUDA |" in text
-    assert "| 0.250 | - | - | - | - | needs CUDA |" in text
+    assert "| 0.250 | - | - | - | - | - | - | - | needs CUDA |" in text
     assert "![bench_gpu_cpu](benchmarks/bench_gpu_cpu-plot.png)" in text
     assert (bench / "bench_gpu_cpu-plot.png").read_bytes()[:4] == b"\x89PNG"
     # sections without files say so; nothing measured on a GPU is listed as such
