@@ -8,8 +8,10 @@ Training (train.py in a fresh process per run, configurations alternating over r
 - the reference CNN on synthetic uint8 images (made once into data.cache=memory, batched by
   loader workers into pinned memory, normalised and made channels_last on the GPU by the
   prefetcher), bf16 and fp16, with the side-stream prefetcher and without it;
-- a small transformer language model on synthetic tokens, bf16 and fp16, with its model FLOPs
-  utilisation: tokens/s x training FLOPs per token / the GPU's peak dense bf16/fp16 FLOPs.
+- a transformer language model on synthetic tokens (8 layers, 1024 wide, 32 x 1024 tokens a
+  step: about 25 TFLOP, so the GPU, not the host's kernel launches, bounds the step), bf16 and
+  fp16, with its model FLOPs utilisation: tokens/s x training FLOPs per token / the GPU's peak
+  dense bf16/fp16 FLOPs.
 Samples/s and data-wait are medians over the logging windows after the first. fp16 needs CUDA
 and is listed as skipped without it.
 
@@ -56,13 +58,19 @@ TARGETS = {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.90}
 # 12 (2026-11-22/23). So the samples are made once into data.cache=memory, and 12 workers
 # batch them from there through the host path (data.placement=host: pinned batches copied
 # to the GPU by the prefetcher, or on the compute stream without it).
+# The transformer must be bound by the GPU for its MFU to say anything about the GPU: the
+# 6-layer, 512-wide one of 32 x 256 tokens (1 TFLOP a step, 2-3 ms of an H100's GEMMs) ran
+# about a thousand dispatched operations a step and took 15-19 ms, its tokens/s following the
+# host's speed (551k and 429k on two days, MFU 7.0% and 5.5%).
 FULL = dict(steps=200, log_every=20, repeats=3, workers=12, samples=16384,
             cnn=dict(batch=256, image=64, channels="[128,256,512]"),
-            lm=dict(batch=32, tokens=256, dim=512, layers=6, heads=8, vocab=1024),
+            lm=dict(batch=32, tokens=1024, dim=1024, layers=8, heads=16, vocab=8192,
+                    steps=100, log_every=10),
             copy_mb=[0.0625, 4.0, 64.0], copies=50, copy_total_mb=256)
 SMOKE = dict(steps=4, log_every=2, repeats=1, workers=0, samples=64,
              cnn=dict(batch=8, image=16, channels="[8,16]"),
-             lm=dict(batch=4, tokens=16, dim=32, layers=1, heads=2, vocab=64),
+             lm=dict(batch=4, tokens=16, dim=32, layers=1, heads=2, vocab=64, steps=4,
+                     log_every=2),
              copy_mb=[0.25], copies=3, copy_total_mb=0)
 
 
@@ -89,9 +97,12 @@ def lm_overrides(s: Dict[str, Any]) -> List[str]:
             f"data.batch_size={m['batch']}"]
 
 
-def common(s: Dict[str, Any]) -> List[str]:
+def common(s: Dict[str, Any], model: str) -> List[str]:
+    """Settings every run shares; the transformer takes fewer, longer steps of its own."""
+    steps = s["lm"] if model == "transformer" else s
     return [f"data.dataset.num_samples={s['samples']}", f"data.num_workers={s['workers']}",
-            f"trainer.max_steps={s['steps']}", f"trainer.log_every_n_steps={s['log_every']}",
+            f"trainer.max_steps={steps['steps']}",
+            f"trainer.log_every_n_steps={steps['log_every']}",
             "trainer.max_epochs=1000", "trainer.limit_val_batches=1", "sched=constant",
             "trainer.save_checkpoint=false"]
 
@@ -135,7 +146,7 @@ def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dic
             for i, c in enumerate(configs):
                 if c["precision"] == "fp16" and not cuda:
                     continue
-                runs[i].append(measure([*c["overrides"], *common(s),
+                runs[i].append(measure([*c["overrides"], *common(s, c["model"]),
                                         f"trainer.precision={c['precision']}",
                                         f"data.device_prefetch={str(c['prefetch']).lower()}"],
                                        Path(tmp) / f"{i}-{rep}"))

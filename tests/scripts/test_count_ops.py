@@ -1,0 +1,56 @@
+"""scripts/count_ops.py: operations a training step dispatches, by kind, from the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+def count_ops(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/count_ops.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_counts_every_operation_of_a_step_and_sees_the_optimizer_path(tmp_path):
+    """The default job's step, with AdamW's per-parameter loop and its multi-tensor path:
+    one lerp per parameter tensor against one for all of them."""
+    got = {}
+    for foreach in ("false", "true"):
+        out = tmp_path / f"{foreach}.json"
+        proc = count_ops(tmp_path, "--skip", "3", "--steps", "5", "--out", str(out),
+                         f"optim.foreach={foreach}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[foreach] = json.loads(out.read_text())
+        assert "operations a step:" in proc.stdout and "aten.mm.default" in proc.stdout
+    loop, multi = got["false"], got["true"]
+    params = 6  # the default MLP (hidden [128, 128]): three linear layers' weights and biases
+    assert loop["ops"]["aten.lerp_.Scalar"] == params
+    assert multi["ops"]["aten._foreach_lerp_.Scalar"] == 1
+    assert "aten.lerp_.Scalar" not in multi["ops"]
+    assert multi["per_step"] < loop["per_step"]
+    for r in (loop, multi):
+        assert r["per_step"] == pytest.approx(r["work"] + r["view"] + r["marker"] + r["read"])
+        assert r["kinds"]["aten.mm.default"] == "work" and r["kinds"]["aten.t.default"] == "view"
+        assert r["steps"] == 5 and r["skip"] == 3
+        # forward and backward of three linear layers: at least one matmul each way per layer
+        assert r["ops"]["aten.addmm.default"] + r["ops"]["aten.mm.default"] >= 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["trainer.compile.enabled=true"], "trainer.compile.enabled=true: a compiled step runs "
+                                       "kernels a dispatch mode does not see"),
+    (["--skip", "30", "--steps", "30", "trainer.max_epochs=1"],
+     "the run stopped after 23 steps, before step 60"),
+    (["model.nope=1"], "model.nope"),
+])
+def test_what_it_cannot_count_is_one_line_and_exit_2(tmp_path, args, message):
+    proc = count_ops(tmp_path, *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
