@@ -10,12 +10,14 @@ stream (non_blocking, from pinned memory) while the compute stream runs step i:
 - every tensor handed out gets `record_stream(compute stream)`, so the caching allocator does
   not recycle its memory while the compute stream may still use it;
 - the side stream does not wait on the compute stream. It reads only the pinned batch and
-  memory of its own: the caching allocator hands a freed block only to allocations on the
-  stream it was allocated on (so the compute stream's freed activations never become a
+  memory of its own: PyTorch's caching allocator hands a freed block only to allocations on
+  the stream it was allocated on (so the compute stream's freed activations never become a
   copy's destination), and a handed-out batch's block is guarded by `record_stream` above.
   A wait there would put a round trip between the streams before every copy: the copies of
   consecutive batches could not run back to back, and a copy could not start before every
-  step queued ahead of it had finished;
+  step queued ahead of it had finished. The exception: a batch that reaches the prefetcher
+  on the device already (a collate of one's own that moves it), which the compute stream
+  wrote: for it the side stream waits, and records its use of the batch;
 - optional on-device work, done on the side stream too: uint8 -> float in [0, 1], training
   augmentation (random crop with padding, horizontal flip), per-channel normalisation and
   channels_last, so workers can ship compact uint8 batches and need not augment.
@@ -234,23 +236,41 @@ class DevicePrefetcher:
                 yield transform(batch if on_cpu else to_device(batch, self.device), next(keys))
             return
         side, copied = self.side_stream, self._copied
-        pending = self._preload(batches, keys)
+        compute = torch.cuda.current_stream(self.device)
+        pending = self._preload(batches, keys, compute)
         while pending is not None:
             compute = torch.cuda.current_stream(self.device)
             copied.record(side)  # after the copy and transform of `pending`
             compute.wait_event(copied)  # ... which the compute stream must not overtake
             batch = pending
             map_tensors(batch, lambda t: t.record_stream(compute))
-            pending = self._preload(batches, keys)  # overlaps with the step that uses `batch`
+            # overlaps with the step that uses `batch`
+            pending = self._preload(batches, keys, compute)
             yield batch
 
-    def _preload(self, batches: Iterator[Any], keys: Iterator[Optional[int]]) -> Optional[Any]:
+    def _preload(self, batches: Iterator[Any], keys: Iterator[Optional[int]],
+                 compute: torch.cuda.Stream) -> Optional[Any]:
         """The next batch, copied and transformed on the side stream (queued, not waited
-        for); None when the pass is over. No wait on the compute stream: see the module doc."""
+        for); None when the pass is over. The side stream waits on the compute stream only
+        for a batch the loader made on the device already (a collate of one's own that moves
+        it): the compute stream wrote it, and may reuse its memory once it is freed."""
         try:
             cpu_batch = next(batches)
         except StopIteration:
             return None
-        with torch.cuda.stream(self.side_stream):
-            return self.transform(to_device(cpu_batch, self.device, non_blocking=True),
-                                  next(keys))
+        device, made_there = self.device, []
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.device == device:
+                made_there.append(t)
+                return t
+            return t.to(device, non_blocking=True)
+
+        side = self.side_stream
+        with torch.cuda.stream(side):
+            batch = map_tensors(cpu_batch, move)
+            if made_there:
+                side.wait_stream(compute)
+                for t in made_there:
+                    t.record_stream(side)
+            return self.transform(batch, next(keys))

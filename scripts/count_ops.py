@@ -5,27 +5,38 @@
     python scripts/count_ops.py --skip 20 --steps 40 --out ops.json data=synthetic model=cnn
 
 Trains the config as train.py does (the overrides last, then trainer.max_steps = skip + steps
-and no checkpoints; one process, nothing written but a temporary run dir) and counts the ATen operations the training thread dispatches during
-`--steps` optimizer steps after the first `--skip` (start-up and the first steps' allocations
-left out): forward, backward, optimizer, the launcher's own, and the logging boundaries' and
-epoch ends' share (validation runs once, after the last step, and is not counted). Each
-operation is of a kind: `work` (roughly one kernel on a GPU), `view` (a tensor's metadata, no
+and no checkpoints; one process, nothing written but a temporary run dir) and counts the ATen
+operations the training thread dispatches during `--steps` optimizer steps after the first
+`--skip` (start-up and the first steps' allocations left out): forward, backward, optimizer,
+the launcher's own, and the logging boundaries' and epoch ends' share (validation runs once,
+after the last step, and is not counted; loader workers' and other threads' operations are
+not the training thread's). Each operation is of a kind: `work` (roughly one kernel on a
+GPU; a multi-tensor `_foreach_*` operation launches several), `view` (a tensor's metadata, no
 kernel), `marker` (a profiler range) or `read` (`item()` and the like: a host sync when the
-tensor is on a GPU).
+tensor is on a GPU, none for a CPU tensor such as AdamW's step counts, which the counter
+cannot tell apart; other operations that sync, such as `nonzero`, count as work). Under
+torchrun every rank counts its own steps (collectives included) and rank 0 reports.
 
 Why count: on a GPU each `work` operation is roughly one kernel launch, and each costs the
 host some microseconds of Python, dispatch and launch. A step whose GPU work is shorter than
 its operations x that cost is bound by the host: the GPU idles between kernels and the
 throughput follows the host's speed. Fewer, larger operations help (larger batches, a fused
-or multi-tensor optimizer, torch.compile). Counts do not depend on the machine, so they can be
-taken on a CPU; note that PyTorch's optimizers take the multi-tensor path by default only on
-CUDA (`optim.foreach=true` shows it on a CPU). A compiled model's steps run kernels that a
-dispatch mode does not see: `compile.enabled=true` is refused.
+or multi-tensor optimizer, torch.compile).
+
+A CPU gives the count of a GPU run of the same config closely, not exactly: PyTorch's
+optimizers take the multi-tensor path by default only on CUDA (`optim.foreach=true` shows it
+on a CPU); on CUDA, batches formed on the host add a copy per tensor and the prefetcher's
+`record_stream` calls; autocast casts a few operations differently on CPU and CUDA; fp16 (CUDA
+only) adds the GradScaler's operations; and `data.num_workers=auto` resolves by the machine's
+cores (with no workers, the collate's operations are the training thread's). A compiled
+model's steps run kernels that a dispatch mode does not see: `trainer.compile.enabled=true` is
+refused.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -112,6 +123,19 @@ def count(overrides: List[str], skip: int, steps: int) -> Dict[str, Any]:
     return {"per_step": sum(ops.values()), **totals, "ops": ops, "kinds": counter.kinds}
 
 
+def _writable(out: Path) -> Optional[str]:
+    """Why `out` cannot be written (None when it can), checked before the run."""
+    if out.is_dir():
+        return "is a directory"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"its folder cannot be made ({e.strerror})"
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        return "is not writable"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip", type=int, default=20, help="optimizer steps before counting")
@@ -119,25 +143,34 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--top", type=int, default=25, help="operations listed")
     p.add_argument("--out", type=Path, help="write the counts as JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
-    a = p.parse_args(argv)
-    if a.skip < 1 or a.steps < 1:
-        p.error(f"--skip {a.skip} --steps {a.steps}: both must be >= 1")
+    a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
+    if a.skip < 1 or a.steps < 1 or a.top < 1:
+        p.error(f"--skip {a.skip} --steps {a.steps} --top {a.top}: each must be >= 1")
+    if a.out and _writable(a.out):
+        p.error(f"--out {a.out}: {_writable(a.out)}")
+    # `_target_`s may name the user's own modules, importable from where the command runs
+    # (as train.py makes them)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     from benchlib import machine, table, write_json
     from trainer.cli import USER_ERRORS, fail
+    from trainer.distributed import detect
 
     try:
         got = count(a.overrides, a.skip, a.steps)
     except USER_ERRORS as e:
         fail(e)
+    result = {"machine": machine(), "overrides": a.overrides, "skip": a.skip,
+              "steps": a.steps, **got}
+    if not detect().is_main:  # under torchrun: every rank counts, rank 0 reports
+        return result
     rows = [{"op": k, "per_step": v, "kind": got["kinds"][k]}
             for k, v in list(got["ops"].items())[:a.top]]
     print(table(rows, COLUMNS))
     print(f"{got['per_step']:.1f} operations a step: {got['work']:.1f} that do work (about "
           f"one kernel each on a GPU), {got['view']:.1f} views, {got['marker']:.1f} profiler "
-          f"markers, {got['read']:.1f} reads of a value to the host (a sync when the tensor "
-          "is on a GPU)")
-    result = {"machine": machine(), "overrides": a.overrides, "skip": a.skip,
-              "steps": a.steps, **got}
+          f"markers, {got['read']:.1f} reads of a value to the host (each a sync where the "
+          "tensor is on a GPU; AdamW's step counts are CPU tensors)")
     if a.out:
         write_json(a.out, result)
         print(f"wrote {a.out}")

@@ -155,7 +155,8 @@ def test_dict_batches_uint8_inputs_become_floats_and_the_rest_passes():
     first = batches[0]
     assert first["inputs"].dtype == torch.float32
     assert torch.allclose(first["inputs"][1], torch.full((3, 2, 2), 1 / 255))
-    assert first["meta"]["half"].dtype == torch.float16 and first["meta"]["id"].tolist() == [0, 1, 2]
+    assert first["meta"]["half"].dtype == torch.float16
+    assert first["meta"]["id"].tolist() == [0, 1, 2]
 
 
 def test_transform_normalises_per_channel_and_sets_channels_last():
@@ -263,13 +264,41 @@ def test_cuda_batch_in_use_survives_the_copies_after_it():
     feed = DevicePrefetcher(DataLoader(ds, batch_size=1, pin_memory=True), CUDA)
     it = iter(feed)
     x0, _ = next(it)
+    x0 * 1  # the kernel loaded now, not while the step below is queued
+    torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # the step that reads x0 starts late
     seen = x0 * 1  # queued on the compute stream behind the sleep
+    read = torch.cuda.Event()
+    read.record(torch.cuda.current_stream(CUDA))
     del x0  # its block is freed while the compute stream has yet to read it
     rest = [x for x, _ in it]  # seven more copies on the side stream, same size
+    copies_done = torch.cuda.Event()
+    copies_done.record(feed.side_stream)
+    copies_done.synchronize()
+    assert not read.query(), "the copies did not run while the step waited: nothing tested"
     torch.cuda.synchronize()
     assert torch.equal(seen.cpu(), ds.tensors[0][:1])
     assert torch.equal(torch.cat(rest).cpu(), ds.tensors[0][1:])
+
+
+@pytest.mark.gpu
+def test_cuda_batch_made_on_the_device_is_read_after_it_is_written():
+    """A collate of one's own that makes its batch on the GPU writes it on the compute
+    stream: the side stream's transform (uint8 to float) must wait for that write."""
+    n = 2**20
+
+    def collate(samples):
+        i = samples[0]
+        torch.zeros(n, dtype=torch.uint8, device=CUDA)  # a freed block for the batch below
+        torch.cuda._sleep(500_000_000)  # the batch is written well after it is queued
+        return torch.full((1, n), i + 1, dtype=torch.uint8, device=CUDA), torch.tensor([i])
+
+    feed = DevicePrefetcher(DataLoader(list(range(3)), batch_size=1, collate_fn=collate), CUDA)
+    got = [(x[0, [0, -1]].cpu(), y.item()) for x, y in feed]
+    assert [y for _, y in got] == [0, 1, 2]
+    for x, y in got:  # (CUDA divides by 255 as a multiplication by its reciprocal)
+        assert torch.equal(x, torch.full((2,), y + 1, dtype=torch.uint8, device=CUDA)
+                           .float().div_(255).cpu())
 
 
 def images(n=6, c=3, h=5, w=7):

@@ -10,8 +10,8 @@ import pytest
 from tests.helpers import ROOT
 
 
-def count_ops(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/count_ops.py", *args], cwd=ROOT,
+def count_ops(tmp_path, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts/count_ops.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -22,8 +22,8 @@ def test_counts_every_operation_of_a_step_and_sees_the_optimizer_path(tmp_path):
     got = {}
     for foreach in ("false", "true"):
         out = tmp_path / f"{foreach}.json"
-        proc = count_ops(tmp_path, "--skip", "3", "--steps", "5", "--out", str(out),
-                         f"optim.foreach={foreach}")
+        proc = count_ops(tmp_path, "--skip", "3", f"optim.foreach={foreach}",  # intermixed
+                         "--steps", "5", "--out", str(out))
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[foreach] = json.loads(out.read_text())
         assert "operations a step:" in proc.stdout and "aten.mm.default" in proc.stdout
@@ -54,3 +54,39 @@ def test_what_it_cannot_count_is_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_model_of_ones_own_from_the_directory_it_runs_in(tmp_path):
+    """`_target_` finds the user's module where the command runs, as with train.py; one more
+    layer, more operations."""
+    (tmp_path / "mynet.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Sequential):\n"
+        "    def __init__(self, input_shape, num_classes, depth=1):\n"
+        "        width = 1\n"
+        "        for d in input_shape:\n"
+        "            width *= d\n"
+        "        layers = [torch.nn.Flatten()]\n"
+        "        layers += [torch.nn.Linear(width, width) for _ in range(depth)]\n"
+        "        super().__init__(*layers, torch.nn.Linear(width, num_classes))\n")
+    per_step = []
+    for depth in (1, 3):
+        out = tmp_path / f"{depth}.json"
+        proc = count_ops(tmp_path, "model=custom", "model._target_=mynet.Net",
+                         f"+model.depth={depth}", "--skip", "2", "--steps", "3",
+                         "--out", str(out), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        per_step.append(json.loads(out.read_text())["per_step"])
+    assert per_step[1] > per_step[0]
+    assert not (tmp_path / "outputs").exists()  # nothing written where it ran
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top", "0"], "--skip 20 --steps 20 --top 0: each must be >= 1"),
+    (["--out", "."], "--out .: is a directory"),
+])
+def test_bad_options_are_refused_before_the_run(tmp_path, args, message):
+    proc = count_ops(tmp_path, *args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr and "operations a step" not in proc.stdout
