@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -138,7 +138,11 @@ def configurations(s: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
-def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dict[str, Any]]:
+def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float],
+               report: Optional[Callable[[List[Dict[str, Any]]], None]] = None
+               ) -> List[Dict[str, Any]]:
+    """Every configuration's row; `report` gets the rows so far after each repeat (a run
+    cut off by a time limit keeps the repeats that finished)."""
     configs = configurations(s)
     runs: List[List[Dict[str, Any]]] = [[] for _ in configs]
     with tempfile.TemporaryDirectory(prefix="stoker-gpu-") as tmp:
@@ -150,12 +154,22 @@ def train_rows(s: Dict[str, Any], cuda: bool, peak: Optional[float]) -> List[Dic
                                         f"trainer.precision={c['precision']}",
                                         f"data.device_prefetch={str(c['prefetch']).lower()}"],
                                        Path(tmp) / f"{i}-{rep}"))
+            if report is not None and rep < s["repeats"] - 1:
+                report(summarize(s, configs, runs, cuda, peak))
+    return summarize(s, configs, runs, cuda, peak)
+
+
+def summarize(s: Dict[str, Any], configs: List[Dict[str, Any]],
+              runs: List[List[Dict[str, Any]]], cuda: bool,
+              peak: Optional[float]) -> List[Dict[str, Any]]:
+    """One row per configuration: medians over its runs, tokens/s and MFU for the transformer."""
     rows, fpt = [], lm_flops_per_token(s)
     for c, got in zip(configs, runs):
         row: Dict[str, Any] = {k: c[k] for k in ("model", "precision", "prefetch")}
         row.update(runs=len(got), all=got)
         if not got:
-            row["skipped"] = "fp16 needs CUDA"
+            row["skipped"] = "fp16 needs CUDA" if c["precision"] == "fp16" and not cuda \
+                else "not run"
             rows.append(row)
             continue
         row.update(medians(got))
@@ -242,14 +256,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 "(--smoke runs the same code paths at toy sizes on CPU)")
     info = machine()
     peak = peak_flops(info.get("gpu"), a.peak_tflops)
-    rows = train_rows(s, cuda, peak)
+    base = {"machine": info, "device": "cuda" if cuda else "cpu", "smoke": a.smoke,
+            "settings": s, "peak_flops": peak, "targets": TARGETS}
+
+    def partial(rows: List[Dict[str, Any]]) -> None:  # the rows so far, if a limit cuts in
+        write_json(a.out, dict(base, training=rows, copy=[], partial=True))
+
+    rows = train_rows(s, cuda, peak, report=partial)
+    partial(rows)
     copies = copy_rows(s, cuda, s["repeats"])
     print(table(rows, TRAIN_COLUMNS))
     print()
     print(table(copies, COPY_COLUMNS))
-    result = {"machine": info, "device": "cuda" if cuda else "cpu", "smoke": a.smoke,
-              "settings": s, "peak_flops": peak, "targets": TARGETS,
-              "training": rows, "copy": copies}
+    result = dict(base, training=rows, copy=copies)
     write_json(a.out, result)
     print(f"wrote {a.out}")
     return result

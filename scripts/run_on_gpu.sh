@@ -10,13 +10,14 @@
 # speed. A step never outlives its time limit. A call is at most 10 minutes, a session's
 # device time 30, and a machine's start a minute or two of it. Seen on one H100, 2026-11-25
 # (16 cores, torch 2.11): gpu_tests 74 s, runs 3.8 min, loader 66 s, checkpoint 26 s,
-# bench_gpu 256 s (--repeats 2, before its two feed rows: ~340 s expected), bench_overhead's
+# bench_gpu 256 s (--repeats 2, before its two feed rows, the 8-layer transformer and the 64 KB
+# copy row: ~370 s expected; it writes its JSON after each repeat), bench_overhead's
 # tiny step ~110 s a repeat (8 runners, with Lightning: 3 repeats did not fit in 330 s),
 # overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
 # speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). The
 # prefetcher changed after that session (its side stream no longer waits on the compute
-# stream; two gpu tests check it): its tests and bench_gpu go first. Three full calls:
-#   gpu_tests bench_gpu (~7 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
+# stream; three gpu tests check it): its tests and bench_gpu go first. Three full calls:
+#   gpu_tests bench_gpu (~8 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
 #   bench_overhead (~6 min)
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
@@ -96,7 +97,7 @@ runs)
   step start_up_fdr 60 python3 train.py debug=fdr hydra.run.dir="$R/runs/fdr"
   ;;
 bench_gpu)
-  step bench_gpu 400 python3 scripts/bench_gpu.py --repeats 2 \
+  step bench_gpu 460 python3 scripts/bench_gpu.py --repeats 2 \
     --out "docs/benchmarks/bench_gpu_$TAG.json"
   ;;
 bench_overhead)

@@ -23,6 +23,7 @@ def test_smoke_writes_every_configuration(tmp_path):
     result = json.loads(out.read_text())
     assert result["smoke"] is True and result["command"].endswith("--smoke --out " + str(out))
     assert result["targets"] == {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.9}
+    assert "partial" not in result  # the finished file replaces the partial one
     rows = result["training"]
     assert [(r["model"], r["precision"], r["prefetch"]) for r in rows] == [
         ("cnn", "bf16", True), ("cnn", "bf16", False), ("transformer", "bf16", True),
@@ -89,3 +90,28 @@ def test_copy_bandwidth_rows_on_cuda():
         assert r["plain_pinned_gbps"] > 0 and r["prefetcher_gbps"] > 0
         # the same bytes over the same batches: GB/s and time per batch say the same
         assert r["plain_us"] / r["prefetcher_us"] == pytest.approx(r["prefetcher_vs_plain"])
+
+
+def test_rows_so_far_are_reported_after_each_repeat_but_the_last(monkeypatch):
+    """A run cut off by its time limit keeps the repeats that finished: main writes each
+    report as a partial JSON."""
+    calls = []
+
+    def fake_measure(args, run_dir):
+        calls.append(run_dir.name)
+        return {"samples_per_s": 100.0 * len(calls), "data_wait_frac": 0.1, "peak_mem_mb": 1.0}
+
+    monkeypatch.setattr(bench_gpu, "measure", fake_measure)
+    reports = []
+    s = dict(bench_gpu.SMOKE, repeats=3)
+    rows = bench_gpu.train_rows(s, cuda=False, peak=None, report=reports.append)
+    configs = bench_gpu.configurations(s)
+    cpu_configs = [c for c in configs if c["precision"] != "fp16"]
+    assert len(calls) == 3 * len(cpu_configs) and len(reports) == 2
+    for n, report in enumerate(reports, 1):
+        assert [r["runs"] for r in report] == [n if c["precision"] != "fp16" else 0
+                                               for c in configs]
+    assert [r["runs"] for r in rows] == [3 if c["precision"] != "fp16" else 0 for c in configs]
+    assert all(r["skipped"] == "fp16 needs CUDA" for r in rows if r["precision"] == "fp16")
+    never = bench_gpu.summarize(s, configs, [[] for _ in configs], True, None)
+    assert all(r["skipped"] == "not run" and r["runs"] == 0 for r in never)
