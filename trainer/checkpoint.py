@@ -184,6 +184,33 @@ def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path)
         raise CheckpointError(f"checkpoint {path} does not fit this model; " + "; ".join(parts))
 
 
+# How an optimizer computes (this run's optim.fused / optim.foreach), not what it has learned:
+# Optimizer.load_state_dict takes them from the checkpoint's parameter groups
+_IMPLEMENTATION = ("fused", "foreach", "capturable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, keeping this run's implementation choices (fused,
+    foreach, capturable) instead of the checkpoint's, with each step count where that
+    implementation keeps it: on the parameter's device as float32 when fused or capturable,
+    else on the CPU. (An fp16 run's checkpoint of a per-parameter AdamW resumed with
+    optim.fused=true otherwise ran the unfused step with the GradScaler's fused-path arguments
+    and stopped with an AssertionError.)"""
+    chosen = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, chosen):
+        group.update(flags)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            if on_device and (step.device != p.device or step.dtype != torch.float32):
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+            elif not on_device and step.device.type != "cpu":
+                optimizer.state[p]["step"] = step.to("cpu")
+
+
 def _link_over(src: Path, dst: Path) -> None:
     """Points `dst` at `src`'s bytes atomically (hard link, else a copy, then rename)."""
     tmp = dst.with_name(f".{dst.name}.link")

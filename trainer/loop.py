@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher
 from data.sampler import epoch_batches, limit_left
-from trainer import distributed
+from trainer import checkpoint, distributed
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.ledger import Ledger, counted, window_factor
 from trainer.logging import RunLogger
@@ -140,7 +140,7 @@ class Loop:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what `state_dict` saved (model weights already checked to fit)."""
         unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler", {}))
         self.state = FitState(epoch=state["epoch"], step=state["step"],

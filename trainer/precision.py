@@ -7,13 +7,30 @@ gradients are unscaled before clipping so the clip threshold means the same in e
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
 from trainer.config import Precision
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
+# torch's optimizers whose fused CUDA step takes the GradScaler's scale and inf flag itself
+_FUSED_SCALED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def optimizer_choice(factory: Any, precision: Precision, device: torch.device) -> Dict[str, Any]:
+    """What the run adds to the optimizer's arguments: `fused=True` under fp16 on CUDA for
+    torch's Adam, AdamW and SGD when optim.fused and optim.foreach are both null (PyTorch's
+    choice), else nothing. GradScaler.step reads the gradients' inf flag to the host
+    (`.item()`) every step for any other optimizer: a sync that keeps the host from queueing
+    the next steps while the GPU runs this one. The fused step reads the flag on the device."""
+    if precision != Precision.fp16 or device.type != "cuda":
+        return {}
+    given = getattr(factory, "keywords", None) or {}
+    if getattr(factory, "func", factory) not in _FUSED_SCALED or \
+            given.get("fused") is not None or given.get("foreach") is not None:
+        return {}
+    return {"fused": True}
 
 
 def total_norm(grads: List[torch.Tensor]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
-from trainer.precision import MixedPrecision
+from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import (Checkpointing, Preempted, Preemption,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
@@ -252,8 +252,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     seed_everything(cfg.seed)
     model, task = _model_and_task(cfg, spec)
     mode = monitor_mode(cfg, task.higher_is_better() if val_feed is not None else {})
-    optimizer = components.call(components.build(cfg.optim, "optim"), "optim", cfg.optim,
-                                [p for p in model.parameters() if p.requires_grad])
+    factory = components.build(cfg.optim, "optim")
+    chosen = optimizer_choice(factory, spec.precision, spec.device)
+    optimizer = components.call(factory, "optim", cfg.optim,
+                                [p for p in model.parameters() if p.requires_grad], **chosen)
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
@@ -285,6 +287,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
         logger.info("%s", task.note)
     for line in warnings:
         distributed.warn(env, "%s", line)
+    if chosen:
+        lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
+                     "without reading its inf flag to the host each step "
+                     "(optim.fused=false keeps PyTorch's choice)")
     for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing

@@ -1,6 +1,8 @@
 """Atomic writes, clear errors for bad files, refusal of a foreign model."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -157,3 +159,41 @@ def test_a_checkpoint_gets_the_mode_of_any_file_the_user_writes(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
     assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
+def _adamw_steps(fused, steps, state=None):
+    """A Linear and its AdamW after `steps` fp16-style steps (GradScaler on CPU), from `state`."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        checkpoint.load_optimizer_state(opt, state["optimizer"])
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss = model(torch.randn(3, 4, generator=data)).square().sum()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("saved_fused, resumed_fused", [(None, True), (True, None)])
+def test_a_resumed_optimizer_computes_as_this_run_says(saved_fused, resumed_fused):
+    """The implementation (fused, foreach) is this run's choice, not the checkpoint's: a
+    per-parameter AdamW's state resumed fused under a GradScaler steps (the checkpoint's
+    fused=None made the unfused step meet the scaler's fused-path arguments: an
+    AssertionError), and continues the same optimisation."""
+    model, opt = _adamw_steps(saved_fused, 2)
+    # as written to a file: loading shares the tensors, and the steps change them in place
+    state = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed, opt2 = _adamw_steps(resumed_fused, 1, copy.deepcopy(state))
+    assert opt2.param_groups[0]["fused"] == resumed_fused
+    assert all(s["step"].dtype == torch.float32 and s["step"].item() == 3
+               for s in opt2.state.values())
+    ref, _ = _adamw_steps(saved_fused, 1, state)  # the same step with the saved implementation
+    for a, b in zip(resumed.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -1,12 +1,14 @@
 """Autocast per precision, GradScaler only for fp16, clipping after unscaling."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 from trainer.config import Precision
-from trainer.precision import MixedPrecision
+from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.runner import train
 
 CPU = torch.device("cpu")
@@ -68,3 +70,60 @@ def test_bf16_and_fp16_reach_fp32_accuracy_on_cuda(make_cfg, tmp_path, job):
     acc = {p: r["val_acc"] for p, r in runs.items()}
     assert acc["fp32"] > 0.9, acc
     assert acc["bf16"] >= acc["fp32"] - 0.015 and acc["fp16"] >= acc["fp32"] - 0.015, acc
+
+
+class MyAdamW(torch.optim.AdamW):
+    pass
+
+
+CUDA_DEVICE = torch.device("cuda", 0)  # a device object: nothing runs on it
+
+
+@pytest.mark.parametrize("factory, precision, device, want", [
+    (functools.partial(torch.optim.AdamW, lr=1e-3, fused=None, foreach=None), Precision.fp16,
+     CUDA_DEVICE, {"fused": True}),
+    (torch.optim.SGD, Precision.fp16, CUDA_DEVICE, {"fused": True}),
+    (functools.partial(torch.optim.Adam), Precision.fp16, CUDA_DEVICE, {"fused": True}),
+    # the user's choice stands
+    (functools.partial(torch.optim.AdamW, fused=False), Precision.fp16, CUDA_DEVICE, {}),
+    (functools.partial(torch.optim.AdamW, foreach=True), Precision.fp16, CUDA_DEVICE, {}),
+    (functools.partial(torch.optim.AdamW, foreach=False), Precision.fp16, CUDA_DEVICE, {}),
+    # no scaler, or no fused CUDA step that takes the scaler's flag: nothing added
+    (functools.partial(torch.optim.AdamW), Precision.bf16, CUDA_DEVICE, {}),
+    (functools.partial(torch.optim.AdamW), Precision.fp32, CUDA_DEVICE, {}),
+    (functools.partial(torch.optim.AdamW), Precision.fp16, torch.device("cpu"), {}),
+    (functools.partial(torch.optim.Adagrad), Precision.fp16, CUDA_DEVICE, {}),
+    (functools.partial(MyAdamW), Precision.fp16, CUDA_DEVICE, {}),
+])
+def test_fp16_on_cuda_fuses_torchs_optimizers_when_the_config_leaves_it_open(
+        factory, precision, device, want):
+    assert optimizer_choice(factory, precision, device) == want
+
+
+@pytest.mark.gpu
+def test_fp16_run_on_cuda_steps_a_fused_optimizer_and_skips_on_inf(make_cfg, tmp_path):
+    """The default job in fp16 on CUDA builds a fused AdamW; a step whose gradients overflow
+    is skipped by the fused kernel itself (the weights stay, the scaler lowers its scale)."""
+    from trainer.loop import Callback
+
+    seen = {}
+
+    class Look(Callback):
+        def after_step(self, loop) -> None:
+            if loop.state.step == 1:
+                seen["fused"] = loop.optimizer.param_groups[0]["fused"]
+                seen["supports"] = getattr(loop.optimizer, "_step_supports_amp_scaling", False)
+
+    summary = train(make_cfg("trainer.accelerator=cuda", "trainer.precision=fp16",
+                             "trainer.max_steps=4", "trainer.save_checkpoint=false",
+                             run_dir=tmp_path / "run"), callbacks=[Look()])
+    assert seen == {"fused": True, "supports": True} and summary["steps"] == 4
+    dev = torch.device("cuda")
+    model = nn.Linear(3, 1).to(dev)
+    mp = MixedPrecision(Precision.fp16, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    mp.backward(model(torch.full((1, 3), float("inf"), device=dev)).sum())
+    mp.step(opt, model.parameters(), None, False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert int(mp.skipped_steps) == 1

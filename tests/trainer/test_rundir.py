@@ -16,6 +16,7 @@ from tests.helpers import run_cli
 from trainer import checkpoint, rundir
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
+from trainer.loop import Callback
 from trainer.runner import train
 
 QUICK = ["trainer.max_steps=4", "trainer.progress_bar=false", "data.num_workers=0"]
@@ -87,6 +88,28 @@ def test_resume_names_what_changed_and_keeps_the_checkpoints_lr(make_cfg, tmp_pa
     assert "continue from the checkpoint" in line
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r["split"] == "train" and r["step"] > 2] == [0.003] * 2
+
+
+def test_a_resume_applies_its_own_optimizer_implementation(make_cfg, tmp_path, caplog):
+    """optim.fused is how the optimizer computes: the resumed run's setting applies (and the
+    log says so), while the checkpoint's state continues."""
+    run_dir = tmp_path / "run"
+    common = ["sched=constant", "trainer.checkpoint.every_n_steps=2", "trainer.progress_bar=false"]
+    train(make_cfg(*common, "trainer.max_steps=2", run_dir=run_dir))
+    caplog.set_level("INFO", logger="stoker")
+    seen = []
+
+    class Look(Callback):
+        def after_step(self, loop) -> None:
+            group = loop.optimizer.param_groups[0]
+            seen.append((group["fused"], loop.optimizer.state[group["params"][0]]["step"].item()))
+
+    train(make_cfg(*common, "trainer.max_steps=4", "trainer.resume=auto", "optim.fused=true",
+                   run_dir=run_dir), callbacks=[Look()])
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("resuming with changed settings"))
+    assert "optim.fused None -> True (applied: how the optimizer computes, not its state)" in line
+    assert seen == [(True, 3.0), (True, 4.0)]
 
 
 def test_when_no_checkpoint_loads_resume_auto_refuses_and_keeps_the_files(make_cfg, tmp_path):
