@@ -15,8 +15,9 @@
 # tiny step ~110 s a repeat (8 runners, with Lightning: 3 repeats did not fit in 330 s),
 # overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
 # speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). The
-# prefetcher changed after that session (its side stream no longer waits on the compute
-# stream; three gpu tests check it): its tests and bench_gpu go first. Three full calls:
+# prefetcher (its side stream no longer waits on the compute stream) and fp16's optimizer
+# (fused) changed after that session, unrun on a GPU; gpu tests check both: gpu_tests and
+# bench_gpu go first. Three full calls:
 #   gpu_tests bench_gpu (~8 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
 #   bench_overhead (~6 min)
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are

@@ -191,11 +191,12 @@ _IMPLEMENTATION = ("fused", "foreach", "capturable")
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
     """`optimizer.load_state_dict(state)`, keeping this run's implementation choices (fused,
-    foreach, capturable) instead of the checkpoint's, with each step count where that
-    implementation keeps it: on the parameter's device as float32 when fused or capturable,
-    else on the CPU. (An fp16 run's checkpoint of a per-parameter AdamW resumed with
-    optim.fused=true otherwise ran the unfused step with the GradScaler's fused-path arguments
-    and stopped with an AssertionError.)"""
+    foreach, capturable) instead of the checkpoint's, with each step count tensor where a new
+    optimizer of this run would make it: on the parameter's device as float32 when fused or
+    capturable, else on the CPU (torch's optimizers read a CPU step count on any device).
+    (An fp16 run's checkpoint of a per-parameter AdamW resumed with optim.fused=true otherwise
+    ran the unfused step with the GradScaler's fused-path arguments and stopped with an
+    AssertionError.)"""
     chosen = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, flags in zip(optimizer.param_groups, chosen):

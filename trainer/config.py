@@ -423,6 +423,13 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
     device = _pick_device(cfg, local_rank)
     strategy = _pick_strategy(cfg, world_size, launched)
     prec = cfg.trainer.precision
+    # torch's fused SGD step writes nothing on a step the GradScaler skips, yet keeps the
+    # momentum buffers it made for it (uninitialised memory) when that was the first step
+    optim = cfg.optim
+    _check(not (prec == Precision.fp16 and optim.get("_target_") == "torch.optim.SGD"
+                and optim.get("fused") and optim.get("momentum")), "optim.fused", True,
+           "with SGD's momentum under fp16 keeps the momentum of a first step the GradScaler "
+           "skipped (uninitialised memory); set optim.fused=null (or bf16)")
     _check(prec != Precision.fp16 or device.type == "cuda", "trainer.precision", "fp16",
            "needs CUDA (GradScaler); on CPU use bf16 or fp32")
     _check(prec != Precision.bf16 or device.type != "cuda" or torch.cuda.is_bf16_supported(),

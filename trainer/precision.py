@@ -14,21 +14,26 @@ import torch
 from trainer.config import Precision
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
-# torch's optimizers whose fused CUDA step takes the GradScaler's scale and inf flag itself
-_FUSED_SCALED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+# torch's optimizers whose fused CUDA step takes the GradScaler's scale and inf flag itself.
+# Not SGD: its fused step leaves a skipped (overflowed) first step's momentum buffers
+# uninitialised and keeps them, and fails on a parameter whose first gradient comes late.
+_FUSED_SCALED = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def optimizer_choice(factory: Any, precision: Precision, device: torch.device) -> Dict[str, Any]:
+def optimizer_choice(factory: Any, precision: Precision, device: torch.device,
+                     params: Iterable[torch.Tensor] = ()) -> Dict[str, Any]:
     """What the run adds to the optimizer's arguments: `fused=True` under fp16 on CUDA for
-    torch's Adam, AdamW and SGD when optim.fused and optim.foreach are both null (PyTorch's
-    choice), else nothing. GradScaler.step reads the gradients' inf flag to the host
-    (`.item()`) every step for any other optimizer: a sync that keeps the host from queueing
-    the next steps while the GPU runs this one. The fused step reads the flag on the device."""
+    torch's Adam and AdamW when optim.fused and optim.foreach are both null (PyTorch's
+    choice) and nothing rules the fused step out (differentiable, non-float parameters);
+    else nothing. GradScaler.step reads the gradients' inf flag to the host (`.item()`)
+    every step for any other optimizer: a sync that keeps the host from queueing the next
+    steps while the GPU runs this one. The fused step reads the flag on the device."""
     if precision != Precision.fp16 or device.type != "cuda":
         return {}
     given = getattr(factory, "keywords", None) or {}
     if getattr(factory, "func", factory) not in _FUSED_SCALED or \
-            given.get("fused") is not None or given.get("foreach") is not None:
+            given.get("fused") is not None or given.get("foreach") is not None or \
+            given.get("differentiable") or not all(p.is_floating_point() for p in params):
         return {}
     return {"fused": True}
 

@@ -250,6 +250,7 @@ class Checkpointing(Callback):
 # optimizer settings of how it computes, not what: a resumed run applies its own
 # (checkpoint.load_optimizer_state)
 IMPLEMENTATION_KEYS = ("optim.fused", "optim.foreach", "optim.capturable")
+APPLIED = " (applied: how the optimizer computes, not its state)"
 # what a resume compares: keys whose change alters the optimisation
 RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
                "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
@@ -290,6 +291,5 @@ def resume_changes(saved: Dict[str, Any], cfg: DictConfig, saved_world: int,
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
                 changes.append(f"{k} {a.get(k)} -> {b.get(k)}" + (
-                    " (applied: how the optimizer computes, not its state)"
-                    if k in IMPLEMENTATION_KEYS else ""))
+                    APPLIED if k in IMPLEMENTATION_KEYS else ""))
     return changes

@@ -32,7 +32,7 @@ from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision, optimizer_choice
-from trainer.resilience import (Checkpointing, Preempted, Preemption,
+from trainer.resilience import (APPLIED, Checkpointing, Preempted, Preemption,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
 from trainer.strategy import unwrap, wrap
@@ -223,11 +223,13 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     if changes:
         # the policy: optimizer hyperparameters (lr, betas, weight decay...) and the
         # scheduler's base lr and position live in their states, so they continue from the
-        # checkpoint; the schedule's shape (warmup, total steps) follows this config
-        lines.append("resuming with changed settings: " + "; ".join(changes) + ". The "
-                     "optimizer's hyperparameters and the lr schedule's position continue from "
-                     "the checkpoint (optim.* and sched.* changes do not apply to them); start "
-                     "a new run dir to apply them")
+        # checkpoint; the schedule's shape (warmup, total steps) follows this config; how the
+        # optimizer computes (fused, foreach) is this run's (marked applied)
+        applied_only = all(c.endswith(APPLIED) for c in changes)
+        lines.append("resuming with changed settings: " + "; ".join(changes) + (
+            "" if applied_only else ". The optimizer's hyperparameters and the lr schedule's "
+            "position continue from the checkpoint (optim.* and sched.* changes do not apply "
+            "to them); start a new run dir to apply them"))
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank], generator)
@@ -253,9 +255,9 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     model, task = _model_and_task(cfg, spec)
     mode = monitor_mode(cfg, task.higher_is_better() if val_feed is not None else {})
     factory = components.build(cfg.optim, "optim")
-    chosen = optimizer_choice(factory, spec.precision, spec.device)
-    optimizer = components.call(factory, "optim", cfg.optim,
-                                [p for p in model.parameters() if p.requires_grad], **chosen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    chosen = optimizer_choice(factory, spec.precision, spec.device, params)
+    optimizer = components.call(factory, "optim", cfg.optim, params, **chosen)
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
@@ -290,7 +292,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
                      "without reading its inf flag to the host each step "
-                     "(optim.fused=false keeps PyTorch's choice)")
+                     "(optim.foreach=true keeps PyTorch's CUDA default)")
     for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing

@@ -197,3 +197,19 @@ def test_a_resumed_optimizer_computes_as_this_run_says(saved_fused, resumed_fuse
     ref, _ = _adamw_steps(saved_fused, 1, state)  # the same step with the saved implementation
     for a, b in zip(resumed.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_resumed_optimizers_step_counts_are_where_its_implementation_keeps_them():
+    """A per-parameter AdamW keeps its step counts in the default dtype (float64 here), the
+    fused one in float32: the resumed state is made to fit this run's implementation."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, opt = _adamw_steps(None, 2)
+        assert next(iter(opt.state.values()))["step"].dtype == torch.float64
+        state = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        _, fused = _adamw_steps(True, 1, copy.deepcopy(state))
+        assert all(s["step"].dtype == torch.float32 and s["step"].item() == 3
+                   for s in fused.state.values())
+    finally:
+        torch.set_default_dtype(default)

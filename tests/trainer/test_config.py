@@ -147,3 +147,15 @@ def test_values_from_interpolations_arrive_as_strings_and_are_accepted(make_cfg)
         "cuda", 0), 0) is False
     with pytest.raises(ConfigError, match="trainer.checkpoint.async_save=1: must be auto"):
         resolve(make_cfg("trainer.checkpoint.async_save=1"))
+
+
+def test_fused_sgd_with_momentum_is_refused_under_fp16(make_cfg):
+    """torch's fused SGD keeps the uninitialised momentum of a first step the GradScaler
+    skipped; without momentum, or with bf16 (no scaler), it stands."""
+    with pytest.raises(ConfigError, match=r"^optim\.fused=True: with SGD's momentum under fp16 "
+                                          r"keeps the momentum of a first step"):
+        resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=fp16"))
+    resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=bf16"))
+    with pytest.raises(ConfigError, match=r"^trainer\.precision=fp16: needs CUDA"):  # not SGD's
+        resolve(make_cfg("optim=sgd", "optim.fused=true", "optim.momentum=0",
+                         "optim.nesterov=false", "trainer.precision=fp16"))
