@@ -273,6 +273,19 @@ def _flat(value: Any, prefix: str) -> Dict[str, Any]:
     return {prefix: value}
 
 
+def changes_line(changes: List[str]) -> str:
+    """The log line for a resume's `resume_changes`. The policy: optimizer hyperparameters
+    (lr, betas, weight decay...) and the scheduler's base lr and position live in their
+    states, so they continue from the checkpoint; the schedule's shape (warmup, total steps)
+    follows this config; how the optimizer computes (fused, foreach) is this run's."""
+    line = "resuming with changed settings: " + "; ".join(changes)
+    if all(c.endswith(APPLIED) for c in changes):
+        return line
+    return (line + ". The optimizer's hyperparameters and the lr schedule's position continue "
+            "from the checkpoint (optim.* and sched.* changes do not apply to them); start a "
+            "new run dir to apply them")
+
+
 def resume_changes(saved: Dict[str, Any], cfg: DictConfig, saved_world: int,
                    world: int) -> List[str]:
     """`key old -> new` for every optimisation setting the run changes against the checkpoint

@@ -32,7 +32,7 @@ from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
 from trainer.precision import MixedPrecision, optimizer_choice
-from trainer.resilience import (APPLIED, Checkpointing, Preempted, Preemption,
+from trainer.resilience import (Checkpointing, Preempted, Preemption, changes_line,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
 from trainer.strategy import unwrap, wrap
@@ -221,15 +221,7 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         lines.append(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming "
                      "from this run's newest checkpoint")
     if changes:
-        # the policy: optimizer hyperparameters (lr, betas, weight decay...) and the
-        # scheduler's base lr and position live in their states, so they continue from the
-        # checkpoint; the schedule's shape (warmup, total steps) follows this config; how the
-        # optimizer computes (fused, foreach) is this run's (marked applied)
-        applied_only = all(c.endswith(APPLIED) for c in changes)
-        lines.append("resuming with changed settings: " + "; ".join(changes) + (
-            "" if applied_only else ". The optimizer's hyperparameters and the lr schedule's "
-            "position continue from the checkpoint (optim.* and sched.* changes do not apply "
-            "to them); start a new run dir to apply them"))
+        lines.append(changes_line(changes))
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank], generator)
