@@ -42,10 +42,18 @@ from trainer.config import ConfigError
 _MIX = 1_000_003  # combines (seed, rank, epoch, position) into one generator seed
 
 
-def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
-    """The same structure as `batch` with every tensor on `device`; identity when already there."""
-    return map_tensors(batch, lambda t: t if t.device == device
-                        else t.to(device, non_blocking=non_blocking))
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True,
+              there: Optional[list] = None) -> Any:
+    """The same structure as `batch` with every tensor on `device`; identity when already
+    there (such tensors are appended to `there` when it is given)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device != device:
+            return t.to(device, non_blocking=non_blocking)
+        if there is not None:
+            there.append(t)
+        return t
+
+    return map_tensors(batch, move)
 
 
 def map_tensors(batch: Any, fn) -> Any:
@@ -258,17 +266,9 @@ class DevicePrefetcher:
             cpu_batch = next(batches)
         except StopIteration:
             return None
-        device, made_there = self.device, []
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if t.device == device:
-                made_there.append(t)
-                return t
-            return t.to(device, non_blocking=True)
-
-        side = self.side_stream
+        side, made_there = self.side_stream, []
         with torch.cuda.stream(side):
-            batch = map_tensors(cpu_batch, move)
+            batch = to_device(cpu_batch, self.device, there=made_there)
             if made_there:
                 side.wait_stream(compute)
                 for t in made_there:

@@ -146,15 +146,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
     if a.skip < 1 or a.steps < 1 or a.top < 1:
         p.error(f"--skip {a.skip} --steps {a.steps} --top {a.top}: each must be >= 1")
-    if a.out and _writable(a.out):
-        p.error(f"--out {a.out}: {_writable(a.out)}")
-    # `_target_`s may name the user's own modules, importable from where the command runs
-    # (as train.py makes them)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(1, os.getcwd())
+    unwritable = _writable(a.out) if a.out else None
+    if unwritable:
+        p.error(f"--out {a.out}: {unwritable}")
     from benchlib import machine, table, write_json
-    from trainer.cli import USER_ERRORS, fail
+    from trainer.cli import USER_ERRORS, fail, import_from_cwd
     from trainer.distributed import detect
+
+    import_from_cwd()  # the user's own modules, as train.py finds them
 
     try:
         got = count(a.overrides, a.skip, a.steps)

@@ -114,15 +114,19 @@ def wants_traceback() -> bool:
     return os.environ.get("STOKER_TRACEBACK") == "1"
 
 
+def import_from_cwd() -> None:
+    """`_target_`s name the user's own modules: they import from where the command is run, as
+    with `python -m` (Python itself puts only the script's folder on the path)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
+
+
 def exit_on_error(main: Callable[[], None]) -> None:
     """Runs a @hydra.main function; composition errors exit 2 with one line from rank 0."""
     if os.environ.get("HYDRA_FULL_ERROR"):
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
-    # `_target_`s name the user's own modules: import them from where the command is run, as
-    # `python -m` would (Python itself puts only train.py's folder on the path)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(1, os.getcwd())
+    import_from_cwd()
     try:
         # under torchrun, record() writes a crash's traceback where the agent reports it
         record(main)()
