@@ -7,10 +7,12 @@ only fixtures and pytest hooks. No pytest import: a `python train.py` process im
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -67,6 +69,19 @@ def make_memmap_root(root: Path, n: int = 40, shape=(3, 8, 8), classes: int = 4,
     (root / "meta.json").write_text(json.dumps(
         {"input_shape": list(shape), "num_classes": classes, "splits": {}}))
     return root
+
+
+def children_left(before, timeout: float = 30) -> list:
+    """The child processes started since `before` (a set of `multiprocessing.active_children()`
+    taken earlier) still alive after up to `timeout` seconds of waiting for them to end.
+    Children of earlier tests (a loader whose iterator a traceback still holds) are not
+    counted: they are not the ones a test asks about."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in multiprocessing.active_children() if p not in before]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from data.loader import build_loader
 from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
 from trainer.config import DataConfig
+from tests.helpers import children_left
 
 
 def run_on(n: int, batch: int, drop_last: bool = False, rank: int = 0, world: int = 1,
@@ -131,15 +132,13 @@ def test_workers_make_the_next_epochs_first_batch_before_it_is_asked_for(tmp_pat
 
 
 def test_close_ends_the_workers():
+    before = set(multiprocessing.active_children())
     loader = run_on(16, 4)
     loader.sampler.set_epoch(0)
     list(loader)
-    assert len(multiprocessing.active_children()) >= 2
+    assert len(children_left(before, timeout=0)) == 2  # its two workers
     loader.close()
-    deadline = time.monotonic() + 30
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not multiprocessing.active_children()
+    assert not children_left(before)
 
 
 def test_dropping_it_ends_the_workers_without_the_garbage_collector():
@@ -148,15 +147,13 @@ def test_dropping_it_ends_the_workers_without_the_garbage_collector():
 
     gc.disable()
     try:
+        before = set(multiprocessing.active_children())
         loader = run_on(16, 4)
         loader.sampler.set_epoch(0)
         list(loader)
-        assert multiprocessing.active_children()
+        assert len(children_left(before, timeout=0)) == 2
         del loader
-        deadline = time.monotonic() + 30
-        while multiprocessing.active_children() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not multiprocessing.active_children()
+        assert not children_left(before)
     finally:
         gc.enable()
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import ROOT, final_weights, summary_of, torchrun
+from tests.helpers import ROOT, children_left, final_weights, summary_of, torchrun
 from trainer.config import ConfigError
 from trainer.runner import train
 
@@ -235,7 +235,6 @@ def test_run_on_workers_end_when_training_fails(make_cfg):
     """A run that fails (here a callback's error at step 2) leaves no loader workers behind
     in the calling process, even while its traceback is kept."""
     import multiprocessing
-    import time
 
     from trainer.loop import Callback
 
@@ -246,12 +245,10 @@ def test_run_on_workers_end_when_training_fails(make_cfg):
 
     cfg = make_cfg("data=synthetic", "data.dataset.num_samples=96", "data.input_shape=[1,8,8]",
                    "data.batch_size=16", "data.num_workers=2", "trainer.tensorboard=false")
+    before = set(multiprocessing.active_children())
     with pytest.raises(RuntimeError, match="boom") as kept:
         train(cfg, callbacks=[Boom()])
-    deadline = time.monotonic() + 30
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not multiprocessing.active_children() and kept.value is not None
+    assert not children_left(before) and kept.value is not None
 
 
 @contextlib.contextmanager
