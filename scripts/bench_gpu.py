@@ -12,8 +12,10 @@ Training (train.py in a fresh process per run, configurations alternating over r
   step: about 25 TFLOP, so the GPU, not the host's kernel launches, bounds the step), bf16 and
   fp16, with its model FLOPs utilisation: tokens/s x training FLOPs per token / the GPU's peak
   dense bf16/fp16 FLOPs.
-Samples/s and data-wait are medians over the logging windows after the first. fp16 needs CUDA
-and is listed as skipped without it.
+Samples/s and data-wait are medians over the logging windows after the first: `data_wait_frac`
+the training thread's time getting batches, `device_wait_frac` the GPU's idle time across
+those fetches (CUDA events, trainer/devicewait.py: a host ahead of its queued steps waits at
+no cost to the GPU). fp16 needs CUDA and is listed as skipped without it.
 
 The CNN's feed alone: the same pipeline feeding one linear layer instead of the CNN (rows
 `feed`), with and without the prefetcher: what the pipeline delivers on that machine. A CNN
@@ -44,7 +46,7 @@ from benchlib import (UINT8_CNN, machine, measure, median, medians, table,  # no
                       write_json)
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
-                 "data_wait_frac", "peak_mem_mb", "mfu", "skipped"]
+                 "data_wait_frac", "device_wait_frac", "peak_mem_mb", "mfu", "skipped"]
 COPY_COLUMNS = ["batch_mb", "batches", "plain_pinned_gbps", "prefetcher_gbps",
                 "prefetcher_vs_plain", "plain_us", "prefetcher_us", "pageable_gbps", "skipped"]
 # dense bf16/fp16 tensor-core peaks (TFLOPS), by a substring of the device name

@@ -69,18 +69,21 @@ def median(values: List[float]) -> Optional[float]:
 def steady(run_dir: Path) -> Dict[str, Optional[float]]:
     """Median samples/s and data-wait share over a run's training windows (metrics.jsonl),
     leaving out the first window, which holds start-up work (worker start, compilation,
-    cuDNN autotuning) when there is more than one."""
+    cuDNN autotuning) when there is more than one; on CUDA also the share the GPU stood idle
+    for data (`device_wait_frac`, trainer/devicewait.py; None elsewhere)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["split"] == "train"]
     rows = rows[1:] if len(rows) > 1 else rows
     return {"samples_per_s": median([r["samples_per_s"] for r in rows]),
-            "data_wait_frac": median([r["data_wait_frac"] for r in rows])}
+            "data_wait_frac": median([r["data_wait_frac"] for r in rows]),
+            "device_wait_frac": median([r["device_wait_frac"] for r in rows
+                                        if "device_wait_frac" in r])}
 
 
 # the reference CNN on compact uint8 images, normalised on the device by the prefetcher
 UINT8_CNN = ["data=synthetic", "model=cnn", "data.dataset.dtype=uint8",
              "data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[0.25,0.25,0.25]"]
-MEASURED = ("samples_per_s", "data_wait_frac", "peak_mem_mb")
+MEASURED = ("samples_per_s", "data_wait_frac", "device_wait_frac", "peak_mem_mb")
 
 
 def measure(args: List[str], run_dir: Path) -> Dict[str, Optional[float]]:
@@ -91,7 +94,7 @@ def measure(args: List[str], run_dir: Path) -> Dict[str, Optional[float]]:
 
 def medians(runs: List[Dict[str, Any]]) -> Dict[str, Optional[float]]:
     """The median of each MEASURED value over repeats of one configuration."""
-    return {key: median([r[key] for r in runs]) for key in MEASURED}
+    return {key: median([r[key] for r in runs if r.get(key) is not None]) for key in MEASURED}
 
 
 def run_train(args: List[str], run_dir: Path, nproc: int = 1,

@@ -70,9 +70,13 @@ SECTIONS = [
             "prefetcher's host-to-device bandwidth against a plain pinned copy of the same "
             "bytes. Targets: data-wait < 1% on the CNN with the prefetcher, prefetcher >= 90% "
             "of the plain pinned copy. The settings are in each file (the CNN's samples are made "
-            "once into data.cache=memory and batched by loader workers into pinned memory).",
+            "once into data.cache=memory and batched by loader workers into pinned memory). "
+            "`data_wait_frac` is the training thread's time getting batches, "
+            "`device_wait_frac` the GPU's idle time across those fetches (files from before "
+            "it was measured leave it empty).",
             "training", ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
-                         "data_wait_frac", "peak_mem_mb", "mfu", "skipped"],
+                         "data_wait_frac", "device_wait_frac", "peak_mem_mb", "mfu",
+                         "skipped"],
             lambda r: f"{r['model']} {r['precision']}" + ("" if r["prefetch"] else " no-prefetch"),
             throughput="samples_per_s", wait="data_wait_frac", extra="copy",
             extra_title="Host-to-device copies (GB/s; microseconds per batch):",

@@ -16,7 +16,8 @@
 # overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
 # speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). The
 # prefetcher (its side stream no longer waits on the compute stream) and fp16's optimizer
-# (fused) changed after that session, unrun on a GPU; gpu tests check both: gpu_tests and
+# (fused) changed after that session, and the GPU's idle time for data (device_wait_frac) came;
+# all unrun on a GPU; gpu tests check them: gpu_tests and
 # bench_gpu go first. Three full calls:
 #   gpu_tests bench_gpu (~8 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
 #   bench_overhead (~6 min)

@@ -238,6 +238,18 @@ class Diabetes(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class SlowDigits(DigitsDataset):
+    """Digits that take `delay` seconds a sample to read: a feed slower than any small step."""
+
+    def __init__(self, split: str = "train", delay: float = 0.001, **kw):
+        super().__init__(split, **kw)
+        self.delay = delay
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
 class DictDigits(DigitsDataset):
     """Digits as dict samples {"image", "label", "name"}: a string the default collate would
     turn into a list, batched by `stack_images` instead."""

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher
 from data.sampler import epoch_batches, limit_left
-from trainer import checkpoint, distributed
+from trainer import checkpoint, devicewait, distributed
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.ledger import Ledger, counted, window_factor
 from trainer.logging import RunLogger
@@ -113,6 +113,9 @@ class Loop:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world = distributed.world_size()
         self.run_wait_s = 0.0
+        # on CUDA, the GPU's own idle time across the fetches (trainer/devicewait.py)
+        self.device_wait = devicewait.for_device(device)
+        self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
         self.run_val_s = 0.0  # time in validation
@@ -198,10 +201,13 @@ class Loop:
 
     def run_rates(self) -> Dict[str, float]:
         train_s = max(self.run_train_s, 1e-9)
-        return {"run_samples_per_s": self.run_samples / train_s,
-                "run_data_wait_frac": self.run_wait_s / train_s,
-                "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s,
-                "run_val_s": self.run_val_s, "run_checkpoint_s": self.run_checkpoint_s}
+        rates = {"run_samples_per_s": self.run_samples / train_s,
+                 "run_data_wait_frac": self.run_wait_s / train_s,
+                 "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s,
+                 "run_val_s": self.run_val_s, "run_checkpoint_s": self.run_checkpoint_s}
+        if self.device_wait is not None:
+            rates["run_device_wait_frac"] = self.run_device_wait_s / train_s
+        return rates
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and
@@ -236,11 +242,18 @@ class Loop:
         log_every, max_steps, callbacks = (self.cfg.log_every_n_steps, self.cfg.max_steps,
                                            self.callbacks)
         no_sync = self.model.no_sync if self._ddp else None
+        device_wait = self.device_wait
+        if device_wait is not None:
+            device_wait.begin_epoch()
         for w, size in enumerate(windows):
             base, total = loader_batch * size, 0
             for i in range(size):
                 t0 = perf()
+                if device_wait is not None:
+                    device_wait.before()
                 batch = next(batches)  # on the device already (copied on a side stream on CUDA)
+                if device_wait is not None:
+                    device_wait.after()
                 window.wait_s += perf() - t0  # the time the step stood waiting for data
                 count = task.count(batch)
                 if size == 1 and alone and type(count) is int and count:
@@ -334,10 +347,13 @@ class Loop:
         wall = time.perf_counter() - w.start - w.paused_s
         # the loss sum read to the host, and a device count of tokens: the boundary's sync
         sums = [self.ledger.take_loss_sum(), float(w.count), w.samples, w.wait_s, wall]
+        device_wait = None if self.device_wait is None else self.device_wait.take_s()
+        if device_wait is not None:  # (its events completed: synchronized above)
+            sums.append(device_wait)  # every rank's device is of the same type
         if self.world > 1:
             sums = distributed.all_reduce_sum(
                 torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
-        loss_sum, count, samples, wait_s, wall_sum = sums
+        loss_sum, count, samples, wait_s, wall_sum = sums[:5]
         world = self.world
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)
@@ -345,6 +361,9 @@ class Loop:
                   "lr": self.optimizer.param_groups[0]["lr"],
                   "samples_per_s": samples / max(wall_sum / world, 1e-9),
                   "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
+        if device_wait is not None:  # the GPU's idle time across the fetches
+            values["device_wait_frac"] = sums[5] / max(wall_sum, 1e-9)
+            self.run_device_wait_s += device_wait
         if grad_norm is not None:
             values["grad_norm"] = float(grad_norm)
         if self.precision.scaler is not None:

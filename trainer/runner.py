@@ -351,9 +351,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         if writing:
             rundir.write_status(run_dir, 0, "")
         _final_summary(summary, env)
-        if summary["run_data_wait_frac"] > STALL_ADVICE_ABOVE:
-            logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device,
-                                          summary["run_data_wait_frac"], env.local_world_size))
+        # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
+        stalled = summary.get("run_device_wait_frac", summary["run_data_wait_frac"])
+        if stalled > STALL_ADVICE_ABOVE:
+            logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
+                                          env.local_world_size))
         return summary
     except BaseException as e:
         if writing:
@@ -421,8 +423,10 @@ def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:
         return
     val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
         or "no validation"
+    gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
+           if "run_device_wait_frac" in s else "")
     log.info("done: %d epochs, %d steps in %.1fs (training %.1fs, validation %.1fs, "
              "checkpoints %.1fs) | %s | %.0f samples/s | waiting for data %.1f%% of step "
-             "time%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
+             "time%s%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
              s["run_checkpoint_s"], val, s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
-             f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+             gpu, f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")

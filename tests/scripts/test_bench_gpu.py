@@ -35,6 +35,8 @@ def test_smoke_writes_every_configuration(tmp_path):
             assert r["skipped"] == "fp16 needs CUDA" and "samples_per_s" not in r
             continue
         assert r["samples_per_s"] > 0 and 0 <= r["data_wait_frac"] <= 1 and r["peak_mem_mb"] > 0
+        # the GPU's idle time for data: measured on CUDA alone (trainer/devicewait.py)
+        assert (r["device_wait_frac"] is None) == (not cuda)
         if r["model"] == "transformer":
             assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 16)
             assert r["flops_per_token"] > 0

@@ -46,7 +46,7 @@ def test_every_json_gets_its_table_command_machine_and_plot(tmp_path):
     assert "- machine: no GPU; 2 CPU cores; Linux; torch 2.13.0+cpu" in text
     assert "- date: 2026-01-02T03:04:05" in text and "**smoke run**" in text
     assert "| cnn | bf16 | yes | 120 |" in text.replace("120.500", "120")
-    assert "| cnn | fp16 | yes | - | - | - | - | - | fp16 needs CUDA |" in text
+    assert "| cnn | fp16 | yes | - | - | - | - | - | - | fp16 needs CUDA |" in text
     assert "| 0.250 | - | - | - | - | - | - | - | needs CUDA |" in text
     assert "![bench_gpu_cpu](benchmarks/bench_gpu_cpu-plot.png)" in text
     assert (bench / "bench_gpu_cpu-plot.png").read_bytes()[:4] == b"\x89PNG"
