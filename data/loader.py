@@ -109,8 +109,10 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
                  cores: int, in_memory: bool, placement: str = "host",
                  why_not_device: Optional[str] = None, streamed: bool = False,
-                 mapped: bool = False, uint8_images: bool = False) -> str:
-    """One line of concrete advice for a run whose steps waited `wait_frac` of their time.
+                 mapped: bool = False, uint8_images: bool = False,
+                 gpu_idle: bool = False) -> str:
+    """One line of concrete advice for a run whose steps waited `wait_frac` of their time
+    (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
 
     `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
     may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
@@ -173,7 +175,8 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
                    "; or store the images at the size they are cropped to" if uint8_images else
                    "; if samples are images, ship uint8 and augment on the device "
                    "(data.augment)"))
-    return f"steps waited for data {pct} of the time: {fix}"
+    what = "the GPU stood idle for data" if gpu_idle else "steps waited for data"
+    return f"{what} {pct} of the time: {fix}"
 
 
 def _raised_in_collate(e: BaseException) -> bool:

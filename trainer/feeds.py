@@ -232,8 +232,9 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,
-                local_world_size: int) -> str:
-    """The stall advice (data.loader.stall_advice) for the training feed as it was built."""
+                local_world_size: int, gpu_idle: bool = False) -> str:
+    """The stall advice (data.loader.stall_advice) for the training feed as it was built;
+    `gpu_idle`: `wait_frac` is the GPU's idle share (trainer/devicewait.py)."""
     loader = feed.loader
     return stall_advice(d, device, wait_frac, workers=loader.num_workers,
                         cores=distributed.cpus_per_rank(local_world_size),
@@ -243,4 +244,5 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         placement="device" if feed.resident else "host",
                         why_not_device=getattr(feed, "why_not_device", None),
                         streamed=isinstance(loader.dataset, ShardStream),
-                        uint8_images=getattr(loader.dataset, "uint8_images", False) is True)
+                        uint8_images=getattr(loader.dataset, "uint8_images", False) is True,
+                        gpu_idle=gpu_idle)

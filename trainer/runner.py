@@ -352,10 +352,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             rundir.write_status(run_dir, 0, "")
         _final_summary(summary, env)
         # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
-        stalled = summary.get("run_device_wait_frac", summary["run_data_wait_frac"])
+        gpu_idle = "run_device_wait_frac" in summary
+        stalled = summary["run_device_wait_frac" if gpu_idle else "run_data_wait_frac"]
         if stalled > STALL_ADVICE_ABOVE:
             logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
-                                          env.local_world_size))
+                                          env.local_world_size, gpu_idle))
         return summary
     except BaseException as e:
         if writing:

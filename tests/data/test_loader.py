@@ -134,3 +134,9 @@ def test_stall_advice_names_the_fix(overrides, kw, device, expected):
     assert line.startswith("steps waited for data 37% of the time: ") and expected in line
     if kw.get("uint8_images"):  # an image folder ships uint8 already
         assert "ship uint8" not in line
+
+
+def test_stall_advice_on_cuda_names_the_gpus_idle_share():
+    line = stall_advice(cfg(), torch.device("cuda"), 0.21, workers=2, cores=4, in_memory=False,
+                        gpu_idle=True)
+    assert line.startswith("the GPU stood idle for data 21% of the time: raise data.num_workers")
