@@ -46,7 +46,7 @@ class DeviceWait:
 
     def before(self) -> None:
         """Just before the loop asks for a batch."""
-        if self.used == MAX_PAIRS:
+        if self.used >= MAX_PAIRS:
             self._sum_finished()
         if self.used == len(self.pairs):  # the first window this long: one more pair, kept
             self.pairs.append((torch.cuda.Event(enable_timing=True),
