@@ -15,6 +15,12 @@ back (one a collate of the user's turned into something else, say) keeps its slo
 good: the worker then allocates a new block for each batch, as PyTorch does, and never writes
 into memory somebody may still read. With no free slot a worker does the same; it never waits.
 
+Who forms batches there: a dataset's own batch fetch through `batch_buffer` and `hand_out`
+(the image folder's), and `pooled_collate`, the training loader's collate when no
+`data.collate_fn` is set, for samples of tensors and numbers: one block a batch (one file
+descriptor for the receiving process to fetch, not one per tensor), its small tensors copied
+out on receipt (`BatchPool.received`) so that kept labels keep nothing of the block.
+
 Only workers under the file-descriptor sharing strategy pool (Linux's default; forked workers
 inherit the training process's, spawned ones start with the default); under `file_system`
 they allocate a block per batch as before.
@@ -131,7 +137,22 @@ class BatchPool:
             return batch
         if batch.token == self.token:  # (another pool's slot stays taken: never reused)
             self._lent.append((batch.storage_ref(), batch.slot))
-        return batch.batch
+        return _small_ones_copied(batch.batch)
+
+
+def _small_ones_copied(batch: Any) -> Any:
+    """`batch`, a list or tuple of tensors sharing one block, with each tensor of under an
+    eighth of the largest one's bytes copied out of it: keeping only those (the labels, say)
+    keeps nothing of the block, as with the default collate's block per tensor (2 KB a batch
+    for 256 int64 labels); tensors of about one size stay, and keeping one keeps them all."""
+    if type(batch) not in (list, tuple) or len(batch) < 2:
+        return batch
+    sizes = [t.nbytes if type(t) is torch.Tensor else None for t in batch]
+    big = max((n for n in sizes if n is not None), default=0)
+    if not any(n is not None and n * 8 < big for n in sizes):
+        return batch
+    return type(batch)(t.clone() if n is not None and n * 8 < big else t
+                       for t, n in zip(batch, sizes))
 
 
 class PooledBatch:
@@ -210,3 +231,88 @@ def hand_out(batch: Any, lease: Optional[Lease]) -> Any:
     if lease is None:
         return batch
     return PooledBatch(batch, lease.token, lease.slot, lease.anchor)
+
+
+def _position(values: Sequence[Any]) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:
+    """The (shape, dtype) of one position's stacked batch, or None when the default collate
+    must batch it: plain tensors of one shape and dtype (dense, on the CPU: the first tells;
+    any other the stack refuses, and the default collate answers), or Python ints or floats
+    (int64, float64, as the default collate makes them)."""
+    first = values[0]
+    if type(first) is torch.Tensor:
+        if first.layout != torch.strided or first.is_nested or first.is_quantized or \
+                first.device.type != "cpu":
+            return None
+        shape, dtype = first.shape, first.dtype
+        if all(type(t) is torch.Tensor and t.shape == shape and t.dtype == dtype
+               for t in values):
+            return (len(values), *shape), dtype
+        return None
+    if type(first) in (int, float) and all(type(v) is type(first) for v in values):
+        return (len(values),), torch.int64 if type(first) is int else torch.float64
+    return None
+
+
+def _shapes_checked(samples: Sequence[Any]) -> Sequence[Any]:
+    """`samples`, after raising torch.stack's own error ("stack expects each tensor to be
+    equal size, but got ...") for a position or dict key whose tensors differ in shape: the
+    default collate's message outside a worker, where in a worker it fails resizing its
+    shared block instead ("Trying to resize storage that is not resizable")."""
+    first = samples[0] if len(samples) else None
+    if isinstance(first, torch.Tensor):
+        columns: List[Sequence[Any]] = [samples]
+    elif type(first) is dict:
+        columns = [[s.get(k) if type(s) is dict else None for s in samples] for k in first]
+    elif type(first) in (tuple, list):
+        columns = list(zip(*samples))
+    else:
+        return samples
+    for values in columns:
+        if all(type(t) is torch.Tensor and not t.is_nested for t in values) and \
+                len({t.shape for t in values}) > 1:
+            torch.stack(values)  # raises
+    return samples
+
+
+def pooled_collate(samples: Sequence[Any]) -> Any:
+    """PyTorch's default collate, with one difference for the common shape of sample, a tuple
+    or list of tensors and numbers (or a tensor): the batch is stacked into one block of
+    memory of the worker's pool (`batch_buffer`), reused from batch to batch instead of a new
+    shared-memory block per tensor that the worker allocates and zeroes, and handed over as one
+    block (each block costs the receiving process a connection to the worker to fetch its file
+    descriptor). Values, dtypes, shapes and strides are the default collate's, and so are the
+    types (a tuple becomes a list, as there). Other samples, tensors that differ, a default
+    collate of one's own (`default_collate_fn_map` changed for tensors) or anything the stack
+    refuses go to the default collate, with its errors."""
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+    first = samples[0] if len(samples) else None
+    single = isinstance(first, torch.Tensor)
+    if (not single and type(first) not in (tuple, list)) or \
+            default_collate_fn_map.get(torch.Tensor) is not collate_tensor_fn:
+        return default_collate(_shapes_checked(samples))
+    if single:
+        columns: List[Sequence[Any]] = [samples]
+    elif all(type(s) is type(first) and len(s) == len(first) for s in samples) and first:
+        columns = list(zip(*samples))
+    else:
+        return default_collate(samples)
+    try:
+        specs = [_position(values) for values in columns]
+    except RuntimeError:  # (a nested tensor among them has no shape)
+        specs = [None]
+    if any(spec is None for spec in specs):
+        return default_collate(_shapes_checked(samples))
+    tensors, lease = batch_buffer(*specs)
+    try:
+        for out, values in zip(tensors, columns):
+            if type(values[0]) is torch.Tensor:
+                torch.stack(values, out=out)
+            else:
+                out.copy_(torch.tensor(values, dtype=out.dtype))
+    except Exception:  # (an int beyond int64, say): the default collate's answer, or error
+        if lease is not None and _installed is not None:
+            _installed.give_back(lease.slot)
+        return default_collate(samples)
+    return hand_out(tensors[0] if single else tensors, lease)

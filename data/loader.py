@@ -180,13 +180,16 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
 
 
 def _raised_in_collate(e: BaseException) -> bool:
-    """True for an error of PyTorch's default collate: raised in its module, or re-raised from
-    a worker with that module in the copied traceback."""
-    if "_utils/collate.py" in str(e) or "default_collate" in str(e):
+    """True for an error of PyTorch's default collate or of the training loader's
+    (data/batchpool.pooled_collate): raised in one, or re-raised from a worker with one in the
+    copied traceback."""
+    if any(m in str(e) for m in ("_utils/collate.py", "default_collate", "in pooled_collate")):
         return True
     tb = e.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(("_utils/collate.py", "_utils\\collate.py")):
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(("_utils/collate.py", "_utils\\collate.py")) or \
+                code.co_name == "pooled_collate":
             return True
         tb = tb.tb_next
     return False

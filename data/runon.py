@@ -23,7 +23,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.batchpool import BatchPool
+from data.batchpool import BatchPool, pooled_collate
 from data.sampler import ResumableDistributedSampler, epoch_batches, limit_left
 
 
@@ -73,6 +73,8 @@ class RunOnLoader:
         self.num_workers = loader_kwargs["num_workers"]
         self.loader_kwargs = {k: v for k, v in loader_kwargs.items()
                               if k != "persistent_workers"}  # one iterator for the run
+        if self.loader_kwargs.get("collate_fn") is None:  # batches formed in the pool
+            self.loader_kwargs["collate_fn"] = pooled_collate
         # batches the trainer takes of a whole epoch (trainer.limit_train_batches); None: all
         self.limit: Optional[int] = None
         self._limit: Optional[int] = None

@@ -111,6 +111,16 @@ SECTIONS = [
             "results", ["config", "epoch_s", "samples_per_s", "vs_bound", "vs_machine", "vs_b",
                         "one_off_s"],
             lambda r: r["config"], throughput="samples_per_s"),
+    Section("bench_handoff", "Receiving a worker's batch: pooled blocks vs PyTorch's collate",
+            "The training loader over uint8 images in memory (the samples cost nothing to make), "
+            "with Stoker's collate (samples stacked into one reused block of the worker's pool) "
+            "and with PyTorch's default collate (a new block per tensor per batch, each block's "
+            "file descriptor fetched over a connection to the worker), in fresh processes that "
+            "alternate: samples/s delivered, `vs_default` the median of per-repeat ratios, and "
+            "the training thread's CPU per batch.",
+            "results", ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch",
+                        "runs"],
+            lambda r: r["collate"], throughput="samples_per_s"),
     Section("tune_loader", "Loader tuning sweep",
             "num_workers x prefetch_factor (x pin_memory on CUDA) on the configured dataset.",
             "results", ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s",

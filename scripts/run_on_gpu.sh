@@ -7,8 +7,9 @@
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
-# speed. A step never outlives its time limit. A call is at most 10 minutes, a session's
-# device time 30, and a machine's start a minute or two of it. Seen on one H100, 2026-11-25
+# speed (loader also runs bench_handoff: new, ~30 s expected). A step never outlives its
+# time limit. A call is at most 10 minutes, a session's device time 30, and a machine's start
+# a minute or two of it. Seen on one H100, 2026-11-25
 # (16 cores, torch 2.11): gpu_tests 74 s, runs 3.8 min, loader 66 s, checkpoint 26 s,
 # bench_gpu 256 s (--repeats 2, before its two feed rows, the 8-layer transformer and the 64 KB
 # copy row: ~370 s expected; it writes its JSON after each repeat), bench_overhead's
@@ -121,6 +122,8 @@ strategies)
 loader)
   step bench_loader 80 python3 scripts/bench_loader.py --workers 8 \
     --out "docs/benchmarks/bench_loader_$TAG.json"
+  step bench_handoff 90 python3 scripts/bench_handoff.py --workers 8 \
+    --out "docs/benchmarks/bench_handoff_$TAG.json"
   ;;
 checkpoint)
   step bench_checkpoint 60 python3 scripts/bench_checkpoint.py \

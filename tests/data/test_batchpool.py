@@ -160,3 +160,115 @@ def test_pinned_batches_give_their_slots_back_in_the_pin_thread(images):
         held += got
     assert loader.pool.stats()["unpooled"] == 0 and loader.pool.stats()["reused"] > 0
     loader.close()
+
+
+SAMPLES = {
+    "tuple": [(torch.randn(3, 4), torch.tensor(i)) for i in range(5)],
+    "list": [[torch.randn(2), torch.arange(3) + i, torch.ones(2, dtype=torch.uint8)]
+             for i in range(5)],
+    "tensor": [torch.randn(3) for _ in range(5)],
+    "scalar": [torch.tensor(float(i)) for i in range(5)],
+    "int_label": [(torch.randn(3, 4), i) for i in range(5)],  # torchvision's (image, class)
+    "float_target": [[torch.randn(2), float(i) / 3] for i in range(5)],
+}
+
+
+@pytest.mark.parametrize("kind", SAMPLES)
+def test_pooled_collate_gives_the_default_collates_batch(kind):
+    samples = SAMPLES[kind]
+    got, want = batchpool.pooled_collate(samples), default_collate(samples)
+    assert type(got) is type(want)  # a tuple of tensors becomes a list, as by default
+    for g, w in (zip(got, want) if isinstance(want, list) else [(got, want)]):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("samples", [
+    [{"x": torch.ones(2)}, {"x": torch.zeros(2)}],  # dicts
+    [(torch.ones(2), True), (torch.zeros(2), False)],  # a bool label
+    [(torch.ones(2), 1), (torch.zeros(2), 0.5)],  # an int and a float
+    [(torch.ones(2), torch.tensor(1)), [torch.zeros(2), torch.tensor(0)]],  # mixed containers
+    [(torch.ones(2, dtype=torch.float64),), (torch.ones(2),)],  # dtypes differ
+    [(torch.ones(2, requires_grad=True),), (torch.ones(2),)],  # a tensor that needs a grad
+    [(torch.ones(2), 2**70), (torch.ones(2), 1)],  # an int beyond int64
+])
+def test_other_samples_go_to_the_default_collate(samples):
+    try:
+        want = default_collate(samples)
+    except Exception as e:  # its own error, unchanged
+        with pytest.raises(type(e)):
+            batchpool.pooled_collate(samples)
+        return
+    got = batchpool.pooled_collate(samples)
+    assert type(got) is type(want) and repr(got) == repr(want)
+
+
+@pytest.mark.parametrize("samples", [
+    [(torch.ones(2),), (torch.ones(3),)],
+    [{"input_ids": torch.ones(2)}, {"input_ids": torch.ones(3)}],  # (a worker's default
+    [torch.ones(2, dtype=torch.int64), torch.ones(3)],  # collate says "Trying to resize")
+])
+def test_samples_of_different_shapes_meet_the_default_collates_error(samples):
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        batchpool.pooled_collate(samples)
+
+
+def test_a_run_on_loader_without_a_collate_stacks_tensor_samples_in_reused_slots():
+    from torch.utils.data import TensorDataset
+
+    ds = TensorDataset(torch.randn(40, 3, 5, 5), torch.arange(40))
+    loader = run_on(ds, None)
+    held = []
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        got = list(loader)
+        want = expected(ds, run_on(ds, None).sampler, epoch)
+        assert len(got) == len(want) == 10
+        for batch, wanted in zip(got, want):
+            assert type(batch) is list and all(torch.equal(a, b) for a, b in zip(batch, wanted))
+        held.append((got[0], [t.clone() for t in got[0]]))  # kept: its slot stays taken
+        del got
+    stats = loader.pool.stats()
+    assert stats["reused"] > 0 and stats["first"] <= 2 * loader.pool.slots
+    for batch, copies in held:  # never written over while held
+        assert all(torch.equal(a, b) for a, b in zip(batch, copies))
+    loader.close()
+
+
+def test_a_stack_that_fails_gives_its_slot_back_and_the_default_collate_answers(monkeypatch):
+    pool = BatchPool(1, 2)
+    monkeypatch.setattr(batchpool, "_installed", pool)
+    monkeypatch.setattr(batchpool, "get_worker_info", lambda: type("Info", (), {"id": 0}))
+    stack, calls = torch.stack, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("refused")
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", first_fails)
+    samples = SAMPLES["tuple"]
+    got = batchpool.pooled_collate(samples)
+    assert type(got) is list and all(torch.equal(g, w) for g, w in
+                                     zip(got, default_collate(samples)))
+    assert list(pool.taken) == [0, 0]  # the slot the failed stack had taken is free again
+
+
+def test_keeping_only_the_labels_keeps_nothing_of_the_pools_blocks():
+    """On CPU the loop gets the batch in the pool's block itself: labels kept across steps
+    (for an epoch's metric, say) must not hold the images' block, or the pool would stop."""
+    from torch.utils.data import TensorDataset
+
+    ds = TensorDataset(torch.randn(40, 3, 8, 8), torch.arange(40))
+    loader = run_on(ds, None)
+    kept = []
+    for epoch in range(4):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            kept.append((y, y.clone()))
+    del x
+    stats = loader.pool.stats()
+    assert stats["unpooled"] == 0 and stats["reused"] >= 40 - 2 * loader.pool.slots
+    assert all(torch.equal(a, b) for a, b in kept)
+    loader.close()

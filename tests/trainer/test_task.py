@@ -385,6 +385,10 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
       "data.input_shape=[24]", "data.num_classes=48"],
      "data: the dataset yields samples the default collate cannot batch (stack expects each "
      "tensor to be equal size"),
+    (["data=custom", "+data.train_dataset._target_=tests.helpers.PaddedTokens",
+      "data.input_shape=[24]", "data.num_classes=48", "data.num_workers=1"],  # (the run-on
+     "data: the dataset yields samples the default collate cannot batch (stack expects each "
+     "tensor to be equal size"),  # loader's workers, whose collate stacks into the pool)
     (["data.cache=memory", "data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
       "data.input_shape=[1,8,8]"], "data.cache and scripts/prepare_data.py need a dataset of "
                                    "(input, target) tensor pairs"),
