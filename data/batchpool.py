@@ -253,21 +253,27 @@ def _position(values: Sequence[Any]) -> Optional[Tuple[Tuple[int, ...], torch.dt
     return None
 
 
-def _shapes_checked(samples: Sequence[Any]) -> Sequence[Any]:
-    """`samples`, after raising torch.stack's own error ("stack expects each tensor to be
-    equal size, but got ...") for a position or dict key whose tensors differ in shape: the
-    default collate's message outside a worker, where in a worker it fails resizing its
-    shared block instead ("Trying to resize storage that is not resizable")."""
+def _columns(samples: Sequence[Any]) -> Optional[List[Sequence[Any]]]:
+    """Each position's values across `samples`: one for tensors, one per element for tuples
+    and lists, one per key of the first for dicts (None where a sample lacks it); None for
+    other samples."""
     first = samples[0] if len(samples) else None
     if isinstance(first, torch.Tensor):
-        columns: List[Sequence[Any]] = [samples]
-    elif type(first) is dict:
-        columns = [[s.get(k) if type(s) is dict else None for s in samples] for k in first]
-    elif type(first) in (tuple, list):
-        columns = list(zip(*samples))
-    else:
-        return samples
-    for values in columns:
+        return [samples]
+    if type(first) is dict:
+        return [[s.get(k) if type(s) is dict else None for s in samples] for k in first]
+    if type(first) in (tuple, list):
+        return list(zip(*samples))
+    return None
+
+
+def _shapes_checked(samples: Sequence[Any], columns: Optional[List[Sequence[Any]]]
+                    ) -> Sequence[Any]:
+    """`samples`, after raising torch.stack's own error ("stack expects each tensor to be
+    equal size, but got ...") for a column (`_columns`) whose tensors differ in shape: the
+    default collate's message outside a worker, where in a worker it fails resizing its
+    shared block instead ("Trying to resize storage that is not resizable")."""
+    for values in columns or ():
         if all(type(t) is torch.Tensor and not t.is_nested for t in values) and \
                 len({t.shape for t in values}) > 1:
             torch.stack(values)  # raises
@@ -289,21 +295,19 @@ def pooled_collate(samples: Sequence[Any]) -> Any:
 
     first = samples[0] if len(samples) else None
     single = isinstance(first, torch.Tensor)
+    columns = _columns(samples)
     if (not single and type(first) not in (tuple, list)) or \
             default_collate_fn_map.get(torch.Tensor) is not collate_tensor_fn:
-        return default_collate(_shapes_checked(samples))
-    if single:
-        columns: List[Sequence[Any]] = [samples]
-    elif all(type(s) is type(first) and len(s) == len(first) for s in samples) and first:
-        columns = list(zip(*samples))
-    else:
+        return default_collate(_shapes_checked(samples, columns))
+    if not single and not (first and all(type(s) is type(first) and len(s) == len(first)
+                                         for s in samples)):
         return default_collate(samples)
     try:
         specs = [_position(values) for values in columns]
     except RuntimeError:  # (a nested tensor among them has no shape)
         specs = [None]
     if any(spec is None for spec in specs):
-        return default_collate(_shapes_checked(samples))
+        return default_collate(_shapes_checked(samples, columns))
     tensors, lease = batch_buffer(*specs)
     try:
         for out, values in zip(tensors, columns):

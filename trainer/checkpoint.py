@@ -186,7 +186,7 @@ def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path)
 
 # How an optimizer computes (this run's optim.fused / optim.foreach), not what it has learned:
 # Optimizer.load_state_dict takes them from the checkpoint's parameter groups
-_IMPLEMENTATION = ("fused", "foreach", "capturable")
+IMPLEMENTATION = ("fused", "foreach", "capturable")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
@@ -197,7 +197,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Dict[str, Any]
     (An fp16 run's checkpoint of a per-parameter AdamW resumed with optim.fused=true otherwise
     ran the unfused step with the GradScaler's fused-path arguments and stopped with an
     AssertionError.)"""
-    chosen = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    chosen = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, flags in zip(optimizer.param_groups, chosen):
         group.update(flags)

@@ -249,7 +249,7 @@ class Checkpointing(Callback):
 
 # optimizer settings of how it computes, not what: a resumed run applies its own
 # (checkpoint.load_optimizer_state)
-IMPLEMENTATION_KEYS = ("optim.fused", "optim.foreach", "optim.capturable")
+IMPLEMENTATION_KEYS = tuple(f"optim.{k}" for k in checkpoint.IMPLEMENTATION)
 APPLIED = " (applied: how the optimizer computes, not its state)"
 # what a resume compares: keys whose change alters the optimisation
 RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
