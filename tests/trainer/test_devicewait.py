@@ -34,59 +34,57 @@ class FakeEvent:
         return (end.at - self.at) * 1000.0  # milliseconds, as CUDA's
 
 
-def test_sums_each_windows_fetches_and_reuses_its_events(monkeypatch):
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA's events and streams stood in for by FakeEvent, its clock and counts from zero."""
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
-    FakeEvent.made, FakeEvent.clock, FakeEvent.reached = 0, 0.0, float("inf")
+    for name, value in (("made", 0), ("clock", 0.0), ("reached", float("inf"))):
+        monkeypatch.setattr(FakeEvent, name, value)
+
+
+def fetch(wait: DeviceWait, seconds: float, step: float = 1.0) -> None:
+    """One micro-batch on the fake clock: a fetch of `seconds`, then the step's own work."""
+    wait.before()
+    FakeEvent.clock += seconds  # the fetch
+    wait.after()
+    FakeEvent.clock += step  # the step's own work: not a wait
+
+
+def test_sums_each_windows_fetches_and_reuses_its_events(fake_cuda):
     wait = DeviceWait(torch.device("cuda"))
-
-    def fetch(seconds: float, step: float = 1.0) -> None:
-        wait.before()
-        FakeEvent.clock += seconds  # the fetch
-        wait.after()
-        FakeEvent.clock += step  # the step's own work: not a wait
-
     for s in (0.25, 0.5, 0.125):
-        fetch(s)
+        fetch(wait, s)
     assert wait.take_s() == pytest.approx(0.875)
     assert FakeEvent.made == 6  # two events per fetch of the longest window
-    fetch(0.0625)
+    fetch(wait, 0.0625)
     wait.begin_epoch()
-    fetch(0.0625)
+    fetch(wait, 0.0625)
     assert wait.take_s() == pytest.approx(0.125)  # this window's two fetches alone
     assert FakeEvent.made == 6  # reused
     for _ in range(4):
-        fetch(0.5)
+        fetch(wait, 0.5)
     assert wait.take_s() == pytest.approx(2.0) and FakeEvent.made == 8
     assert wait.take_s() == 0.0  # nothing fetched since
 
 
-def test_a_window_longer_than_its_events_sums_the_finished_ones_as_it_goes(monkeypatch):
+def test_a_window_longer_than_its_events_sums_the_finished_ones_as_it_goes(fake_cuda,
+                                                                            monkeypatch):
     import trainer.devicewait
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
     monkeypatch.setattr(trainer.devicewait, "MAX_PAIRS", 4)
-    FakeEvent.made, FakeEvent.clock, FakeEvent.reached = 0, 0.0, float("inf")
     wait = DeviceWait(torch.device("cuda"))
-
-    def fetch(seconds: float) -> None:
-        wait.before()
-        FakeEvent.clock += seconds
-        wait.after()
-        FakeEvent.clock += 1.0
-
     for _ in range(10):  # the GPU keeps up: four pairs, reused
-        fetch(0.5)
+        fetch(wait, 0.5)
     assert wait.take_s() == pytest.approx(5.0) and FakeEvent.made == 8
     for n in range(1, 12):  # the GPU two fetches behind the host: still no wait for it
         FakeEvent.reached = FakeEvent.clock - 2 * 1.25 - 0.1
-        fetch(0.25)
+        fetch(wait, 0.25)
     FakeEvent.reached = float("inf")  # (the boundary's synchronize)
     assert len(wait.pairs) == 4 and wait.take_s() == pytest.approx(11 * 0.25)
     FakeEvent.reached = -1.0  # the GPU far behind: nothing to sum early, so one pair more
     for _ in range(5):
-        fetch(0.125)
+        fetch(wait, 0.125)
     FakeEvent.reached = float("inf")  # (the boundary's synchronize)
     assert len(wait.pairs) == 5 and wait.take_s() == pytest.approx(5 * 0.125)
 
@@ -132,8 +130,8 @@ def test_a_run_on_a_slow_feed_reports_the_gpu_idle_for_it(make_cfg, tmp_path, ca
                for r in caplog.records)
 
 
-def test_the_loop_reports_it_per_window_and_for_the_run(make_cfg, tmp_path, monkeypatch,
-                                                        caplog):
+def test_the_loop_reports_it_per_window_and_for_the_run(make_cfg, tmp_path, fake_cuda,
+                                                        monkeypatch, caplog):
     """The loop's side on CPU, with events that read the host's clock: each fetch bracketed,
     every window read, the run's share in the summary and the final line."""
     import trainer.devicewait
@@ -143,8 +141,6 @@ def test_the_loop_reports_it_per_window_and_for_the_run(make_cfg, tmp_path, monk
             self.at = time.perf_counter()
 
     monkeypatch.setattr(torch.cuda, "Event", HostClockEvent)
-    monkeypatch.setattr(FakeEvent, "reached", float("inf"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
     made = []
     monkeypatch.setattr(trainer.devicewait, "for_device",
                         lambda device: made.append(DeviceWait(device)) or made[-1])
