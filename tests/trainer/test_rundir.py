@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,35 @@ def test_status_names_how_the_run_ended(tmp_path, code, word):
     assert status["status"] == word and status["exit_code"] == code
     assert status["error"] == (None if code in (0, 75) else "stoker: error: x")
     assert ("resume" in status) == (code == 75)
+
+
+def test_discard_unused_removes_only_new_empty_dirs_below_the_stop(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "train.log").write_text("x")
+    since = time.time() - 1  # file times come from a clock a tick behind time.time()
+    os.utime(old, (since - 60, since - 60))  # made before the launch: the user's own dir
+    new = tmp_path / "outputs" / "day" / "time"
+    new.mkdir(parents=True)
+    rundir.discard_unused(new, since, stop=tmp_path)
+    assert not (tmp_path / "outputs").exists()  # the run dir and its dated parents
+    for kept in (old, tmp_path / "full"):
+        rundir.discard_unused(kept, since, stop=tmp_path)
+        assert kept.is_dir()
+    elsewhere = tmp_path / "elsewhere" / "run"
+    elsewhere.mkdir(parents=True)
+    rundir.discard_unused(elsewhere, since, stop=tmp_path / "cwd")
+    assert not elsewhere.exists() and elsewhere.parent.is_dir()  # parents outside the stop stay
+
+
+def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_path):
+    bad = "data.num_workers=-1"
+    proc = run_cli([bad], cwd=tmp_path)  # the default dated dir under outputs/
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("stoker: error: data.num_workers=-1")
+    assert list(tmp_path.iterdir()) == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert run_cli([bad, f"hydra.run.dir={mine}"], cwd=tmp_path).returncode == 2
+    assert mine.is_dir()
