@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import machine, median, table, write_json  # noqa: E402
+from benchlib import machine, median, publish, table  # noqa: E402
 from trainer.checkpoint import Checkpointer, state_bytes  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
@@ -77,9 +77,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(table(rows, COLUMNS))
     result = {"machine": machine(), "device": str(device), "width": a.width,
               "layers": a.layers, "repeats": a.repeats, "results": rows}
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

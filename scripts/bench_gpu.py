@@ -42,8 +42,8 @@ from typing import Any, Callable, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import (UINT8_CNN, machine, measure, median, medians, table,  # noqa: E402
-                      write_json)
+from benchlib import (UINT8_CNN, machine, measure, median, medians, publish,  # noqa: E402
+                      table, write_json)
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "device_wait_frac", "peak_mem_mb", "mfu", "skipped"]
@@ -271,9 +271,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print()
     print(table(copies, COPY_COLUMNS))
     result = dict(base, training=rows, copy=copies)
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, table, write_json  # noqa: E402
+from benchlib import machine, median, publish, table  # noqa: E402
 
 COLUMNS = ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch", "runs"]
 COLLATES = ("pooled", "default")
@@ -109,9 +109,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     result = {"machine": machine(), "settings": {k: v for k, v in vars(a).items()
                                                  if k not in ("one", "out")},
               "results": rows}
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

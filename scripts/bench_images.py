@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import run_epochs  # noqa: E402
-from benchlib import machine, median, table, write_json  # noqa: E402
+from benchlib import machine, median, publish, table  # noqa: E402
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
@@ -325,9 +325,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
           f"{result['c_vs_bound_paired']:.2f} and {result['c_vs_machine_bound_paired']:.2f}; "
           f"(d) vs (b) "
           f"{result['d_vs_b']:.1f}x (target >= 5)")
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: torch.device,

@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, table, write_json  # noqa: E402
+from benchlib import machine, median, publish, table, write_json  # noqa: E402
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
            "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]
@@ -500,9 +500,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.startup_repeats:
         result["startup"] = startup(a.startup_repeats)
         print(table(result["startup"], STARTUP_COLUMNS))
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import UINT8_CNN, machine, measure, medians, table, write_json  # noqa: E402
+from benchlib import UINT8_CNN, machine, measure, medians, publish, table  # noqa: E402
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -108,9 +108,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     result = {"machine": machine(), "device": "cuda" if cuda else "cpu", "model": a.model,
               "precision": a.precision, "workload": base, "repeats": a.repeats,
               "results": rows}
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

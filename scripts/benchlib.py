@@ -62,6 +62,13 @@ def write_json(path: Path, payload: Dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def publish(path: Path, result: Dict[str, Any]) -> Dict[str, Any]:
+    """A benchmark's last step: writes `result` as JSON (write_json), says where, returns it."""
+    write_json(path, result)
+    print(f"wrote {path}")
+    return result
+
+
 def median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 

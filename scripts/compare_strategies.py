@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchlib import machine, median, run_train, table, write_json
+from benchlib import machine, median, publish, run_train, table
 
 COLUMNS = ["strategy", "ranks", "per_rank_batch", "samples_per_s", "step_time_ms",
            "data_wait_frac", "peak_mem_mb", "runs", "skipped"]
@@ -85,9 +85,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             print(f"skipped {row['strategy']}: {row['skipped']}")
     result = {"machine": machine(), "global_batch": a.global_batch, "steps": a.steps,
               "repeats": a.repeats, "workload": WORKLOAD + a.overrides, "results": rows}
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
-from benchlib import machine, table, write_json  # noqa: E402
+from benchlib import machine, publish, table  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
@@ -85,9 +85,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(f"best: {best['samples_per_s']:.0f} samples/s with\n  {line}")
     result = {"machine": machine(), "device": str(device), "overrides": a.overrides,
               "batches": a.batches, "results": rows, "best": best, "best_overrides": line}
-    write_json(a.out, result)
-    print(f"wrote {a.out}")
-    return result
+    return publish(a.out, result)
 
 
 if __name__ == "__main__":
