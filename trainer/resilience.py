@@ -222,11 +222,11 @@ class Checkpointing(Callback):
             self.save(loop)
             self.finish()
             ctrl_c = self.preemption.kind == 2
-            raise Preempted(
-                f"stopped on {'a Ctrl-C' if ctrl_c else 'a preemption signal'} at step "
-                f"{loop.state.step}; checkpoint saved, resume with "
-                f"{rundir.resume_args(self.run_dir)}",
-                EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)
+            saved = (f"checkpoint saved, resume with {rundir.resume_args(self.run_dir)}"
+                     if self.enabled else "no checkpoint saved (trainer.save_checkpoint=false)")
+            raise Preempted(f"stopped on {'a Ctrl-C' if ctrl_c else 'a preemption signal'} at "
+                            f"step {loop.state.step}; {saved}",
+                            EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)
 
     def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
         best = False

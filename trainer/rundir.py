@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -188,9 +189,26 @@ _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
 
 
 def resume_args(run_dir: Path) -> str:
-    """The overrides that resume the run in `run_dir` (the default run dir is a new one per
-    launch: trainer.resume=auto alone would start afresh elsewhere)."""
-    return f"trainer.resume=auto hydra.run.dir={run_dir}"
+    """The overrides that resume the run in `run_dir`, quoted for a shell: the launch's own
+    (the same model, data and settings; a user's config dir named by `hydra.searchpath`, a
+    config other than train.yaml) with `trainer.resume=auto hydra.run.dir=<run dir>` (the
+    default run dir is a new one per launch: trainer.resume=auto alone would start afresh
+    elsewhere)."""
+    args = [*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _launch_args() -> List[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []  # called from Python: the caller's config is the caller's to keep
+    h = HydraConfig.get()
+    name = h.job.config_name
+    args = [] if name in (None, "train") else ["--config-name", str(name)]
+    args += [a for a in h.overrides.hydra if a.lstrip("+").startswith("hydra.searchpath=")]
+    return args + [a for a in h.overrides.task
+                   if a.lstrip("+~").split("=", 1)[0] != "trainer.resume"]
 
 
 def write_status(run_dir: Path, code: int, error: str) -> None:
@@ -199,7 +217,7 @@ def write_status(run_dir: Path, code: int, error: str) -> None:
     a preemption is told from a failure)."""
     status = {"status": _STATUS_WORDS.get(code, "failed"), "exit_code": code,
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if code in (75, 130):
+    if code in (75, 130) and checkpoint.candidates(run_dir):
         status["resume"] = resume_args(run_dir)
     try:
         (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,12 +30,24 @@ def env():
     return e
 
 
-def command(run_dir: Path, extra=(), nproc: int = 1, torchrun_args=()):
+def launcher(nproc: int = 1, torchrun_args=()):
+    """`python train.py`, or torchrun's, without arguments."""
     cmd = [sys.executable]
     if nproc > 1 or torchrun_args:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *torchrun_args]
-    return cmd + [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *JOB, *extra]
+    return cmd + [str(ROOT / "train.py")]
+
+
+def command(run_dir: Path, extra=(), nproc: int = 1, torchrun_args=()):
+    return launcher(nproc, torchrun_args) + [f"hydra.run.dir={run_dir}", *JOB, *extra]
+
+
+def resume_line(*args, run_dir: Path) -> str:
+    """The overrides a stopped run names to resume it: its own, then where to resume."""
+    flat = [a for group in args for a in ([group] if isinstance(group, str) else group)]
+    return " ".join(shlex.quote(a) for a in [*flat, "trainer.resume=auto",
+                                             f"hydra.run.dir={run_dir}"])
 
 
 def run(cmd, timeout=240):
@@ -127,12 +140,26 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     assert proc.returncode == 75, out[-2000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "preempted" and status["exit_code"] == 75
-    assert status["resume"] == f"trainer.resume=auto hydra.run.dir={run_dir}"
-    assert f"resume with trainer.resume=auto hydra.run.dir={run_dir}" in out
+    resume = resume_line(JOB, "trainer.accumulate_grad_batches=2", run_dir=run_dir)
+    assert status["resume"] == resume  # the launch's own overrides, then where to resume
+    assert f"resume with {resume}\n" in out
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
     # saved on an optimizer-step boundary: whole windows of 2 batches of 32
     assert state["position"] % 64 == 0
+
+
+def test_a_preempted_run_without_checkpoints_names_no_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["trainer.save_checkpoint=false"]),
+                          until=lambda: logged_step(run_dir) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out[-2000:]
+    assert "; no checkpoint saved (trainer.save_checkpoint=false)" in out
+    assert "resume with" not in out and not (run_dir / "checkpoints").exists()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "preempted" and "resume" not in status
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -151,12 +178,13 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert "KeyboardInterrupt" not in out and ("Traceback" not in out or nproc > 1)
     lines = [ln for ln in out.splitlines() if "stopped on a Ctrl-C" in ln]
     assert len(lines) == 1, out[-3000:]  # rank 0's only
-    assert f"resume with trainer.resume=auto hydra.run.dir={run_dir}" in lines[0]
     status = json.loads((run_dir / "status.json").read_text())
+    assert lines[0].endswith(f"resume with {status['resume']}")
     assert status["status"] == "interrupted" and status["exit_code"] == 130
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 10
-    resumed = run(command(run_dir, ["data.num_workers=1", "trainer.resume=auto"], nproc=nproc))
+    # resumed with the printed overrides alone, as a user pastes them
+    resumed = run(launcher(nproc) + shlex.split(status["resume"]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 

@@ -205,3 +205,24 @@ def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_pa
     mine.mkdir()
     assert run_cli([bad, f"hydra.run.dir={mine}"], cwd=tmp_path).returncode == 2
     assert mine.is_dir()
+
+
+def test_the_resume_overrides_are_the_launchs_own(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from tests.helpers import CONF
+
+    run_dir = tmp_path / "my run"
+    assert rundir.resume_args(run_dir) == f"trainer.resume=auto 'hydra.run.dir={run_dir}'"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True, overrides=[
+            "optim.lr=0.1", "trainer.resume=/elsewhere/last.pt", "data.input_shape=[1,8,8]",
+            f"hydra.searchpath=[file://{tmp_path}]", "hydra.run.dir=outputs/other"])
+    HydraConfig.instance().set_config(cfg)
+    try:
+        got = rundir.resume_args(run_dir)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert got == (f"'hydra.searchpath=[file://{tmp_path}]' optim.lr=0.1 "
+                   f"'data.input_shape=[1,8,8]' trainer.resume=auto 'hydra.run.dir={run_dir}'")
