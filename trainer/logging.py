@@ -39,15 +39,21 @@ class RunLogger:
         self._jsonl = None
         self._tb = None
 
-    def open(self) -> None:
-        """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing)."""
+    def open(self, step: int = 0, validated_step: int = -1) -> int:
+        """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing) for a run
+        that goes on from optimizer step `step`, last validated at `validated_step`: rows an
+        earlier attempt logged past them (killed after its last checkpoint, or before any) are
+        trained again, so they leave metrics.jsonl and TensorBoard hides them. Returns how many
+        rows of metrics.jsonl were dropped."""
         if not self.write or self._jsonl is not None:
-            return
+            return 0
         run_dir, tensorboard = self.run_dir, self.tensorboard
         run_dir.mkdir(parents=True, exist_ok=True)
+        dropped = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": validated_step})
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
-            self._tb = EventFile(run_dir / "tensorboard")
+            self._tb = EventFile(run_dir / "tensorboard", purge_after=step)
+        return dropped
 
     def info(self, msg: str, *args: Any) -> None:
         if self.main:
@@ -85,6 +91,29 @@ class RunLogger:
             self._jsonl = None
 
 
+def _trim_rows(path: Path, last: Dict[str, int]) -> int:
+    """Rewrites the JSON-lines file `path` (atomically) without the rows whose step is past
+    `last[split]`, nor lines a kill cut short; returns how many went."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+
+    def keep(line: str) -> bool:
+        try:
+            row = json.loads(line)
+            return row["step"] <= last.get(row["split"], row["step"])
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    kept = [line for line in lines if keep(line)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 class EventFile:
     """A TensorBoard event file in `logdir`, written on the calling thread: one event per row
     of scalars, on disk when `scalars` returns (a live TensorBoard shows it).
@@ -95,9 +124,12 @@ class EventFile:
     record format (RecordWriter: length, data and their checksums) and one write, ~35 us.
     """
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, purge_after: Optional[int] = None):
+        """`purge_after`: the step the run goes on from (0 for a start), so TensorBoard drops
+        the points past it that earlier files of the dir hold (a SessionLog START event, as
+        SummaryWriter's purge_step writes)."""
         # slow imports (~0.15 s): rank 0 only, when it writes
-        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -109,6 +141,9 @@ class EventFile:
         self._file = open(logdir / name, "xb")  # never another file's records
         self._records = RecordWriter(self._file)
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_after is not None:
+            self._write(Event(wall_time=time.time(), step=purge_after + 1,
+                              session_log=SessionLog(status=SessionLog.START)))
 
     def _write(self, event) -> None:
         self._records.write(event.SerializeToString())

@@ -328,7 +328,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                                          resume, callbacks)
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record
                 return _nothing_to_do(cfg, run_dir, loop, logger)
-            _open_outputs(cfg, env, run_dir, logger, loop.train_feed)
+            _open_outputs(cfg, env, run_dir, logger, loop.train_feed, loop.state)
             writing = logger.write  # from here on, the run dir holds this run's files
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
             with heartbeat:
@@ -390,7 +390,7 @@ def _nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
 
 
 def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                  train_feed) -> None:
+                  train_feed, state: FitState) -> None:
     """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
     record, the class names of a dataset that has them (`classes.json`: class i is the i-th
     name), metrics.jsonl and TensorBoard."""
@@ -401,7 +401,11 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
     if classes is not None:
         (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
     rundir.record_hydra(run_dir, cfg)
-    logger.open()
+    dropped = logger.open(state.step, state.validated_step)
+    if dropped:
+        logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
+                    "resumed one) were dropped: those steps are trained again", dropped,
+                    state.step)
 
 
 def skipped_files(loop: Loop) -> List[str]:

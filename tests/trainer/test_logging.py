@@ -60,3 +60,37 @@ def test_a_silent_logger_writes_no_files(tmp_path):
     logger.metrics("train", 1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_logger_drops_the_rows_past_its_step_from_both_records(tmp_path):
+    first = RunLogger(tmp_path, main=True, write=True, tensorboard=True, progress_bar=False)
+    first.open()
+    for step in range(1, 9):  # an attempt killed at step 8, its last checkpoint at step 5
+        first.metrics("train", step, {"loss": float(step)})
+        if step in (4, 8):
+            first.metrics("val", step, {"loss": 10.0 + step})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "st')  # the line the kill cut short
+    again = RunLogger(tmp_path, main=True, write=True, tensorboard=True, progress_bar=False)
+    assert again.open(step=5, validated_step=4) == 5  # train 6-8, val 8, the torn line
+    for step in (6, 7):
+        again.metrics("train", step, {"loss": 100.0 + step})
+    again.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["step"]) for r in rows] == [
+        *[("train", s) for s in (1, 2, 3, 4)], ("val", 4), ("train", 5), ("train", 6),
+        ("train", 7)]
+    assert not list(tmp_path.glob("*.tmp"))
+    scalars = _scalars(tmp_path / "tensorboard")  # TensorBoard's own reading of both files
+    assert scalars["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0),
+                                     (6, 106.0), (7, 107.0)]
+    assert scalars["val/loss"] == [(4, 14.0)]
+
+
+def test_a_logger_rewrites_nothing_when_no_row_is_past_its_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"split": "train", "step": 0, "loss": 1}\n')
+    logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False, progress_bar=False)
+    assert logger.open() == 0
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"split": "train", "step": 0, "loss": 1}\n'

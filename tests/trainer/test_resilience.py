@@ -106,6 +106,11 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, nproc):
     assert "resumed from" in resumed.stdout
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"),
                          f"(killed at step ~{kill_at}, newest checkpoint {killed_after})")
+    # the steps the killed attempt logged past its checkpoint were trained again: one row each
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    assert [(r["split"], r["step"]) for r in rows] == [
+        (r["split"], r["step"]) for r in map(json.loads, ref_rows)]
 
 
 def children(pid: int):
