@@ -160,6 +160,10 @@ class Transformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes, bias=False)
         self.head.weight = self.tokens.weight  # tied: one vocabulary matrix
+        # GPT-2's 0.02: nn.Embedding's N(0, 1) through the tied head gives logits of std
+        # ~sqrt(dim), a first loss of ~90 where a uniform guess over the vocabulary is ~5.5
+        for table in (self.tokens, self.positions):
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, tokens):
         pos = torch.arange(tokens.shape[1], device=tokens.device)

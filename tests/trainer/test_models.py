@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -110,3 +111,15 @@ def test_transformer_flops_per_token_counts_weights_and_attention():
     block = 12 * d * d + 13 * d
     weights = n_layers * block + 2 * d + vocab * d  # + the tied head
     assert model.flops_per_token() == 6 * weights + 12 * n_layers * d * t
+
+
+def test_a_fresh_transformer_starts_near_a_uniform_guess():
+    """Its tied embedding is small at init (GPT-2's 0.02): N(0, 1) made the first loss ~90."""
+    torch.manual_seed(0)
+    vocab = 256
+    model = Transformer([64], num_classes=vocab)
+    tokens = torch.randint(vocab, (8, 64))
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab),
+                                             tokens[:, 1:].reshape(-1))
+    assert abs(loss.item() - math.log(vocab)) < 0.5
