@@ -110,7 +110,7 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
                  cores: int, in_memory: bool, placement: str = "host",
                  why_not_device: Optional[str] = None, streamed: bool = False,
                  mapped: bool = False, uint8_images: bool = False,
-                 gpu_idle: bool = False) -> str:
+                 gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time
     (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
 
@@ -123,22 +123,25 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     the device): tensors in memory need no loader at all; more workers than cores only
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
     and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
-    not a steady shortfall).
+    not a steady shortfall). `pairs`: a sample is an (input, target) pair, which data.cache
+    can hold; `whole_set`: one batch holds the rank's whole training set already.
     """
     pct = f"{100 * wait_frac:.0f}%"
     n = workers
+    on = f"{_count(n, 'worker')} on {_count(cores, 'core')}"
+    bigger = ("data.batch_size holds the whole training set already" if whole_set
+              else "raise data.batch_size")
     if placement == "device":
         fix = ("the batches are formed on the device already: the wait is the indexing itself; "
-               "raise data.batch_size")
+               + bigger)
     elif in_memory and why_not_device is None:
         fix = ("the samples are tensors in memory: set data.placement=device (or auto) to batch "
                "them by indexing on the training device" + (
-                   f", or data.num_workers=0 (each of the {n} workers only copies them)"
+                   f", or data.num_workers=0 ({_copiers(n)} them)"
                    if n else ""))
     elif in_memory and n:
         fix = (f"the samples are tensors in memory, which cannot stay on the device "
-               f"({why_not_device}): set data.num_workers=0 (each of the {n} workers only "
-               "copies them)")
+               f"({why_not_device}): set data.num_workers=0 ({_copiers(n)} them)")
     elif mapped and (why_not_device is None or "data.device_budget_mb" in why_not_device):
         fix = ("the samples are rows of memory-mapped arrays, read by loader workers" + (
             f" because {why_not_device}: raise data.device_budget_mb above their size, and "
@@ -149,7 +152,9 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
                f"workers compete for them; lower it to {cores} (or auto)")
     elif n < cores:
-        fix = f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has)"
+        fix = (f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has; "
+               "scripts/tune_loader.py with your overrides measures which is faster, since a "
+               "cheap sample can cost more to hand over from a worker than to make)")
     elif not cfg.persistent_workers:
         fix = "set data.persistent_workers=true (workers restart every epoch)"
     elif device.type == "cuda" and not cfg.pin_memory:
@@ -157,19 +162,23 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     elif device.type == "cuda" and not cfg.device_prefetch:
         fix = "enable data.device_prefetch=true (copy the next batch during the step)"
     elif streamed:
-        fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode the "
+        fix = (f"the loader is CPU-bound: {on} cannot decode the "
                "streamed shards faster; pack data that fits locally once (scripts/"
                "prepare_data.py --format npy, data=memmap), or store smaller images")
     elif mapped:
-        fix = (f"the loader is CPU-bound reading memory-mapped arrays: {n} workers on {cores} "
-               "cores cannot batch them faster; raise data.batch_size, or store smaller samples "
-               "(uint8, a lower resolution)")
+        fix = (f"the loader is CPU-bound reading memory-mapped arrays: {on} cannot batch "
+               f"them faster; {bigger}, or store smaller samples (uint8, a lower resolution)")
     elif cfg.cache != "none":
-        fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {n} workers on {cores} "
-               "cores cannot batch it faster; data.cache=memory keeps it in this process (and, "
-               "with data.placement=auto, on the device) if it fits, else raise data.batch_size")
+        fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {on} cannot batch it "
+               "faster; data.cache=memory keeps it in this process (and, with data.placement="
+               "auto, on the device) if it fits" + ("" if whole_set else ", else raise "
+                                                    "data.batch_size"))
+    elif not pairs:  # data.cache and prepare_data.py take (input, target) pairs only
+        fix = (f"the loader is CPU-bound: {on} cannot prepare samples faster; pay per-sample "
+               "work once: compute what the dataset's __getitem__ computes (decoding, "
+               "tokenizing) ahead of the run and load the results")
     else:
-        fix = (f"the loader is CPU-bound: {n} workers on {cores} cores cannot decode faster; pay "
+        fix = (f"the loader is CPU-bound: {on} cannot decode faster; pay "
                "per-sample work once (data.cache=memory or shm if the decoded data fits in "
                "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
                    "; or store the images at the size they are cropped to" if uint8_images else
@@ -177,6 +186,14 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
                    "(data.augment)"))
     what = "the GPU stood idle for data" if gpu_idle else "steps waited for data"
     return f"{what} {pct} of the time: {fix}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _copiers(n: int) -> str:
+    return "the one worker only copies" if n == 1 else f"each of the {n} workers only copies"
 
 
 def _raised_in_collate(e: BaseException) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
@@ -245,4 +246,26 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         why_not_device=getattr(feed, "why_not_device", None),
                         streamed=isinstance(loader.dataset, ShardStream),
                         uint8_images=getattr(loader.dataset, "uint8_images", False) is True,
-                        gpu_idle=gpu_idle)
+                        gpu_idle=gpu_idle, pairs=_pair_samples(loader.dataset),
+                        whole_set=_one_batch(loader, d.batch_size))
+
+
+def _pair_samples(dataset) -> bool:
+    """Whether a sample of `dataset` is an (input, target) pair of tensors, arrays or numbers
+    (what data.cache holds); True where it cannot be read here (advice as before)."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001  (advice only: a sample that fails here says nothing)
+        return True
+    return (isinstance(sample, (tuple, list)) and len(sample) == 2
+            and all(isinstance(v, (torch.Tensor, np.ndarray, np.generic, int, float))
+                    for v in sample))
+
+
+def _one_batch(loader, batch_size: int) -> bool:
+    try:
+        return len(loader.sampler) <= batch_size
+    except TypeError:  # a stream's sampler has no length
+        return False

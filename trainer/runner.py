@@ -263,6 +263,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
                           f"with {len(train_loader.sampler)} training samples on this rank "
                           f"(data.drop_last={cfg.data.drop_last})")
+    n_rank = len(train_loader.sampler)
+    too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
+                f"samples on this rank: every epoch is one batch of {n_rank}"]
+               if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
     total = per_epoch * cfg.trainer.max_epochs
     if cfg.trainer.max_steps > 0:
         total = min(total, cfg.trainer.max_steps)
@@ -284,7 +288,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
-    for line in warnings:
+    for line in [*too_big, *warnings]:
         distributed.warn(env, "%s", line)
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "

@@ -105,9 +105,13 @@ def test_loader_passes_timeout_and_context():
     (dict(), dict(workers=0, in_memory=True), "cpu", "data.placement=device"),
     (dict(), dict(workers=2, in_memory=True), "cpu", "or data.num_workers=0"),
     (dict(), dict(workers=0, in_memory=True, placement="device"), "cpu", "raise data.batch_size"),
+    (dict(), dict(workers=0, in_memory=True, placement="device", whole_set=True), "cpu",
+     "the indexing itself; data.batch_size holds the whole training set already"),
     (dict(), dict(workers=2, in_memory=True, why_not_device="data.collate_fn is set"), "cpu",
      "cannot stay on the device (data.collate_fn is set): set data.num_workers=0"),
-    (dict(), dict(workers=0), "cpu", "raise data.num_workers from 0 to 4"),
+    (dict(), dict(workers=0), "cpu", "raise data.num_workers from 0 to 4 (the CPU cores this "
+     "rank has; scripts/tune_loader.py with your overrides measures which is faster"),
+    (dict(), dict(workers=1, in_memory=True), "cpu", "(the one worker only copies them)"),
     (dict(), dict(workers=8), "cpu", "more than the 4 CPU cores this rank has"),
     (dict(persistent_workers=False), dict(workers=4), "cpu", "data.persistent_workers=true"),
     (dict(pin_memory=False), dict(workers=4), "cuda", "data.pin_memory=true"),
@@ -118,6 +122,9 @@ def test_loader_passes_timeout_and_context():
      "data=memmap); or store the images at the size they are cropped to"),
     (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound reading data.cache=shm: 4 workers"),
     (dict(), dict(workers=4, streamed=True), "cpu", "cannot decode the streamed shards faster"),
+    (dict(), dict(workers=1, cores=1, streamed=True), "cpu", ": 1 worker on 1 core cannot"),
+    (dict(), dict(workers=4, pairs=False), "cpu", "4 workers on 4 cores cannot prepare samples "
+     "faster; pay per-sample work once: compute what the dataset's __getitem__ computes"),
     (dict(cache="disk"), dict(workers=2, mapped=True, why_not_device="its arrays take 300.0 MB "
                               "> data.device_budget_mb"), "cpu",
      "read by loader workers because its arrays take 300.0 MB > data.device_budget_mb: raise "
@@ -134,6 +141,10 @@ def test_stall_advice_names_the_fix(overrides, kw, device, expected):
     assert line.startswith("steps waited for data 37% of the time: ") and expected in line
     if kw.get("uint8_images"):  # an image folder ships uint8 already
         assert "ship uint8" not in line
+    if kw.get("pairs") is False:  # data.cache refuses samples that are not pairs
+        assert "data.cache" not in line and "prepare_data" not in line
+    if kw.get("whole_set"):
+        assert "raise data.batch_size" not in line
 
 
 def test_stall_advice_on_cuda_names_the_gpus_idle_share():

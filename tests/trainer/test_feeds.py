@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -311,7 +312,32 @@ def test_the_advice_for_a_cpu_bound_image_folder_does_not_ask_for_uint8(tmp_path
     cores = distributed.cpus_per_rank(1)
     d = OmegaConf.structured(DataConfig(num_workers=cores))
     for ds, uint8 in [(ImageFolder("train", str(tmp_path), size=8), True),
-                      (torch.utils.data.Subset(range(4), [0]), False)]:
+                      ([(torch.zeros(3), 0)] * 4, False)]:  # pairs, not images
         feed = DevicePrefetcher(DataLoader(ds, num_workers=cores), torch.device("cpu"))
         line = feed_advice(d, feed, torch.device("cpu"), 0.4, 1)
         assert "cannot decode faster" in line and ("ship uint8" in line) != uint8, line
+
+
+def test_the_advice_offers_data_cache_only_for_samples_it_can_hold():
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from data.prefetch import DevicePrefetcher
+    from trainer import distributed
+    from trainer.config import DataConfig
+    from trainer.feeds import feed_advice
+
+    class Dicts(torch.utils.data.Dataset):  # a Hugging Face-style sample
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(4), "labels": torch.arange(4)}
+
+    cores = distributed.cpus_per_rank(1)
+    d = OmegaConf.structured(DataConfig(num_workers=cores))
+    pairs = [(torch.zeros(3), np.int64(1))] * 8  # a tensor and a numpy label: a pair
+    for ds, cacheable in [(Dicts(), False), (pairs, True)]:
+        feed = DevicePrefetcher(DataLoader(ds, num_workers=cores), torch.device("cpu"))
+        line = feed_advice(d, feed, torch.device("cpu"), 0.4, 1)
+        assert ("data.cache=memory" in line) == cacheable, line

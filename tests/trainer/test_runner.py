@@ -206,3 +206,14 @@ def test_an_image_folder_run_writes_its_classes_and_counts_skipped_files(make_cf
     assert second["skipped_files"] == 0  # nothing was decoded
     done = [json.loads(p.read_text()) for p in (tmp_path / "cache").rglob("done.json")]
     assert sorted(len(d["skipped"]) for d in done) == [0, 1]  # said on every later run
+
+
+def test_a_batch_larger_than_the_training_set_is_said_once(make_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        summary = train(make_cfg("data.batch_size=5000", "trainer.max_epochs=2",
+                                 "trainer.save_checkpoint=false"))
+    assert summary["steps"] == 2  # one batch an epoch
+    said = [r for r in caplog.records if "more than the" in r.getMessage()]
+    assert [r.getMessage() for r in said] == [
+        "data.batch_size=5000 is more than the 1438 training samples on this rank: every epoch "
+        "is one batch of 1438"] and said[0].levelno == logging.WARNING
