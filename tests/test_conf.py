@@ -97,5 +97,5 @@ def test_debug_runs_go_to_their_own_folder():
         plain = compose("train", overrides=["run_dir=x"], return_hydra_config=True)
         debug = compose("train", overrides=["run_dir=x", "debug=fdr"], return_hydra_config=True)
     # unresolved: the launch stamp resolves only inside a running job
-    assert OmegaConf.to_container(plain.hydra.run)["dir"] == "outputs/${stoker_stamp:}"
-    assert OmegaConf.to_container(debug.hydra.run)["dir"] == "outputs/debug/${stoker_stamp:}"
+    assert OmegaConf.to_container(plain.hydra.run)["dir"] == "${stoker_stamp:outputs}"
+    assert OmegaConf.to_container(debug.hydra.run)["dir"] == "${stoker_stamp:outputs/debug}"

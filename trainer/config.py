@@ -244,8 +244,11 @@ def register() -> None:
     """Registers the schema as `train_schema` (conf/train.yaml names it first in its defaults)
     and the resolvers the Hydra settings use to keep one run dir, written by rank 0 alone."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
-    OmegaConf.register_new_resolver("stoker_stamp", lambda: distributed.run_stamp(),
-                                    use_cache=True, replace=True)
+    # ${stoker_stamp:} the launch's stamp; ${stoker_stamp:outputs} a run dir claimed under it
+    OmegaConf.register_new_resolver(
+        "stoker_stamp", lambda parent=None: (distributed.claim_run_dir(str(parent)) if parent
+                                             else distributed.run_stamp()),
+        use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
     # the folder scan and the shard index are read once per composition

@@ -12,11 +12,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,54 @@ def _process_start(pid: int) -> float:
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
+_claimed: Dict[str, str] = {}  # parent -> the run dir this process claimed in it
+
+
+def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
+    """`parent/<run_stamp>`, the default run (or sweep) dir. A plain process makes it here,
+    atomically, and takes `<stamp>-1`, `-2`... where another launch made it in the same
+    second: launches from one script never share a dir. The ranks of a torchrun or SLURM job
+    must name one dir alike without talking, so theirs is the job's stamp as it is. Once per
+    process and parent (Hydra may resolve the key more than once)."""
+    if parent in _claimed:
+        return _claimed[parent]
+    stamp, shared = _stamp(environ, "%Y-%m-%d/%H-%M-%S")
+    path = base = os.path.join(parent, stamp)
+    for n in itertools.count(1) if not shared else ():
+        made = [d for d in _ancestors(path) if not os.path.isdir(d)]
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkdir(path)  # fails where it exists: this launch's alone
+        except FileExistsError:
+            path = f"{base}-{n}"
+            continue
+        except OSError:
+            break  # unwritable: Hydra's own making of the dir says so, in one line
+        # what nothing was written into by the exit (`--cfg hydra --resolve` made it) goes
+        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *made[::-1]]])
+        break
+    _claimed[parent] = path
+    return path
+
+
+def _ancestors(path: str) -> list:
+    parent, out = os.path.dirname(path), []
+    while parent and parent != os.path.dirname(parent):
+        out.append(parent)
+        parent = os.path.dirname(parent)
+    return out[::-1]  # outermost first
+
+
+def _remove_empty(folders: list) -> None:
+    """Removes each of `folders` (innermost first) that is empty; stops at the first that is
+    not, or is gone."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 def run_stamp(environ: Mapping[str, str] = os.environ, fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:
     """A name for this run's directory that every rank of the job computes alike.
 
@@ -94,17 +143,22 @@ def run_stamp(environ: Mapping[str, str] = os.environ, fmt: str = "%Y-%m-%d/%H-%
     parent, which also survives --max-restarts, so a restarted job finds its checkpoints);
     across nodes it is the rendezvous id (`--rdzv-id`); under SLURM the job id.
     """
+    return _stamp(environ, fmt)[0]
+
+
+def _stamp(environ: Mapping[str, str], fmt: str) -> Tuple[str, bool]:
+    """run_stamp, and whether the ranks of a job share it."""
     if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
         run_id = environ["TORCHELASTIC_RUN_ID"]
         if int(environ.get("GROUP_WORLD_SIZE", "1")) > 1 and run_id not in ("", "none"):
-            return f"rdzv-{run_id}"
+            return f"rdzv-{run_id}", True
         try:
-            return time.strftime(fmt, time.localtime(_process_start(os.getppid())))
+            return time.strftime(fmt, time.localtime(_process_start(os.getppid()))), True
         except (OSError, ValueError, IndexError, StopIteration):
             pass
     elif "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        return f"slurm-{environ['SLURM_JOB_ID']}"
-    return time.strftime(fmt)
+        return f"slurm-{environ['SLURM_JOB_ID']}", True
+    return time.strftime(fmt), False
 
 
 def cpus_per_rank(local_world_size: int) -> int:

@@ -2,10 +2,12 @@
 the process group of a one-process DDP job."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from tests.helpers import ROOT, summary_of, torchrun
+from tests.helpers import ROOT, run_cli, summary_of, torchrun
 from trainer import distributed
 from trainer.distributed import detect
 
@@ -49,6 +51,29 @@ def test_run_stamp_is_shared_by_the_ranks_of_a_job():
     assert distributed.run_stamp({**torchrun, "GROUP_WORLD_SIZE": "2"}) == "rdzv-abc"
     assert distributed.run_stamp({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"}) == "slurm-9"
     assert len(distributed.run_stamp({})) == len("2026-01-01/00-00-00")
+
+
+def test_a_plain_launch_claims_a_run_dir_no_other_launch_has(tmp_path, monkeypatch):
+    monkeypatch.setattr(distributed, "_stamp", lambda environ, fmt: ("2026-01-01/00-00-00",
+                                                                     False))
+    parent = str(tmp_path / "outputs")
+    first = distributed.claim_run_dir(parent)
+    assert distributed.claim_run_dir(parent) == first  # Hydra resolving the key again
+    monkeypatch.setattr(distributed, "_claimed", {})  # another launch, in the same second
+    second = distributed.claim_run_dir(parent)
+    assert (first, second) == (f"{parent}/2026-01-01/00-00-00", f"{parent}/2026-01-01/00-00-00-1")
+    assert os.path.isdir(first) and os.path.isdir(second)
+    # the ranks of a job name one dir alike: no claim, no suffix
+    monkeypatch.setattr(distributed, "_claimed", {})
+    monkeypatch.setattr(distributed, "_stamp", lambda environ, fmt: ("2026-01-01/00-00-00",
+                                                                     True))
+    assert distributed.claim_run_dir(parent) == first
+
+
+def test_a_launch_that_ran_nothing_leaves_no_claimed_dir(tmp_path):
+    proc = run_cli(["--cfg", "hydra", "--resolve"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dir: outputs/" in proc.stdout and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
