@@ -47,8 +47,11 @@ def locate(path: str, key: str) -> Callable:
                               f"{type(e).__name__}: {e}") from None
         for j, attr in enumerate(parts[i:], start=i):
             if not hasattr(obj, attr):
-                raise ConfigError(f"{key}={path}: {'.'.join(parts[:j])} has no attribute "
-                                  f"'{attr}'") from None
+                owner = ".".join(parts[:j])
+                if j == i and hasattr(obj, "__path__"):  # a package: a module was meant
+                    raise ConfigError(f"{key}={path}: no module named '{owner}.{attr}' (and "
+                                      f"{owner} has no attribute '{attr}')") from None
+                raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'") from None
             obj = getattr(obj, attr)
         return obj
     raise ConfigError(f"{key}={path}: no module named '{parts[0]}' (is it installed, or in the "

@@ -45,7 +45,9 @@ def test_unknown_and_missing_arguments_are_named():
 @pytest.mark.parametrize("path,fragment", [
     ("trainer.models.MLPP", "trainer.models has no attribute 'MLPP'"),
     ("nopkg.models.MLP", "no module named 'nopkg'"),
-    ("trainer.modelz.MLP", "trainer has no attribute 'modelz'"),
+    # a package: the module is what was meant
+    ("trainer.modelz.MLP", r"no module named 'trainer.modelz' \(and trainer has no attribute "
+                           r"'modelz'\)$"),
 ])
 def test_locate_names_what_is_missing(path, fragment):
     with pytest.raises(ConfigError, match=f"^model._target_={path}: {fragment}"):
