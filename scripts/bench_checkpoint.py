@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import machine, median, publish, table  # noqa: E402
+from benchlib import default_out, machine, median, publish, table  # noqa: E402
 from trainer.checkpoint import Checkpointer, state_bytes  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
@@ -58,7 +58,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
-    p.add_argument("--out", type=Path, default=Path("bench_checkpoint.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_checkpoint"))
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     state = build_state(a.width, a.layers, device)

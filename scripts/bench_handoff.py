@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, publish, table  # noqa: E402
+from benchlib import default_out, machine, median, publish, table  # noqa: E402
 
 COLUMNS = ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch", "runs"]
 COLLATES = ("pooled", "default")
@@ -77,7 +77,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("bench_handoff.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_handoff"))
     p.add_argument("--one", choices=COLLATES, help=argparse.SUPPRESS)  # a fresh process's run
     return p.parse_args(argv)
 

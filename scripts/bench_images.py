@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import run_epochs  # noqa: E402
-from benchlib import machine, median, publish, table  # noqa: E402
+from benchlib import default_out, machine, median, publish, table  # noqa: E402
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
@@ -253,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--epochs", type=int, default=3, help="epochs per configuration (>= 2)")
     p.add_argument("--repeats", type=int, default=3,
                    help="fresh processes per configuration, in alternating order")
-    p.add_argument("--out", type=Path, default=Path("bench_images.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_images"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

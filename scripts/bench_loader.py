@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import machine, median, table, write_json  # noqa: E402
+from benchlib import default_out, machine, median, table, write_json  # noqa: E402
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset, SyntheticDataset  # noqa: E402
 from data.loader import build_loader  # noqa: E402
@@ -167,7 +167,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--prefetch-factor", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--memory-workers", type=int, default=4, help="0 skips the memory part")
-    p.add_argument("--out", type=Path, default=Path("bench_loader.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_loader"))
     p.add_argument("--png", type=Path, default=None, help="default: --out with .png")
     return p.parse_args(argv)
 

@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import machine, median, publish, table, write_json  # noqa: E402
+from benchlib import default_out, machine, median, publish, table, write_json  # noqa: E402
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
            "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]
@@ -459,7 +459,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--startup-repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path("bench_overhead.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_overhead"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

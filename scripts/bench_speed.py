@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import UINT8_CNN, machine, measure, medians, publish, table  # noqa: E402
+from benchlib import UINT8_CNN, default_out, machine, measure, medians, publish, table  # noqa: E402
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
-    p.add_argument("--out", type=Path, default=Path("bench_speed.json"))
+    p.add_argument("--out", type=Path, default=default_out("bench_speed"))
     a = p.parse_args(argv)
     names = [n for n in a.switches.split(",") if n]
     unknown = sorted(set(names) - set(SWITCHES))

@@ -62,6 +62,12 @@ def write_json(path: Path, payload: Dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def default_out(name: str) -> Path:
+    """Where a benchmark writes its JSON unless told (--out): under outputs/, which git
+    ignores, not into the directory it runs from."""
+    return Path("outputs") / "benchmarks" / f"{name}.json"
+
+
 def publish(path: Path, result: Dict[str, Any]) -> Dict[str, Any]:
     """A benchmark's last step: writes `result` as JSON (write_json), says where, returns it."""
     write_json(path, result)

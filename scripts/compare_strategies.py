@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchlib import machine, median, publish, run_train, table
+from benchlib import default_out, machine, median, publish, run_train, table
 
 COLUMNS = ["strategy", "ranks", "per_rank_batch", "samples_per_s", "step_time_ms",
            "data_wait_frac", "peak_mem_mb", "runs", "skipped"]
@@ -63,7 +63,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="alternating repetitions (median)")
-    p.add_argument("--out", type=Path, default=Path("compare_strategies.json"))
+    p.add_argument("--out", type=Path, default=default_out("compare_strategies"))
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every run")
     a = p.parse_args(argv)
     configs = plan(a.nproc, a.global_batch)

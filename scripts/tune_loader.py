@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
-from benchlib import machine, publish, table  # noqa: E402
+from benchlib import default_out, machine, publish, table  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
@@ -59,7 +59,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    default=sorted({0, 1, 2, 4, 8, cpus} & set(range(0, 2 * cpus + 1))))
     p.add_argument("--prefetch", type=int, nargs="+", default=[2, 4])
     p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
-    p.add_argument("--out", type=Path, default=Path("tune_loader.json"))
+    p.add_argument("--out", type=Path, default=default_out("tune_loader"))
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
     a = p.parse_args(argv)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
