@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -86,10 +86,21 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    use = "data=shards" if a.format == "shards" else "data=memmap"
-    model = " model=cnn" if meta.get("classes") else ""  # images: the reference CNN
-    print(f"use it: python train.py {use} data.dataset.root={a.out}{model}")
+    print("use it: python train.py " + use_args(a.format, a.out, d, meta))
     return meta
+
+
+def use_args(fmt: str, out: Path, d, meta: Dict[str, Any]) -> str:
+    """The overrides that train on what was written: image files in shards are decoded while
+    training, so the crop the source named (data.dataset.size, resize) goes with them;
+    arrays hold it already."""
+    args = ["data=shards" if fmt == "shards" else "data=memmap", f"data.dataset.root={out}"]
+    if fmt == "shards" and meta.get("classes"):
+        args += [f"data.dataset.{k}={d.dataset[k]}" for k in ("size", "resize")
+                 if d.dataset.get(k) is not None]
+    if meta.get("classes"):  # images: the reference CNN
+        args.append("model=cnn")
+    return " ".join(args)
 
 if __name__ == "__main__":
     main()

@@ -54,3 +54,19 @@ def test_prepared_image_folder_rows_equal_the_decoded_files(tmp_path):
         assert len(packed) == len(decoded)
         for i, (x, y) in enumerate(decoded):
             assert torch.equal(packed[i][0], x) and int(packed[i][1]) == int(y)
+
+
+def test_the_use_line_carries_the_crop_of_image_shards(tmp_path):
+    from omegaconf import OmegaConf
+
+    from scripts.prepare_data import use_args
+
+    d = OmegaConf.create({"dataset": {"root": "imgs", "size": 64, "resize": None}})
+    images, digits = {"classes": ["a", "b"]}, {}
+    assert use_args("shards", tmp_path, d, images) == (
+        f"data=shards data.dataset.root={tmp_path} data.dataset.size=64 model=cnn")
+    # arrays hold the decoded crop already; digits have no crop to carry
+    assert use_args("npy", tmp_path, d, images) == (
+        f"data=memmap data.dataset.root={tmp_path} model=cnn")
+    assert use_args("shards", tmp_path, OmegaConf.create({"dataset": {}}), digits) == (
+        f"data=shards data.dataset.root={tmp_path}")
