@@ -127,11 +127,13 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
                and (run_dir / name).stat().st_size]
     if found or outputs:
+        from hydra.core.hydra_config import HydraConfig
+
         what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
+        key = "hydra.run.dir" if HydraConfig.initialized() else "run_dir"  # (from Python)
         raise CheckpointError(
             f"run dir {run_dir} holds another run's {what}: continue it with "
-            "trainer.resume=auto, or start in a new dir (hydra.run.dir=...); nothing was "
-            "changed")
+            f"trainer.resume=auto, or start in a new dir ({key}=...); nothing was changed")
 
 
 def record_hydra(run_dir: Path, cfg: DictConfig) -> None:

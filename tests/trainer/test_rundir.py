@@ -226,3 +226,10 @@ def test_the_resume_overrides_are_the_launchs_own(tmp_path):
         HydraConfig.instance().cfg = None
     assert got == (f"'hydra.searchpath=[file://{tmp_path}]' optim.lr=0.1 "
                    f"'data.input_shape=[1,8,8]' trainer.resume=auto 'hydra.run.dir={run_dir}'")
+
+
+def test_from_python_the_refusal_names_the_run_dir_key(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
+    with pytest.raises(CheckpointError, match=r"or start in a new dir \(run_dir=\.\.\.\); "):
+        train(make_cfg(*QUICK, run_dir=run_dir))
