@@ -172,7 +172,13 @@ def test_status_names_how_the_run_ended(tmp_path, code, word):
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["status"] == word and status["exit_code"] == code
     assert status["error"] == (None if code in (0, 75) else "stoker: error: x")
-    assert ("resume" in status) == (code == 75)
+    assert "resume" not in status  # no checkpoint to resume from
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"x")
+    rundir.write_status(tmp_path, code, "")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status.get("resume") == (f"trainer.resume=auto hydra.run.dir={tmp_path}"
+                                    if code == 75 else None)
 
 
 def test_discard_unused_removes_only_new_empty_dirs_below_the_stop(tmp_path):
