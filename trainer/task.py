@@ -121,12 +121,12 @@ class Task:
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
         inputs, _ = self.split(batch)
-        if type(inputs) is torch.Tensor:  # the common case, before the slower Mapping check
-            return model(inputs)
+        if type(inputs) is torch.Tensor and getattr(self, "_call_checked", False):
+            return model(inputs)  # the common case, before the slower Mapping check
         if isinstance(inputs, Mapping):
             return self.call(model, kwargs=inputs, hint="set task.input_key to the batch entry "
                              "the model takes, or task.target_key to the target's entry")
-        return model(inputs)
+        return self.call(model, args=(inputs,))
 
     def count(self, batch: Any) -> Count:
         """Units the loss of `batch` averages over; the batch's samples by default."""
@@ -183,22 +183,31 @@ class Task:
         """`model(*args, **kwargs)`; on the first call, arguments the model's `forward` cannot
         take are reported in one line (with `hint`) instead of a traceback from inside it."""
         kwargs = kwargs or {}
-        if not getattr(self, "_call_checked", False):
-            self._call_checked = True
-            module = unwrap(model) if isinstance(model, nn.Module) else model
+        if getattr(self, "_call_checked", False):
+            return model(*args, **kwargs)
+        self._call_checked = True
+        module = unwrap(model) if isinstance(model, nn.Module) else model
+        got = dict(kwargs) if not args else (
+            {"args": tuple(args), **kwargs} if kwargs else tuple(args))
+        try:
+            signature = inspect.signature(getattr(module, "forward", module))
+        except (TypeError, ValueError):
+            signature = None
+        if signature is not None:
             try:
-                signature = inspect.signature(getattr(module, "forward", module))
-            except (TypeError, ValueError):
-                signature = None
-            if signature is not None:
-                try:
-                    signature.bind(*args, **kwargs)
-                except TypeError as e:
-                    got = dict(kwargs) if not args else (
-                        {"args": tuple(args), **kwargs} if kwargs else tuple(args))
-                    raise self.error(f"a model whose forward{signature} cannot take the batch "
-                                     f"({e})", got, fix=hint) from None
-        return model(*args, **kwargs)
+                signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise self.error(f"a model whose forward{signature} cannot take the batch "
+                                 f"({e})", got, fix=hint) from None
+        try:
+            return model(*args, **kwargs)
+        except (TypeError, ValueError, IndexError, RuntimeError) as e:
+            # inside the model: its traceback stays, with what it was given
+            if hasattr(e, "add_note") and not isinstance(e, torch.OutOfMemoryError):
+                e.add_note(f"stoker: task {self.name}: the model's first forward failed, given "
+                           f"{describe(got)}: do the data (data=...) and the model (model=...) "
+                           "fit together?")
+            raise
 
     def split(self, batch: Any) -> Tuple[Any, Any]:
         """(inputs, target) of a batch: a sequence's first two items, or a dict's entries."""

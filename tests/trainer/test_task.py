@@ -451,3 +451,27 @@ def test_modules_in_the_directory_the_command_runs_from_are_found(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "stoker: error: model._target_=mynet.Nett: mynet has no attribute 'Nett'")
+
+
+class Embedder(torch.nn.Module):
+    """Takes token ids: fed the float digits, it fails inside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(20, 4)
+
+    def forward(self, x):
+        return self.e(x).flatten(1)
+
+
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="notes need Python 3.11")
+def test_a_first_forward_that_fails_inside_the_model_says_what_it_was_given():
+    task, batch = Classification(), (torch.rand(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="'indices'") as e:
+        task.forward(Embedder(), batch)
+    assert e.value.__notes__ == [
+        "stoker: task classification: the model's first forward failed, given tuple(tensor(4, "
+        "1, 8, 8) float32): do the data (data=...) and the model (model=...) fit together?"]
+    with pytest.raises(RuntimeError) as again:  # later steps: the plain call, no note
+        task.forward(Embedder(), batch)
+    assert not getattr(again.value, "__notes__", None)
