@@ -11,7 +11,6 @@ import dataclasses
 import os
 import re
 import sys
-import time
 from typing import Callable, List, NoReturn
 
 from hydra.errors import HydraException
@@ -22,8 +21,6 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import detect
 
-# train.py imports this module before Hydra makes the run dir: a dir made later is this launch's
-LAUNCHED = time.time()
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 # Hydra hints that do not apply to a typed schema or to this command line

@@ -12,12 +12,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,37 +86,50 @@ def _process_start(pid: int) -> float:
     return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-_claimed: Dict[str, str] = {}  # parent -> the run dir this process claimed in it
+_claimed: Dict[Tuple[str, str], str] = {}  # (parent, stamp) -> the run dir named for it
 
 
 def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
     """`parent/<run_stamp>`, the default run (or sweep) dir. A plain process makes it here,
     atomically, and takes `<stamp>-1`, `-2`... where another launch made it in the same
     second: launches from one script never share a dir. The ranks of a torchrun or SLURM job
-    must name one dir alike without talking, so theirs is the job's stamp as it is. Once per
-    process and parent (Hydra may resolve the key more than once)."""
-    if parent in _claimed:
-        return _claimed[parent]
+    must name one dir alike without talking, so theirs is the job's stamp as it is (two jobs
+    started in the same second share it, and the second is refused as in use). The dirs the
+    launch made (rank 0's, as far as it can tell) are removed at exit if nothing was written
+    into them: a refused launch, `--cfg hydra --resolve`. Hydra may resolve the key more
+    than once: the same stamp gives the same dir."""
     stamp, shared = _stamp(environ, "%Y-%m-%d/%H-%M-%S")
-    path = base = os.path.join(parent, stamp)
-    for n in itertools.count(1) if not shared else ():
-        made = [d for d in _ancestors(path) if not os.path.isdir(d)]
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.mkdir(path)  # fails where it exists: this launch's alone
-        except FileExistsError:
-            path = f"{base}-{n}"
-            continue
-        except OSError:
-            break  # unwritable: Hydra's own making of the dir says so, in one line
-        # what nothing was written into by the exit (`--cfg hydra --resolve` made it) goes
-        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *made[::-1]]])
-        break
-    _claimed[parent] = path
+    if (parent, stamp) in _claimed:
+        return _claimed[(parent, stamp)]
+    base = os.path.join(parent, stamp)
+    missing = [d for d in _ancestors(base) if not os.path.isdir(d)]
+    path, ours = (base, True) if shared else _claim(base)
+    if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
+        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing[::-1]]])
+    _claimed[(parent, stamp)] = path
     return path
 
 
-def _ancestors(path: str) -> list:
+def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
+    """`base`, or `base-N`, made here by this process alone (mkdir fails where one exists),
+    and True; `base` and False where none could be made."""
+    try:
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+    except OSError:
+        return base, False  # unwritable, a file in the way: Hydra's making of it says so
+    for n in range(tries):
+        path = f"{base}-{n}" if n else base
+        try:
+            os.mkdir(path)
+            return path, True
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+    return base, False  # (every name taken: the run dir lock then refuses in one line)
+
+
+def _ancestors(path: str) -> List[str]:
     parent, out = os.path.dirname(path), []
     while parent and parent != os.path.dirname(parent):
         out.append(parent)
@@ -125,12 +137,14 @@ def _ancestors(path: str) -> list:
     return out[::-1]  # outermost first
 
 
-def _remove_empty(folders: list) -> None:
-    """Removes each of `folders` (innermost first) that is empty; stops at the first that is
-    not, or is gone."""
+def _remove_empty(folders: List[str]) -> None:
+    """Removes each of `folders` (innermost first) that is empty; one that is gone is skipped,
+    one that holds anything ends it (its parents hold it)."""
     for folder in folders:
         try:
             os.rmdir(folder)
+        except FileNotFoundError:
+            continue
         except OSError:
             return
 
@@ -154,8 +168,8 @@ def _stamp(environ: Mapping[str, str], fmt: str) -> Tuple[str, bool]:
             return f"rdzv-{run_id}", True
         try:
             return time.strftime(fmt, time.localtime(_process_start(os.getppid()))), True
-        except (OSError, ValueError, IndexError, StopIteration):
-            pass
+        except (OSError, ValueError, IndexError, StopIteration):  # no /proc: each rank's clock
+            return time.strftime(fmt), True
     elif "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
         return f"slurm-{environ['SLURM_JOB_ID']}", True
     return time.strftime(fmt), False

@@ -167,24 +167,6 @@ def agreed(check, env) -> None:
         raise error
 
 
-def discard_unused(run_dir: Path, since: float, stop: Optional[Path] = None) -> None:
-    """Removes `run_dir` when it is empty and was made at `since` (a time.time()) or later: the
-    dated dir Hydra makes for every launch, when the run was refused before writing anything;
-    then each parent below `stop` (default: the current directory) that is so too. A dir that
-    holds anything, or existed before `since`, is left as it is."""
-    folder, stop = Path(run_dir).absolute(), Path(stop or Path.cwd()).absolute()
-    while True:
-        try:
-            if folder.stat().st_mtime < since or any(folder.iterdir()):
-                return
-            folder.rmdir()
-        except OSError:
-            return  # gone already, not ours to remove, or filled meanwhile
-        folder = folder.parent
-        if folder == stop or stop not in folder.parents:
-            return
-
-
 STATUS = "status.json"
 _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
                  75: "preempted", 130: "interrupted"}

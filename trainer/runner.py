@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
-from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, LAUNCHED, USER_ERRORS, describe,
-                         fail, wants_traceback)
+from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, describe, fail,
+                         wants_traceback)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds, feed_advice
@@ -46,8 +46,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     """Command-line entry: `train`, with configuration and checkpoint errors turned into one
     line on stderr and exit code 2, OS errors (a full disk, a read-only dir) and a non-finite
     loss into one line and exit code 1, a preemption into exit code 75 (a traceback stays for
-    anything else). README "Exit codes" lists them. A run that wrote nothing (refused, or a
-    fast dev run) leaves no empty run dir behind."""
+    anything else). README "Exit codes" lists them."""
     try:
         return train(cfg)
     except Preempted as e:
@@ -58,10 +57,6 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         if wants_traceback():
             raise
         fail(e, code=exit_code(e))
-    finally:
-        run_dir = OmegaConf.select(cfg, "run_dir", default=None, throw_on_resolution_failure=False)
-        if run_dir and distributed.detect().is_main:
-            rundir.discard_unused(Path(run_dir), since=LAUNCHED)
 
 
 def exit_code(e: Optional[BaseException]) -> int:

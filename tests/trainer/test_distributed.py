@@ -70,6 +70,18 @@ def test_a_plain_launch_claims_a_run_dir_no_other_launch_has(tmp_path, monkeypat
     assert distributed.claim_run_dir(parent) == first
 
 
+def test_a_claim_never_loops_on_a_file_in_the_way_and_removal_stops_at_a_used_dir(tmp_path):
+    (tmp_path / "outputs").write_text("a file where the dated dirs go")
+    assert distributed._claim(str(tmp_path / "outputs" / "day" / "time")) == (
+        str(tmp_path / "outputs" / "day" / "time"), False)
+    used, empty = tmp_path / "used", tmp_path / "used" / "day" / "time"
+    empty.mkdir(parents=True)
+    (used / "train.log").write_text("x")
+    distributed._remove_empty([str(tmp_path / "gone"), str(empty), str(empty.parent),
+                               str(used)])
+    assert not empty.parent.exists() and used.is_dir()
+
+
 def test_a_launch_that_ran_nothing_leaves_no_claimed_dir(tmp_path):
     proc = run_cli(["--cfg", "hydra", "--resolve"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

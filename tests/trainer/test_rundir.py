@@ -7,14 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from data.cache import OWNER, reclaim_shm
 from tests.helpers import run_cli
-from trainer import checkpoint, rundir
+from trainer import rundir
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.loop import Callback
@@ -181,36 +180,19 @@ def test_status_names_how_the_run_ended(tmp_path, code, word):
                                     if code == 75 else None)
 
 
-def test_discard_unused_removes_only_new_empty_dirs_below_the_stop(tmp_path):
-    old = tmp_path / "old"
-    old.mkdir()
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "train.log").write_text("x")
-    since = time.time() - 1  # file times come from a clock a tick behind time.time()
-    os.utime(old, (since - 60, since - 60))  # made before the launch: the user's own dir
-    new = tmp_path / "outputs" / "day" / "time"
-    new.mkdir(parents=True)
-    rundir.discard_unused(new, since, stop=tmp_path)
-    assert not (tmp_path / "outputs").exists()  # the run dir and its dated parents
-    for kept in (old, tmp_path / "full"):
-        rundir.discard_unused(kept, since, stop=tmp_path)
-        assert kept.is_dir()
-    elsewhere = tmp_path / "elsewhere" / "run"
-    elsewhere.mkdir(parents=True)
-    rundir.discard_unused(elsewhere, since, stop=tmp_path / "cwd")
-    assert not elsewhere.exists() and elsewhere.parent.is_dir()  # parents outside the stop stay
-
-
-def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_path):
-    bad = "data.num_workers=-1"
+@pytest.mark.parametrize("bad", ["data.num_workers=-1",  # refused before the lock
+                                 "model._target_=nope.Model"])  # after it, building
+def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_path, bad):
     proc = run_cli([bad], cwd=tmp_path)  # the default dated dir under outputs/
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("stoker: error: data.num_workers=-1")
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"stoker: error: {bad}")
     assert list(tmp_path.iterdir()) == []
-    mine = tmp_path / "mine"
+    mine, runs = tmp_path / "mine", tmp_path / "runs"
     mine.mkdir()
+    runs.mkdir()
     assert run_cli([bad, f"hydra.run.dir={mine}"], cwd=tmp_path).returncode == 2
-    assert mine.is_dir()
+    assert run_cli([bad, f"hydra.run.dir={runs / 'a'}"], cwd=tmp_path).returncode == 2
+    assert mine.is_dir() and runs.is_dir()  # dirs the user made are theirs
 
 
 def test_the_resume_overrides_are_the_launchs_own(tmp_path):
