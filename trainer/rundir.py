@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import time
@@ -174,12 +175,18 @@ _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
 
 def resume_args(run_dir: Path) -> str:
     """The overrides that resume the run in `run_dir`, quoted for a shell: the launch's own
-    (the same model, data and settings; a user's config dir named by `hydra.searchpath`, a
-    config other than train.yaml) with `trainer.resume=auto hydra.run.dir=<run dir>` (the
-    default run dir is a new one per launch: trainer.resume=auto alone would start afresh
-    elsewhere)."""
-    args = [*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={run_dir}"]
+    (the same model, data and settings; its config dirs and config name; its Hydra settings but
+    the run and sweep dirs, mode, launcher and sweeper) with `trainer.resume=auto
+    hydra.run.dir=<run dir>` (the default run dir is a new one per launch: trainer.resume=auto
+    alone would start afresh elsewhere)."""
+    args = [*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={_hydra_quoted(run_dir)}"]
     return " ".join(shlex.quote(a) for a in args)
+
+
+# Hydra overrides of where and how a launch ran, not of what it trains: a resume names its own
+_NOT_CARRIED = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.launcher.", "hydra.sweeper.",
+                "hydra/launcher", "hydra/sweeper", "hydra.job.num", "hydra.job.id")
+_PLAIN = re.compile(r"[\w/.\-+:@%]+")
 
 
 def _launch_args() -> List[str]:
@@ -188,11 +195,26 @@ def _launch_args() -> List[str]:
     if not HydraConfig.initialized():
         return []  # called from Python: the caller's config is the caller's to keep
     h = HydraConfig.get()
-    name = h.job.config_name
-    args = [] if name in (None, "train") else ["--config-name", str(name)]
-    args += [a for a in h.overrides.hydra if a.lstrip("+").startswith("hydra.searchpath=")]
+    args = [] if h.job.config_name in (None, "train") else ["--config-name", h.job.config_name]
+    for source in h.runtime.config_sources:
+        if source.schema == "file" and source.provider == "command-line":
+            args += ["--config-dir", source.path]
+        elif source.schema == "file" and source.provider == "main" and \
+                Path(source.path).resolve() != (Path(__file__).parents[1] / "conf").resolve():
+            args += ["--config-path", source.path]
+    args += [a for a in h.overrides.hydra if not a.lstrip("+~").startswith(_NOT_CARRIED)]
     return args + [a for a in h.overrides.task
                    if a.lstrip("+~").split("=", 1)[0] != "trainer.resume"]
+
+
+def _hydra_quoted(value: Any) -> str:
+    """`value` as a Hydra override reads it back: quoted where it holds `=`, `,`, spaces,
+    brackets or quotes (a sweep's `optim.lr=0.1,seed=1` job dir)."""
+    text = str(value)
+    if _PLAIN.fullmatch(text):
+        return text
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)  # a quote, escaped
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"  # a final backslash
 
 
 def write_status(run_dir: Path, code: int, error: str) -> None:
