@@ -49,7 +49,10 @@ class RunLogger:
             return 0
         run_dir, tensorboard = self.run_dir, self.tensorboard
         run_dir.mkdir(parents=True, exist_ok=True)
-        dropped = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": validated_step})
+        # a validation before `step` ended before the checkpoint; one at `step` is in it only
+        # if the checkpoint says so (else it is run again)
+        val_last = step if validated_step >= step else step - 1
+        dropped = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": val_last})
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
             self._tb = EventFile(run_dir / "tensorboard", purge_after=step)
@@ -135,9 +138,11 @@ class EventFile:
 
         self._event, self._summary = Event, Summary
         logdir.mkdir(parents=True, exist_ok=True)
-        # TensorBoard's naming: the files of one directory are read in the order of their names
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                f"{os.getpid()}.{next(_FILE_IDS)}")
+        # TensorBoard reads a directory's files in the order of their names: microseconds
+        # first, so a resumed run's file (whose purge event must come last) sorts after the
+        # files of earlier processes and of this one
+        name = (f"events.out.tfevents.{time.time_ns() // 1000:016d}.{socket.gethostname()}."
+                f"{os.getpid()}.{next(_FILE_IDS):04d}")
         self._file = open(logdir / name, "xb")  # never another file's records
         self._records = RecordWriter(self._file)
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))

@@ -94,3 +94,20 @@ def test_a_logger_rewrites_nothing_when_no_row_is_past_its_step(tmp_path):
     assert logger.open() == 0
     logger.close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"split": "train", "step": 0, "loss": 1}\n'
+
+
+def test_validations_before_the_resumed_step_stay_and_one_at_it_only_if_it_was_saved(tmp_path):
+    def rows_after(step, validated_step):
+        (tmp_path / "metrics.jsonl").write_text("".join(
+            json.dumps({"split": split, "step": s, "loss": 1.0}) + "\n"
+            for split, s in [("val", 2), ("train", 4), ("val", 4), ("train", 6)]))
+        logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False,
+                           progress_bar=False)
+        logger.open(step, validated_step)
+        logger.close()
+        return [(r["split"], r["step"]) for r in map(
+            json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+
+    assert rows_after(4, 4) == [("val", 2), ("train", 4), ("val", 4)]
+    # saved before step 4's validation (or a checkpoint that does not record it): run again
+    assert rows_after(4, 2) == rows_after(4, -1) == [("val", 2), ("train", 4)]
