@@ -120,21 +120,35 @@ class RunDirLock:
 
 
 def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
-    """A fresh run (`resume` null) must not write over another run's checkpoints or outputs."""
+    """A fresh run (`resume` null) must not write over another run's checkpoints or outputs;
+    nor a `resume=auto` that finds no checkpoint where a finished run left its summary (one
+    run with trainer.save_checkpoint=false: starting over would drop its metrics)."""
+    run_dir = Path(run_dir)
+    summary = run_dir / "summary.json"
+    if resume == "auto" and not checkpoint.candidates(run_dir) and summary.is_file() \
+            and summary.stat().st_size:
+        raise CheckpointError(
+            f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json and "
+            f"no checkpoint to continue from; start in a new dir ({_dir_key()}=...); nothing "
+            "was changed")
     if resume is not None:
         return
-    run_dir = Path(run_dir)
     found = checkpoint.candidates(run_dir)
     outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
                and (run_dir / name).stat().st_size]
     if found or outputs:
-        from hydra.core.hydra_config import HydraConfig
-
         what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
-        key = "hydra.run.dir" if HydraConfig.initialized() else "run_dir"  # (from Python)
         raise CheckpointError(
             f"run dir {run_dir} holds another run's {what}: continue it with "
-            f"trainer.resume=auto, or start in a new dir ({key}=...); nothing was changed")
+            f"trainer.resume=auto, or start in a new dir ({_dir_key()}=...); nothing was "
+            "changed")
+
+
+def _dir_key() -> str:
+    """The key that names the run dir: Hydra's on the command line, run_dir from Python."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return "hydra.run.dir" if HydraConfig.initialized() else "run_dir"
 
 
 def record_hydra(run_dir: Path, cfg: DictConfig) -> None:

@@ -228,3 +228,14 @@ def test_from_python_the_refusal_names_the_run_dir_key(make_cfg, tmp_path):
     assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
     with pytest.raises(CheckpointError, match=r"or start in a new dir \(run_dir=\.\.\.\); "):
         train(make_cfg(*QUICK, run_dir=run_dir))
+
+
+def test_resume_auto_without_a_checkpoint_keeps_a_finished_runs_files(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    assert train(make_cfg(*QUICK, "trainer.save_checkpoint=false", run_dir=run_dir))[
+        "steps"] == 4
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"^trainer.resume=auto: run dir .* holds a "
+                                              r"finished run's summary.json and no checkpoint"):
+        train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=run_dir))
+    assert snapshot(run_dir) == before
