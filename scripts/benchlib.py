@@ -63,8 +63,8 @@ def write_json(path: Path, payload: Dict[str, Any]) -> None:
 
 
 def default_out(name: str) -> Path:
-    """Where a benchmark writes its JSON unless told (--out): under outputs/, which git
-    ignores, not into the directory it runs from."""
+    """Where a benchmark writes its JSON unless told (--out): outputs/benchmarks/ of the
+    directory it runs from (git ignores outputs/ in the project), not the directory itself."""
     return Path("outputs") / "benchmarks" / f"{name}.json"
 
 

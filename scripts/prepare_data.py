@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -94,13 +95,16 @@ def use_args(fmt: str, out: Path, d, meta: Dict[str, Any]) -> str:
     """The overrides that train on what was written: image files in shards are decoded while
     training, so the crop the source named (data.dataset.size, resize) goes with them;
     arrays hold it already."""
-    args = ["data=shards" if fmt == "shards" else "data=memmap", f"data.dataset.root={out}"]
+    args = ["data=shards" if fmt == "shards" else "data=memmap",
+            f"data.dataset.root={shlex.quote(str(out))}"]
+    source = d.get("dataset") or d.get("train_dataset") or {}  # (train and val: one crop)
     if fmt == "shards" and meta.get("classes"):
-        args += [f"data.dataset.{k}={d.dataset[k]}" for k in ("size", "resize")
-                 if d.dataset.get(k) is not None]
+        args += [f"data.dataset.{k}={source[k]}" for k in ("size", "resize")
+                 if source.get(k) is not None]
     if meta.get("classes"):  # images: the reference CNN
         args.append("model=cnn")
     return " ".join(args)
+
 
 if __name__ == "__main__":
     main()

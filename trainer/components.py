@@ -48,7 +48,8 @@ def locate(path: str, key: str) -> Callable:
         for j, attr in enumerate(parts[i:], start=i):
             if not hasattr(obj, attr):
                 owner = ".".join(parts[:j])
-                if j == i and hasattr(obj, "__path__"):  # a package: a module was meant
+                # a package, and more names after this one: a module was meant
+                if j == i and j < len(parts) - 1 and hasattr(obj, "__path__"):
                     raise ConfigError(f"{key}={path}: no module named '{owner}.{attr}' (and "
                                       f"{owner} has no attribute '{attr}')") from None
                 raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'") from None

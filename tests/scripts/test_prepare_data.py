@@ -70,3 +70,7 @@ def test_the_use_line_carries_the_crop_of_image_shards(tmp_path):
         f"data=memmap data.dataset.root={tmp_path} model=cnn")
     assert use_args("shards", tmp_path, OmegaConf.create({"dataset": {}}), digits) == (
         f"data=shards data.dataset.root={tmp_path}")
+    apart = OmegaConf.create({"dataset": None, "train_dataset": {"size": 32},
+                              "val_dataset": {"size": 32}})  # train and val named apart
+    assert use_args("shards", tmp_path / "my data", apart, images) == (
+        f"data=shards data.dataset.root='{tmp_path / 'my data'}' data.dataset.size=32 model=cnn")

@@ -44,6 +44,7 @@ def test_unknown_and_missing_arguments_are_named():
 
 @pytest.mark.parametrize("path,fragment", [
     ("trainer.models.MLPP", "trainer.models has no attribute 'MLPP'"),
+    ("torch.nn.Linearr", r"torch.nn has no attribute 'Linearr'$"),  # a class in a package
     ("nopkg.models.MLP", "no module named 'nopkg'"),
     # a package: the module is what was meant
     ("trainer.modelz.MLP", r"no module named 'trainer.modelz' \(and trainer has no attribute "
