@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -102,10 +103,10 @@ def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
     if (parent, stamp) in _claimed:
         return _claimed[(parent, stamp)]
     base = os.path.join(parent, stamp)
-    missing = [d for d in _ancestors(base) if not os.path.isdir(d)]
+    missing = [d for d in Path(base).parents if not d.is_dir()]  # innermost first
     path, ours = (base, True) if shared else _claim(base)
     if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
-        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing[::-1]]])
+        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
     _claimed[(parent, stamp)] = path
     return path
 
@@ -127,14 +128,6 @@ def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
         except OSError:
             break
     return base, False  # (every name taken: the run dir lock then refuses in one line)
-
-
-def _ancestors(path: str) -> List[str]:
-    parent, out = os.path.dirname(path), []
-    while parent and parent != os.path.dirname(parent):
-        out.append(parent)
-        parent = os.path.dirname(parent)
-    return out[::-1]  # outermost first
 
 
 def _remove_empty(folders: List[str]) -> None:

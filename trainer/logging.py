@@ -43,8 +43,8 @@ class RunLogger:
         """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing) for a run
         that goes on from optimizer step `step`, last validated at `validated_step`: rows an
         earlier attempt logged past them (killed after its last checkpoint, or before any) are
-        trained again, so they leave metrics.jsonl and TensorBoard hides them. Returns how many
-        rows of metrics.jsonl were dropped."""
+        trained again, so they leave metrics.jsonl and the event file starts with TensorBoard's
+        purge event (EventFile). Returns how many rows of metrics.jsonl were dropped."""
         if not self.write or self._jsonl is not None:
             return 0
         run_dir, tensorboard = self.run_dir, self.tensorboard

@@ -124,18 +124,16 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     nor a `resume=auto` that finds no checkpoint where a finished run left its summary (one
     run with trainer.save_checkpoint=false: starting over would drop its metrics)."""
     run_dir = Path(run_dir)
-    summary = run_dir / "summary.json"
-    if resume == "auto" and not checkpoint.candidates(run_dir) and summary.is_file() \
-            and summary.stat().st_size:
+    found = checkpoint.candidates(run_dir)
+    outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
+               and (run_dir / name).stat().st_size]
+    if resume == "auto" and not found and "summary.json" in outputs:
         raise CheckpointError(
             f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json and "
             f"no checkpoint to continue from; start in a new dir ({_dir_key()}=...); nothing "
             "was changed")
     if resume is not None:
         return
-    found = checkpoint.candidates(run_dir)
-    outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
-               and (run_dir / name).stat().st_size]
     if found or outputs:
         what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
         raise CheckpointError(

@@ -254,11 +254,11 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
     per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
+    n_rank = len(train_loader.sampler)
     if per_epoch == 0:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
-                          f"with {len(train_loader.sampler)} training samples on this rank "
+                          f"with {n_rank} training samples on this rank "
                           f"(data.drop_last={cfg.data.drop_last})")
-    n_rank = len(train_loader.sampler)
     too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
                 f"samples on this rank: every epoch is one batch of {n_rank}"]
                if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)

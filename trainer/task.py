@@ -96,6 +96,7 @@ class Task:
     """
 
     name = "task"
+    _call_checked = False  # the first call of the model was checked (`call`)
 
     def __init__(self, metrics: Optional[Mapping[str, Any]] = None,
                  input_key: Optional[str] = None, target_key: str = "labels",
@@ -121,7 +122,7 @@ class Task:
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
         inputs, _ = self.split(batch)
-        if type(inputs) is torch.Tensor and getattr(self, "_call_checked", False):
+        if type(inputs) is torch.Tensor and self._call_checked:
             return model(inputs)  # the common case, before the slower Mapping check
         if isinstance(inputs, Mapping):
             return self.call(model, kwargs=inputs, hint="set task.input_key to the batch entry "
@@ -183,7 +184,7 @@ class Task:
         """`model(*args, **kwargs)`; on the first call, arguments the model's `forward` cannot
         take are reported in one line (with `hint`) instead of a traceback from inside it."""
         kwargs = kwargs or {}
-        if getattr(self, "_call_checked", False):
+        if self._call_checked:
             return model(*args, **kwargs)
         self._call_checked = True
         module = unwrap(model) if isinstance(model, nn.Module) else model

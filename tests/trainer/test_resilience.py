@@ -43,10 +43,9 @@ def command(run_dir: Path, extra=(), nproc: int = 1, torchrun_args=()):
     return launcher(nproc, torchrun_args) + [f"hydra.run.dir={run_dir}", *JOB, *extra]
 
 
-def resume_line(*args, run_dir: Path) -> str:
+def resume_line(overrides, run_dir: Path) -> str:
     """The overrides a stopped run names to resume it: its own, then where to resume."""
-    flat = [a for group in args for a in ([group] if isinstance(group, str) else group)]
-    return " ".join(shlex.quote(a) for a in [*flat, "trainer.resume=auto",
+    return " ".join(shlex.quote(a) for a in [*overrides, "trainer.resume=auto",
                                              f"hydra.run.dir={run_dir}"])
 
 
@@ -136,16 +135,23 @@ def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after preemption")
 
 
-def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start_and_wait(command(run_dir, ["trainer.accumulate_grad_batches=2"]),
-                          until=lambda: logged_step(run_dir) >= 7)
+def preempted(run_dir: Path, extra, at_step: int):
+    """A one-process run sent SIGTERM once it logged `at_step`: its output and status.json,
+    after checking it exited 75 and says it was preempted."""
+    proc = start_and_wait(command(run_dir, extra),
+                          until=lambda: logged_step(run_dir) >= at_step)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out[-2000:]
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "preempted" and status["exit_code"] == 75
-    resume = resume_line(JOB, "trainer.accumulate_grad_batches=2", run_dir=run_dir)
+    return out, status
+
+
+def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    out, status = preempted(run_dir, ["trainer.accumulate_grad_batches=2"], at_step=7)
+    resume = resume_line([*JOB, "trainer.accumulate_grad_batches=2"], run_dir)
     assert status["resume"] == resume  # the launch's own overrides, then where to resume
     assert f"resume with {resume}\n" in out
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
@@ -156,15 +162,10 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
 
 def test_a_preempted_run_without_checkpoints_names_no_resume(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_and_wait(command(run_dir, ["trainer.save_checkpoint=false"]),
-                          until=lambda: logged_step(run_dir) >= 3)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 75, out[-2000:]
+    out, status = preempted(run_dir, ["trainer.save_checkpoint=false"], at_step=3)
     assert "; no checkpoint saved (trainer.save_checkpoint=false)" in out
     assert "resume with" not in out and not (run_dir / "checkpoints").exists()
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "preempted" and "resume" not in status
+    assert "resume" not in status
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
