@@ -379,3 +379,19 @@ class Empty(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         raise IndexError(i)
+
+
+class Scripted(torch.nn.Module):
+    """A validation metric whose values are given in advance (`Scripted.values`, one per
+    compute), to decide deterministically what a run's best checkpoint must be; which
+    direction is better it leaves to `trainer.checkpoint.mode`."""
+    values: List[float] = []
+
+    def update(self, preds, target) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def compute(self) -> torch.Tensor:
+        return torch.tensor(Scripted.values.pop(0))

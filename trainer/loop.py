@@ -88,6 +88,27 @@ class Callback:
     def after_epoch(self, loop: "Loop", val: Optional[Dict[str, float]]) -> None:
         """After every epoch, with its validation results (None when it did not validate)."""
 
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """What a resumed run must get back (None: nothing). Saved in every checkpoint under
+        the callback's class name, in types a weights-only load accepts (numbers, strings,
+        lists, dicts, tensors)."""
+        return None
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Receives what `state_dict` returned when the checkpoint a run resumes was saved."""
+
+
+def _callback_keys(callbacks: Sequence[Callback]) -> List[str]:
+    """Each callback's key in a checkpoint: its class name, numbered from the second of a
+    class (`Name`, `Name.1`, ...) in the order the callbacks were given."""
+    seen: Dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        keys.append(name if name not in seen else f"{name}.{seen[name]}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
 
 class Loop:
     """Runs epochs of training and validation over already-built components.
@@ -138,7 +159,15 @@ class Loop:
         return {"model": unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
-                **asdict(self.state)}
+                "callbacks": self._callback_states(), **asdict(self.state)}
+
+    def _callback_states(self) -> Dict[str, Any]:
+        states = {}
+        for key, cb in zip(_callback_keys(self.callbacks), self.callbacks):
+            state = cb.state_dict()
+            if state is not None:
+                states[key] = state
+        return states
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what `state_dict` saved (model weights already checked to fit)."""
@@ -149,6 +178,10 @@ class Loop:
         self.state = FitState(epoch=state["epoch"], step=state["step"],
                               position=state.get("position", 0),
                               validated_step=state.get("validated_step", -1))
+        saved = state.get("callbacks", {})
+        for key, cb in zip(_callback_keys(self.callbacks), self.callbacks):
+            if key in saved:
+                cb.load_state_dict(saved[key])
 
     def bad_steps(self) -> int:
         """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective

@@ -184,8 +184,29 @@ class Checkpointing(Callback):
                                              enabled=enabled and env.is_main)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode
         self.run_dir = run_dir
-        self.best: Optional[float] = None
+        self.best: Optional[float] = None  # the monitored value best.pt holds ...
+        self.best_step = -1  # ... and its step
         self.saved_validated = -1  # the saved state's validated_step
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """best.pt's value, so that a resumed run replaces it only with a better one."""
+        if not self.c.monitor or self.best is None:
+            return None
+        return {"monitor": self.c.monitor, "mode": self.mode, "value": self.best,
+                "step": self.best_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Takes the saved best only where it still describes this run's best.pt: the same
+        key and direction, and the file there (a checkpoint of another run starts afresh)."""
+        if ((state.get("monitor"), state.get("mode")) == (self.c.monitor, self.mode)
+                and (self.run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.BEST).exists()):
+            self.best, self.best_step = float(state["value"]), int(state["step"])
+
+    def best_record(self) -> Optional[Dict[str, Any]]:
+        """For the summary: what best.pt holds (None without a monitor or a validation)."""
+        if not self.c.monitor or self.best is None:
+            return None
+        return {"monitor": self.c.monitor, "value": self.best, "step": self.best_step}
 
     def save(self, loop, best: bool = False) -> None:
         """Saves the loop's state (collective); a step already saved is saved again only
@@ -235,7 +256,7 @@ class Checkpointing(Callback):
             better = (self.best is None or (value > self.best if self.mode == "max"
                                             else value < self.best))
             if better:
-                self.best, best = value, True
+                self.best, self.best_step, best = value, loop.state.step, True
         n = self.c.every_n_epochs
         if best or (n and loop.state.epoch % n == 0):
             self.save(loop, best=best)

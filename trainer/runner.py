@@ -342,6 +342,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         checkpointing.finish()
         summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
                                  if t.save_checkpoint else "")
+        best = checkpointing.best_record()
+        if best is not None and t.save_checkpoint:
+            summary["best"] = best
         skipped = skipped_files(loop)
         if skipped:
             distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."
@@ -439,3 +442,6 @@ def _final_summary(s: Dict[str, Any], env: DistEnv) -> None:
              "time%s%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
              s["run_checkpoint_s"], val, s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
              gpu, f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+    if "best" in s:
+        b = s["best"]
+        log.info("best.pt: step %d, %s %.4f", b["step"], b["monitor"], b["value"])

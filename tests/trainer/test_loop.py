@@ -1,13 +1,15 @@
-"""The loop learns, weights accumulated micro-batches exactly, and trains in fp32 and bf16."""
+"""The loop learns, weights accumulated micro-batches exactly, trains in fp32 and bf16, and
+hands callbacks their saved states on a resume."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import ROOT, final_weights
-from trainer.loop import window_plan
+from trainer.loop import Callback, window_plan
 from trainer.runner import train
 
 
@@ -160,3 +162,31 @@ def test_language_model_learns_synthetic_tokens(make_cfg):
                              "trainer.max_epochs=4", "optim.lr=0.003"))
     # the successor table explains 90% of next tokens (+ 1/32 of the rest by chance)
     assert summary["val_acc"] > 0.8 and summary["val_loss"] < 1.5
+
+
+class CountSteps(Callback):
+    """A user callback whose count must survive a resume."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def after_step(self, loop):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
+    first, second, stateless = CountSteps(), CountSteps(), Callback()
+    train(make_cfg("trainer.max_epochs=1"), callbacks=[first, stateless, second])
+    assert first.steps == second.steps == 23
+    again = [CountSteps(), Callback(), CountSteps()]
+    again[2].steps = -1  # a state left as it was would show
+    summary = train(make_cfg("trainer.max_epochs=2", "trainer.resume=auto"), callbacks=again)
+    assert summary["steps"] == again[0].steps == again[2].steps == 46
+    saved = torch.load(Path(summary["checkpoint"]), weights_only=True)["callbacks"]
+    assert saved == {"CountSteps": {"steps": 46}, "CountSteps.1": {"steps": 46}}

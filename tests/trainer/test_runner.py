@@ -170,6 +170,35 @@ def test_periodic_async_and_best_checkpoints(make_cfg, tmp_path):
     assert best["step"] in (23, 46, 69)
 
 
+def test_a_resumed_run_replaces_best_pt_only_with_a_better_value(make_cfg, tmp_path,
+                                                                 monkeypatch):
+    """best.pt's value travels in the checkpoint: a resumed run whose next validation is worse
+    keeps the earlier best.pt; a run started from another run's checkpoint has no best.pt of
+    its own, so its first validation makes one."""
+    from tests.helpers import Scripted
+
+    folder = tmp_path / "run" / "checkpoints"
+    args = ("+task.metrics.score._target_=tests.helpers.Scripted", "trainer.checkpoint.mode=min",
+            "trainer.checkpoint.monitor=val_score")
+    monkeypatch.setattr(Scripted, "values", [0.5, 0.3])
+    first = train(make_cfg("trainer.max_epochs=2", *args))
+    assert first["best"] == {"monitor": "val_score", "value": pytest.approx(0.3), "step": 46}
+    monkeypatch.setattr(Scripted, "values", [0.9])  # worse than 0.3, better than a fresh start
+    resumed = train(make_cfg("trainer.max_epochs=3", "trainer.resume=auto", *args))
+    assert resumed["steps"] == 69 and resumed["val_score"] == pytest.approx(0.9)
+    assert resumed["best"] == first["best"]
+    assert torch.load(folder / "best.pt", weights_only=True)["step"] == 46
+    last = torch.load(folder / "last.pt", weights_only=True)
+    assert last["callbacks"]["Checkpointing"] == {**first["best"], "mode": "min"}
+    monkeypatch.setattr(Scripted, "values", [0.9])
+    other = train(make_cfg("trainer.max_epochs=3", *args,
+                           f"trainer.resume={folder / 'step-00000046.pt'}",
+                           run_dir=tmp_path / "other"))
+    assert other["best"] == {"monitor": "val_score", "value": pytest.approx(0.9), "step": 69}
+    best = torch.load(tmp_path / "other" / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == 69 and Scripted.values == []
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
