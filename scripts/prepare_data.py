@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,13 +35,14 @@ import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import write_shards  # noqa: E402
-from trainer.cli import USER_ERRORS, fail  # noqa: E402
+from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
     """The command line; a wrong setting or an unreadable file is one line and exit 2."""
+    import_from_cwd()  # the user's own modules, as train.py finds them
     try:
         return prepare(argv)
     except (*USER_ERRORS, FileNotFoundError) as e:
@@ -52,13 +55,41 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--format", choices=["npy", "shards"], default="npy",
                    help="npy: decoded arrays for data=memmap; shards: tar shards for data=shards")
     p.add_argument("--shard-samples", type=int, default=1000, help="samples per tar shard")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out folder (once the new one is complete)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
     if a.shard_samples < 1:
         p.error("--shard-samples must be >= 1")
+    out = a.out
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out}: is a file; give a folder to write")
+    if out.is_dir() and any(out.iterdir()) and not a.overwrite:
+        p.error(f"--out {out}: exists and is not empty; give a new folder, or --overwrite to "
+                "replace it once the new one is complete")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
+    # written beside --out and moved there complete: a failure leaves --out as it was
+    stage = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        meta = write(cfg, a, stage, out)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            stage.rename(out)
+            shutil.rmtree(old)
+        else:
+            stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    print("use it: python train.py " + use_args(a.format, out, cfg.data, meta))
+    return meta
+
+
+def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:
+    """Writes the configured datasets into `stage` (named `out` in what it prints)."""
     d = cfg.data
+    stage.mkdir(parents=True)
     source = {k: OmegaConf.to_container(d[k], resolve=True)
               for k in ("dataset", "train_dataset", "val_dataset") if d[k] is not None}
     meta = {"source": source, "num_classes": d.num_classes, "splits": {}}
@@ -69,25 +100,24 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
         workers = cpu_workers(cfg.data, 1)
         classes = getattr(dataset, "classes", None)  # an image folder's class names
         if a.format == "shards":
-            index = write_shards(dataset, a.out / split, a.shard_samples, workers,
+            index = write_shards(dataset, stage / split, a.shard_samples, workers,
                                  seed=cfg.seed, num_classes=d.num_classes)
             meta["splits"][split] = sum(s["samples"] for s in index["shards"])
             what = f"{index['kind']} samples in {len(index['shards'])} shards"
         else:
-            shape = write_arrays(dataset, a.out / split, num_workers=workers)
+            shape = write_arrays(dataset, stage / split, num_workers=workers)
             meta["input_shape"] = list(shape)
-            meta["splits"][split] = len(MemmapDataset(split, str(a.out)))  # unreadable: left out
+            meta["splits"][split] = len(MemmapDataset(split, str(stage)))  # unreadable: left out
             what = f"samples of {list(shape)}"
             if classes is not None:  # images: normalised by default
                 meta.update(normalize_mean=list(d.normalize_mean or []) or None,
                             normalize_std=list(d.normalize_std or []) or None)
         if classes is not None:
             meta["classes"] = list(classes)
-        print(f"{split}: {meta['splits'][split]} {what} -> {a.out / split} "
+        print(f"{split}: {meta['splits'][split]} {what} -> {out / split} "
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()
-    (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print("use it: python train.py " + use_args(a.format, a.out, d, meta))
+    (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 

@@ -28,8 +28,10 @@ import trainer.config  # noqa: E402,F401  (registers the schema)
 from benchlib import default_out, machine, publish, table  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
+from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
+from trainer.task import batch_size  # noqa: E402
 
 COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
 
@@ -45,7 +47,7 @@ def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[st
     first = time.perf_counter() - start
     start, samples = time.perf_counter(), 0
     for _, batch in zip(range(batches), it):
-        samples += len(batch[1])
+        samples += batch_size(batch)  # any batch: (inputs, target), a dict, a dataclass...
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -53,6 +55,15 @@ def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[st
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The command line; a wrong setting is one line and exit 2."""
+    import_from_cwd()  # the user's own modules, as train.py finds them
+    try:
+        return tune(argv)
+    except USER_ERRORS as e:
+        fail(e)
+
+
+def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cpus = len(os.sched_getaffinity(0))
     p.add_argument("--workers", type=int, nargs="+",
@@ -61,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
     p.add_argument("--out", type=Path, default=default_out("tune_loader"))
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,8 +90,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                              **throughput(dataset, data_cfg, device, a.batches)})
     print(table(rows, COLUMNS))
     best = max(rows, key=lambda r: r["samples_per_s"])
-    line = (f"data.num_workers={best['num_workers']} "
-            f"data.prefetch_factor={best['prefetch_factor']}"
+    line = (f"data.num_workers={best['num_workers']}"  # (prefetching needs workers)
+            + (f" data.prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
             + (f" data.pin_memory={str(best['pin_memory']).lower()}" if len(pins) > 1 else ""))
     print(f"best: {best['samples_per_s']:.0f} samples/s with\n  {line}")
     result = {"machine": machine(), "device": str(device), "overrides": a.overrides,

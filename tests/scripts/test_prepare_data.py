@@ -74,3 +74,53 @@ def test_the_use_line_carries_the_crop_of_image_shards(tmp_path):
                               "val_dataset": {"size": 32}})  # train and val named apart
     assert use_args("shards", tmp_path / "my data", apart, images) == (
         f"data=shards data.dataset.root='{tmp_path / 'my data'}' data.dataset.size=32 model=cnn")
+
+
+USER_DATA = '''
+import torch
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, split, fail_at=-1):
+        self.n, self.fail_at = (40 if split == "train" else 10), fail_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} cannot be read")
+        return torch.full((3,), float(i)), i % 2
+'''
+
+
+@pytest.mark.slow
+def test_a_full_out_folder_is_replaced_only_when_asked_and_only_once_complete(tmp_path):
+    """--out holding files: refused without --overwrite; with it, a failed write leaves the
+    folder as it was and a finished one replaces it. The dataset is a module of the user's,
+    imported from the directory the command runs in, as train.py imports it."""
+    (tmp_path / "userdata.py").write_text(USER_DATA)
+    out = tmp_path / "packed"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier result")
+
+    def prepare(*extra):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
+                               "--out", "packed", "data.dataset._target_=userdata.Pairs",
+                               "~data.dataset.val_fraction", "~data.dataset.split_seed",
+                               "data.num_workers=0", *extra],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    refused = prepare()
+    assert refused.returncode == 2
+    assert "--out packed: exists and is not empty; give a new folder, or --overwrite" \
+        in refused.stderr
+    failed = prepare("--overwrite", "+data.dataset.fail_at=7")
+    assert failed.returncode != 0 and "sample 7 cannot be read" in failed.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # and no partial folder beside it
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    done = prepare("--overwrite")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train", "val"]
+    assert json.loads((out / "meta.json").read_text())["splits"] == {"train": 40, "val": 10}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert torch.equal(MemmapDataset("train", str(out))[7][0], torch.full((3,), 7.0))

@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside them
+
 
 @pytest.mark.slow
 def test_smoke_prints_best_override_line(tmp_path):
@@ -22,6 +24,43 @@ def test_smoke_prints_best_override_line(tmp_path):
     grid = [(r["num_workers"], r["prefetch_factor"]) for r in result["results"]]
     assert grid == [(0, 2), (1, 2), (1, 4)]  # prefetch_factor means nothing without workers
     assert all(r["samples_per_s"] > 0 for r in result["results"])
-    line = result["best_overrides"]
-    assert line.startswith("data.num_workers=") and "data.prefetch_factor=" in line
+    line, best = result["best_overrides"], result["best"]
+    assert line.startswith(f"data.num_workers={best['num_workers']}")
+    # with workers, their prefetch depth; without, none (it would mean nothing)
+    assert ("data.prefetch_factor=" in line) == (best["num_workers"] > 0)
     assert line in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_users_dict_samples_from_the_working_directory(tmp_path):
+    """The dataset's module is found where the command runs, as train.py finds it, and a dict
+    batch counts its samples as training counts them."""
+    (tmp_path / "dictdata.py").write_text(
+        "import torch\n"
+        "class Dicts(torch.utils.data.Dataset):\n"
+        "    def __init__(self, split):\n"
+        "        self.n = 96 if split == 'train' else 32\n"
+        "    def __len__(self):\n"
+        "        return self.n\n"
+        "    def __getitem__(self, i):\n"
+        "        return {'pixels': torch.zeros(4), 'label': i % 3}\n")
+    out = tmp_path / "tune.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tune_loader.py"), "data.dataset._target_="
+         "dictdata.Dicts", "~data.dataset.val_fraction", "~data.dataset.split_seed",
+         "data.batch_size=32", "--workers", "0", "--batches", "2", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads(out.read_text())["results"]
+    assert row["samples_per_s"] > 0 and "best:" in proc.stdout
+
+
+def test_a_wrong_setting_is_one_line(capsys):
+    from scripts.tune_loader import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["data.dataset._target_=nowhere.Dataset", "--workers", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stoker: error: data.dataset._target_=nowhere.Dataset: no module named "
+                          "'nowhere'") and "\n" not in err
