@@ -146,6 +146,7 @@ class Loop:
         self.callbacks = list(callbacks)
         self.phase = "training"  # training | validating | checkpointing: for the heartbeat
         self._forwarded = False  # no forward pass has succeeded yet
+        self._loss_checked = False  # the first training loss was checked (task.check_loss)
         self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
         # losses and the non-finite guard, kept on the device: no host sync per step
@@ -327,6 +328,9 @@ class Loop:
         else:
             with self._autocast():
                 loss = self.task.loss(self._forward(batch), batch)
+        if not self._loss_checked:
+            self.task.check_loss(loss)
+            self._loss_checked = True
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
         self.precision.backward(loss if one else loss * weight)

@@ -367,7 +367,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         return summary
     except BaseException as e:
         if writing:
-            rundir.write_status(run_dir, exit_code(e), describe(e))
+            # a crash (not a mistake the run names in one line) keeps its exception's type
+            crash = exit_code(e) == 1 and not isinstance(e, USER_ERRORS)
+            rundir.write_status(run_dir, exit_code(e),
+                                f"{type(e).__name__}: {describe(e)}" if crash else describe(e))
         raise
     finally:
         if loop is not None:  # run-on workers (data/runon.py), also after an error

@@ -241,6 +241,21 @@ class Task:
                              "(task.output_key)")
         return found
 
+    def check_loss(self, loss: Any) -> None:
+        """The first training loss, checked once: what backward needs, said in one line
+        instead of autograd's traceback."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 \
+                or not loss.is_floating_point():
+            raise self.error(f"{type(self).__name__}.loss(output, batch) returned no loss "
+                             "backward can start from", loss,
+                             expected="a 0-d floating tensor (the mean over the batch)",
+                             fix="reduce it, e.g. reduction='mean'")
+        if not loss.requires_grad:
+            raise self.error(f"{type(self).__name__}.loss(output, batch) returned a loss that "
+                             "does not depend on the model's parameters", loss,
+                             fix="compute it from the model's output (not detached, not "
+                             "under torch.no_grad)")
+
     def error(self, what: str, got: Any, expected: str = "", fix: str = "") -> TaskError:
         text = f"task {self.name}: {what}: got {describe(got)}"
         return TaskError(text + (f"; expected {expected}" if expected else "")

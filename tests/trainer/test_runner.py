@@ -199,6 +199,16 @@ def test_a_resumed_run_replaces_best_pt_only_with_a_better_value(make_cfg, tmp_p
     assert best["step"] == 69 and Scripted.values == []
 
 
+def test_a_crash_keeps_its_exception_type_in_status_json(make_cfg, tmp_path):
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg("data.dataset._target_=tests.helpers.FailingOnRankDigits",
+                       "+data.dataset.fail_rank=0", "+data.dataset.fail_index=100",
+                       "data.num_workers=0"))
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and status["exit_code"] == 1
+    assert status["error"] == "RuntimeError: injected failure on rank None"
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 

@@ -392,6 +392,14 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["data.cache=memory", "data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
       "data.input_shape=[1,8,8]"], "data.cache and scripts/prepare_data.py need a dataset of "
                                    "(input, target) tensor pairs"),
+
+    (["task._target_=tests.helpers.PerSampleLoss"],
+     "task classification: PerSampleLoss.loss(output, batch) returned no loss backward can "
+     "start from: got tensor(64,) float32; expected a 0-d floating tensor (the mean over the "
+     "batch); reduce it, e.g. reduction='mean'"),
+    (["task._target_=tests.helpers.DetachedLoss"],
+     "task classification: DetachedLoss.loss(output, batch) returned a loss that does not "
+     "depend on the model's parameters: got tensor() float32"),
 ])
 def test_user_mistakes_fail_before_training_with_one_line(make_cfg, args, fragment):
     with pytest.raises(ConfigError) as info:
