@@ -1,7 +1,7 @@
 """Image files: a folder per class, decoded with Pillow in the loader's workers.
 
-    root/train/<class>/<file>.jpg|jpeg|png
-    root/val/<class>/<file>.jpg|jpeg|png
+    root/train/<class>/<file>.jpg|jpeg|png|bmp|gif|tif|tiff|webp   (subfolders of a class too)
+    root/val/<class>/<file>...
 
 `ImageFolder` decodes, resizes the shorter side to `resize` and centre-crops `size` x `size`,
 and returns uint8 CHW tensors: a quarter of float32's bytes through the worker queues and the
@@ -43,7 +43,8 @@ from torch.utils.data import Dataset, default_collate
 from data.batchpool import batch_buffer, hand_out
 from trainer.config import ConfigError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+# what Pillow reads in its wheels (GIF: the first frame; TIFF: the first page)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 SPLIT_DIRS = {"train": "train", "val": "val"}
 ON_ERROR = ("skip", "fail")
 log = logging.getLogger("stoker")
@@ -93,12 +94,22 @@ def find_images(folder: Path, classes: Sequence[str],
     if unknown:
         raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
                          f"{unknown[:5]}; every class needs training images")
-    samples = []
+    samples, others = [], []
     for name in found:
         for dirpath, dirnames, filenames in os.walk(folder / name, followlinks=True):
             dirnames.sort()
-            samples += [(os.path.join(dirpath, f), index[name]) for f in sorted(filenames)
-                        if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")]
+            for f in sorted(filenames):
+                if f.startswith("."):
+                    continue
+                if f.lower().endswith(IMAGE_EXTENSIONS):
+                    samples.append((os.path.join(dirpath, f), index[name]))
+                else:
+                    others.append(os.path.join(dirpath, f))
+    if others and os.environ.get("RANK", "0") == "0":  # (every rank lists the same files)
+        log.warning("data: %d %s under %s/<class>/ not %s, left out (e.g. %s)", len(others),
+                    "file" if len(others) == 1 else "files", folder,
+                    "/".join(e[1:] for e in IMAGE_EXTENSIONS),
+                    ", ".join(os.path.relpath(p, folder) for p in others[:3]))
     if not samples:
         raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
                          f"{folder}/<class>/")
@@ -108,6 +119,11 @@ def find_images(folder: Path, classes: Sequence[str],
             raise ValueError(f"data.dataset.root: class folders without images under "
                              f"{folder}: {empty[:5]}; every class needs training images")
     return samples
+
+
+# what `decode_into` makes of a file, versioned: caches keyed by a fingerprint holding it are
+# rebuilt when it changes (2: 16-bit grayscale scaled to 8 bits, no longer clipped)
+DECODER = 2
 
 
 def decode(source: Any, size: int, resize: int) -> torch.Tensor:
@@ -128,6 +144,11 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int) -> None:
             # DCT scaling inside libjpeg: never below the requested size
             img.draft("RGB", (resize * img.size[0] // min(img.size),
                               resize * img.size[1] // min(img.size)))
+        if img.mode.startswith("I;16") or img.mode == "I":
+            # 16-bit grayscale (PNG, TIFF): Pillow's conversion clips it at 255, which turns
+            # all but the darkest pixels white; keep the top 8 of the 16 bits instead
+            wide = np.clip(np.asarray(img), 0, 65535).astype(np.uint32)
+            img = Image.fromarray((wide >> 8).astype(np.uint8), "L")
         if img.mode != "RGB":  # (converting an RGB image would only copy it)
             img = img.convert("RGB")
         w, h = img.size
@@ -264,7 +285,7 @@ class ImageFolder(Dataset):
         """What identifies the decoded samples: the files (names, sizes, times) and settings;
         a cache keyed by it is rebuilt when any of them changes."""
         files = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p, _ in self.samples]
-        return repr((self.classes, self.size, self.resize, files))
+        return repr((DECODER, self.classes, self.size, self.resize, files))
 
     def __getitem__(self, i: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         image = torch.empty((3, self.size, self.size), dtype=torch.uint8)

@@ -110,7 +110,8 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
                  cores: int, in_memory: bool, placement: str = "host",
                  why_not_device: Optional[str] = None, streamed: bool = False,
                  mapped: bool = False, uint8_images: bool = False,
-                 gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False) -> str:
+                 gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False,
+                 converted: bool = False) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time
     (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
 
@@ -124,14 +125,21 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
     and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
     not a steady shortfall). `pairs`: a sample is an (input, target) pair, which data.cache
-    can hold; `whole_set`: one batch holds the rank's whole training set already.
+    can hold; `whole_set`: one batch holds the rank's whole training set already;
+    `converted`: the prefetcher turns each batch into normalised floats (uint8 samples) or
+    augments it, in the wait.
     """
     pct = f"{100 * wait_frac:.0f}%"
     n = workers
     on = f"{_count(n, 'worker')} on {_count(cores, 'core')}"
     bigger = ("data.batch_size holds the whole training set already" if whole_set
               else "raise data.batch_size")
-    if placement == "device":
+    if placement == "device" and converted and device.type == "cpu":
+        fix = ("the batches are formed on the device already; the wait is their conversion to "
+               "normalised floats (and augmentation), which on a CPU is compute like the step "
+               "itself: neither workers nor a larger batch hide it (a GPU does it in "
+               "microseconds)")
+    elif placement == "device":
         fix = ("the batches are formed on the device already: the wait is the indexing itself; "
                + bigger)
     elif in_memory and why_not_device is None:
@@ -154,7 +162,9 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     elif n < cores:
         fix = (f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has; "
                "scripts/tune_loader.py with your overrides measures which is faster, since a "
-               "cheap sample can cost more to hand over from a worker than to make)")
+               "cheap sample can cost more to hand over from a worker than to make"
+               + ("; on a CPU the workers share the cores with the training itself, so compare "
+                  "whole runs too)" if device.type == "cpu" else ")"))
     elif not cfg.persistent_workers:
         fix = "set data.persistent_workers=true (workers restart every epoch)"
     elif device.type == "cuda" and not cfg.pin_memory:
@@ -174,18 +184,31 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
                "auto, on the device) if it fits" + ("" if whole_set else ", else raise "
                                                     "data.batch_size"))
     elif not pairs:  # data.cache and prepare_data.py take (input, target) pairs only
-        fix = (f"the loader is CPU-bound: {on} cannot prepare samples faster; pay per-sample "
-               "work once: compute what the dataset's __getitem__ computes (decoding, "
-               "tokenizing) ahead of the run and load the results")
+        fix = (f"the loader is CPU-bound: {on} cannot prepare samples faster; if making a "
+               "sample is cheap (indexing tensors), handing it over from a worker costs more: "
+               "compare data.num_workers=0 (scripts/tune_loader.py measures both); else pay "
+               "per-sample work once: compute what the dataset's __getitem__ computes "
+               "(decoding, tokenizing) ahead of the run and load the results")
     else:
         fix = (f"the loader is CPU-bound: {on} cannot decode faster; pay "
                "per-sample work once (data.cache=memory or shm if the decoded data fits in "
                "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
-                   "; or store the images at the size they are cropped to" if uint8_images else
+                   f"; or store the images smaller: {_stored_size(cfg)}" if uint8_images else
                    "; if samples are images, ship uint8 and augment on the device "
                    "(data.augment)"))
     what = "the GPU stood idle for data" if gpu_idle else "steps waited for data"
     return f"{what} {pct} of the time: {fix}"
+
+
+def _stored_size(cfg: DataConfig) -> str:
+    """The size images need no larger than: the shorter side decoding resizes them to."""
+    ds = getattr(cfg, "dataset", None) or getattr(cfg, "train_dataset", None) or {}
+    size, resize = ds.get("size"), ds.get("resize")
+    if resize is None and isinstance(size, int):
+        resize = round(size / 0.875)  # data/images.py's default
+    return (f"their shorter side at {resize} px, what decoding resizes them to "
+            "(data.dataset.resize) before the crop" if resize is not None else
+            "their shorter side at what decoding resizes them to (data.dataset.resize)")
 
 
 def _count(n: int, noun: str) -> str:

@@ -8,7 +8,7 @@ A split is `<root>/<split>/index.json` (the shards, in order, with their sample 
 the tar shards it names, read with WebDataset (`webdataset.gopen`: local paths, `file:`,
 `http(s)://` through curl, `pipe:` commands such as `pipe:aws s3 cp s3://bucket/x.tar -`;
 nothing is downloaded ahead). A sample is a group of tar members sharing a key:
-`<key>.jpg|jpeg|png` + `<key>.cls` (an image folder's files as they were, decoded in the
+`<key>.<image extension>` + `<key>.cls` (an image folder's files as they were, decoded in the
 workers like `data=image_folder`) or `<key>.x.npy` + `<key>.y.npy` (any dataset's tensors).
 
 How an epoch is cut (`ShardPlan`), all of it a pure function of (seed, epoch, world size,

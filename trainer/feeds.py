@@ -229,7 +229,7 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
     why = f"; not batched on the device: {why_not}" \
         if why_not and d.placement != "host" and rows_of(dataset) is not None else ""
     return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with {workers} "
-            f"workers (data.num_workers={d.num_workers}, data.placement={d.placement}){why}")
+            f"worker{'' if workers == 1 else 's'} (data.num_workers={d.num_workers}, data.placement={d.placement}){why}")
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,
@@ -247,7 +247,17 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         streamed=isinstance(loader.dataset, ShardStream),
                         uint8_images=getattr(loader.dataset, "uint8_images", False) is True,
                         gpu_idle=gpu_idle, pairs=_pair_samples(loader.dataset),
-                        whole_set=_one_batch(loader, d.batch_size))
+                        whole_set=_one_batch(loader, d.batch_size),
+                        converted=_converted(feed))
+
+
+def _converted(feed: DevicePrefetcher) -> bool:
+    """Whether the feed's transform works on each batch in the wait: uint8 samples turned into
+    normalised floats, or an augmentation."""
+    if not getattr(feed.transform, "identity", False):
+        return True
+    tensors = getattr(feed.loader, "tensors", None) or tensors_of(feed.loader.dataset)
+    return tensors is not None and tensors[0].dtype == torch.uint8
 
 
 def _pair_samples(dataset) -> bool:

@@ -40,6 +40,8 @@ from trainer.task import Task
 
 log = logging.getLogger("stoker")
 STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
+STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a shorter one's
+# wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
 
 
 def run(cfg: DictConfig) -> Dict[str, Any]:
@@ -361,7 +363,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
         gpu_idle = "run_device_wait_frac" in summary
         stalled = summary["run_device_wait_frac" if gpu_idle else "run_data_wait_frac"]
-        if stalled > STALL_ADVICE_ABOVE:
+        if stalled > STALL_ADVICE_ABOVE and loop.state.step >= STALL_ADVICE_STEPS \
+                and not t.fast_dev_run:
             logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
                                           env.local_world_size, gpu_idle))
         return summary

@@ -80,6 +80,43 @@ def test_samples_are_pillows_resize_and_centre_crop_bit_for_bit(tmp_path, mode):
         assert out.is_contiguous() and out.numpy().flags.writeable  # owned, not Pillow's bytes
 
 
+@pytest.mark.parametrize("name", ["g16.png", "g32.tif"])
+def test_16_bit_grayscale_keeps_its_top_8_bits_not_a_clipped_white(tmp_path, name):
+    """Pillow opens a 16-bit PNG as I;16 (a TIFF of int32 as I); its own conversion to RGB
+    clips every value above 255 to white."""
+    from PIL import Image
+
+    wide = (np.arange(48 * 48).reshape(48, 48) * 28).astype(np.uint16)  # 0 .. 64484
+    Image.fromarray(wide if name.endswith("png") else wide.astype(np.int32)).save(
+        tmp_path / name)
+    out = decode(tmp_path / name, 48, 48)
+    want = torch.from_numpy((wide >> 8).astype(np.uint8))
+    assert all(torch.equal(out[c], want) for c in range(3))
+
+
+def test_every_format_pillow_reads_is_found_and_other_files_are_named_once(tmp_path, caplog):
+    from PIL import Image
+
+    pixels = (np.arange(20 * 30 * 3) % 251).astype(np.uint8).reshape(20, 30, 3)
+    cls = tmp_path / "train" / "a"
+    (cls / "deeper").mkdir(parents=True)
+    names = ["0.bmp", "1.gif", "2.tif", "3.tiff", "4.webp", "5.PNG", "deeper/6.jpeg"]
+    for name in names:
+        Image.fromarray(pixels).save(cls / name)
+    (cls / "notes.txt").write_text("not an image")
+    (cls / ".hidden.png").write_bytes(b"")  # hidden files: neither read nor named
+    (tmp_path / "train" / "b").mkdir()
+    Image.fromarray(pixels).save(tmp_path / "train" / "b" / "7.png")
+    with caplog.at_level("WARNING", logger="stoker"):
+        folder = ImageFolder("train", str(tmp_path), size=16)
+    assert [p.split("/train/")[1] for p, _ in folder.samples] == [
+        *(f"a/{n}" for n in names), "b/7.png"]
+    assert all(folder[i][0].shape == (3, 16, 16) for i in range(len(folder)))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data: 1 file under {tmp_path / 'train'}/<class>/ not jpg/jpeg/png/bmp/gif/tif/tiff/"
+        "webp, left out (e.g. a/notes.txt)"]
+
+
 def test_jpeg_draft_decoding_matches_a_full_decode_closely(tmp_path):
     from PIL import Image
 
@@ -103,7 +140,7 @@ def test_unknown_val_classes_and_empty_or_missing_roots_are_one_line(folder, tmp
     with pytest.raises(ValueError, match="has 1 class subfolder; a classifier needs two"):
         ImageFolder("train", str(tmp_path / "empty"))
     (tmp_path / "empty" / "train" / "dog").mkdir()
-    with pytest.raises(ValueError, match="no .jpg/.jpeg/.png files"):
+    with pytest.raises(ValueError, match="no .jpg/.jpeg/.png/.bmp/.gif/.tif/.tiff/.webp files"):
         ImageFolder("train", str(tmp_path / "empty"))
     import shutil
 

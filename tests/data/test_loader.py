@@ -111,6 +111,8 @@ def test_loader_passes_timeout_and_context():
      "cannot stay on the device (data.collate_fn is set): set data.num_workers=0"),
     (dict(), dict(workers=0), "cpu", "raise data.num_workers from 0 to 4 (the CPU cores this "
      "rank has; scripts/tune_loader.py with your overrides measures which is faster"),
+    (dict(), dict(workers=0), "cpu", "; on a CPU the workers share the cores with the training "
+     "itself, so compare whole runs too)"),
     (dict(), dict(workers=1, in_memory=True), "cpu", "(the one worker only copies them)"),
     (dict(), dict(workers=8), "cpu", "more than the 4 CPU cores this rank has"),
     (dict(persistent_workers=False), dict(workers=4), "cpu", "data.persistent_workers=true"),
@@ -119,12 +121,27 @@ def test_loader_passes_timeout_and_context():
     (dict(), dict(workers=4), "cpu", "data.cache=memory or shm if the decoded data fits"),
     (dict(), dict(workers=4), "cpu", "if samples are images, ship uint8"),
     (dict(), dict(workers=4, uint8_images=True), "cpu",
-     "data=memmap); or store the images at the size they are cropped to"),
+     "data=memmap); or store the images smaller: their shorter side at what decoding resizes "
+     "them to (data.dataset.resize)"),
+    (dict(dataset={"size": 32, "resize": None}), dict(workers=4, uint8_images=True), "cpu",
+     "store the images smaller: their shorter side at 37 px, what decoding resizes them to "
+     "(data.dataset.resize) before the crop"),
+    (dict(dataset={"size": 32, "resize": 32}), dict(workers=4, uint8_images=True), "cpu",
+     "their shorter side at 32 px"),
+    (dict(), dict(workers=0, in_memory=True, placement="device", converted=True), "cpu",
+     "the wait is their conversion to normalised floats (and augmentation), which on a CPU is "
+     "compute like the step itself: neither workers nor a larger batch hide it"),
+    (dict(), dict(workers=0, in_memory=True, placement="device", converted=True), "cuda",
+     "the indexing itself; raise data.batch_size"),
+    (dict(), dict(workers=0), "cuda", "measures which is faster, since a cheap sample can cost "
+     "more to hand over from a worker than to make)"),
     (dict(cache="shm"), dict(workers=4), "cpu", "CPU-bound reading data.cache=shm: 4 workers"),
     (dict(), dict(workers=4, streamed=True), "cpu", "cannot decode the streamed shards faster"),
     (dict(), dict(workers=1, cores=1, streamed=True), "cpu", ": 1 worker on 1 core cannot"),
     (dict(), dict(workers=4, pairs=False), "cpu", "4 workers on 4 cores cannot prepare samples "
-     "faster; pay per-sample work once: compute what the dataset's __getitem__ computes"),
+     "faster; if making a sample is cheap (indexing tensors), handing it over from a worker "
+     "costs more: compare data.num_workers=0 (scripts/tune_loader.py measures both); else pay "
+     "per-sample work once: compute what the dataset's __getitem__ computes"),
     (dict(cache="disk"), dict(workers=2, mapped=True, why_not_device="its arrays take 300.0 MB "
                               "> data.device_budget_mb"), "cpu",
      "read by loader workers because its arrays take 300.0 MB > data.device_budget_mb: raise "
@@ -143,7 +160,7 @@ def test_stall_advice_names_the_fix(overrides, kw, device, expected):
         assert "ship uint8" not in line
     if kw.get("pairs") is False:  # data.cache refuses samples that are not pairs
         assert "data.cache" not in line and "prepare_data" not in line
-    if kw.get("whole_set"):
+    if kw.get("whole_set") or (kw.get("converted") and device == "cpu"):
         assert "raise data.batch_size" not in line
 
 

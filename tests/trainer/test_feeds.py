@@ -172,7 +172,7 @@ def test_memory_mapped_arrays_are_batched_by_indexing_within_the_budget(make_cfg
     train(make_cfg(*common, "data.device_budget_mb=0.01", "data.num_workers=1",
                    "trainer.max_steps=1", run_dir=tmp_path / "over"))
     assert data_lines(caplog)[0].startswith(
-        "data: train set: 64 samples through a DataLoader with 1 workers (data.num_workers=1, "
+        "data: train set: 64 samples through a DataLoader with 1 worker (data.num_workers=1, "
         "data.placement=auto); not batched on the device: its arrays take 0.0 MB > "
         "data.device_budget_mb")
     d = OmegaConf.structured(DataConfig(device_budget_mb=0.01))  # the arrays: 12 KB
@@ -281,6 +281,12 @@ HEAVY = ["data=synthetic", "data.dataset.num_samples=256", "data.input_shape=[1,
                              "trainer.max_epochs=2", "trainer.progress_bar=false",
                              "trainer.save_checkpoint=false"],
      "the samples are tensors in memory: set data.placement=device"),
+    ("uint8 samples converted on the CPU", ["data=synthetic", "data.dataset.num_samples=512",
+                                            "data.input_shape=[3,8,8]", "data.dataset.dtype=uint8",
+                                            "data.cache=memory", "model=mlp",
+                                            "trainer.progress_bar=false",
+                                            "trainer.save_checkpoint=false"],
+     "the wait is their conversion to normalised floats"),
 ])
 def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case, overrides,
                                            advice):
@@ -295,6 +301,20 @@ def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case,
     line = [r.getMessage() for r in caplog.records if "steps waited for data" in r.getMessage()]
     assert len(line) == 1 and advice in line[0], (case, line)
     assert "prefetch_factor" not in line[0]
+
+
+def test_no_advice_for_a_fast_dev_run_or_a_few_steps(make_cfg, caplog, monkeypatch, tmp_path):
+    """One step's wait is the loader's start-up: no advice, however long it waited."""
+    import trainer.runner
+
+    monkeypatch.setattr(trainer.runner, "STALL_ADVICE_ABOVE", 0.0)
+    for i, args in enumerate((["trainer.fast_dev_run=true"], ["trainer.max_steps=9"],
+                              ["trainer.max_steps=10"])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="stoker"):
+            train(make_cfg(*args, "trainer.progress_bar=false", run_dir=tmp_path / str(i)))
+        advice = [r for r in caplog.records if "waited for data" in r.getMessage()]
+        assert len(advice) == (args == ["trainer.max_steps=10"]), args
 
 
 def test_the_advice_for_a_cpu_bound_image_folder_does_not_ask_for_uint8(tmp_path):
