@@ -74,6 +74,7 @@ def test_sweep_runs_each_job_as_a_ddp_job_with_its_own_dir(tmp_path):
            for j in jobs]
     assert lrs == [0.001, 0.003]
     assert all(summary_of(j)["world_size"] == 2 and summary_of(j)["steps"] == 5 for j in jobs)
+    assert proc.stdout.count("Launching 2 jobs locally") == 1  # Hydra's lines: rank 0's only
 
 
 def test_multi_node_form_on_one_machine(tmp_path):

@@ -140,6 +140,14 @@ def exit_on_error(main: Callable[[], None]) -> None:
             reap_children()
             raise
         fail(e, code=1)
+    except RuntimeError as e:
+        if wants_traceback() or 'Could not detect "srun"' not in str(e):
+            reap_children()
+            raise
+        # submitit's SLURM executor, built by hydra/launcher=slurm, on a machine without SLURM
+        fail(ConfigError("hydra/launcher=slurm: this machine has no SLURM (no srun on the "
+                         "PATH); submit from a cluster's login node, or leave the launcher out "
+                         "to run the sweep here"))
     except SystemExit:
         raise
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a step with a checkpoint)

@@ -250,6 +250,10 @@ def register() -> None:
                                              else distributed.run_stamp()),
         use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
+    # Hydra's own lines (a sweep's "Launching 2 jobs") from rank 0 alone
+    OmegaConf.register_new_resolver(
+        "stoker_main_level", lambda level: level if distributed.detect().is_main else "WARNING",
+        replace=True)
     OmegaConf.register_new_resolver("stoker_meta", _dataset_meta, replace=True)
     # the folder scan and the shard index are read once per composition
     OmegaConf.register_new_resolver("stoker_image_classes", _image_classes, replace=True,

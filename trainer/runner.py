@@ -56,9 +56,36 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             log.warning("%s", e)
         raise SystemExit(e.code) from None
     except (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError) as e:
+        _sweep_job_failed(e)
         if wants_traceback():
             raise
         fail(e, code=exit_code(e))
+    except BaseException as e:
+        _sweep_job_failed(e)
+        raise
+
+
+def _sweep_job_failed(e: BaseException) -> None:
+    """A sweep job that failed before it wrote anything (a refused setting of its own, say)
+    leaves its status.json in the job dir Hydra made for it, which would otherwise stay
+    empty; the sweep itself stops there (Hydra's launcher runs no job after a failed one)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or not distributed.detect().is_main:
+        return
+    h = HydraConfig.get()
+    job_dir = Path(h.runtime.output_dir)
+    if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or any(job_dir.iterdir()):
+        return
+    rundir.write_status(job_dir, exit_code(e), status_error(e))
+
+
+def status_error(e: BaseException) -> str:
+    """status.json's error line: a crash (not a mistake the run names in one line) keeps its
+    exception's type."""
+    crash = exit_code(e) == 1 and not isinstance(e, USER_ERRORS)
+    return f"{type(e).__name__}: {describe(e)}" if crash else describe(e)
 
 
 def exit_code(e: Optional[BaseException]) -> int:
@@ -370,10 +397,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         return summary
     except BaseException as e:
         if writing:
-            # a crash (not a mistake the run names in one line) keeps its exception's type
-            crash = exit_code(e) == 1 and not isinstance(e, USER_ERRORS)
-            rundir.write_status(run_dir, exit_code(e),
-                                f"{type(e).__name__}: {describe(e)}" if crash else describe(e))
+            rundir.write_status(run_dir, exit_code(e), status_error(e))
         raise
     finally:
         if loop is not None:  # run-on workers (data/runon.py), also after an error

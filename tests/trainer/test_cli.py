@@ -64,3 +64,16 @@ def test_cli_accepts_num_workers_auto(tmp_path):
     proc = run_cli([f"hydra.run.dir={tmp_path}", "data.num_workers=auto", "debug=fdr"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "num_workers: " in proc.stdout and "${auto_workers" not in proc.stdout
+
+
+def test_the_slurm_launcher_on_a_machine_without_slurm_is_one_line(tmp_path):
+    import shutil
+
+    if shutil.which("srun"):
+        pytest.skip("this machine has SLURM")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = run_cli(["-m", "hydra/launcher=slurm", "optim.lr=1e-3,3e-3"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "stoker: error: hydra/launcher=slurm: this machine has no SLURM (no srun on the PATH); "
+        "submit from a cluster's login node, or leave the launcher out to run the sweep here")

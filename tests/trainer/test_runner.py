@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from unittest.mock import ANY
 
 import pytest
 
@@ -256,3 +257,16 @@ def test_a_batch_larger_than_the_training_set_is_said_once(make_cfg, caplog):
     assert [r.getMessage() for r in said] == [
         "data.batch_size=5000 is more than the 1438 training samples on this rank: every epoch "
         "is one batch of 1438"] and said[0].levelno == logging.WARNING
+
+
+def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_path):
+    proc = run_cli(["-m", "optim.lr=1e-3,-1,3e-3", "trainer.max_steps=2",
+                    "trainer.progress_bar=false"], cwd=tmp_path)
+    assert proc.returncode == 2
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # 2 never ran
+    assert json.loads((sweep / "0" / "status.json").read_text())["status"] == "completed"
+    assert json.loads((sweep / "1" / "status.json").read_text()) == {
+        "status": "failed: configuration, data or checkpoint", "exit_code": 2,
+        "error": "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate: -1",
+        "when": ANY}
