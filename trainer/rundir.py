@@ -25,7 +25,9 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
 LOCK = ".stoker.lock"
-OUTPUTS = ("metrics.jsonl", "summary.json")  # what a run that wrote anything leaves behind
+# what a run that wrote anything leaves behind (train.log aside: this launch's own warnings
+# may be in it before the checks)
+OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "status.json", ".hydra")
 
 
 def job_id(environ=os.environ) -> Optional[str]:
@@ -125,8 +127,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run with trainer.save_checkpoint=false: starting over would drop its metrics)."""
     run_dir = Path(run_dir)
     found = checkpoint.candidates(run_dir)
-    outputs = [name for name in OUTPUTS if (run_dir / name).is_file()
-               and (run_dir / name).stat().st_size]
+    outputs = [name for name in OUTPUTS if _written(run_dir / name)]
     if resume == "auto" and not found and "summary.json" in outputs:
         raise CheckpointError(
             f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json and "
@@ -140,6 +141,13 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
             f"run dir {run_dir} holds another run's {what}: continue it with "
             f"trainer.resume=auto, or start in a new dir ({_dir_key()}=...); nothing was "
             "changed")
+
+
+def _written(path: Path) -> bool:
+    """A non-empty file, or a folder holding anything."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
 
 
 def _dir_key() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -62,6 +63,19 @@ def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_p
         "continue it with trainer.resume=auto, or start in a new dir (hydra.run.dir=...); "
         "nothing was changed")
     assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "status.json", ".hydra/config.yaml"])
+def test_a_fresh_run_into_a_folder_with_such_a_file_keeps_it(make_cfg, tmp_path, name):
+    """A folder of the user's own (`hydra.run.dir=.` in a project holding its config.yaml): a
+    file a run would write is never overwritten by a fresh run."""
+    run_dir = tmp_path / "project"
+    (run_dir / name).parent.mkdir(parents=True)
+    (run_dir / name).write_text("mine: true\n")
+    with pytest.raises(CheckpointError, match=rf"holds another run's {re.escape(name.split('/')[0])}"
+                                              r": continue it with trainer.resume=auto"):
+        train(make_cfg(*QUICK, run_dir=run_dir))
+    assert (run_dir / name).read_text() == "mine: true\n"
 
 
 def test_a_refused_resume_writes_nothing(tmp_path):
