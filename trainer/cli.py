@@ -23,6 +23,18 @@ from trainer.distributed import detect
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+class SignalledAgain(BaseException):
+    """A second preemption signal (SIGTERM, SIGUSR1) while the first waits for the step to
+    end: the step is stuck (a dataset read that never returns, say), so stop at once. A
+    BaseException, as KeyboardInterrupt: no `except Exception` in user code swallows it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum  # as a shell reports a process ended by that signal
 # Hydra hints that do not apply to a typed schema or to this command line
 _NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_FULL_ERROR=1 to "
                     r"see chained exception\.?")
@@ -150,6 +162,14 @@ def exit_on_error(main: Callable[[], None]) -> None:
                          "to run the sweep here"))
     except SystemExit:
         raise
+    except SignalledAgain as e:
+        reap_children()
+        if wants_traceback():
+            raise
+        if detect().is_main:
+            print(f"stoker: stopped at once on a second {e}, without a checkpoint (the step "
+                  "did not end; the checkpoints written stay)", file=sys.stderr, flush=True)
+        raise SystemExit(e.code) from None
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a step with a checkpoint)
         reap_children()
         if wants_traceback():

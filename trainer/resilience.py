@@ -25,7 +25,7 @@ from trainer import checkpoint, distributed, rundir
 from trainer.distributed import DistEnv
 from trainer.liveness import monitored_barrier
 from trainer.loop import Callback
-from trainer.cli import EXIT_INTERRUPTED
+from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
 from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
@@ -113,6 +113,7 @@ class Preemption:
         self.kind = 0  # what was agreed: 1 a preemption signal, 2 a Ctrl-C (any rank's)
         self._mine = 0  # ... and what this rank received
         self._interrupted_at: Optional[float] = None
+        self._signalled_at: Optional[float] = None  # the first SIGTERM/SIGUSR1
         self._main, self._pid = env.is_main, os.getpid()
         self._previous = {}
         self._group = None
@@ -147,6 +148,11 @@ class Preemption:
                 os.write(2, b"stoker: stopping at the end of this step with a checkpoint "
                             b"(Ctrl-C again to stop at once, without one)\n")
             self._interrupted_at = self._interrupted_at or now
+        elif self._mine and self._signalled_at is not None \
+                and time.monotonic() - self._signalled_at > AGAIN_AFTER_S:
+            raise SignalledAgain(signum)  # the first is still waiting for its step to end
+        else:
+            self._signalled_at = self._signalled_at or time.monotonic()
         self._mine = max(self._mine, 2 if signum == signal.SIGINT else 1)
         self.requested = True
 

@@ -190,7 +190,9 @@ def agreed(check, env) -> None:
 
 STATUS = "status.json"
 _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
-                 75: "preempted", 130: "interrupted"}
+                 75: "preempted", 130: "interrupted",
+                 # a second SIGTERM or SIGUSR1 while the first waited for a step that never ended
+                 143: "stopped at once", 138: "stopped at once"}
 
 
 def resume_args(run_dir: Path) -> str:
@@ -237,11 +239,11 @@ def _hydra_quoted(value: Any) -> str:
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"  # a final backslash
 
 
-def write_status(run_dir: Path, code: int, error: str) -> None:
+def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = None) -> None:
     """`<run dir>/status.json`: how the run ended and the exit code its ranks returned (under
     torchrun the job as a whole exits 1 for any failed rank, 75 included, so this file is where
     a preemption is told from a failure)."""
-    status = {"status": _STATUS_WORDS.get(code, "failed"), "exit_code": code,
+    status = {"status": word or _STATUS_WORDS.get(code, "failed"), "exit_code": code,
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     if code in (75, 130) and checkpoint.candidates(run_dir):
         status["resume"] = resume_args(run_dir)

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.loader import LoaderStalled
 from trainer import checkpoint, components, distributed, rundir, schedules, speed
-from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, describe, fail,
+from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail,
                          wants_traceback)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
@@ -84,6 +84,8 @@ def _sweep_job_failed(e: BaseException) -> None:
 def status_error(e: BaseException) -> str:
     """status.json's error line: a crash (not a mistake the run names in one line) keeps its
     exception's type."""
+    if type(e) is SystemExit:  # sys.exit() in the user's code, mid-run
+        return f"SystemExit({e.code!r})"
     crash = exit_code(e) == 1 and not isinstance(e, USER_ERRORS)
     return f"{type(e).__name__}: {describe(e)}" if crash else describe(e)
 
@@ -96,6 +98,8 @@ def exit_code(e: Optional[BaseException]) -> int:
         return e.code
     if isinstance(e, KeyboardInterrupt):
         return EXIT_INTERRUPTED
+    if isinstance(e, (SignalledAgain, SystemExit)):
+        return e.code if isinstance(e.code, int) else 1
     return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
 
 
@@ -397,7 +401,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         return summary
     except BaseException as e:
         if writing:
-            rundir.write_status(run_dir, exit_code(e), status_error(e))
+            rundir.write_status(run_dir, exit_code(e), status_error(e),
+                                word=("exited: SystemExit raised during the run"
+                                      if type(e) is SystemExit else None))
         raise
     finally:
         if loop is not None:  # run-on workers (data/runon.py), also after an error

@@ -195,9 +195,11 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 
 
-def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp_path):
-    """A step that does not end (a sample read that hangs): the first Ctrl-C waits for the
-    step boundary, a second one a moment later stops the run at once: one line, exit 130,
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp_path, sig):
+    """A step that does not end (a sample read that hangs, in the main process: no
+    data.timeout applies): the first Ctrl-C or SIGTERM waits for the step boundary, a second
+    one a moment later stops the run at once: one line, exit 130 (Ctrl-C) or 143 (SIGTERM),
     the checkpoints already written untouched."""
     run_dir = tmp_path / "run"
     proc = start_and_wait([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}",
@@ -208,15 +210,23 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp
                           until=lambda: logged_step(run_dir) >= 10)
     time.sleep(1.0)  # (the read at sample 700 hangs in step 10 or 11)
     before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.pt")}
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     time.sleep(1.5)
     assert proc.poll() is None  # still waiting for the step to end
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out[-3000:]
-    assert "Ctrl-C again to stop at once" in out and out.strip().endswith("stoker: interrupted")
     assert "Traceback" not in out
-    assert json.loads((run_dir / "status.json").read_text())["exit_code"] == 130
+    status = json.loads((run_dir / "status.json").read_text())
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, out[-3000:]
+        assert "Ctrl-C again to stop at once" in out and out.strip().endswith("stoker: interrupted")
+    else:
+        assert proc.returncode == 143, out[-3000:]
+        assert out.strip().endswith(
+            "stoker: stopped at once on a second SIGTERM, without a checkpoint (the step did "
+            "not end; the checkpoints written stay)")
+        assert status["status"] == "stopped at once"
+    assert status["exit_code"] == proc.returncode
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.pt")} == before
 
 

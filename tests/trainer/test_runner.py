@@ -210,6 +210,18 @@ def test_a_crash_keeps_its_exception_type_in_status_json(make_cfg, tmp_path):
     assert status["error"] == "RuntimeError: injected failure on rank None"
 
 
+def test_sys_exit_in_the_users_code_is_recorded_as_what_it_was(make_cfg, tmp_path,
+                                                                monkeypatch):
+    from tests.helpers import ExitingMLP
+
+    monkeypatch.setattr(ExitingMLP, "calls", 0)
+    with pytest.raises(SystemExit):
+        train(make_cfg("model._target_=tests.helpers.ExitingMLP"))
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["exit_code"], status["error"]) == (
+        "exited: SystemExit raised during the run", 0, "SystemExit(0)")
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
