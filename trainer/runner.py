@@ -44,6 +44,10 @@ STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a
 # wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
 
 
+# failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
+ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError)
+
+
 def run(cfg: DictConfig) -> Dict[str, Any]:
     """Command-line entry: `train`, with configuration and checkpoint errors turned into one
     line on stderr and exit code 2, OS errors (a full disk, a read-only dir) and a non-finite
@@ -55,7 +59,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         if distributed.detect().is_main:  # every rank stops alike: one line says it
             log.warning("%s", e)
         raise SystemExit(e.code) from None
-    except (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError) as e:
+    except ONE_LINE as e:
         _sweep_job_failed(e)
         if wants_traceback():
             raise
@@ -86,7 +90,7 @@ def status_error(e: BaseException) -> str:
     exception's type."""
     if type(e) is SystemExit:  # sys.exit() in the user's code, mid-run
         return f"SystemExit({e.code!r})"
-    crash = exit_code(e) == 1 and not isinstance(e, USER_ERRORS)
+    crash = exit_code(e) == 1 and not isinstance(e, ONE_LINE)
     return f"{type(e).__name__}: {describe(e)}" if crash else describe(e)
 
 
@@ -371,10 +375,19 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                     if lost is None:
                         raise
                     raise lost from e
+        bad = loop.bad_steps()  # (collective: every rank takes the same branch)
+        if bad and t.max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
+            checkpointing.finish()
+            last = checkpoint.candidates(run_dir)
+            raise NonFiniteLoss(
+                f"the run ended with a loss that was not finite for its last {bad} optimizer "
+                f"steps (fewer than trainer.max_bad_steps={t.max_bad_steps}); its final state "
+                "was not saved; " + (f"the last good checkpoint is {last[0]}" if last
+                                     else "no checkpoint was saved"))
         checkpointing.save(loop)  # the final state (skipped if this step is saved already)
         checkpointing.finish()
-        summary["checkpoint"] = (str(run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
-                                 if t.save_checkpoint else "")
+        last = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
+        summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else ""
         best = checkpointing.best_record()
         if best is not None and t.save_checkpoint:
             summary["best"] = best

@@ -222,6 +222,28 @@ def test_sys_exit_in_the_users_code_is_recorded_as_what_it_was(make_cfg, tmp_pat
         "exited: SystemExit raised during the run", 0, "SystemExit(0)")
 
 
+@pytest.mark.parametrize("every,good", [(4, "last.pt"), (0, None)])
+def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
+        make_cfg, tmp_path, every, good):
+    """Fewer NaN steps than trainer.max_bad_steps at the end: the final state is not saved,
+    so the run did not succeed (it exited 0 naming a last.pt that did not exist)."""
+    from trainer.loop import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss) as info:
+        train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=10",
+                       "trainer.max_steps=12", f"trainer.checkpoint.every_n_steps={every}"))
+    folder = tmp_path / "run" / "checkpoints"
+    assert str(info.value) == (
+        "the run ended with a loss that was not finite for its last 2 optimizer steps (fewer "
+        "than trainer.max_bad_steps=20); its final state was not saved; " +
+        (f"the last good checkpoint is {folder / good}" if good else "no checkpoint was saved"))
+    if good:
+        assert torch.load(folder / good, weights_only=True)["step"] == 8
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert (status["status"], status["exit_code"]) == ("failed", 1)
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
