@@ -215,6 +215,12 @@ class Loop:
             epoch = self.state.epoch
             if not self.train_epoch(epoch):
                 break  # max_steps inside the epoch
+            if not self.run_samples:  # until a logging boundary counted some: one small
+                samples = torch.tensor(float(self.window.samples), device=self.device)
+                if self.world > 1:  # all-reduce an epoch, so every rank decides alike
+                    samples = distributed.all_reduce_sum(samples)
+                if not samples.item():
+                    self._nothing_read()
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
@@ -232,6 +238,12 @@ class Loop:
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **self.last_train, **self.last_val, **self.run_rates()}
+
+    def _nothing_read(self) -> None:
+        raise ConfigError(
+            f"data: no training sample was read in {self.state.step} optimizer steps: every "
+            "batch came out empty (each of its samples skipped as unreadable under "
+            "data.dataset.on_error=skip, say); check the training files")
 
     def run_rates(self) -> Dict[str, float]:
         train_s = max(self.run_train_s, 1e-9)
@@ -394,6 +406,8 @@ class Loop:
         world = self.world
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)
+        if not self.run_samples:  # (a sum over ranks: every rank agrees)
+            self._nothing_read()
         values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,
                   "lr": self.optimizer.param_groups[0]["lr"],
                   "samples_per_s": samples / max(wall_sum / world, 1e-9),

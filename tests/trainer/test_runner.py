@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import run_cli
+from trainer.config import ConfigError
 from trainer.runner import train
 
 TRAIN_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "data_wait_frac"}
@@ -242,6 +243,19 @@ def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["status"], status["exit_code"]) == ("failed", 1)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cfg, tmp_path):
+    from scripts.make_images import write_images
+
+    root = tmp_path / "images"
+    write_images(root, count=40, size=16, classes=2)
+    for path in (root / "train").rglob("*.jpg"):
+        path.write_bytes(b"not a jpeg")
+    with pytest.raises(ConfigError, match=r"^data: no training sample was read in 2 optimizer "
+                                          r"steps: every batch came out empty"):
+        train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+                       "model=cnn", "data.num_workers=0", "data.batch_size=16"))
 
 
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
