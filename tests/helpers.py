@@ -421,3 +421,16 @@ class ExitingMLP(MLP):
         if ExitingMLP.calls == 3:
             sys.exit(0)
         return super().forward(x)
+
+
+class RankSizedDigits(torch.utils.data.Dataset):
+    """Digits cut to a length that depends on the rank: a dataset that differs between ranks."""
+
+    def __init__(self, split: str = "train", **kw):
+        self.digits = DigitsDataset(split, **kw)
+
+    def __len__(self):
+        return len(self.digits) - 100 * int(os.environ.get("RANK", "0"))
+
+    def __getitem__(self, i):
+        return self.digits[i]

@@ -62,6 +62,17 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_error(tmp_path):
     assert "injected failure on rank 1" in proc.stderr
 
 
+def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_path):
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "data.num_workers=0",
+                        "data.dataset._target_=tests.helpers.RankSizedDigits"], cwd=ROOT,
+                    timeout=120)
+    assert proc.returncode != 0 and "Fatal Python error" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert lines == ["stoker: error: data: the ranks built training sets of different lengths "
+                     "(1338 to 1438 samples); every rank must build the same dataset (one that "
+                     "reads RANK, or files that differ between nodes?)"]
+
+
 def test_sweep_runs_each_job_as_a_ddp_job_with_its_own_dir(tmp_path):
     proc = torchrun(2, ["optim.lr=0.001,0.003", "trainer.max_steps=5"], cwd=tmp_path,
                     multirun=True)

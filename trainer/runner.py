@@ -273,10 +273,30 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     return warnings, lines
 
 
+def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
+    """Every rank must have built datasets of the same lengths: the samplers cut one index
+    range into shards, and ranks with different ones would take different numbers of steps
+    (gloo aborts the process on the mismatched collective, NCCL hangs). One small all-reduce
+    at start-up; ConfigError on every rank."""
+    if distributed.world_size() == 1:
+        return
+    sizes = [len(train_feed.loader.dataset),
+             len(val_feed.loader.dataset) if val_feed is not None else -1]
+    both = torch.tensor([*sizes, *(-n for n in sizes)], dtype=torch.float64, device=device)
+    high, low = distributed.all_reduce_max(both).view(2, 2).tolist()
+    for split, hi, lo in zip(("training", "validation"), high, (-x for x in low)):
+        if hi != lo:
+            raise ConfigError(
+                f"data: the ranks built {split} sets of different lengths ({int(lo)} to "
+                f"{int(hi)} samples); every rank must build the same dataset (one that reads "
+                "RANK, or files that differ between nodes?)")
+
+
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
            prof, preemption: Preemption, resume: Optional[str],
            callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
     train_feed, val_feed, data_lines = build_feeds(cfg, env, spec.device)
+    _same_data_everywhere(train_feed, val_feed, spec.device)
     train_loader = train_feed.loader
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
