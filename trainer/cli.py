@@ -139,9 +139,15 @@ def exit_on_error(main: Callable[[], None]) -> None:
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     import_from_cwd()
+    # under torchrun, record() writes a crash's traceback where the agent reports it; the
+    # errors said in one line are turned into SystemExit inside it, which it does not record
+    # (torchrun printed a rank's whole traceback for a misspelt key)
+    record(lambda: _one_line_errors(main))()
+
+
+def _one_line_errors(main: Callable[[], None]) -> None:
     try:
-        # under torchrun, record() writes a crash's traceback where the agent reports it
-        record(main)()
+        main()
     except USER_ERRORS as e:
         if wants_traceback():
             reap_children()

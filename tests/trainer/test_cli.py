@@ -77,3 +77,17 @@ def test_the_slurm_launcher_on_a_machine_without_slurm_is_one_line(tmp_path):
     assert proc.stderr.strip() == (
         "stoker: error: hydra/launcher=slurm: this machine has no SLURM (no srun on the PATH); "
         "submit from a cluster's login node, or leave the launcher out to run the sweep here")
+
+
+def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_path):
+    from tests.helpers import torchrun
+
+    proc = torchrun(2, ["data.num_worker=8"], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    lines = [ln for ln in out.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("stoker: error: Could not override 'data.num_worker': Key "
+                               "'num_worker' not in 'DataConfig' (key: data.num_worker)")
+    # torchrun reports the ranks' exit codes, not a traceback it read from their error files
+    assert "hydra/_internal" not in out and "error_file: <N/A>" in out
