@@ -36,6 +36,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or does not fit this run; one line naming the file."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint the filesystem would not take (a full disk, a read-only dir, a file in the
+    way): an OS error, exit 1, the previous checkpoints kept; one line naming the file."""
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -48,12 +53,15 @@ _UMASK = _umask()  # read once, at import, before any thread could race on it
 def save(state: Dict[str, Any], path: Path) -> Path:
     """Writes `state` to `path` atomically (temp file in the same directory, fsync, rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot write in {path.parent} "
-                              f"({e.strerror or e})") from None
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        raise CheckpointWriteError(
+            f"checkpoint {path}: cannot write in {path.parent} (" + (
+                "a file is in the way of the folder" if in_the_way else e.strerror or str(e))
+            + ")") from None
     try:
         with os.fdopen(fd, "wb") as f:
             # mkstemp makes the file private (0600); a checkpoint gets the mode any file the
@@ -65,8 +73,9 @@ def save(state: Dict[str, Any], path: Path) -> Path:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _unlink_quietly(tmp)
-        raise CheckpointError(f"checkpoint {path}: the write failed ({_write_cause(e, path)}); "
-                              "the previous checkpoints are kept") from None
+        raise CheckpointWriteError(f"checkpoint {path}: the write failed "
+                                   f"({_write_cause(e, path)}); the previous checkpoints are "
+                                   "kept") from None
     except BaseException:
         _unlink_quietly(tmp)
         raise

@@ -70,6 +70,10 @@ def describe(e: BaseException) -> str:
     cur: BaseException | None = e
     while cur is not None:
         lines = _lines(str(cur))
+        if isinstance(cur, (FileExistsError, NotADirectoryError)) and cur.filename:
+            # "[Errno 17] File exists: 'x'" where a folder was to be made
+            lines = [f"{cur.filename}: a file is in the way where a folder must be "
+                     f"({cur.strerror})"]
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
         call = _CALL.match(text)

@@ -186,6 +186,11 @@ class Checkpointing(Callback):
         # of a small checkpoint's time
         self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         self.device = device
+        folder = Path(run_dir) / checkpoint.CHECKPOINT_DIR
+        if enabled and folder.exists() and not folder.is_dir():  # every rank: all stop alike
+            raise checkpoint.CheckpointWriteError(
+                f"checkpoints cannot be written in {folder}: a file is in the way of the "
+                "folder; move it, or set trainer.save_checkpoint=false")
         self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode

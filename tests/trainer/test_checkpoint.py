@@ -26,8 +26,8 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(checkpoint.CheckpointError, match=r"last.pt: the write failed \(No space "
-                                                         r"left on device\); the previous"):
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"last.pt: the write failed \(No space left on device\); the previous"):
         checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
     monkeypatch.undo()
     assert checkpoint.load(path)["step"] == 1
@@ -45,10 +45,19 @@ def test_a_full_disk_under_torch_s_own_message_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.shutil, "disk_usage",
                         lambda p: __import__("collections").namedtuple("U", "total used free")(
                             1 << 30, 1 << 30, 0))
-    with pytest.raises(checkpoint.CheckpointError, match=r"\(no space left on device\)"):
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"\(no space left on device\)"):
         checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
     monkeypatch.undo()
     assert checkpoint.load(path)["step"] == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_file_in_the_way_of_the_folder_is_an_os_error_naming_it(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a folder")
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"checkpoints/last.pt: cannot write in .*checkpoints \(a file is in "
+                             r"the way of the folder\)$"):
+        checkpoint.save({"step": 1}, tmp_path / "checkpoints" / "last.pt")
+    assert isinstance(checkpoint.CheckpointWriteError("x"), OSError)  # exit 1, not 2
 
 
 def test_a_flipped_bit_in_a_stored_weight_is_detected(tmp_path):

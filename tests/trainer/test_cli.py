@@ -91,3 +91,12 @@ def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_pat
                                "'num_worker' not in 'DataConfig' (key: data.num_worker)")
     # torchrun reports the ranks' exit codes, not a traceback it read from their error files
     assert "hydra/_internal" not in out and "error_file: <N/A>" in out
+
+
+def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"stoker: error: {tmp_path / 'afile'}: a file is in the way "
+                                   "where a folder must be (File exists)")
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -258,6 +258,17 @@ def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cf
                        "model=cnn", "data.num_workers=0", "data.batch_size=16"))
 
 
+def test_a_file_where_the_checkpoints_go_stops_the_run_before_it_trains(make_cfg, tmp_path):
+    from trainer.checkpoint import CheckpointWriteError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("a file of the user's")
+    with pytest.raises(CheckpointWriteError, match="a file is in the way of the folder; move "
+                                                   "it, or set trainer.save_checkpoint=false"):
+        train(make_cfg())
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
