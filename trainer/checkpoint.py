@@ -159,11 +159,11 @@ def find_resume(resume: Optional[str], run_dir: Path
         if not path.is_file():
             raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file "
                                   "(give a path to a .pt file, auto, or null)")
-        return path, load(path), []
+        return path, resumable(load(path), path), []
     found, skipped = candidates(run_dir), []
     for path in found:
         try:
-            return path, load(path), skipped
+            return path, resumable(load(path), path), skipped
         except CheckpointError as e:
             skipped.append(str(e))
     if found:
@@ -172,6 +172,31 @@ def find_resume(resume: Optional[str], run_dir: Path
             f"{Path(run_dir) / CHECKPOINT_DIR} loads ({skipped[0]}); nothing was changed: "
             "move them away to start over, or resume from a copy by path")
     return None
+
+
+# what a training state must hold to be resumed as the same run, and what each must be
+_RESUMED = {"optimizer": dict, "scheduler": dict, "epoch": int, "step": int, "position": int,
+            "world_size": int, "rng": list, "config": dict}
+
+
+def resumable(state: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    """`state`, if it is a whole training state this version can resume: its format, every
+    piece a resume restores, counts that are counts. CheckpointError naming the field."""
+    version = state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format_version {version!r}, this version of "
+                              f"Stoker reads {FORMAT_VERSION}")
+    for key, kind in _RESUMED.items():
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path}: incomplete, no '{key}' (a training "
+                                  "state saved by Stoker holds it)")
+        value = state[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"checkpoint {path}: '{key}' is {type(value).__name__}, "
+                                  f"not {kind.__name__}")
+        if kind is int and value < (1 if key == "world_size" else 0):
+            raise CheckpointError(f"checkpoint {path}: '{key}' is {value}, not a count")
+    return state
 
 
 def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:

@@ -248,6 +248,11 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
+    n = len(loop.train_feed.loader.dataset)
+    if loop.state.position > n + old_world:  # (a sampler pads an epoch by under a world size)
+        raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
+                              f"into epoch {loop.state.epoch}, is past the end of this run's "
+                              f"{n} training samples (another dataset?)")
     if path.resolve().parent != (run_dir / checkpoint.CHECKPOINT_DIR).resolve():
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and

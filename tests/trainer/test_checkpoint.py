@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -110,10 +111,22 @@ def test_mismatched_model_lists_the_mismatches(tmp_path):
         checkpoint.check_model_state(nn.Linear(4, 3), {"model": small.state_dict()}, "x.pt")
 
 
+def whole(at: int, **changes) -> dict:
+    """A training state with every piece a resume needs (values a tiny run would have)."""
+    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "scheduler": {},
+             "epoch": 0, "step": at, "position": 0, "world_size": 1, "rng": [{}],
+             "config": {"seed": 0}}
+    state.update(changes)
+    return {k: v for k, v in state.items() if v is not DROP}
+
+
+DROP = object()
+
+
 def test_find_resume(tmp_path):
     assert checkpoint.find_resume(None, tmp_path) is None
     assert checkpoint.find_resume("auto", tmp_path) is None  # nothing yet: fresh start
-    step = checkpoint.save({"model": {}, "step": 4}, tmp_path / "checkpoints" / "step-00000004.pt")
+    step = checkpoint.save(whole(4), tmp_path / "checkpoints" / "step-00000004.pt")
     path, state, skipped = checkpoint.find_resume("auto", tmp_path)
     assert path == step and state["step"] == 4 and skipped == []
     assert checkpoint.find_resume(str(step), tmp_path)[0] == step
@@ -123,14 +136,38 @@ def test_find_resume(tmp_path):
 
 def test_auto_resume_falls_back_past_damaged_files(tmp_path):
     folder = tmp_path / "checkpoints"
-    good = checkpoint.save({"model": {}, "step": 2}, folder / "step-00000002.pt")
-    checkpoint.save({"model": {}, "step": 4}, folder / "step-00000004.pt")
+    good = checkpoint.save(whole(2), folder / "step-00000002.pt")
+    checkpoint.save(whole(4), folder / "step-00000004.pt")
     (folder / "step-00000004.pt").write_bytes(b"truncated")
     (folder / "last.pt").write_bytes(b"")
     path, state, warnings = checkpoint.find_resume("auto", tmp_path)
     assert path == good and state["step"] == 2
     assert len(warnings) == 2 and all("\n" not in w for w in warnings)
     assert "last.pt" in warnings[0] and "step-00000004.pt" in warnings[1]
+
+
+@pytest.mark.parametrize("changes,reason", [
+    (dict(format_version=99), "format_version 99, this version of Stoker reads 1"),
+    (dict(rng=DROP), "incomplete, no 'rng' (a training state saved by Stoker holds it)"),
+    (dict(config=DROP), "incomplete, no 'config'"),
+    (dict(step=-5), "'step' is -5, not a count"),
+    (dict(world_size="two"), "'world_size' is str, not int"),
+    (dict(world_size=0), "'world_size' is 0, not a count"),
+    (dict(epoch=True), "'epoch' is bool, not int"),
+])
+def test_a_checkpoint_that_is_not_a_whole_training_state_is_refused(tmp_path, changes, reason):
+    """By path: refused in one line naming the field. Under auto: skipped for an older one."""
+    folder = tmp_path / "checkpoints"
+    good = checkpoint.save(whole(2), folder / "step-00000002.pt")
+    bad = checkpoint.save(whole(4, **changes), folder / "step-00000004.pt")
+    if "format_version" in changes:  # (save writes its own version first)
+        state = checkpoint.load(bad)
+        bad.unlink()
+        torch.save({**state, **changes}, bad)
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {bad}: {reason}")):
+        checkpoint.find_resume(str(bad), tmp_path)
+    path, _, skipped = checkpoint.find_resume("auto", tmp_path)
+    assert path == good and len(skipped) == 1 and reason in skipped[0]
 
 
 def test_checkpointer_keeps_the_last_k_and_links_last_and_best(tmp_path):

@@ -269,6 +269,20 @@ def test_a_file_where_the_checkpoints_go_stops_the_run_before_it_trains(make_cfg
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]
 
 
+def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
+    from trainer import checkpoint
+    from trainer.checkpoint import CheckpointError
+
+    train(make_cfg("trainer.max_steps=5", "trainer.checkpoint.every_n_steps=5"))
+    path = tmp_path / "run" / "checkpoints" / "step-00000005.pt"
+    state = checkpoint.load(path)
+    checkpoint.save({**state, "position": 10**9}, tmp_path / "far.pt")
+    with pytest.raises(CheckpointError, match=r"far.pt: its position, 1000000000 samples into "
+                                              r"epoch 0, is past the end of this run's 1438 "):
+        train(make_cfg("trainer.max_steps=10", f"trainer.resume={tmp_path / 'far.pt'}",
+                       run_dir=tmp_path / "other"))
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
