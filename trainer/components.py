@@ -13,6 +13,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Dict, Optional
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -136,7 +137,12 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
             where = f"data.{missing[0]} or " if missing[0] in (offered or {}) else ""
             raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
                               f"{key}.{missing[0]}")
-    return instantiate(node, **extra)
+    try:
+        return instantiate(node, **extra)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):  # a component's own check of its arguments
+            raise e.__cause__ from None
+        raise
 
 
 def _is_number(value: Any) -> bool:

@@ -362,7 +362,7 @@ class Loop:
     def _forward_error(self, e: RuntimeError, batch) -> Exception:
         """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
         mistakes it can name (a first batch the model cannot take, unused DDP parameters)."""
-        if not self._forwarded and ("shape" in str(e) or "size" in str(e)):
+        if not self._forwarded and any(w in str(e) for w in ("shape", "size", "dtype")):
             # the first batch of the run: inputs that do not fit the model are a
             # configuration mismatch (data.input_shape, the model's arguments), not a crash
             return ConfigError(

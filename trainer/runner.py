@@ -278,6 +278,21 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     return warnings, lines
 
 
+def _check_steppable(optimizer) -> None:
+    """The loop calls `optimizer.step()` once per window, with no closure."""
+    import inspect
+
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is closure.empty:
+        raise ConfigError(f"optim: {type(optimizer).__name__}.step() needs a closure that "
+                          "evaluates the loss again (several times a step), which the loop, "
+                          "one forward and backward per micro-batch, does not give; use an "
+                          "optimizer stepped without one (adamw, sgd, ...)")
+
+
 def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
     """Every rank must have built datasets of the same lengths: the samplers cut one index
     range into shards, and ranks with different ones would take different numbers of steps
@@ -312,6 +327,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     params = [p for p in model.parameters() if p.requires_grad]
     chosen = optimizer_choice(factory, spec.precision, spec.device, params)
     optimizer = components.call(factory, "optim", cfg.optim, params, **chosen)
+    _check_steppable(optimizer)
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit

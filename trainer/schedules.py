@@ -70,11 +70,41 @@ def constant(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> L
 
 def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
           total_steps: int) -> LRScheduler:
-    """Calls a scheduler factory, passing `total_steps` only if it takes that argument."""
+    """Calls a scheduler factory, passing `total_steps` only if it takes that argument (and
+    the config did not set it: then it must be the run's); checks that the loop can step
+    what it made."""
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    if "total_steps" in params:
-        return factory(optimizer, total_steps=total_steps)
-    return factory(optimizer)
+    given = getattr(factory, "keywords", {}).get("total_steps")
+    if given is not None and given != total_steps:
+        raise ConfigError(f"sched.total_steps={given}: this run takes {total_steps} optimizer "
+                          "steps; leave the key out (the run's own count is passed) or set "
+                          f"it to {total_steps}")
+    if "total_steps" in params and given is None:
+        scheduler = factory(optimizer, total_steps=total_steps)
+    else:
+        scheduler = factory(optimizer)
+    _check_steppable(scheduler)
+    return scheduler
+
+
+def _check_steppable(scheduler: LRScheduler) -> None:
+    """The loop calls `scheduler.step()` once per optimizer step, with no argument."""
+    name = type(scheduler).__name__
+    try:
+        step = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):
+        step = []
+    needed = [p.name for p in step if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise ConfigError(f"sched: {name}.step() needs {', '.join(needed)} (a validation "
+                          "metric, say), but the loop steps the schedule once per optimizer "
+                          "step with no argument; use a schedule of the step count "
+                          "(warmup_cosine, constant, step, or another LRScheduler)")
+    step_size = getattr(scheduler, "step_size", 1)
+    if isinstance(step_size, int) and step_size < 1:
+        raise ConfigError(f"sched.step_size={step_size}: {name} needs at least 1 optimizer "
+                          "step between decays")

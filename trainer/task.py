@@ -110,6 +110,12 @@ class Task:
                                   "named 'loss' (val_loss is always logged)")
         self.metrics = nn.ModuleDict(metrics) if all(
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
+        for key, value, nullable in (("input_key", input_key, True),
+                                     ("target_key", target_key, False),
+                                     ("output_key", output_key, False)):
+            if not (isinstance(value, str) and value) and not (nullable and value is None):
+                raise ConfigError(f"task.{key}={value!r}: must be the name of a batch entry or "
+                                  "output attribute" + (" (or null)" if nullable else ""))
         self.input_key, self.target_key, self.output_key = input_key, target_key, output_key
 
     note: Optional[str] = None  # a line for the run's log about what `setup` decided
@@ -280,6 +286,14 @@ class Classification(Task):
     def __init__(self, ignore_index: Optional[int] = None, label_smoothing: float = 0.0,
                  num_classes: Optional[int] = None, **kwargs):
         super().__init__(**kwargs)
+        if ignore_index is not None and (isinstance(ignore_index, bool)
+                                         or not isinstance(ignore_index, int)):
+            raise ConfigError(f"task.ignore_index={ignore_index!r}: must be an integer target "
+                              "value (e.g. -100) or null")
+        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+                or not 0.0 <= label_smoothing <= 1.0:
+            raise ConfigError(f"task.label_smoothing={label_smoothing!r}: must be a number "
+                              "from 0.0 to 1.0")
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.num_classes = num_classes
         self._checked = False

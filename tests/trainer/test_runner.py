@@ -283,6 +283,16 @@ def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
                        run_dir=tmp_path / "other"))
 
 
+def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line():
+    from trainer.runner import _check_steppable
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    _check_steppable(torch.optim.SGD(params, lr=0.1))  # a closure it may take, not needs
+    with pytest.raises(ConfigError, match=r"^optim: LBFGS.step\(\) needs a closure that "
+                                          r"evaluates the loss again"):
+        _check_steppable(torch.optim.LBFGS(params))
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 
