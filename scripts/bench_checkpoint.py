@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import default_out, machine, median, publish, table  # noqa: E402
+from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
 from trainer.checkpoint import Checkpointer, state_bytes  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
@@ -56,7 +56,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     p.add_argument("--out", type=Path, default=default_out("bench_checkpoint"))
     a = p.parse_args(argv)

@@ -42,8 +42,8 @@ from typing import Any, Callable, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import (UINT8_CNN, default_out, machine, measure, median, medians,  # noqa: E402
-                      publish, table, write_json)
+from benchlib import (UINT8_CNN, at_least, default_out, machine, measure, median,  # noqa: E402
+                      medians, publish, table, write_json)
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "device_wait_frac", "peak_mem_mb", "mfu", "skipped"]
@@ -243,7 +243,7 @@ def copy_rows(s: Dict[str, Any], cuda: bool, repeats: int) -> List[Dict[str, Any
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests (CPU is fine)")
-    p.add_argument("--repeats", type=int, help="override the repeats")
+    p.add_argument("--repeats", type=at_least(1), help="override the repeats")
     p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16/fp16 peak")
     p.add_argument("--out", type=Path, default=default_out("bench_gpu"))
     a = p.parse_args(argv)

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import default_out, machine, median, publish, table  # noqa: E402
+from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
 
 COLUMNS = ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch", "runs"]
 COLLATES = ("pooled", "default")
@@ -72,11 +72,11 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--image", type=int, default=64, help="images are 3 x image x image uint8")
-    p.add_argument("--batches", type=int, default=64, help="batches an epoch")
-    p.add_argument("--epochs", type=int, default=2, help="timed epochs, after a warm one")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batches", type=at_least(1), default=64, help="batches an epoch")
+    p.add_argument("--epochs", type=at_least(1), default=2, help="timed epochs, after a warm one")
+    p.add_argument("--workers", type=at_least(0), default=2)
     p.add_argument("--prefetch-factor", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--out", type=Path, default=default_out("bench_handoff"))
     p.add_argument("--one", choices=COLLATES, help=argparse.SUPPRESS)  # a fresh process's run
     return p.parse_args(argv)

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import run_epochs  # noqa: E402
-from benchlib import default_out, machine, median, publish, table  # noqa: E402
+from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
@@ -244,14 +244,14 @@ def prepare(tmp: Path, spec: Dict[str, Any], count: int, image_size: int) -> Dic
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=int, default=2000, help="JPEG files to write")
+    p.add_argument("--count", type=at_least(1), default=2000, help="JPEG files to write")
     p.add_argument("--image-size", type=int, default=256, help="pixels per side of the files")
     p.add_argument("--size", type=int, default=224, help="the crop the samples are cut to")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=at_least(0), default=2)
     p.add_argument("--compute-ms", type=float, default=5.0, help="per step, standing for the GPU")
-    p.add_argument("--epochs", type=int, default=3, help="epochs per configuration (>= 2)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--epochs", type=at_least(2), default=3, help="epochs per configuration (>= 2)")
+    p.add_argument("--repeats", type=at_least(1), default=3,
                    help="fresh processes per configuration, in alternating order")
     p.add_argument("--out", type=Path, default=default_out("bench_images"))
     p.add_argument("--child", help=argparse.SUPPRESS)

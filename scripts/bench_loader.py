@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import default_out, machine, median, table, write_json  # noqa: E402
+from benchlib import at_least, default_out, machine, median, table, write_json  # noqa: E402
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset, SyntheticDataset  # noqa: E402
 from data.loader import build_loader  # noqa: E402
@@ -164,14 +164,14 @@ def plot(rows: List[Dict[str, Any]], bound: float, path: Path) -> None:
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--samples", type=at_least(1), default=1024)
     p.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
     p.add_argument("--cost-ms", type=float, default=5.0, help="CPU work per sample")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--compute-ms", type=float, default=100.0, help="emulated GPU time per step")
-    p.add_argument("--workers", type=int, default=None, help="default: this machine's CPUs")
+    p.add_argument("--workers", type=at_least(1), default=None, help="default: this machine's CPUs")
     p.add_argument("--prefetch-factor", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=at_least(1), default=3)
     p.add_argument("--memory-workers", type=int, default=4, help="0 skips the memory part")
     p.add_argument("--out", type=Path, default=default_out("bench_loader"))
     p.add_argument("--png", type=Path, default=None, help="default: --out with .png")

@@ -65,7 +65,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import default_out, machine, median, publish, table, write_json  # noqa: E402
+from benchlib import (at_least, default_out, machine, median, publish, table,  # noqa: E402
+                      write_json)
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
            "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]
@@ -455,9 +456,10 @@ def lightning_version() -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=["tiny", "cnn", "all"], default="all")
-    p.add_argument("--steps", type=int, default=0, help="steps per run (0: 500 tiny, 150 cnn)")
+    p.add_argument("--steps", type=at_least(0), default=0,
+                   help="steps per run (0: 500 tiny, 150 cnn)")
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=at_least(1), default=7)
     p.add_argument("--startup-repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=default_out("bench_overhead"))
     p.add_argument("--child", help=argparse.SUPPRESS)

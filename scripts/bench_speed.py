@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import UINT8_CNN, default_out, machine, measure, medians, publish, table  # noqa: E402
+from benchlib import (UINT8_CNN, at_least, default_out, machine, measure, medians,  # noqa: E402
+                      publish, table)
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -61,14 +62,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--switches", default=",".join(SWITCHES),
                    help="comma-separated subset of: " + ", ".join(SWITCHES))
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=at_least(1), default=60)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--image", type=int, default=32, help="CNN image side")
     p.add_argument("--tokens", type=int, default=128, help="transformer context")
-    p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=at_least(1), default=4096)
+    p.add_argument("--workers", type=at_least(0), default=2)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     p.add_argument("--out", type=Path, default=default_out("bench_speed"))
     a = p.parse_args(argv)

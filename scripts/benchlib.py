@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts: machine description, tables, JSON, launching runs."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -12,6 +13,20 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= `low` (a count of repeats, steps, workers...), so that
+    a 0 or a negative one is a usage error, not a ZeroDivisionError later."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {low}")
+        return value
+    return parse
 
 
 def machine() -> Dict[str, Any]:

@@ -63,8 +63,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.count < a.classes or a.classes < 1 or a.size < 8 or not 0 <= a.val_fraction < 1:
         sys.exit("make_images: need --count >= --classes >= 1, --size >= 8 and "
                  "0 <= --val-fraction < 1")
+    if a.out.exists() and not a.out.is_dir():
+        p.error(f"--out {a.out}: is a file; give a folder to write")
     start = time.perf_counter()
-    paths = write_images(a.out, a.count, a.size, a.classes, a.val_fraction, a.seed)
+    try:
+        paths = write_images(a.out, a.count, a.size, a.classes, a.val_fraction, a.seed)
+    except OSError as e:  # a file in the way below it, a read-only or full disk
+        sys.exit(f"make_images: --out {a.out}: {e.strerror or e}"
+                 + (f" ({e.filename})" if e.filename else ""))
     print(f"wrote {len(paths)} JPEG files of {a.size}x{a.size} under {a.out} in "
           f"{time.perf_counter() - start:.1f}s")
     print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
-from benchlib import default_out, machine, publish, table  # noqa: E402
+from benchlib import at_least, default_out, machine, publish, table  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
@@ -66,13 +66,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cpus = len(os.sched_getaffinity(0))
-    p.add_argument("--workers", type=int, nargs="+",
+    p.add_argument("--workers", type=at_least(0), nargs="+",
                    default=sorted({0, 1, 2, 4, 8, cpus} & set(range(0, 2 * cpus + 1))))
-    p.add_argument("--prefetch", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
+    p.add_argument("--prefetch", type=at_least(1), nargs="+", default=[2, 4])
+    p.add_argument("--batches", type=at_least(1), default=20, help="batches timed per setting")
     p.add_argument("--out", type=Path, default=default_out("tune_loader"))
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
+    swept = {"data.num_workers": "--workers", "data.prefetch_factor": "--prefetch",
+             "data.pin_memory": "(both, on CUDA)"}
+    for override in a.overrides:
+        key = override.lstrip("+~").split("=")[0]
+        if key in swept:
+            p.error(f"{override}: tune_loader sweeps {key} itself; give {swept[key]} instead")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -64,3 +64,17 @@ def test_a_wrong_setting_is_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("stoker: error: data.dataset._target_=nowhere.Dataset: no module named "
                           "'nowhere'") and "\n" not in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batches", "0"], "argument --batches: 0: must be >= 1"),
+    (["--workers", "-1"], "argument --workers: -1: must be >= 0"),
+    (["data.num_workers=abc"], "data.num_workers=abc: tune_loader sweeps data.num_workers "
+                               "itself; give --workers instead"),
+])
+def test_bad_arguments_are_usage_errors(capsys, args, needle):
+    from scripts.tune_loader import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
