@@ -434,3 +434,22 @@ class RankSizedDigits(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.digits[i]
+
+
+class FaultyMLP(MLP):
+    """An MLP whose `at`-th training forward, on rank `rank` of a torchrun job, hangs (sleeps
+    in the main thread: its heartbeat thread beats on) or kills its own process."""
+
+    def __init__(self, *args, rank: int = 1, at: int = 5, how: str = "hang", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.armed = int(os.environ.get("RANK", "0")) == rank
+        self.at, self.how, self.calls = at, how, 0
+
+    def forward(self, x):
+        if self.training and self.armed:
+            self.calls += 1
+            if self.calls == self.at:
+                if self.how == "kill":
+                    os.kill(os.getpid(), __import__("signal").SIGKILL)
+                time.sleep(3600)
+        return super().forward(x)

@@ -97,14 +97,15 @@ def describe(e: BaseException) -> str:
 USER_ERRORS = (ConfigError, CheckpointError, HydraException, OmegaConfBaseException)
 
 
-def fail(e: BaseException, code: int = EXIT_CONFIG) -> NoReturn:
-    """Prints `e` as one line (rank 0 only: every rank meets the same error) and exits
-    `code` (2: a configuration, data or checkpoint problem).
+def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> NoReturn:
+    """Prints `e` as one line (rank 0 only: every rank meets the same error; `any_rank`: an
+    error of this rank's own, such as a lost peer, which rank 0 may be the one unable to say)
+    and exits `code` (2: a configuration, data or checkpoint problem).
 
     Raised inside a Hydra task, SystemExit passes Hydra's job runner without its extra
     "Error executing job" line.
     """
-    if detect().is_main:
+    if any_rank or detect().is_main:
         print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)

@@ -25,6 +25,9 @@ from trainer import distributed
 
 BEAT_S = 5.0  # seconds between heartbeats
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
+# a peer whose process ended: gloo's and NCCL's words for it
+_CLOSED = re.compile(r"connection (closed|reset)|broken pipe|remote process exited|"
+                     r"communicator was aborted", re.IGNORECASE)
 
 
 class PeerLost(RuntimeError):
@@ -39,6 +42,9 @@ class Heartbeat:
         self.store = _store() if world_size > 1 else None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # when (step, phase) last changed: the thread beats on while its main thread is
+        # stuck, so the beat's own time says the process lives, this says it progresses
+        self._seen, self._since = None, time.time()
 
     def __enter__(self) -> "Heartbeat":
         if self.store is not None:
@@ -62,8 +68,11 @@ class Heartbeat:
 
     def beat(self) -> None:
         step, phase = self.progress()
-        self.store.set(f"stoker/beat/{self.rank}",
-                       json.dumps({"step": step, "phase": phase, "time": time.time()}))
+        now = time.time()
+        if (step, phase) != self._seen:
+            self._seen, self._since = (step, phase), now
+        self.store.set(f"stoker/beat/{self.rank}", json.dumps(
+            {"step": step, "phase": phase, "time": now, "since": self._since}))
 
     def beats(self) -> Dict[int, dict]:
         """Every rank's last heartbeat that the store holds."""
@@ -78,26 +87,50 @@ class Heartbeat:
 
     def explain(self, error: BaseException, timeout_s: float) -> Optional[PeerLost]:
         """A one-line PeerLost for a collective that timed out, naming the rank whose
-        progress is oldest; None for any other error."""
-        if self.store is None or isinstance(error, LoaderStalled) or \
-                not _TIMEOUT.search(str(error)):
+        progress is oldest, or for one whose peer closed its connection (its process ended),
+        naming the rank whose heartbeat stopped; None for any other error."""
+        if self.store is None or isinstance(error, LoaderStalled):
             return None
+        step, phase = self.progress()  # this rank's own, now (its last beat may be older)
+        where = f"in a collective at step {step} ({phase})"
+        try:
+            if _TIMEOUT.search(str(error)):
+                return PeerLost(f"rank {self.rank} waited more than trainer.ddp.timeout_s="
+                                f"{timeout_s:g} s {where}: {self._slowest()}; stopped, stuck "
+                                "or gone; the last checkpoint is kept")
+            if _CLOSED.search(str(error)):
+                return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}; its "
+                                "own error, if it had one, is in its output; the last "
+                                "checkpoint is kept")
+        except Exception:  # noqa: BLE001  (the store went with the job: say what is known)
+            return None
+        return None
+
+    def _slowest(self) -> str:
+        """The peer whose progress is oldest (a stuck one still beats: its step and phase
+        stay the same)."""
         now, beats = time.time(), self.beats()
         peers = {r: b for r, b in beats.items() if r != self.rank}
         missing = [r for r in range(self.world_size) if r != self.rank and r not in beats]
         if missing:
-            who = f"rank {missing[0]} never reported progress"
-        elif peers:
-            r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["time"]))
-            who = (f"rank {r} made no progress for {now - b['time']:.0f} s (last heartbeat: "
-                   f"step {b['step']}, {b['phase']})")
-        else:
-            who = "the other ranks stopped"
-        mine = beats.get(self.rank, {})
-        return PeerLost(f"rank {self.rank} waited more than trainer.ddp.timeout_s={timeout_s:g} "
-                        f"s in a collective at step {mine.get('step', '?')} "
-                        f"({mine.get('phase', '?')}): {who}; stopped, stuck or gone; the last "
-                        "checkpoint is kept")
+            return f"rank {missing[0]} never reported progress"
+        if not peers:
+            return "the other ranks stopped"
+        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1].get("since", kv[1]["time"])))
+        return (f"rank {r} made no progress for {now - b.get('since', b['time']):.0f} s (last "
+                f"heartbeat: step {b['step']}, {b['phase']})")
+
+    def _gone(self) -> str:
+        """The peers whose heartbeat stopped: read, then read again a beat later."""
+        first = self.beats()
+        time.sleep(BEAT_S + 1.0)
+        then = self.beats()
+        gone = [r for r in range(self.world_size) if r != self.rank
+                and (r not in then or then[r]["time"] == first.get(r, {}).get("time"))]
+        if not gone:
+            return "a peer's process ended (which one, its heartbeat does not tell)"
+        return (f"rank {gone[0]}'s process ended"
+                + (f", and that of ranks {gone[1:]}" if len(gone) > 1 else ""))
 
 
 def _store():

@@ -63,7 +63,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         _sweep_job_failed(e)
         if wants_traceback():
             raise
-        fail(e, code=exit_code(e))
+        fail(e, code=exit_code(e), any_rank=isinstance(e, PeerLost))
     except BaseException as e:
         _sweep_job_failed(e)
         raise
@@ -415,7 +415,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                     lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
                     if lost is None:
                         raise
-                    raise lost from e
+                    raise lost from None  # (its line says it all: not the backend's text)
         bad = loop.bad_steps()  # (collective: every rank takes the same branch)
         if bad and t.max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
             checkpointing.finish()

@@ -55,3 +55,33 @@ def test_non_finite_loss_on_one_rank_at_save_steps_stops_every_rank_alike(tmp_pa
                                           errors[0])
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*.pt"))
     assert saved == ["step-00000002.pt"]  # the last good one; none with a NaN loss
+
+
+def test_a_stuck_rank_0_is_named_by_the_rank_that_waits_for_it(tmp_path):
+    """Rank 0 hangs inside a step (its heartbeat thread beats on): rank 1, which cannot rely
+    on rank 0 to print, says itself which rank made no progress, and for how long."""
+    start = time.monotonic()
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=10",
+                        "model._target_=tests.helpers.FaultyMLP", "+model.rank=0",
+                        "+model.at=5", "data.num_workers=0", "trainer.progress_bar=false"],
+                    cwd=ROOT, timeout=150)
+    assert proc.returncode != 0 and time.monotonic() - start < 120
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "rank 1 waited more than trainer.ddp.timeout_s=10 s in a collective" in lines[0]
+    stalled = re.search(r"rank 0 made no progress for (\d+) s", lines[0])
+    assert stalled and int(stalled.group(1)) >= 5, lines[0]  # not the heartbeat's last 0 s
+
+
+def test_a_killed_rank_is_named_by_its_peer_in_one_line(tmp_path):
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=60",
+                        "model._target_=tests.helpers.FaultyMLP", "+model.rank=1",
+                        "+model.at=5", "+model.how=kill", "data.num_workers=0",
+                        "trainer.progress_bar=false"], cwd=ROOT, timeout=150)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert re.match(r"stoker: error: rank 0 lost a peer in a collective at step \d+ "
+                    r"\(training\): rank 1's process ended; its own error, if it had one, "
+                    r"is in its output; the last checkpoint is kept$", lines[0])
+    assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
