@@ -185,6 +185,10 @@ class NpyRows:
             raise ValueError(f"{self.path}: Fortran-ordered arrays are not supported")
         self.row_items = int(np.prod(self.shape[1:], dtype=np.int64))
         self.row_bytes = self.row_items * self.dtype.itemsize
+        size, needed = os.path.getsize(self.path), self.offset + self.shape[0] * self.row_bytes
+        if size < needed:  # read lazily, a short file would fail in a worker, mid-epoch
+            raise ValueError(f"{self.path}: {size} bytes where its header describes {needed} "
+                             "(a truncated file?); write it again with scripts/prepare_data.py")
         self._mm: Optional[mmap.mmap] = None
         self._pid = -1
 
@@ -259,4 +263,8 @@ def read_meta(root: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"data.dataset.root={root}: no meta.json; write the dataset "
                                 "with scripts/prepare_data.py")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); write the dataset again with "
+                         "scripts/prepare_data.py") from None

@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import posixpath
+import tarfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,6 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from data.images import (IMAGE_EXTENSIONS, ImageFolder, SkipCollate, Unreadable, decode,
                          image_settings, unreadable_errors)
+from trainer.config import ConfigError
 
 INDEX = "index.json"
 log = logging.getLogger("stoker")
@@ -128,16 +130,22 @@ class ShardStream:
 
         samples = group_by_keys(tar_file_expander(url_opener([{"url": url}])))
         got = 0
-        for i, sample in enumerate(samples):
-            if i < skip:
-                continue
-            yield sample
-            got += 1
-            if got == take:
-                return
+        try:
+            for i, sample in enumerate(samples):
+                if i < skip:
+                    continue
+                yield sample
+                got += 1
+                if got == take:
+                    return
+        except (tarfile.TarError, OSError, ValueError) as e:  # damaged, cut short, missing
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"data: shard {url} cannot be read ({type(e).__name__}: "
+                              f"{reason}); write it again (scripts/prepare_data.py --format "
+                              "shards) or remove it from its index.json") from None
         if got < take:
-            raise ValueError(f"data: shard {url} ended after {skip + got} samples; its "
-                             f"index says {skip + take} or more (a truncated shard?)")
+            raise ConfigError(f"data: shard {url} ended after {skip + got} samples; its "
+                              f"index says {skip + take} or more (a truncated shard?)")
 
     def decode(self, sample: Dict) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """A raw sample as (input, target); None for an unreadable image with on_error=skip."""

@@ -453,3 +453,15 @@ class FaultyMLP(MLP):
                     os.kill(os.getpid(), __import__("signal").SIGKILL)
                 time.sleep(3600)
         return super().forward(x)
+
+
+class NotADataset:
+    """A class a user pointed data.dataset at by mistake: no __len__, no __getitem__."""
+
+    def __init__(self, split: str = "train"):
+        self.split = split
+
+
+class NegativeLength(DigitsDataset):
+    def __len__(self):
+        return -1

@@ -41,8 +41,15 @@ _NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_F
 
 
 def _lines(text: str) -> List[str]:
+    text = str(text)
+    if "Original Traceback (most recent call last)" in text:
+        # a loader worker's error, re-raised with the worker's traceback in its message: the
+        # last line says what went wrong
+        head = text.splitlines()[0].strip().rstrip(".")  # "Caught X in DataLoader worker ..."
+        last = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
+        return [f"{last} ({head[len('Caught '):] if head.startswith('Caught ') else head})"]
     out = []
-    for line in str(text).splitlines():
+    for line in text.splitlines():
         line = line.strip()
         if line.startswith("Config search path") or line.startswith("Set the environment"):
             break

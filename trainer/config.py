@@ -314,6 +314,13 @@ def _check_ranges(cfg: DictConfig) -> None:
            "set data.normalize_mean and data.normalize_std together")
     _check(std is None or (len(std) == len(mean) and all(v > 0 for v in std)),
            "data.normalize_std", std, "needs one value > 0 per data.normalize_mean entry")
+    shape = list(d.input_shape) if d.input_shape is not None else None
+    if shape is not None and len(shape) == 3:  # (channels, height, width) images
+        _check(mean is None or len(mean) == shape[0], "data.normalize_mean", mean,
+               f"needs one value per channel: data.input_shape={shape} has {shape[0]}")
+        _check(d.augment.crop_padding < min(shape[1:]), "data.augment.crop_padding",
+               d.augment.crop_padding, f"must be under the image's side ({min(shape[1:])} "
+               f"px, data.input_shape={shape}): crops of more padding than image teach nothing")
     acc = t.accumulate_grad_batches
     _check(acc >= 1, "trainer.accumulate_grad_batches", acc, "must be >= 1")
     clip = t.grad_clip

@@ -55,11 +55,20 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
     for ds, key in zip(sets, keys):
         if ds is None:
             continue
-        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
+        if isinstance(ds, IterableDataset) or (hasattr(ds, "__iter__")
+                                               and not hasattr(ds, "__len__")):
             raise ConfigError(f"{key}: {type(ds).__name__} is an iterable dataset; Stoker needs "
                               "a map-style dataset (__len__ and __getitem__) to shard it exactly "
                               "across ranks and resume mid-epoch")
-        if len(ds) == 0:
+        if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+            raise ConfigError(f"{key}: {type(ds).__name__} is not a dataset: it needs __len__ "
+                              "and __getitem__ (a map-style torch.utils.data.Dataset)")
+        try:
+            n = len(ds)
+        except (TypeError, ValueError) as e:  # a __len__ that returns -1, None, ...
+            raise ConfigError(f"{key}: {type(ds).__name__}.__len__() failed ({e}); it must "
+                              "return the number of samples") from None
+        if n == 0:
             raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
     return sets[0], sets[1]
 

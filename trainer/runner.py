@@ -361,7 +361,12 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
-    for line in [*too_big, *warnings]:
+    monitor = cfg.trainer.checkpoint.monitor
+    unused = ([f"trainer.checkpoint.monitor={monitor} keeps no best.pt: "
+               "trainer.save_checkpoint=false saves no checkpoint"]
+              if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
+              else [])
+    for line in [*too_big, *unused, *warnings]:
         distributed.warn(env, "%s", line)
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "

@@ -123,6 +123,21 @@ def test_memmap_missing_files_name_the_key(tmp_path):
         MemmapDataset("train", str(tmp_path))
 
 
+def test_a_truncated_array_or_a_broken_meta_json_names_the_file(tmp_path):
+    from data.datasets import MemmapDataset, read_meta
+    from tests.helpers import make_memmap_root
+
+    root = make_memmap_root(tmp_path / "mm", n=12, dtype="uint8")
+    x = root / "train" / "x.npy"
+    x.write_bytes(x.read_bytes()[:300])
+    with pytest.raises(ValueError, match=rf"^{x}: 300 bytes where its header describes \d+ "
+                                         r"\(a truncated file\?\); write it again"):
+        MemmapDataset("train", str(root))
+    (root / "meta.json").write_text("{'not': json")
+    with pytest.raises(ValueError, match=rf"^{root / 'meta.json'}: not valid JSON"):
+        read_meta(str(root))
+
+
 def test_heavy_config_is_the_classic_benchmark():
     from tests.helpers import compose_cfg
 

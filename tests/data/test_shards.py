@@ -228,3 +228,35 @@ def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
     index = write_shards(folder, tmp_path / "b", num_workers=2)
     assert sum(s["samples"] for s in index["shards"]) == 6
     assert [p.endswith("zz.jpg") for p in folder.skipped()] == [True]
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "short index"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, workers):
+    """Read in the training process or in a loader worker: one line naming the shard, not
+    tarfile's traceback."""
+    import shutil
+
+    from data.loader import readable
+    from trainer.config import ConfigError
+
+    root = tmp_path / "shards"
+    write_shards(numbered(30), root / "train", samples_per_shard=10)
+    victim = root / "train" / "shard-000001.tar"
+    if damage == "cut":
+        victim.write_bytes(victim.read_bytes()[:700])
+    elif damage == "garbage":
+        victim.write_bytes(b"\x17" * 4096)
+    elif damage == "missing":
+        victim.unlink()
+    else:  # the index promises more samples than the shard holds
+        index = json.loads((root / "train" / "index.json").read_text())
+        index["shards"][1]["samples"] = 50
+        (root / "train" / "index.json").write_text(json.dumps(index))
+    ld = loader(root, workers=workers, shuffle=False)
+    with pytest.raises(ConfigError) as info:
+        list(readable(iter(ld)))
+    message = str(info.value)
+    assert "\n" not in message and "shard-000001.tar" in message, message
+    assert message.startswith("data: shard "), message
+    shutil.rmtree(root)

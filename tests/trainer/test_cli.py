@@ -100,3 +100,12 @@ def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
     assert proc.stderr.strip() == (f"stoker: error: {tmp_path / 'afile'}: a file is in the way "
                                    "where a folder must be (File exists)")
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_loader_workers_error_is_its_last_line_and_where_it_came_from():
+    e = FileNotFoundError("Caught FileNotFoundError in DataLoader worker process 0.\n"
+                          "Original Traceback (most recent call last):\n"
+                          '  File "x.py", line 3, in read\n    open(path)\n'
+                          "FileNotFoundError: [Errno 2] No such file or directory: 'a.tar'\n")
+    assert describe(e) == ("FileNotFoundError: [Errno 2] No such file or directory: 'a.tar' "
+                           "(FileNotFoundError in DataLoader worker process 0)")

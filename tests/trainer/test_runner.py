@@ -293,6 +293,15 @@ def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line():
         _check_steppable(torch.optim.LBFGS(params))
 
 
+def test_a_monitor_without_checkpoints_says_it_keeps_nothing(make_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        summary = train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false",
+                                 "trainer.checkpoint.monitor=val_acc"))
+    assert "trainer.checkpoint.monitor=val_acc keeps no best.pt: trainer.save_checkpoint=false " \
+           "saves no checkpoint" in caplog.text
+    assert "best" not in summary
+
+
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
     from hydra import compose, initialize_config_dir
 

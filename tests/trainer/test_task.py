@@ -395,6 +395,17 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
 
     (["data=tokens"], "model: MLP cannot take the first batch (list(tensor(32, 128) int64, "
                       "tensor(32, 128) int64)): mat1 and mat2 must have the same dtype"),
+    (["data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[1,1,1]"],
+     "data.normalize_mean=[0.5, 0.5, 0.5]: needs one value per channel: data.input_shape=[1, "
+     "8, 8] has 1"),
+    (["data.augment.crop_padding=100"], "data.augment.crop_padding=100: must be under the "
+                                        "image's side (8 px, data.input_shape=[1, 8, 8])"),
+    (["data.dataset._target_=tests.helpers.NotADataset", "~data.dataset.val_fraction",
+      "~data.dataset.split_seed"],
+     "data.dataset: NotADataset is not a dataset: it needs __len__ and __getitem__"),
+    (["data.dataset._target_=tests.helpers.NegativeLength"],
+     "data.dataset: NegativeLength.__len__() failed (__len__() should return >= 0); it must "
+     "return the number of samples"),
     (["task.label_smoothing=2"], "task.label_smoothing=2: must be a number from 0.0 to 1.0"),
     (["task.label_smoothing=-0.1"], "task.label_smoothing=-0.1: must be a number from 0.0"),
     (["task.ignore_index=abc"], "task.ignore_index='abc': must be an integer target value"),
