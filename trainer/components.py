@@ -169,8 +169,13 @@ def _not_like_default(value: Any, param: inspect.Parameter, sized: bool) -> Opti
     the annotation says the parameter takes no None (AdamW's `weight_decay: float`); without
     an annotation it is left to the callee (some take None for "off")."""
     default = param.default
-    if isinstance(default, bool):
-        return None
+    if isinstance(default, bool):  # a switch: "maybe" or 1 would pass as truthy
+        if isinstance(value, bool):
+            return None
+        text = _annotation(param)
+        if value is None and (text is None or "None" in text or "Optional" in text):
+            return None
+        return "true or false"
     if value is None:
         text = _annotation(param)
         takes_none = text is None or "None" in text or "Optional" in text

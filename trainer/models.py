@@ -65,6 +65,9 @@ class MLP(nn.Module):
         super().__init__()
         self.checkpointed = activation_checkpointing
         self.blocks = nn.ModuleList()
+        if any(not isinstance(h, int) or isinstance(h, bool) or h < 1 for h in hidden):
+            raise ValueError(f"MLP hidden={list(hidden)}: every layer width must be an "
+                             "integer >= 1")
         width = math.prod(input_shape)
         for h in hidden:
             layers: list[nn.Module] = [nn.Linear(width, h), nn.ReLU()]
@@ -150,6 +153,9 @@ class Transformer(nn.Module):
         if len(input_shape) != 1:
             raise ValueError(f"Transformer needs input_shape [tokens] (e.g. data=tokens), "
                              f"got {list(input_shape)}")
+        if min(dim, layers, heads) < 1:
+            raise ValueError(f"Transformer dim={dim}, layers={layers}, heads={heads}: each "
+                             "must be >= 1")
         if dim % heads:
             raise ValueError(f"Transformer dim={dim} must be a multiple of heads={heads}")
         self.context, self.dim, self.depth = input_shape[0], dim, layers

@@ -123,3 +123,15 @@ def test_a_fresh_transformer_starts_near_a_uniform_guess():
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab),
                                              tokens[:, 1:].reshape(-1))
     assert abs(loss.item() - math.log(vocab)) < 0.5
+
+
+def test_reference_models_refuse_sizes_of_zero():
+    import pytest
+
+    from trainer.models import MLP, Transformer
+
+    with pytest.raises(ValueError, match=r"MLP hidden=\[64, 0\]: every layer width must be an "
+                                         r"integer >= 1"):
+        MLP([1, 8, 8], 10, hidden=[64, 0])
+    with pytest.raises(ValueError, match="Transformer dim=0, layers=2, heads=4: each must be"):
+        Transformer([16], 10, dim=0)

@@ -406,6 +406,8 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["data.dataset._target_=tests.helpers.NegativeLength"],
      "data.dataset: NegativeLength.__len__() failed (__len__() should return >= 0); it must "
      "return the number of samples"),
+    (["+optim.amsgrad=maybe"], "optim.amsgrad=maybe: must be true or false (torch.optim.AdamW's "
+                               "default is False)"),
     (["task.label_smoothing=2"], "task.label_smoothing=2: must be a number from 0.0 to 1.0"),
     (["task.label_smoothing=-0.1"], "task.label_smoothing=-0.1: must be a number from 0.0"),
     (["task.ignore_index=abc"], "task.ignore_index='abc': must be an integer target value"),
