@@ -440,10 +440,11 @@ class FaultyMLP(MLP):
     """An MLP whose `at`-th training forward, on rank `rank` of a torchrun job, hangs (sleeps
     in the main thread: its heartbeat thread beats on) or kills its own process."""
 
-    def __init__(self, *args, rank: int = 1, at: int = 5, how: str = "hang", **kwargs):
+    def __init__(self, *args, rank: int = 1, at: int = 5, how: str = "hang",
+                 hang_s: float = 3600, **kwargs):
         super().__init__(*args, **kwargs)
         self.armed = int(os.environ.get("RANK", "0")) == rank
-        self.at, self.how, self.calls = at, how, 0
+        self.at, self.how, self.hang_s, self.calls = at, how, hang_s, 0
 
     def forward(self, x):
         if self.training and self.armed:
@@ -451,7 +452,7 @@ class FaultyMLP(MLP):
             if self.calls == self.at:
                 if self.how == "kill":
                     os.kill(os.getpid(), __import__("signal").SIGKILL)
-                time.sleep(3600)
+                time.sleep(self.hang_s)
         return super().forward(x)
 
 
