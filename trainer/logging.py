@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from tqdm import tqdm
@@ -38,6 +38,7 @@ class RunLogger:
         self.tensorboard = tensorboard
         self._jsonl = None
         self._tb = None
+        self.before_first_write: Optional[Callable[[], None]] = None  # opens the run's files
 
     def open(self, step: int = 0, validated_step: int = -1) -> int:
         """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing) for a run
@@ -64,6 +65,8 @@ class RunLogger:
 
     def metrics(self, split: str, step: int, values: Dict[str, Any]) -> None:
         """Records `values` for `split` ("train" or "val") at optimizer step `step`."""
+        if self._jsonl is None and self.before_first_write is not None:
+            self.before_first_write()  # the run's files, opened at its first row
         if self._jsonl is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)

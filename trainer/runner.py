@@ -397,7 +397,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
     resume = _resume_setting(cfg)
-    writing = False
+    outputs = None
     start = time.perf_counter()
     loop = None
     try:
@@ -410,8 +410,12 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                                          resume, callbacks)
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record
                 return _nothing_to_do(cfg, run_dir, loop, logger)
-            _open_outputs(cfg, env, run_dir, logger, loop.train_feed, loop.state)
-            writing = logger.write  # from here on, the run dir holds this run's files
+            # the run's files come once its first optimizer step succeeded (or before the
+            # first metrics row, whichever is first): a resume the first batch refuses (a
+            # task that does not fit the data) leaves the run dir as it was
+            outputs = _FirstStepOutputs(cfg, env, run_dir, logger, loop)
+            loop.callbacks.insert(0, outputs)
+            logger.before_first_write = outputs.open
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
             with heartbeat:
                 try:
@@ -447,7 +451,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                        precision=cfg.trainer.precision.value,
                        peak_mem_mb=peak_memory_mb(spec.device))
         logger.summary(summary)
-        if writing:
+        if outputs.writing:
             rundir.write_status(run_dir, 0, "")
         _final_summary(summary, env)
         # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
@@ -459,7 +463,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                                           env.local_world_size, gpu_idle))
         return summary
     except BaseException as e:
-        if writing:
+        if outputs is not None and outputs.writing:
             rundir.write_status(run_dir, exit_code(e), status_error(e),
                                 word=("exited: SystemExit raised during the run"
                                       if type(e) is SystemExit else None))
@@ -486,8 +490,33 @@ def _nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
     return {**summary, "epochs": state.epoch, "steps": state.step, "complete": True}
 
 
+class _FirstStepOutputs(Callback):
+    """Opens the run's files (`_open_outputs`) once: after the first optimizer step, or at
+    the logger's first write if that comes first (the same step's metrics row). `writing`:
+    from then on, the run dir holds this run's files (rank 0)."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
+                 loop: Loop):
+        self.args = (cfg, env, run_dir, logger, loop.train_feed)
+        # where the run starts: rows a killed attempt logged past it leave metrics.jsonl
+        self.step, self.validated_step = loop.state.step, loop.state.validated_step
+        self.opened = False
+
+    @property
+    def writing(self) -> bool:
+        return self.opened and self.args[3].write
+
+    def open(self) -> None:
+        if not self.opened:
+            self.opened = True
+            _open_outputs(*self.args, self.step, self.validated_step)
+
+    def after_step(self, loop) -> None:
+        self.open()
+
+
 def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                  train_feed, state: FitState) -> None:
+                  train_feed, step: int, validated_step: int) -> None:
     """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
     record, the class names of a dataset that has them (`classes.json`: class i is the i-th
     name), metrics.jsonl and TensorBoard."""
@@ -498,11 +527,11 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
     if classes is not None:
         (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
     rundir.record_hydra(run_dir, cfg)
-    dropped = logger.open(state.step, state.validated_step)
+    dropped = logger.open(step, validated_step)
     if dropped:
         logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
                     "resumed one) were dropped: those steps are trained again", dropped,
-                    state.step)
+                    step)
 
 
 def skipped_files(loop: Loop) -> List[str]:

@@ -78,6 +78,24 @@ def test_a_fresh_run_into_a_folder_with_such_a_file_keeps_it(make_cfg, tmp_path,
     assert (run_dir / name).read_text() == "mine: true\n"
 
 
+def test_a_resume_its_first_batch_refuses_leaves_the_run_dir_as_it_was(tmp_path):
+    """The task's check of the first batch comes after every start-up check: the run's files
+    (config.yaml, .hydra/, status.json, metrics.jsonl, TensorBoard) are opened only once the
+    first optimizer step succeeded, so a resume refused there changes none of them (train.log
+    gets the attempt's lines)."""
+    run_dir = tmp_path / "run"
+    assert run_cli([*QUICK, f"hydra.run.dir={run_dir}"]).returncode == 0
+    before = snapshot(run_dir)
+    proc = run_cli(["trainer.max_steps=8", "trainer.progress_bar=false", "data.num_workers=0",
+                    "task=regression", "trainer.resume=auto", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "stoker: error: task regression: targets that are not real numbers")
+    after = snapshot(run_dir)
+    assert {k: v for k, v in after.items() if k != "train.log"} == \
+        {k: v for k, v in before.items() if k != "train.log"}
+
+
 def test_a_refused_resume_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli([*QUICK, f"hydra.run.dir={run_dir}"]).returncode == 0
