@@ -70,9 +70,10 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _sweep_job_failed(e: BaseException) -> None:
-    """A sweep job that failed before it wrote anything (a refused setting of its own, say)
-    leaves its status.json in the job dir Hydra made for it, which would otherwise stay
-    empty; the sweep itself stops there (Hydra's launcher runs no job after a failed one)."""
+    """A sweep job that failed before it opened its files (a refused setting of its own, a
+    first batch its task refuses) leaves its status.json in the job dir Hydra made for it,
+    where nothing else would say how it ended; the sweep itself stops there (Hydra's launcher
+    runs no job after a failed one). A job dir with a status.json keeps it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -80,7 +81,7 @@ def _sweep_job_failed(e: BaseException) -> None:
         return
     h = HydraConfig.get()
     job_dir = Path(h.runtime.output_dir)
-    if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or any(job_dir.iterdir()):
+    if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
     rundir.write_status(job_dir, exit_code(e), status_error(e))
 
