@@ -47,6 +47,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         return prepare(argv)
     except (*USER_ERRORS, FileNotFoundError) as e:
         fail(e)
+    except OSError as e:  # a read-only or full disk, a file in the way
+        fail(e, code=1)
 
 
 def prepare(argv: Optional[List[str]] = None) -> dict:
@@ -61,18 +63,18 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
     if a.shard_samples < 1:
         p.error("--shard-samples must be >= 1")
-    out = a.out
+    out = a.out.resolve()  # a link to a folder: the folder it names is replaced, not the link
     if out.exists() and not out.is_dir():
-        p.error(f"--out {out}: is a file; give a folder to write")
+        p.error(f"--out {a.out}: is a file; give a folder to write")
     if out.is_dir() and any(out.iterdir()) and not a.overwrite:
-        p.error(f"--out {out}: exists and is not empty; give a new folder, or --overwrite to "
+        p.error(f"--out {a.out}: exists and is not empty; give a new folder, or --overwrite to "
                 "replace it once the new one is complete")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
     # written beside --out and moved there complete: a failure leaves --out as it was
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        meta = write(cfg, a, stage, out)
+        meta = write(cfg, a, stage, a.out)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -82,7 +84,7 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
             stage.rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    print("use it: python train.py " + use_args(a.format, out, cfg.data, meta))
+    print("use it: python train.py " + use_args(a.format, a.out, cfg.data, meta))
     return meta
 
 

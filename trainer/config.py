@@ -316,8 +316,9 @@ def _check_ranges(cfg: DictConfig) -> None:
            "data.normalize_std", std, "needs one value > 0 per data.normalize_mean entry")
     shape = list(d.input_shape) if d.input_shape is not None else None
     if shape is not None and len(shape) == 3:  # (channels, height, width) images
-        _check(mean is None or len(mean) == shape[0], "data.normalize_mean", mean,
-               f"needs one value per channel: data.input_shape={shape} has {shape[0]}")
+        _check(mean is None or len(mean) in (1, shape[0]), "data.normalize_mean", mean,
+               f"needs one value per channel (or one for all): data.input_shape={shape} has "
+               f"{shape[0]}")
         _check(d.augment.crop_padding < min(shape[1:]), "data.augment.crop_padding",
                d.augment.crop_padding, f"must be under the image's side ({min(shape[1:])} "
                f"px, data.input_shape={shape}): crops of more padding than image teach nothing")

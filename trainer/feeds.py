@@ -60,7 +60,8 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
             raise ConfigError(f"{key}: {type(ds).__name__} is an iterable dataset; Stoker needs "
                               "a map-style dataset (__len__ and __getitem__) to shard it exactly "
                               "across ranks and resume mid-epoch")
-        if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+        if not hasattr(ds, "__len__") or not (hasattr(ds, "__getitem__")
+                                              or isinstance(ds, ShardStream)):
             raise ConfigError(f"{key}: {type(ds).__name__} is not a dataset: it needs __len__ "
                               "and __getitem__ (a map-style torch.utils.data.Dataset)")
         try:

@@ -213,14 +213,11 @@ class Loop:
         self.window = Window()
         while not self._done():
             epoch = self.state.epoch
+            steps_before = self.state.step
             if not self.train_epoch(epoch):
                 break  # max_steps inside the epoch
-            if not self.run_samples:  # until a logging boundary counted some: one small
-                samples = torch.tensor(float(self.window.samples), device=self.device)
-                if self.world > 1:  # all-reduce an epoch, so every rank decides alike
-                    samples = distributed.all_reduce_sum(samples)
-                if not samples.item():
-                    self._nothing_read()
+            if not self.run_samples and self.state.step > steps_before:
+                self._check_read()  # (until a logging boundary counted samples)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
@@ -229,6 +226,8 @@ class Loop:
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
             self.window.paused_s += time.perf_counter() - paused
+        if not self.run_samples and self.window.steps:  # a run shorter than an epoch
+            self._check_read()
         if self.window.steps:  # the steps since the last logging boundary (a collective)
             self._log_window(self.window, self.state.epoch - (0 if self.state.position else 1),
                              None, None)
@@ -239,11 +238,24 @@ class Loop:
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **self.last_train, **self.last_val, **self.run_rates()}
 
-    def _nothing_read(self) -> None:
-        raise ConfigError(
-            f"data: no training sample was read in {self.state.step} optimizer steps: every "
-            "batch came out empty (each of its samples skipped as unreadable under "
-            "data.dataset.on_error=skip, say); check the training files")
+    def _check_read(self) -> None:
+        """ConfigError on every rank when the run's steps so far read no sample and the
+        datasets skipped files as unreadable (on_error=skip): a run on nothing. One small
+        all-reduce (ranks decide alike); only while no logging boundary counted samples.
+        Batches whose size cannot be told (a dataclass of one's own) count as read."""
+        source = getattr(self.train_feed, "source", None)
+        skipped = getattr(source, "skipped", None)
+        counts = torch.tensor([float(self.window.samples),
+                               float(len(skipped()) if callable(skipped) else 0)],
+                              dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            counts = distributed.all_reduce_sum(counts)
+        samples, files = counts.tolist()
+        if self.run_samples + samples == 0 and files > 0:
+            raise ConfigError(
+                f"data: no training sample was read in {self.state.step} optimizer steps: "
+                f"every one of them was skipped as unreadable ({int(files)} files, "
+                "data.dataset.on_error=skip); check the training files")
 
     def run_rates(self) -> Dict[str, float]:
         train_s = max(self.run_train_s, 1e-9)
@@ -406,8 +418,6 @@ class Loop:
         world = self.world
         self.run_wait_s += w.wait_s
         self.run_samples += int(samples)
-        if not self.run_samples:  # (a sum over ranks: every rank agrees)
-            self._nothing_read()
         values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,
                   "lr": self.optimizer.param_groups[0]["lr"],
                   "samples_per_s": samples / max(wall_sum / world, 1e-9),

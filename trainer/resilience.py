@@ -114,6 +114,7 @@ class Preemption:
         self._mine = 0  # ... and what this rank received
         self._interrupted_at: Optional[float] = None
         self._signalled_at: Optional[float] = None  # the first SIGTERM/SIGUSR1
+        self._stopping = False  # agreed at a step boundary: saving, then stopping
         self._main, self._pid = env.is_main, os.getpid()
         self._previous = {}
         self._group = None
@@ -148,6 +149,8 @@ class Preemption:
                 os.write(2, b"stoker: stopping at the end of this step with a checkpoint "
                             b"(Ctrl-C again to stop at once, without one)\n")
             self._interrupted_at = self._interrupted_at or now
+        elif self._stopping:
+            return  # the step ended: the checkpoint is being written, let it finish
         elif self._mine and self._signalled_at is not None \
                 and time.monotonic() - self._signalled_at > AGAIN_AFTER_S:
             raise SignalledAgain(signum)  # the first is still waiting for its step to end
@@ -160,6 +163,7 @@ class Preemption:
         """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
         if self._group is None:
             self.kind = self._mine
+            self._stopping = self.requested
             return self.requested
         previous = self._pending
         flag = torch.tensor([self._mine], dtype=torch.int32)
@@ -169,6 +173,7 @@ class Preemption:
             return False
         previous[1].wait()  # issued a step ago: done by now unless a rank lags behind
         self.kind = int(previous[0].item())
+        self._stopping = self.kind > 0
         return self.kind > 0
 
 
@@ -219,17 +224,17 @@ class Checkpointing(Callback):
             return None
         return {"monitor": self.c.monitor, "value": self.best, "step": self.best_step}
 
-    def save(self, loop, best: bool = False) -> None:
+    def save(self, loop, best: bool = False) -> bool:
         """Saves the loop's state (collective); a step already saved is saved again only
         to become best.pt, or once it has been validated (the final state: a run resumed from
-        it knows it is complete)."""
+        it knows it is complete). False where it refused to (a loss that is not finite)."""
         if not self.enabled or (self.saver.last_saved_step == loop.state.step and not best
                                 and self.saved_validated == loop.state.validated_step):
-            return
+            return True
         if not loop.losses_finite():  # agreed: no rank goes into capture's gather alone
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
                              "finite; the last good checkpoint stays", loop.state.step)
-            return
+            return False
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
         state = capture(loop, self.config, self.env)
@@ -245,6 +250,7 @@ class Checkpointing(Callback):
             monitored_barrier(self.c.timeout_s)
         loop.run_checkpoint_s += time.perf_counter() - start
         loop.phase = phase
+        return True
 
     def after_step(self, loop) -> None:
         n = self.c.every_n_steps
@@ -266,11 +272,13 @@ class Checkpointing(Callback):
             value = val[self.c.monitor]
             better = (self.best is None or (value > self.best if self.mode == "max"
                                             else value < self.best))
-            if better:
+            if better:  # (set first: the saved state holds it)
+                previous = self.best, self.best_step
                 self.best, self.best_step, best = value, loop.state.step, True
         n = self.c.every_n_epochs
-        if best or (n and loop.state.epoch % n == 0):
-            self.save(loop, best=best)
+        if (best or (n and loop.state.epoch % n == 0)) and not self.save(loop, best=best) \
+                and best:
+            self.best, self.best_step = previous  # not written: best.pt holds the old one
 
     def finish(self) -> None:
         """Waits for a background write, then for every rank (all files complete)."""

@@ -26,8 +26,10 @@ from trainer.config import ConfigError
 
 LOCK = ".stoker.lock"
 # what a run that wrote anything leaves behind (train.log aside: this launch's own warnings
-# may be in it before the checks)
-OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "status.json", ".hydra")
+# may be in it before the checks; .hydra/ aside: Hydra writes it before them where
+# hydra.output_subdir is set)
+OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "status.json")
+RECORDS = ("config.yaml", "status.json")  # an attempt's own: no result in them
 
 
 def job_id(environ=os.environ) -> Optional[str]:
@@ -128,6 +130,8 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run_dir = Path(run_dir)
     found = checkpoint.candidates(run_dir)
     outputs = [name for name in OUTPUTS if _written(run_dir / name)]
+    if not found and set(outputs) <= set(RECORDS) and _failed_attempt(run_dir):
+        outputs = []  # an attempt that failed before it left a result: this run replaces it
     if resume == "auto" and not found and "summary.json" in outputs:
         raise CheckpointError(
             f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json and "
@@ -143,6 +147,16 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
             "changed")
 
 
+def _failed_attempt(run_dir: Path) -> bool:
+    """Whether the dir's status.json is Stoker's record of an attempt that failed."""
+    try:
+        status = json.loads((run_dir / STATUS).read_text())
+        return str(status["status"]).startswith(("failed", "exited", "stopped")) \
+            and isinstance(status["exit_code"], int)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _written(path: Path) -> bool:
     """A non-empty file, or a folder holding anything."""
     if path.is_dir():
@@ -154,7 +168,11 @@ def _dir_key() -> str:
     """The key that names the run dir: Hydra's on the command line, run_dir from Python."""
     from hydra.core.hydra_config import HydraConfig
 
-    return "hydra.run.dir" if HydraConfig.initialized() else "run_dir"
+    if not HydraConfig.initialized():
+        return "run_dir"
+    from hydra.types import RunMode
+
+    return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
 
 
 def record_hydra(run_dir: Path, cfg: DictConfig) -> None:
@@ -245,7 +263,7 @@ def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = Non
     a preemption is told from a failure)."""
     status = {"status": word or _STATUS_WORDS.get(code, "failed"), "exit_code": code,
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if code in (75, 130) and checkpoint.candidates(run_dir):
+    if code in (75, 130, 138, 143) and checkpoint.candidates(run_dir):
         status["resume"] = resume_args(run_dir)
     try:
         (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")

@@ -92,7 +92,10 @@ def status_error(e: BaseException) -> str:
     if type(e) is SystemExit:  # sys.exit() in the user's code, mid-run
         return f"SystemExit({e.code!r})"
     crash = exit_code(e) == 1 and not isinstance(e, ONE_LINE)
-    return f"{type(e).__name__}: {describe(e)}" if crash else describe(e)
+    text = describe(e)
+    if crash and not text.startswith(f"{type(e).__name__}:"):  # (a worker's line has it)
+        return f"{type(e).__name__}: {text}"
+    return text
 
 
 def exit_code(e: Optional[BaseException]) -> int:
@@ -103,8 +106,10 @@ def exit_code(e: Optional[BaseException]) -> int:
         return e.code
     if isinstance(e, KeyboardInterrupt):
         return EXIT_INTERRUPTED
-    if isinstance(e, (SignalledAgain, SystemExit)):
-        return e.code if isinstance(e.code, int) else 1
+    if isinstance(e, SignalledAgain):
+        return e.code
+    if isinstance(e, SystemExit):  # as Python exits with it: None is 0, a message is 1
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
 
 
@@ -249,8 +254,13 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
+    # a sanity bound: the position counts whole global batches (an epoch's last one may pass
+    # the dataset's end: 23 x 64 = 1472 for 1438 samples), and a checkpoint at an epoch's last
+    # step is saved before it resets to 0
     n = len(loop.train_feed.loader.dataset)
-    if loop.state.position > n + old_world:  # (a sampler pads an epoch by under a world size)
+    old_batch = ((state.get("config") or {}).get("data") or {}).get("batch_size") \
+        or cfg.data.batch_size
+    if loop.state.position > n + int(old_batch) * old_world:
         raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
                               f"into epoch {loop.state.epoch}, is past the end of this run's "
                               f"{n} training samples (another dataset?)")

@@ -78,10 +78,12 @@ def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
     except (TypeError, ValueError):
         params = {}
     given = getattr(factory, "keywords", {}).get("total_steps")
-    if given is not None and given != total_steps:
+    if given is not None and given < total_steps:  # (more is the user's choice: a cycle the
+        # run stops inside, as a fast dev run or a limited run does)
         raise ConfigError(f"sched.total_steps={given}: this run takes {total_steps} optimizer "
-                          "steps; leave the key out (the run's own count is passed) or set "
-                          f"it to {total_steps}")
+                          "steps, and a schedule stepped past its total fails; leave the key "
+                          f"out (the run's own count is passed) or set it to {total_steps} or "
+                          "more")
     if "total_steps" in params and given is None:
         scheduler = factory(optimizer, total_steps=total_steps)
     else:

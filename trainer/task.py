@@ -19,6 +19,7 @@ your own subclasses `Task` and overrides what differs; see README "Bring your ow
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -62,6 +63,9 @@ def batch_size(batch: Any) -> int:
         return batch[0].shape[0]
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # a class of one's own
+        return next((n for n in (batch_size(getattr(batch, f.name))
+                                 for f in dataclasses.fields(batch)) if n), 0)
     values = batch.values() if isinstance(batch, Mapping) else (
         batch if isinstance(batch, (list, tuple)) else ())
     if isinstance(batch, (list, tuple)) and batch and not isinstance(
@@ -110,11 +114,13 @@ class Task:
                                   "named 'loss' (val_loss is always logged)")
         self.metrics = nn.ModuleDict(metrics) if all(
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
+        # (a null target: a model that computes a loss of its own, with no labels)
         for key, value, nullable in (("input_key", input_key, True),
-                                     ("target_key", target_key, False),
+                                     ("target_key", target_key, True),
                                      ("output_key", output_key, False)):
             if not (isinstance(value, str) and value) and not (nullable and value is None):
-                raise ConfigError(f"task.{key}={value!r}: must be the name of a batch entry or "
+                shown = "null" if value is None else repr(value)
+                raise ConfigError(f"task.{key}={shown}: must be the name of a batch entry or "
                                   "output attribute" + (" (or null)" if nullable else ""))
         self.input_key, self.target_key, self.output_key = input_key, target_key, output_key
 

@@ -124,3 +124,9 @@ def test_a_full_out_folder_is_replaced_only_when_asked_and_only_once_complete(tm
     assert json.loads((out / "meta.json").read_text())["splits"] == {"train": 40, "val": 10}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert torch.equal(MemmapDataset("train", str(out))[7][0], torch.full((3,), 7.0))
+    (tmp_path / "link").symlink_to(out)  # a link to the folder: the folder is replaced
+    relinked = subprocess.run([*done.args[:3], "link", *done.args[4:], "--overwrite"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert relinked.returncode == 0, relinked.stderr[-3000:]
+    assert (tmp_path / "link").is_symlink() and (out / "meta.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -284,3 +284,23 @@ def test_the_resume_line_says_what_applies():
     mixed = changes_line([f"optim.foreach None -> True{APPLIED}", "optim.lr 0.1 -> 0.2"])
     assert mixed.endswith("(optim.* and sched.* changes do not apply to them); start a new run "
                           "dir to apply them") and "optim.lr 0.1 -> 0.2" in mixed
+
+
+def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monkeypatch):
+    """SLURM's SIGUSR1 before the limit, then SIGTERM at it, while the preemption checkpoint
+    is being written: the write goes on (only a step that never ends is cut short)."""
+    from trainer import resilience
+    from trainer.cli import SignalledAgain
+    from trainer.distributed import DistEnv
+
+    env = DistEnv()
+    clock = [100.0]
+    monkeypatch.setattr(resilience.time, "monotonic", lambda: clock[0])
+    stop, waiting = resilience.Preemption(env), resilience.Preemption(env)
+    for p in (stop, waiting):
+        p._handle(signal.SIGUSR1, None)
+    assert stop.agreed()  # the step boundary: stopping, with a checkpoint
+    clock[0] += 5  # the second signal comes later than a second
+    stop._handle(signal.SIGTERM, None)  # no SignalledAgain: the save finishes
+    with pytest.raises(SignalledAgain):  # still inside the step: stop at once
+        waiting._handle(signal.SIGTERM, None)

@@ -65,7 +65,7 @@ def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_p
     assert snapshot(run_dir) == before
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "status.json", ".hydra/config.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "status.json"])
 def test_a_fresh_run_into_a_folder_with_such_a_file_keeps_it(make_cfg, tmp_path, name):
     """A folder of the user's own (`hydra.run.dir=.` in a project holding its config.yaml): a
     file a run would write is never overwritten by a fresh run."""
@@ -94,6 +94,23 @@ def test_a_resume_its_first_batch_refuses_leaves_the_run_dir_as_it_was(tmp_path)
     after = snapshot(run_dir)
     assert {k: v for k, v in after.items() if k != "train.log"} == \
         {k: v for k, v in before.items() if k != "train.log"}
+
+
+def test_a_fresh_run_replaces_an_attempt_that_failed_before_it_left_a_result(make_cfg,
+                                                                              tmp_path):
+    """A crash before any checkpoint or metrics row leaves config.yaml and a failed
+    status.json: running the fixed command again in that dir is not refused. A .hydra/ that
+    Hydra wrote before the checks (hydra.output_subdir) does not count either."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg(*QUICK, "data.dataset._target_=tests.helpers.FailingOnRankDigits",
+                       "+data.dataset.fail_rank=0", "+data.dataset.fail_index=100",
+                       run_dir=run_dir))
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+    (run_dir / ".hydra").mkdir(exist_ok=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("written by Hydra before the checks\n")
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
 
 
 def test_a_refused_resume_writes_nothing(tmp_path):

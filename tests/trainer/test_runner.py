@@ -253,7 +253,8 @@ def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cf
     for path in (root / "train").rglob("*.jpg"):
         path.write_bytes(b"not a jpeg")
     with pytest.raises(ConfigError, match=r"^data: no training sample was read in 2 optimizer "
-                                          r"steps: every batch came out empty"):
+                                          r"steps: every one of them was skipped as unreadable "
+                                          r"\(32 files, data.dataset.on_error=skip\)"):
         train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
                        "model=cnn", "data.num_workers=0", "data.batch_size=16"))
 
@@ -300,6 +301,42 @@ def test_a_monitor_without_checkpoints_says_it_keeps_nothing(make_cfg, caplog):
     assert "trainer.checkpoint.monitor=val_acc keeps no best.pt: trainer.save_checkpoint=false " \
            "saves no checkpoint" in caplog.text
     assert "best" not in summary
+
+
+def test_resumes_from_an_epochs_last_step_and_an_epoch_with_nothing_left(make_cfg, tmp_path):
+    """A checkpoint saved at an epoch's last step holds a position past the dataset's end
+    (23 batches of 64 = 1472 for 1438 samples), and one at the end of a limited epoch leaves
+    nothing to train in it: both resume."""
+    train(make_cfg("trainer.max_steps=25", "trainer.max_epochs=2",
+                   "trainer.checkpoint.every_n_steps=23", "trainer.checkpoint.every_n_epochs=0"))
+    path = tmp_path / "run" / "checkpoints" / "step-00000023.pt"
+    assert torch.load(path, weights_only=True)["position"] == 1472
+    resumed = train(make_cfg("trainer.max_steps=25", "trainer.max_epochs=2",
+                              f"trainer.resume={path}", run_dir=tmp_path / "b"))
+    assert resumed["steps"] == 25
+    limited = ("trainer.max_epochs=2", "trainer.limit_train_batches=5")
+    train(make_cfg("trainer.max_steps=7", *limited, "trainer.checkpoint.every_n_steps=5",
+                   "trainer.checkpoint.every_n_epochs=0", run_dir=tmp_path / "c"))
+    again = train(make_cfg("trainer.max_steps=10", *limited, "trainer.resume="
+                           f"{tmp_path / 'c' / 'checkpoints' / 'step-00000005.pt'}",
+                           run_dir=tmp_path / "d"))
+    assert again["steps"] == 10
+
+
+def test_a_dataclass_batch_of_ones_own_trains_and_counts_its_samples(make_cfg):
+    summary = train(make_cfg("+data.collate_fn._target_=tests.helpers.pair_batch",
+                             "task=model_loss", "task._target_=tests.helpers.PairBatchTask",
+                             "~task.shift_labels", "~task.count", "~task.ignore_index",
+                             "data.num_workers=0",
+                             "data.placement=host", "trainer.max_epochs=1"))
+    assert summary["steps"] == 23 and summary["run_samples_per_s"] > 0
+
+
+def test_a_schedule_total_longer_than_the_run_is_the_users_choice(make_cfg):
+    summary = train(make_cfg("sched._target_=torch.optim.lr_scheduler.OneCycleLR",
+                             "~sched.warmup_steps", "~sched.min_lr_ratio", "+sched.max_lr=0.01",
+                             "+sched.total_steps=100", "trainer.max_steps=3"))
+    assert summary["steps"] == 3
 
 
 def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
@@ -362,3 +399,16 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
         "status": "failed: configuration, data or checkpoint", "exit_code": 2,
         "error": "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate: -1",
         "when": ANY}
+
+
+def test_exit_codes_and_status_lines_say_what_the_process_did():
+    from trainer.runner import exit_code, status_error
+
+    assert [exit_code(SystemExit(c)) for c in (None, 0, 3, "bye")] == [0, 0, 3, 1]
+    from torch._utils import KeyErrorMessage  # how the DataLoader re-raises a worker's KeyError
+
+    worker = KeyError(KeyErrorMessage(
+        "Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+        "last):\n  File \"x.py\", line 1\nKeyError: 'lbl'\n"))
+    assert status_error(worker) == "KeyError: 'lbl' (KeyError in DataLoader worker process 0)"
+    assert status_error(KeyError("lbl")) == "KeyError: 'lbl'"

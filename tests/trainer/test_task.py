@@ -396,8 +396,8 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["data=tokens"], "model: MLP cannot take the first batch (list(tensor(32, 128) int64, "
                       "tensor(32, 128) int64)): mat1 and mat2 must have the same dtype"),
     (["data.normalize_mean=[0.5,0.5,0.5]", "data.normalize_std=[1,1,1]"],
-     "data.normalize_mean=[0.5, 0.5, 0.5]: needs one value per channel: data.input_shape=[1, "
-     "8, 8] has 1"),
+     "data.normalize_mean=[0.5, 0.5, 0.5]: needs one value per channel (or one for all): "
+     "data.input_shape=[1, 8, 8] has 1"),
     (["data.augment.crop_padding=100"], "data.augment.crop_padding=100: must be under the "
                                         "image's side (8 px, data.input_shape=[1, 8, 8])"),
     (["data.dataset._target_=tests.helpers.NotADataset", "~data.dataset.val_fraction",
@@ -411,7 +411,7 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["task.label_smoothing=2"], "task.label_smoothing=2: must be a number from 0.0 to 1.0"),
     (["task.label_smoothing=-0.1"], "task.label_smoothing=-0.1: must be a number from 0.0"),
     (["task.ignore_index=abc"], "task.ignore_index='abc': must be an integer target value"),
-    (["task.output_key=null"], "task.output_key=None: must be the name of a batch entry or "
+    (["task.output_key=null"], "task.output_key=null: must be the name of a batch entry or "
                                "output attribute"),
     (["sched=step", "sched.step_size=0"], "sched.step_size=0: StepLR needs at least 1 "
                                           "optimizer step between decays"),
@@ -421,8 +421,9 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
      "sched: ReduceLROnPlateau.step() needs metrics (a validation metric, say), but the loop "
      "steps the schedule once per optimizer step with no argument"),
     (["sched=constant", "sched._target_=torch.optim.lr_scheduler.OneCycleLR",
-      "~sched.warmup_steps", "+sched.max_lr=0.01", "+sched.total_steps=5"],
-     "sched.total_steps=5: this run takes 2 optimizer steps; leave the key out"),
+      "~sched.warmup_steps", "+sched.max_lr=0.01", "+sched.total_steps=1"],
+     "sched.total_steps=1: this run takes 2 optimizer steps, and a schedule stepped past its "
+     "total fails"),
     (["task._target_=tests.helpers.PerSampleLoss"],
      "task classification: PerSampleLoss.loss(output, batch) returned no loss backward can "
      "start from: got tensor(64,) float32; expected a 0-d floating tensor (the mean over the "
