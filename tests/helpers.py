@@ -494,3 +494,41 @@ class PairBatchTask(Task):
 
     def metric_inputs(self, output, batch):
         return output, batch.y
+
+
+def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: float = 150):
+    """A torchrun job run until a line of its stderr starts with `prefix` (or it ends, or
+    `timeout` passes), then its whole process group killed: for jobs whose remaining ranks
+    are stopped or stuck, which torchrun itself would give 30 s before killing them.
+    Returns (the stderr lines so far, the seconds it ran)."""
+    import signal
+    import threading
+
+    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
+                      *QUIET, *args]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))},
+           "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: List[str] = []
+    seen = threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if line.startswith(prefix):
+                seen.set()
+        seen.set()  # the job ended
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen.wait(timeout)
+    time.sleep(0.5)  # the other ranks' lines of the same moment
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    reader.join(timeout=5)
+    return lines, time.monotonic() - start
