@@ -171,6 +171,12 @@ def image_settings(size: int, resize: Optional[int], on_error: str) -> int:
     if size < 1 or (resize is not None and resize < size):
         raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
                          "resize >= size (or null)")
+    return default_resize(size, resize)
+
+
+def default_resize(size: int, resize: Optional[int]) -> int:
+    """The shorter side an image is resized to before its centre crop of `size`: `resize`,
+    or size / 0.875 (the usual 256 for 224)."""
     return resize if resize is not None else round(size / 0.875)
 
 

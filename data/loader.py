@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data.images import default_resize
 from data.resident import ResidentBatches, rows_of
 from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
@@ -131,7 +132,7 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     """
     pct = f"{100 * wait_frac:.0f}%"
     n = workers
-    on = f"{_count(n, 'worker')} on {_count(cores, 'core')}"
+    on = f"{count_of(n, 'worker')} on {count_of(cores, 'core')}"
     bigger = ("data.batch_size holds the whole training set already" if whole_set
               else "raise data.batch_size")
     if placement == "device" and converted and device.type == "cpu":
@@ -204,14 +205,15 @@ def _stored_size(cfg: DataConfig) -> str:
     """The size images need no larger than: the shorter side decoding resizes them to."""
     ds = getattr(cfg, "dataset", None) or getattr(cfg, "train_dataset", None) or {}
     size, resize = ds.get("size"), ds.get("resize")
-    if resize is None and isinstance(size, int):
-        resize = round(size / 0.875)  # data/images.py's default
+    if isinstance(size, int):
+        resize = default_resize(size, resize)
     return (f"their shorter side at {resize} px, what decoding resizes them to "
             "(data.dataset.resize) before the crop" if resize is not None else
             "their shorter side at what decoding resizes them to (data.dataset.resize)")
 
 
-def _count(n: int, noun: str) -> str:
+def count_of(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 worker", "2 cores")."""
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 

@@ -75,13 +75,11 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         meta = write(cfg, a, stage, a.out)
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
-            stage.rename(out)
-            shutil.rmtree(old)
-        else:
-            stage.rename(out)
+        stage.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     print("use it: python train.py " + use_args(a.format, a.out, cfg.data, meta))

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from data.cache import cache_dataset, reclaim_shm
-from data.loader import build_loader, stall_advice
+from data.loader import build_loader, count_of, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
 from data.resident import gathers, nbytes, rows_of, tensors_of
@@ -238,8 +238,9 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
         if isinstance(dataset, ShardStream) else ""
     why = f"; not batched on the device: {why_not}" \
         if why_not and d.placement != "host" and rows_of(dataset) is not None else ""
-    return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with {workers} "
-            f"worker{'' if workers == 1 else 's'} (data.num_workers={d.num_workers}, data.placement={d.placement}){why}")
+    return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with "
+            f"{count_of(workers, 'worker')} (data.num_workers={d.num_workers}, "
+            f"data.placement={d.placement}){why}")
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,

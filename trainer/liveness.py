@@ -116,10 +116,10 @@ class Heartbeat:
             return f"rank {missing[0]} never reported progress"
         if not peers:
             return "the other ranks stopped"
-        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1].get("since", kv[1]["time"])))
+        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["since"]))
         # (a change is seen at the next beat: the time since is a lower bound)
-        return (f"rank {r} made no progress for at least {now - b.get('since', b['time']):.0f} s"
-                f" (last heartbeat: step {b['step']}, {b['phase']})")
+        return (f"rank {r} made no progress for at least {now - b['since']:.0f} s (last "
+                f"heartbeat: step {b['step']}, {b['phase']})")
 
     def _gone(self) -> str:
         """The peers whose heartbeat stopped: read, then read again a beat later."""

@@ -110,6 +110,17 @@ def _callback_keys(callbacks: Sequence[Callback]) -> List[str]:
     return keys
 
 
+def skipped_files(*feeds) -> List[str]:
+    """The files these feeds' datasets skipped as unreadable (image folders and shards with
+    on_error=skip), in the training process and its loader workers."""
+    files: List[str] = []
+    for feed in feeds:
+        skipped = getattr(getattr(feed, "source", None), "skipped", None)
+        if callable(skipped):
+            files += skipped()
+    return files
+
+
 class Loop:
     """Runs epochs of training and validation over already-built components.
 
@@ -243,10 +254,8 @@ class Loop:
         datasets skipped files as unreadable (on_error=skip): a run on nothing. One small
         all-reduce (ranks decide alike); only while no logging boundary counted samples.
         Batches whose size cannot be told (a dataclass of one's own) count as read."""
-        source = getattr(self.train_feed, "source", None)
-        skipped = getattr(source, "skipped", None)
         counts = torch.tensor([float(self.window.samples),
-                               float(len(skipped()) if callable(skipped) else 0)],
+                               float(len(skipped_files(self.train_feed)))],
                               dtype=torch.float64, device=self.device)
         if self.world > 1:
             counts = distributed.all_reduce_sum(counts)

@@ -151,7 +151,7 @@ class Preemption:
             self._interrupted_at = self._interrupted_at or now
         elif self._stopping:
             return  # the step ended: the checkpoint is being written, let it finish
-        elif self._mine and self._signalled_at is not None \
+        elif self._signalled_at is not None \
                 and time.monotonic() - self._signalled_at > AGAIN_AFTER_S:
             raise SignalledAgain(signum)  # the first is still waiting for its step to end
         else:
@@ -206,10 +206,8 @@ class Checkpointing(Callback):
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """best.pt's value, so that a resumed run replaces it only with a better one."""
-        if not self.c.monitor or self.best is None:
-            return None
-        return {"monitor": self.c.monitor, "mode": self.mode, "value": self.best,
-                "step": self.best_step}
+        record = self.best_record()
+        return None if record is None else {**record, "mode": self.mode}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Takes the saved best only where it still describes this run's best.pt: the same
@@ -276,9 +274,10 @@ class Checkpointing(Callback):
                 previous = self.best, self.best_step
                 self.best, self.best_step, best = value, loop.state.step, True
         n = self.c.every_n_epochs
-        if (best or (n and loop.state.epoch % n == 0)) and not self.save(loop, best=best) \
-                and best:
-            self.best, self.best_step = previous  # not written: best.pt holds the old one
+        if best or (n and loop.state.epoch % n == 0):
+            saved = self.save(loop, best=best)
+            if best and not saved:  # not written: best.pt holds the previous one
+                self.best, self.best_step = previous
 
     def finish(self) -> None:
         """Waits for a background write, then for every rank (all files complete)."""

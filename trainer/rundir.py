@@ -158,9 +158,7 @@ def _failed_attempt(run_dir: Path) -> bool:
 
 
 def _written(path: Path) -> bool:
-    """A non-empty file, or a folder holding anything."""
-    if path.is_dir():
-        return any(path.iterdir())
+    """A non-empty file."""
     return path.is_file() and path.stat().st_size > 0
 
 

@@ -30,7 +30,8 @@ from trainer.feeds import build_feeds, feed_advice
 from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
-from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
+from trainer.loop import (Callback, FitState, Loop, NonFiniteLoss, skipped_files,
+                          steps_per_epoch)
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import (Checkpointing, Preempted, Preemption, changes_line,
                                 resume_changes, set_rng_state)
@@ -83,7 +84,14 @@ def _sweep_job_failed(e: BaseException) -> None:
     job_dir = Path(h.runtime.output_dir)
     if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
-    rundir.write_status(job_dir, exit_code(e), status_error(e))
+    record_failure(job_dir, e)
+
+
+def record_failure(run_dir: Path, e: BaseException) -> None:
+    """`run_dir`'s status.json for a run that ended with `e`."""
+    rundir.write_status(run_dir, exit_code(e), status_error(e),
+                        word=("exited: SystemExit raised during the run"
+                              if type(e) is SystemExit else None))
 
 
 def status_error(e: BaseException) -> str:
@@ -452,7 +460,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         best = checkpointing.best_record()
         if best is not None and t.save_checkpoint:
             summary["best"] = best
-        skipped = skipped_files(loop)
+        skipped = skipped_files(loop.train_feed, loop.val_feed)
         if skipped:
             distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."
                              "on_error=skip), e.g. %s", len(skipped), ", ".join(skipped[:3]))
@@ -475,9 +483,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         return summary
     except BaseException as e:
         if outputs is not None and outputs.writing:
-            rundir.write_status(run_dir, exit_code(e), status_error(e),
-                                word=("exited: SystemExit raised during the run"
-                                      if type(e) is SystemExit else None))
+            record_failure(run_dir, e)
         raise
     finally:
         if loop is not None:  # run-on workers (data/runon.py), also after an error
@@ -509,13 +515,14 @@ class _FirstStepOutputs(Callback):
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
                  loop: Loop):
         self.args = (cfg, env, run_dir, logger, loop.train_feed)
+        self.logger = logger
         # where the run starts: rows a killed attempt logged past it leave metrics.jsonl
         self.step, self.validated_step = loop.state.step, loop.state.validated_step
         self.opened = False
 
     @property
     def writing(self) -> bool:
-        return self.opened and self.args[3].write
+        return self.opened and self.logger.write
 
     def open(self) -> None:
         if not self.opened:
@@ -543,17 +550,6 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
         logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
                     "resumed one) were dropped: those steps are trained again", dropped,
                     step)
-
-
-def skipped_files(loop: Loop) -> List[str]:
-    """The files this rank's datasets skipped as unreadable (image folders with
-    on_error=skip), in the training process and its loader workers."""
-    files: List[str] = []
-    for feed in (loop.train_feed, loop.val_feed):
-        skipped = getattr(getattr(feed, "source", None), "skipped", None)
-        if callable(skipped):
-            files += skipped()
-    return files
 
 
 def peak_memory_mb(device: torch.device) -> float:
