@@ -28,13 +28,15 @@ log = logging.getLogger("stoker")
 
 
 def _set_tf32(enabled: bool) -> None:
-    mode = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    """TF32 for matmuls and cuDNN convolutions, through the API every reader accepts.
+
+    torch >= 2.9 also has per-backend `fp32_precision` setters, but once one of them is used
+    the process-wide getters (`torch.get_float32_matmul_precision()`, `matmul.allow_tf32`)
+    raise, and Inductor's autotuning (`compile.mode=max-autotune`) and other libraries read
+    them. These setters keep the old and the new getters answering alike.
+    """
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def backend_flags(tf32: bool, cudnn_benchmark: bool, deterministic: bool) -> None:

@@ -14,32 +14,37 @@ from trainer.runner import train
 
 @pytest.fixture
 def restore_backend_flags():
-    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
              torch.backends.cudnn.benchmark)
     yield
-    (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-     torch.backends.cudnn.benchmark) = saved
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:]
+
+
+def tf32_state():
+    """What every reader sees, old getters and new; a getter that raises fails the test
+    (torch refuses the old getters once a per-backend fp32_precision setter was used)."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.fp32_precision)
 
 
 def test_backend_flags_set_tf32_and_cudnn_autotuning(restore_backend_flags):
     speed.backend_flags(tf32=True, cudnn_benchmark=True, deterministic=False)
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert tf32_state() == ("high", True, True, "tf32")
     assert torch.backends.cudnn.benchmark
     speed.backend_flags(tf32=False, cudnn_benchmark=True, deterministic=True)
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert tf32_state() == ("highest", False, False, "ieee")
     assert not torch.backends.cudnn.benchmark  # deterministic wins over autotuning
 
 
 def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags, tmp_path):
     train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", "trainer.cudnn_benchmark=true",
                    run_dir=tmp_path / "a"))
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert tf32_state() == ("highest", False, False, "ieee")
     assert torch.backends.cudnn.benchmark
     train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.cudnn_benchmark=false",
                    run_dir=tmp_path / "b"))  # a run dir of its own: one dir, one run
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert tf32_state() == ("high", True, True, "tf32")
     assert not torch.backends.cudnn.benchmark
 
 
@@ -150,6 +155,6 @@ def test_every_switch_together_on_cuda(make_cfg, tmp_path, restore_backend_flags
                              "trainer.compile.enabled=true", "trainer.precision=bf16",
                              "model.activation_checkpointing=true", "trainer.max_epochs=3"))
     assert summary["val_acc"] > 0.5
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert tf32_state() == ("high", True, True, "tf32")
     conv = weights(summary)["stages.0.0.weight"]
     assert conv.is_contiguous(memory_format=torch.channels_last)
