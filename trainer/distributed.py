@@ -215,10 +215,18 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float,
         raise
 
 
+# NCCL's collectives wait this much longer than gloo's: a rank left waiting for a stuck peer
+# then fails first in the host-side gloo check of its step, whose error names the peer
+# (trainer/liveness.py), instead of NCCL's watchdog aborting the process with no such line.
+NCCL_GRACE_S = 60.0
+_TIMEOUT: Optional[datetime.timedelta] = None  # trainer.ddp.timeout_s of the joined group
+
+
 def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
+    global _TIMEOUT
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _TIMEOUT = datetime.timedelta(seconds=timeout_s)
     kwargs = {}
     if env.launcher == "slurm":
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
@@ -230,6 +238,8 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
                               env.world_size, is_master=False, timeout=timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
+    if backend == "nccl":
+        timeout += datetime.timedelta(seconds=NCCL_GRACE_S)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, **kwargs)
     atexit.register(_destroy)
@@ -288,11 +298,12 @@ _CPU_GROUP = None
 
 def cpu_group():
     """A gloo group over all ranks for host-side agreement (the default group when it is
-    gloo already): created once, by every rank at the same point."""
+    gloo already): created once, by every rank at the same point, with the job's
+    `trainer.ddp.timeout_s` (torch's own default for a new group is 30 minutes)."""
     global _CPU_GROUP
     if _CPU_GROUP is None:
         _CPU_GROUP = (dist.group.WORLD if dist.get_backend() == "gloo"
-                      else dist.new_group(backend="gloo"))
+                      else dist.new_group(backend="gloo", timeout=_TIMEOUT))
     return _CPU_GROUP
 
 

@@ -97,3 +97,28 @@ def test_ddp_in_a_torchrun_job_of_one_process_joins_a_group_of_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "strategy ddp" in proc.stdout and "world size 1" in proc.stdout
     assert summary_of(tmp_path / "run")["strategy"] == "ddp"
+
+
+def test_nccl_waits_longer_than_the_host_side_gloo_group_which_keeps_the_jobs_timeout(
+        monkeypatch):
+    """Under NCCL the host-side checks run on a gloo group of their own: it gets
+    trainer.ddp.timeout_s (torch's default for a new group is 30 minutes), and NCCL a grace
+    on top, so the gloo check that names a stuck peer fails first. No NCCL here: the calls
+    into torch.distributed are recorded instead of made."""
+    calls = {}
+    monkeypatch.setattr(distributed.dist, "init_process_group",
+                        lambda **kw: calls.setdefault("init", kw))
+    monkeypatch.setattr(distributed.dist, "new_group",
+                        lambda **kw: calls.setdefault("new_group", kw))
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(distributed, "_CPU_GROUP", None)
+    monkeypatch.setattr(distributed, "_TIMEOUT", None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    distributed._init(detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
+                      torch.device("cuda", 0), "nccl", timeout_s=42)
+    assert calls["init"]["backend"] == "nccl"
+    assert calls["init"]["timeout"].total_seconds() == 42 + distributed.NCCL_GRACE_S
+    distributed.cpu_group()
+    assert calls["new_group"]["backend"] == "gloo"
+    assert calls["new_group"]["timeout"].total_seconds() == 42
