@@ -66,8 +66,11 @@ class Ledger:
     its mean NaN or not.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, copy: bool = False):
         self.device = device
+        # a loss that lives in a CUDA-graph pool (the output of a model compiled with CUDA
+        # graphs: task=model_loss) is overwritten by the next replay: kept as a copy then
+        self.copy = copy
         self.losses: List[torch.Tensor] = []  # 0-d, detached: nothing copied per micro-batch
         self.counts: List[Count] = []  # ... and their counts (host ints or device tensors)
         self.stacked: List[Tuple[torch.Tensor, torch.Tensor]] = []  # compacted (losses, counts)
@@ -78,7 +81,7 @@ class Ledger:
 
     def add(self, loss: torch.Tensor, count: Count) -> None:
         """Records a micro-batch's mean loss (a 0-d tensor) and what it averages over."""
-        self.losses.append(loss.detach())
+        self.losses.append(loss.detach().clone() if self.copy else loss.detach())
         self.counts.append(count)
         self.step_of.append(self.steps)
 

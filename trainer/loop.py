@@ -30,6 +30,7 @@ from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.ledger import Ledger, counted, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
+from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
 from trainer.task import Count, Task, batch_size, describe
 
@@ -163,7 +164,7 @@ class Loop:
         # losses and the non-finite guard, kept on the device: no host sync per step
         self._ddp = isinstance(model, DistributedDataParallel)
         self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
-        self.ledger = Ledger(device)
+        self.ledger = Ledger(device, copy=cuda_graphs(cfg.compile) and device.type == "cuda")
         self.window = Window()  # the current logging window
 
     def state_dict(self) -> Dict[str, Any]:

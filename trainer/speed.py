@@ -53,6 +53,13 @@ def memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
+def cuda_graphs(cfg: CompileConfig) -> bool:
+    """Whether the compiled model replays CUDA graphs, whose outputs the next replay
+    overwrites (a tensor kept across steps must be copied)."""
+    return cfg.enabled and (cfg.mode in ("reduce-overhead", "max-autotune")
+                            or cfg.backend == "cudagraphs")
+
+
 def compile_model(model: nn.Module, cfg: CompileConfig) -> nn.Module:
     """Compiles `model` (already wrapped for its strategy) in place when enabled.
 

@@ -132,3 +132,25 @@ def test_stacked_micro_batches_fold_like_separate_ones():
     long.fold()
     assert long.bad_run == short.bad_run == 2
     assert isinstance(long.bad_run, int)  # a host number: the guard costs no device work
+
+
+@pytest.mark.parametrize("mode,backend,copied", [
+    ("default", "inductor", False), ("max-autotune-no-cudagraphs", "inductor", False),
+    ("reduce-overhead", "inductor", True), ("max-autotune", "inductor", True),
+    ("default", "cudagraphs", True)])
+def test_a_loss_a_cuda_graph_replay_overwrites_is_kept_as_a_copy(mode, backend, copied):
+    """A model compiled with CUDA graphs returns its loss (task=model_loss) in the graph's
+    memory, which the next replay overwrites; the ledger keeps losses until the window's
+    end, so it copies them then. Here the overwrite is an in-place write."""
+    from trainer.config import CompileConfig
+    from trainer.speed import cuda_graphs
+    assert cuda_graphs(CompileConfig(enabled=True, mode=mode, backend=backend)) == copied
+    assert not cuda_graphs(CompileConfig(enabled=False, mode=mode, backend=backend))
+    ledger = Ledger(CPU, copy=copied)
+    graph_output = torch.tensor(2.0)
+    ledger.add(graph_output, 3)
+    ledger.end_step()
+    graph_output.fill_(100.0)  # the next replay
+    ledger.add(graph_output, 3)
+    ledger.end_step()
+    assert float(ledger.take_loss_sum()) == (2 * 3 + 100 * 3 if copied else 100 * 3 * 2)
