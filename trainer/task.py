@@ -485,6 +485,7 @@ class ModelLoss(Task):
             raise ConfigError(f"task.shift_labels={shift_labels}: must be auto, true or false")
         self.count_by, self.ignore_index, self.shift_labels = count, ignore_index, shift_labels
         self._looked = False  # the first labels were compared with the inputs
+        self._replicas = 1  # the GPUs a DataParallel model splits the batch over
 
     def setup(self, model: nn.Module) -> None:
         if self.shift_labels != "auto":
@@ -507,6 +508,7 @@ class ModelLoss(Task):
     def forward(self, model: nn.Module, batch: Any) -> Any:
         hint = ("task=model_loss needs a model that takes the whole batch and returns its loss "
                 "(task=classification or regression for a model that returns predictions)")
+        self._replicas = len(model.device_ids) if isinstance(model, nn.DataParallel) else 1
         if isinstance(batch, Mapping):
             return self.call(model, kwargs=batch, hint=hint)
         if isinstance(batch, (list, tuple)):
@@ -544,11 +546,30 @@ class ModelLoss(Task):
         loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
         if loss is None and isinstance(output, Mapping):
             loss = output.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.dim() == 1 and self._replicas > 1:
+            loss = self._replica_mean(loss, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise self.error("no scalar loss in the model output", output,
                              "an output with .loss, a dict with 'loss', or a 0-d tensor "
                              "(give the model its labels, or use task=classification)")
         return loss
+
+    def _replica_mean(self, losses: torch.Tensor, batch: Any) -> torch.Tensor:
+        """DataParallel (trainer.strategy=dp on several GPUs) gathers each GPU's mean loss into
+        a vector, one per chunk of the batch (`torch.chunk` along dim 0): their mean, each
+        weighted by what it averages over (a chunk of padding only weighs 0); a vector of
+        another length is left to be refused."""
+        if self.count_by == "tokens":
+            weights = torch.stack([c.sum() for c in (self.labels(batch) != self.ignore_index)
+                                   .chunk(self._replicas)])
+        else:
+            weights = torch.tensor([len(c) for c in
+                                    torch.arange(batch_size(batch)).chunk(self._replicas)])
+        if len(weights) != len(losses):
+            return losses
+        weights = weights.to(losses.device, torch.float32)
+        return torch.where(weights > 0, losses.float() * weights, 0.0).sum() / weights.sum()\
+            .clamp(min=1)
 
     def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
         logits = self.predictions(output)

@@ -206,6 +206,37 @@ def test_model_loss_needs_a_scalar_loss():
         ModelLoss().loss({"logits": torch.zeros(2, 3)}, {})
 
 
+@pytest.mark.parametrize("count", ["samples", "tokens"])
+def test_model_loss_under_data_parallel_is_the_whole_batchs_mean(count):
+    """DataParallel on several GPUs gathers each GPU's 0-d loss into a vector, one per chunk
+    of the batch (torch.chunk along dim 0; 7 samples on 4 GPUs: 2, 2, 2, 1): the task
+    weighs them back into the mean over the whole batch, a chunk of padding only (its mean
+    NaN) weighing nothing. The gather is made by hand here, with no GPU."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(7, 5, 3), torch.randint(0, 3, (7, 5))
+    labels[6] = -100  # the last chunk: padding only
+    labels[0, :2] = -100
+
+    def mean_loss(lg, lb):
+        if count == "tokens":
+            return F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100)
+        return F.cross_entropy(lg[:, 0], lb[:, 0].clamp(min=0))
+
+    task = ModelLoss(count=count, shift_labels=False)
+    task._replicas = 4  # what forward() reads from a DataParallel model on 4 GPUs
+    gathered = torch.stack([mean_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4))])
+    whole = mean_loss(logits[:6] if count == "tokens" else logits, labels[:6] if count == "tokens"
+                      else labels)
+    batch = {"labels": labels}
+    assert torch.isnan(gathered[-1]) == (count == "tokens")
+    assert torch.allclose(task.loss({"loss": gathered}, batch), whole)
+    with pytest.raises(TaskError, match="no scalar loss"):  # not a gather of this batch
+        task.loss({"loss": gathered[:2]}, batch)
+    task._replicas = 1  # a vector without DataParallel: an unreduced loss, refused
+    with pytest.raises(TaskError, match="no scalar loss"):
+        task.loss({"loss": gathered}, batch)
+
+
 # --- the user's own work through train.py -------------------------------------------------------
 
 def write_conf(root: Path, files: dict) -> str:
