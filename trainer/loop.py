@@ -351,6 +351,8 @@ class Loop:
                 complete = w == len(windows) - 1
                 break
         bar.close()
+        if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
+            torch.cuda.synchronize(self.device)  # validation's (once an epoch)
         self.run_train_s += time.perf_counter() - epoch_start
         return complete
 
