@@ -412,6 +412,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     run_dir = Path(cfg.run_dir)
     _process_flags(cfg)
     seed_everything(cfg.seed)
+    for gpu in gpus_used(spec):
+        torch.cuda.reset_peak_memory_stats(gpu)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
@@ -468,7 +470,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         summary.update(wall_s=time.perf_counter() - start, global_batch=spec.global_batch,
                        world_size=env.world_size, strategy=spec.strategy.value,
                        precision=cfg.trainer.precision.value,
-                       peak_mem_mb=peak_memory_mb(spec.device))
+                       peak_mem_mb=peak_memory_mb(spec))
         logger.summary(summary)
         if outputs.writing:
             rundir.write_status(run_dir, 0, "")
@@ -552,10 +554,22 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
                     step)
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocations on a GPU, resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+def gpus_used(spec: RunSpec) -> List[torch.device]:
+    """The GPUs this process allocates on: its device, or every visible one under dp."""
+    if spec.device.type != "cuda":
+        return []
+    if spec.strategy == Strategy.dp:  # nn.DataParallel's default device_ids
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [spec.device]
+
+
+def peak_memory_mb(spec: RunSpec) -> float:
+    """Peak memory of this run: CUDA allocations since it began on the busiest of its GPUs
+    (reset at its start, so a sweep's jobs in one process each report their own), resident
+    set size of the process on CPU."""
+    gpus = gpus_used(spec)
+    if gpus:
+        return max(torch.cuda.max_memory_allocated(d) for d in gpus) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -412,3 +412,14 @@ def test_exit_codes_and_status_lines_say_what_the_process_did():
         "last):\n  File \"x.py\", line 1\nKeyError: 'lbl'\n"))
     assert status_error(worker) == "KeyError: 'lbl' (KeyError in DataLoader worker process 0)"
     assert status_error(KeyError("lbl")) == "KeyError: 'lbl'"
+
+
+@pytest.mark.gpu
+def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
+    """A sweep's jobs share one process: each reports the CUDA peak since its own start, not
+    the largest of the jobs before it (a wide model first, a narrow one after)."""
+    wide = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",
+                          "model.hidden=[4096,4096]", run_dir=tmp_path / "wide"))
+    narrow = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",
+                            "model.hidden=[32]", run_dir=tmp_path / "narrow"))
+    assert 0 < narrow["peak_mem_mb"] < wide["peak_mem_mb"] / 4
