@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,28 +43,40 @@ class Preempted(Exception):
         self.code = code
 
 
-def rng_state(loader_state: Optional[torch.Tensor]) -> Dict[str, Any]:
+def rng_state(loader_state: Optional[torch.Tensor],
+              gpus: Sequence[torch.device] = ()) -> Dict[str, Any]:
     """This process's random states, in types a weights-only load accepts; `loader_state`
-    is the state the loader's generator must have when the resumed epoch starts."""
+    is the state the loader's generator must have when the resumed epoch starts. On CUDA
+    the generators of `gpus`, the ones the rank computes on (its own; all of dp's), in that
+    order: a resume that sees another set of GPUs (a full node, then one GPU per task)
+    restores the rank's own all the same."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                        "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if gpus:
+        state["cuda_used"] = [torch.cuda.get_rng_state(gpu) for gpu in gpus]
     if loader_state is not None:
         state["loader"] = loader_state
     return state
 
 
-def set_rng_state(state: Dict[str, Any], loader_generator: Optional[torch.Generator]) -> None:
+def set_rng_state(state: Dict[str, Any], loader_generator: Optional[torch.Generator],
+                  gpus: Sequence[torch.device] = ()) -> None:
+    """Restores what `rng_state` saved: the CUDA generators of the GPUs the saving rank
+    used, in order, onto this rank's `gpus` (as many as both have); a checkpoint of an
+    earlier version saved every visible GPU's, by index."""
     random.setstate(_tuples(state["python"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for gpu, saved in zip(gpus, state.get("cuda_used", [])):
+        torch.cuda.set_rng_state(saved, gpu)
+    if "cuda" in state and "cuda_used" not in state:
+        for gpu in gpus:
+            if gpu.index < len(state["cuda"]):
+                torch.cuda.set_rng_state(state["cuda"][gpu.index], gpu)
     if loader_generator is not None and "loader" in state:
         loader_generator.set_state(state["loader"])
 
@@ -83,15 +95,17 @@ def gather(obj: Any) -> List[Any]:
     return out
 
 
-def capture(loop, config: Dict[str, Any], env: DistEnv) -> Dict[str, Any]:
+def capture(loop, config: Dict[str, Any], env: DistEnv,
+            gpus: Sequence[torch.device] = ()) -> Dict[str, Any]:
     """The full training state (collective: every rank must call it; rank 0 gets it all).
-    `config`: the run's resolved config as a plain container (resolved once per run)."""
+    `config`: the run's resolved config as a plain container (resolved once per run);
+    `gpus`: the GPUs whose random states are saved (see rng_state)."""
     generator = loop.train_feed.loader.generator
     # mid-epoch the loader must replay this epoch's iterator, so its generator state from
     # the epoch's start; at an epoch's end, its state now
     loader = loop.loader_rng if loop.state.position else (
         generator.get_state() if generator is not None else None)
-    rngs = gather(rng_state(loader))
+    rngs = gather(rng_state(loader, gpus))
     return {**loop.state_dict(), "rng": rngs, "world_size": env.world_size,
             "config": config}
 
@@ -184,13 +198,14 @@ class Checkpointing(Callback):
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool,
                  preemption: Optional[Preemption] = None, mode: Optional[str] = None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"),
+                 gpus: Sequence[torch.device] = ()):
         c = OmegaConf.to_object(cfg.trainer.checkpoint)  # plain values: read every step
         self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
         # resolved once: the config does not change during a run, and resolving it took half
         # of a small checkpoint's time
         self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        self.device = device
+        self.device, self.gpus = device, list(gpus)
         folder = Path(run_dir) / checkpoint.CHECKPOINT_DIR
         if enabled and folder.exists() and not folder.is_dir():  # every rank: all stop alike
             raise checkpoint.CheckpointWriteError(
@@ -235,7 +250,7 @@ class Checkpointing(Callback):
             return False
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
-        state = capture(loop, self.config, self.env)
+        state = capture(loop, self.config, self.env, self.gpus)
         size = checkpoint.state_bytes((state["model"], state["optimizer"]))
         if distributed.is_active():  # whether ranks wait in the barrier below: agreed
             size = int(distributed.all_reduce_max(

@@ -36,7 +36,7 @@ from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import (Checkpointing, Preempted, Preemption, changes_line,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
-from trainer.strategy import unwrap, wrap
+from trainer.strategy import unwrap, used_gpus, wrap
 from trainer.task import Task
 
 log = logging.getLogger("stoker")
@@ -243,7 +243,7 @@ def _resume_setting(cfg: DictConfig) -> Optional[str]:
 
 
 def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
-             resume: Optional[str]) -> Tuple[List[str], List[str]]:
+             resume: Optional[str], gpus: List[torch.device]) -> Tuple[List[str], List[str]]:
     """Loads the checkpoint `resume` names into the built loop, if any; returns the warnings
     and the lines to log about it, which the caller logs once every check passed."""
     found = checkpoint.find_resume(resume, run_dir)
@@ -285,7 +285,7 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         lines.append(changes_line(changes))
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
-        set_rng_state(rngs[env.rank], generator)
+        set_rng_state(rngs[env.rank], generator, gpus)
         loop.loader_rng = rngs[env.rank].get("loader")
     elif old_world != env.world_size:
         lines.append(f"the checkpoint was written by {old_world} ranks, this job has "
@@ -366,7 +366,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                                 components.build(cfg.sched, "sched"), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
     checkpointing = Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint,
-                                  preemption=preemption, mode=mode, device=spec.device)
+                                  preemption=preemption, mode=mode, device=spec.device,
+                                  gpus=used_gpus(spec.strategy, spec.device))
     loop = Loop(cfg=cfg.trainer, model=model, task=task, optimizer=optimizer,
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
@@ -376,7 +377,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 input_shape=cfg.data.input_shape)
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
-    warnings, lines = _restore(cfg, env, run_dir, loop, resume)
+    warnings, lines = _restore(cfg, env, run_dir, loop, resume,
+                               used_gpus(spec.strategy, spec.device))
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
@@ -412,7 +414,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     run_dir = Path(cfg.run_dir)
     _process_flags(cfg)
     seed_everything(cfg.seed)
-    for gpu in gpus_used(spec):
+    for gpu in used_gpus(spec.strategy, spec.device):
         torch.cuda.reset_peak_memory_stats(gpu)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
@@ -554,20 +556,11 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
                     step)
 
 
-def gpus_used(spec: RunSpec) -> List[torch.device]:
-    """The GPUs this process allocates on: its device, or every visible one under dp."""
-    if spec.device.type != "cuda":
-        return []
-    if spec.strategy == Strategy.dp:  # nn.DataParallel's default device_ids
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    return [spec.device]
-
-
 def peak_memory_mb(spec: RunSpec) -> float:
     """Peak memory of this run: CUDA allocations since it began on the busiest of its GPUs
     (reset at its start, so a sweep's jobs in one process each report their own), resident
     set size of the process on CPU."""
-    gpus = gpus_used(spec)
+    gpus = used_gpus(spec.strategy, spec.device)
     if gpus:
         return max(torch.cuda.max_memory_allocated(d) for d in gpus) / 2**20
     import resource

@@ -304,3 +304,22 @@ def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monk
     stop._handle(signal.SIGTERM, None)  # no SignalledAgain: the save finishes
     with pytest.raises(SignalledAgain):  # still inside the step: stop at once
         waiting._handle(signal.SIGTERM, None)
+
+
+@pytest.mark.gpu
+def test_cuda_random_state_is_the_ranks_own_gpus_and_old_checkpoints_still_restore():
+    """A rank saves the generators of the GPUs it computes on, in order, and restores them
+    onto its own, whatever other GPUs the resumed job sees; a checkpoint of an earlier
+    version (every visible GPU's state, by index) restores the rank's device from its index."""
+    from trainer.resilience import rng_state, set_rng_state
+    gpu = torch.device("cuda", 0)
+    saved = rng_state(None, [gpu])
+    assert len(saved["cuda_used"]) == 1 and "cuda" not in saved
+    expected = torch.rand(4, device=gpu)
+    set_rng_state(saved, None, [gpu])
+    assert torch.equal(torch.rand(4, device=gpu), expected)
+    legacy = {k: v for k, v in saved.items() if k != "cuda_used"}
+    legacy["cuda"] = torch.cuda.get_rng_state_all()
+    expected = torch.rand(4, device=gpu)
+    set_rng_state(legacy, None, [gpu])
+    assert torch.equal(torch.rand(4, device=gpu), expected)
