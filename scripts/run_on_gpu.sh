@@ -8,20 +8,22 @@
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
 # speed (loader also runs bench_handoff: new, ~30 s expected). A step never outlives its
-# time limit. A call is at most 10 minutes, a session's device time 30, and a machine's start
-# a minute or two of it. Seen on one H100, 2026-11-25
-# (16 cores, torch 2.11): gpu_tests 74 s, runs 3.8 min, loader 66 s, checkpoint 26 s,
-# bench_gpu 256 s (--repeats 2, before its two feed rows, the 8-layer transformer and the 64 KB
-# copy row: ~370 s expected; it writes its JSON after each repeat), bench_overhead's
-# tiny step ~110 s a repeat (8 runners, with Lightning: 3 repeats did not fit in 330 s),
-# overhead_cnn ~50 s a repeat, bench_images (--repeats 1 --epochs 2) ~2 min, strategies 92 s,
-# speed 149 s a repeat; suite not tried there since 2026-11-22 (a call of its own). The
-# prefetcher (its side stream no longer waits on the compute stream) and fp16's optimizer
-# (fused) changed after that session, and the GPU's idle time for data (device_wait_frac) came;
-# all unrun on a GPU; gpu tests check them: gpu_tests and
-# bench_gpu go first. Three full calls:
-#   gpu_tests bench_gpu (~8 min) | runs loader checkpoint overhead_cnn (~8.5 min) |
-#   bench_overhead (~6 min)
+# time limit, and a part that runs past the call's limit still leaves its steps' lines in
+# gpu-summary.txt. Seen on one H100, 2026-11-25 (16 cores, torch 2.11): gpu_tests 74 s,
+# runs 3.8 min, loader 66 s, checkpoint 26 s, bench_gpu 256 s (--repeats 2, before its two
+# feed rows, the 8-layer transformer and the 64 KB copy row: ~370 s expected; it writes its
+# JSON after each repeat), bench_overhead's tiny step ~110 s a repeat (8 runners, with
+# Lightning: 3 repeats did not fit in 330 s), overhead_cnn ~50 s a repeat, bench_images
+# (--repeats 1 --epochs 2) ~2 min, strategies 92 s, speed 149 s a repeat; suite not tried
+# there since 2026-11-22 (a call of its own; it needs pytest-xdist and execnet wheels).
+# A session has 15 minutes of device time, the machine's start (a minute or two) and idle
+# waits included, and a call at most 10: one full call and a short one. In order, one row
+# per lent session, the first unrun row first:
+#   1. gpu_tests bench_gpu (~8 min, timeout_s 560) | overhead_cnn (~2.5 min)
+#   2. runs (~4 min) | bench_overhead (~6 min)
+#   3. loader checkpoint strategies bench_images (~6 min) | speed (~5 min)
+# gpu_tests and bench_gpu carry the issue's targets (data-wait, copy bandwidth, precision,
+# MFU) and the CUDA code changed since the last GPU session, so they come first.
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
