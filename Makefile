@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.stoker-installed
+# the suite on two pytest-xdist workers: its multi-process tests wait on process start-up much of
+# the time, so two share 2 cores well (PYTEST_ARGS= for one process)
+PYTEST_ARGS ?= -n 2
 
 .PHONY: install train test clean
 
