@@ -211,7 +211,7 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float,
     try:
         yield
     except BaseException:
-        _destroy()
+        _destroy(failed=True)
         raise
 
 
@@ -245,11 +245,23 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
     atexit.register(_destroy)
 
 
-def _destroy() -> None:
+def _destroy(failed: bool = False) -> None:
+    """Leaves the process group. A failing rank's NCCL work may wait for a peer that never
+    joins it, and destroying an NCCL group first lets its queued work finish (a hang until
+    the watchdog kills the process, before the rank's error is said): a failing rank aborts
+    an NCCL group instead, which ends that work at once."""
     global _CPU_GROUP
     _CPU_GROUP = None
-    if is_active():
-        dist.destroy_process_group()
+    if not is_active():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5
+    if failed and abort is not None and dist.get_backend() == "nccl":
+        try:
+            abort()
+            return
+        except Exception as e:  # (a private call: if it changed, destroy as before)
+            log.debug("aborting the NCCL group failed (%s); destroying it", e)
+    dist.destroy_process_group()
 
 
 def is_active() -> bool:

@@ -122,3 +122,20 @@ def test_nccl_waits_longer_than_the_host_side_gloo_group_which_keeps_the_jobs_ti
     distributed.cpu_group()
     assert calls["new_group"]["backend"] == "gloo"
     assert calls["new_group"]["timeout"].total_seconds() == 42
+
+
+@pytest.mark.parametrize("backend,failed,call", [
+    ("nccl", True, "abort"), ("nccl", False, "destroy"), ("gloo", True, "destroy")])
+def test_a_failing_rank_aborts_an_nccl_group_rather_than_flushing_it(monkeypatch, backend,
+                                                                    failed, call):
+    """Destroying an NCCL group lets its queued collectives finish first, which never happens
+    when a peer is gone: a failing rank aborts it (recorded calls, no NCCL here)."""
+    calls = []
+    monkeypatch.setattr(distributed, "is_active", lambda: True)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(distributed.dist.distributed_c10d, "_abort_process_group",
+                        lambda: calls.append("abort"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group",
+                        lambda: calls.append("destroy"))
+    distributed._destroy(failed=failed)
+    assert calls == [call]
