@@ -1,8 +1,8 @@
 """Liveness: a job whose rank stops making progress ends within minutes, naming the rank.
 
-Every collective has the process group's timeout (`trainer.ddp.timeout_s`, 300 s by default),
-so the ranks left waiting for a stopped, stuck or vanished peer fail instead of waiting for
-ever. To say *which* rank stopped, every rank runs a heartbeat thread that writes its progress
+Every collective has the process group's timeout (`trainer.ddp.timeout_s`, 300 s by default;
+on GPUs that is the host-side gloo group's, and NCCL's is 60 s longer), so the ranks left
+waiting for a stopped, stuck or vanished peer fail instead of waiting for ever. To say *which* rank stopped, every rank runs a heartbeat thread that writes its progress
 (step, phase, time) to the job's store every few seconds; the thread keeps beating while its
 own main thread waits in a collective, and stops beating when the process is stopped or gone.
 When a collective times out, the waiting rank reads the beats and names the rank whose

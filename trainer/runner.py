@@ -414,8 +414,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     run_dir = Path(cfg.run_dir)
     _process_flags(cfg)
     seed_everything(cfg.seed)
-    for gpu in used_gpus(spec.strategy, spec.device):
-        torch.cuda.reset_peak_memory_stats(gpu)
+    if torch.cuda.is_initialized():  # (an earlier job of a sweep; before CUDA starts there
+        for gpu in used_gpus(spec.strategy, spec.device):  # is nothing to reset, and the
+            torch.cuda.reset_peak_memory_stats(gpu)  # call would fail)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)

@@ -37,6 +37,9 @@ def _set_tf32(enabled: bool) -> None:
     """
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     torch.backends.cudnn.allow_tf32 = enabled
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    if hasattr(mkldnn, "fp32_precision"):  # that call also turns TF32 on for CPUs with AMX-FP16: CUDA only
+        mkldnn.fp32_precision = "ieee"
 
 
 def backend_flags(tf32: bool, cudnn_benchmark: bool, deterministic: bool) -> None:

@@ -6,11 +6,11 @@ single-process GIL and per-step replica broadcast are why DDP replaced it.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from typing import List
 
 from trainer.config import DDPConfig, Strategy
 

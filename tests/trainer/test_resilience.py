@@ -323,3 +323,30 @@ def test_cuda_random_state_is_the_ranks_own_gpus_and_old_checkpoints_still_resto
     expected = torch.rand(4, device=gpu)
     set_rng_state(legacy, None, [gpu])
     assert torch.equal(torch.rand(4, device=gpu), expected)
+
+
+@pytest.mark.parametrize("saved_on,old_form,restored_on,expected", [
+    (["cuda:3"], False, ["cuda:0"], {"cuda:0": "s3"}),  # another GPU set: the rank's own
+    (["cuda:0", "cuda:1", "cuda:2", "cuda:3"], False, ["cuda:0", "cuda:1"],  # dp, 4 -> 2
+     {"cuda:0": "s0", "cuda:1": "s1"}),
+    ([f"cuda:{i}" for i in range(8)], True, ["cuda:5"], {"cuda:5": "s5"}),  # old form, by index
+    (["cuda:0"], True, ["cuda:3"], {}),  # old form without the rank's index: left as seeded
+])
+def test_cuda_random_states_map_onto_the_gpus_the_resumed_rank_uses(monkeypatch, saved_on,
+                                                                    old_form, restored_on,
+                                                                    expected):
+    """Which saved CUDA generator state goes to which GPU on resume (recorded calls: no GPU
+    here). A new checkpoint holds the saving rank's GPUs in order; an earlier version's held
+    every visible GPU's, by index."""
+    from trainer import resilience
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device: f"s{torch.device(device).index}")
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: restored.__setitem__(str(device), state))
+    state = resilience.rng_state(None, [torch.device(d) for d in saved_on])
+    if old_form:
+        state["cuda"] = state.pop("cuda_used")
+    assert "cuda" in state or state["cuda_used"] == [f"s{d[-1]}" for d in saved_on]
+    resilience.set_rng_state(state, None, [torch.device(d) for d in restored_on])
+    assert restored == expected

@@ -417,7 +417,12 @@ def test_exit_codes_and_status_lines_say_what_the_process_did():
 @pytest.mark.gpu
 def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     """A sweep's jobs share one process: each reports the CUDA peak since its own start, not
-    the largest of the jobs before it (a wide model first, a narrow one after)."""
+    the largest of the jobs before it (a wide model first, a narrow one after); a fresh
+    process, where CUDA starts after the reset's place, reports its own too."""
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'fresh'}", "trainer.accelerator=cuda",
+                    "trainer.max_steps=5", "trainer.progress_bar=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "fresh" / "summary.json").read_text())["peak_mem_mb"] > 0
     wide = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",
                           "model.hidden=[4096,4096]", run_dir=tmp_path / "wide"))
     narrow = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",

@@ -15,15 +15,18 @@ from trainer.runner import train
 @pytest.fixture
 def restore_backend_flags():
     saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.benchmark)
+             torch.backends.cudnn.benchmark, torch.backends.mkldnn.matmul.fp32_precision)
     yield
     torch.set_float32_matmul_precision(saved[0])
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:]
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:3]
+    torch.backends.mkldnn.matmul.fp32_precision = saved[3]
 
 
 def tf32_state():
     """What every reader sees, old getters and new; a getter that raises fails the test
-    (torch refuses the old getters once a per-backend fp32_precision setter was used)."""
+    (torch refuses the old getters once a per-backend fp32_precision setter was used). CPU
+    matmuls stay fp32 (TF32 on CPUs with AMX-FP16 is not what the key is for)."""
+    assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
     return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.fp32_precision)
 
