@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -347,7 +348,7 @@ class StallingDigits(DigitsDataset):
         self.seen += 1
         if self.armed and self.seen == self.at:
             if self.how == "stop":
-                os.kill(os.getpid(), __import__("signal").SIGSTOP)
+                os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 __import__("time").sleep(3600)
         return super().__getitem__(i)
@@ -451,7 +452,7 @@ class FaultyMLP(MLP):
             self.calls += 1
             if self.calls == self.at:
                 if self.how == "kill":
-                    os.kill(os.getpid(), __import__("signal").SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(self.hang_s)
         return super().forward(x)
 
@@ -496,12 +497,43 @@ class PairBatchTask(Task):
         return output, batch.y
 
 
+def descendants(pid: int) -> List[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc: read before killing
+    `pid`, whose orphans would be handed to init."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to a process started with start_new_session, its group and every process
+    below it (torchrun starts each rank in a session of its own, outside torchrun's group),
+    as a machine's crash would end them; then reaped."""
+    below = descendants(proc.pid)
+    for pid in [proc.pid, *below]:
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
 def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: float = 150):
     """A torchrun job run until a line of its stderr starts with `prefix` (or it ends, or
     `timeout` passes), then its whole process group killed: for jobs whose remaining ranks
     are stopped or stuck, which torchrun itself would give 30 s before killing them.
     Returns (the stderr lines so far, the seconds it ran)."""
-    import signal
     import threading
 
     cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
@@ -525,10 +557,6 @@ def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: fl
     reader.start()
     seen.wait(timeout)
     time.sleep(0.5)  # the other ranks' lines of the same moment
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
+    kill_tree(proc)
     reader.join(timeout=5)
     return lines, time.monotonic() - start

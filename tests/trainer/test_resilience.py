@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, kill_tree
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -97,8 +97,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, nproc):
     proc = start_and_wait(command(run_dir, extra, nproc),
                           until=lambda: logged_step(run_dir) >= kill_at)
     assert proc.poll() is None, f"finished before the kill at step {kill_at}"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)  # torchrun and its ranks, each in a session of its own
     killed_after = newest_step(run_dir)
     resumed = run(command(run_dir, [*extra, "trainer.resume=auto"], nproc))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
