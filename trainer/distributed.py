@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import logging
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +78,27 @@ def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
                        # a port derived from the job id keeps concurrent jobs on a node apart
                        master_port=int(environ.get("MASTER_PORT", 15000 + job % 20000)))
     return DistEnv()
+
+
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def end_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
+    """Under torchrun, asks Linux to send this rank SIGTERM when torchrun's agent dies
+    (killed with SIGKILL, out of memory): the rank then saves and stops as for a preemption
+    (exit 75), instead of training on under init, since torchrun starts each rank in a
+    session of its own that signals to torchrun's process group miss. True when armed."""
+    if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no prctl: nothing armed, as on other systems
+        return False
+    if os.getppid() == 1:  # the agent died before the call: the signal it would have sent
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def _process_start(pid: int) -> float:

@@ -142,6 +142,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
                           f"({empty}=outputs/my-{what}), or leave the key out for a new dated "
                           "one")
     env = env or distributed.detect()
+    distributed.end_with_launcher()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
         logging.getLogger().setLevel(logging.WARNING)
     spec = resolve(cfg, env.world_size, env.local_rank, env.launched)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, kill_tree
+from tests.helpers import ROOT, descendants, kill_tree
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -349,3 +349,25 @@ def test_cuda_random_states_map_onto_the_gpus_the_resumed_rank_uses(monkeypatch,
     assert "cuda" in state or state["cuda_used"] == [f"s{d[-1]}" for d in saved_on]
     resilience.set_rng_state(state, None, [torch.device(d) for d in restored_on])
     assert restored == expected
+
+
+def test_ranks_whose_torchrun_is_killed_save_and_stop(tmp_path):
+    """torchrun SIGKILLed (by a scheduler, the OOM killer): its ranks, each in a session of
+    its own, are not in its process group; each is sent SIGTERM as its parent dies, saves as
+    for a preemption and stops, instead of training on under init."""
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["trainer.max_epochs=1000"], nproc=2),
+                          until=lambda: logged_step(run_dir) >= 3)
+    assert proc.poll() is None, proc.stdout.read()[-2000:]
+    ranks = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # (no test leaves them behind)
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "ranks trained on after torchrun was killed"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["exit_code"] == 75 and newest_step(run_dir) > 0, status
