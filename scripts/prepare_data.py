@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,14 +42,30 @@ from trainer.feeds import build_datasets  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    """The command line; a wrong setting or an unreadable file is one line and exit 2."""
+    """The command line; a wrong setting or an unreadable file is one line and exit 2; a
+    Ctrl-C or SIGTERM one line and 130 or 143, --out left as it was."""
     import_from_cwd()  # the user's own modules, as train.py finds them
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return prepare(argv)
     except (*USER_ERRORS, FileNotFoundError) as e:
         fail(e)
     except OSError as e:  # a read-only or full disk, a file in the way
         fail(e, code=1)
+    except KeyboardInterrupt:
+        fail(RuntimeError("interrupted; --out is as it was"), code=130)
+    except Terminated:
+        fail(RuntimeError("stopped by SIGTERM; --out is as it was"), code=143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(Exception):
+    """SIGTERM, raised where the script is so that its staging folder is removed."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def prepare(argv: Optional[List[str]] = None) -> dict:
@@ -58,32 +75,76 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
                    help="npy: decoded arrays for data=memmap; shards: tar shards for data=shards")
     p.add_argument("--shard-samples", type=int, default=1000, help="samples per tar shard")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a non-empty --out folder (once the new one is complete)")
+                   help="replace an --out folder this script wrote (once the new one is "
+                        "complete)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
     if a.shard_samples < 1:
         p.error("--shard-samples must be >= 1")
-    out = a.out.resolve()  # a link to a folder: the folder it names is replaced, not the link
-    if out.exists() and not out.is_dir():
-        p.error(f"--out {a.out}: is a file; give a folder to write")
-    if out.is_dir() and any(out.iterdir()) and not a.overwrite:
-        p.error(f"--out {a.out}: exists and is not empty; give a new folder, or --overwrite to "
-                "replace it once the new one is complete")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
+    out = a.out.resolve()  # a link to a folder: the folder it names is replaced, not the link
+    refusal = out_refusal(out, cfg, a.overwrite)
+    if refusal:
+        p.error(f"--out {a.out}: {refusal}")
     # written beside --out and moved there complete: a failure leaves --out as it was
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        meta = write(cfg, a, stage, a.out)
+        try:
+            meta = write(cfg, a, stage, a.out)
+        except OSError as e:  # named by --out, not by the staging folder the user never gave
+            raise OSError(f"--out {a.out}: cannot write it: {e.strerror or e}") from None
         old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        stage.rename(out)
+        signals = (signal.SIGINT, signal.SIGTERM)  # the swap is not interrupted half-way
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            if out.exists():
+                out.rename(old)
+            stage.rename(out)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     print("use it: python train.py " + use_args(a.format, a.out, cfg.data, meta))
     return meta
+
+
+def out_refusal(out: Path, cfg, overwrite: bool) -> Optional[str]:
+    """Why `out` must not be written (it is replaced whole), or None: the working directory
+    or a folder holding it, the data it reads (or a folder inside or around it), a file, or
+    a non-empty folder without --overwrite or that this script did not write."""
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        return "is the working directory or holds it; give a folder of its own"
+    for key in ("dataset", "train_dataset", "val_dataset"):
+        root = OmegaConf.select(cfg, f"data.{key}.root", default=None)
+        if root:
+            r = Path(str(root)).expanduser().resolve()
+            if r == out or out in r.parents or r in out.parents:
+                return (f"overlaps data.{key}.root={root}, which it reads; give a folder "
+                        "outside it")
+    if out.exists() and not out.is_dir():
+        return "is a file; give a folder to write"
+    entries = sorted(e.name for e in out.iterdir()) if out.is_dir() else []
+    if entries and not overwrite:
+        return ("exists and is not empty; give a new folder, or --overwrite to replace it "
+                "once the new one is complete")
+    if entries:
+        foreign = [e for e in entries if e not in _written_by_us(out)]
+        if foreign:
+            return (f"holds {foreign[0]}, which this script did not write; --overwrite "
+                    "replaces only a folder it wrote (meta.json and its splits)")
+    return None
+
+
+def _written_by_us(out: Path) -> List[str]:
+    """The entries of a folder this script wrote: meta.json and the splits it names."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        return ["meta.json", *meta["splits"]] if isinstance(meta.get("source"), dict) else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -77,11 +79,13 @@ def test_the_use_line_carries_the_crop_of_image_shards(tmp_path):
 
 
 USER_DATA = '''
+import time
+
 import torch
 
 class Pairs(torch.utils.data.Dataset):
-    def __init__(self, split, fail_at=-1):
-        self.n, self.fail_at = (40 if split == "train" else 10), fail_at
+    def __init__(self, split, fail_at=-1, sleep_s=0.0):
+        self.n, self.fail_at, self.sleep_s = (40 if split == "train" else 10), fail_at, sleep_s
 
     def __len__(self):
         return self.n
@@ -89,35 +93,49 @@ class Pairs(torch.utils.data.Dataset):
     def __getitem__(self, i):
         if i == self.fail_at:
             raise ValueError(f"sample {i} cannot be read")
+        time.sleep(self.sleep_s)
         return torch.full((3,), float(i)), i % 2
 '''
 
 
+def prepare_cmd(out: str, *extra) -> list:
+    """prepare_data.py on the user's own Pairs dataset (imported from the working dir)."""
+    return [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", out,
+            "data.dataset._target_=userdata.Pairs", "~data.dataset.val_fraction",
+            "~data.dataset.split_seed", "data.num_workers=0", *extra]
+
+
 @pytest.mark.slow
 def test_a_full_out_folder_is_replaced_only_when_asked_and_only_once_complete(tmp_path):
-    """--out holding files: refused without --overwrite; with it, a failed write leaves the
-    folder as it was and a finished one replaces it. The dataset is a module of the user's,
-    imported from the directory the command runs in, as train.py imports it."""
+    """--out holding files: refused without --overwrite, and refused with it unless this
+    script wrote them; with it, a failed write leaves the folder as it was and a finished one
+    replaces it. The dataset is a module of the user's, imported from the directory the
+    command runs in, as train.py imports it."""
     (tmp_path / "userdata.py").write_text(USER_DATA)
     out = tmp_path / "packed"
     out.mkdir()
-    (out / "keep.txt").write_text("an earlier result")
+    (out / "keep.txt").write_text("a file of the user's")
 
     def prepare(*extra):
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
-                               "--out", "packed", "data.dataset._target_=userdata.Pairs",
-                               "~data.dataset.val_fraction", "~data.dataset.split_seed",
-                               "data.num_workers=0", *extra],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        return subprocess.run(prepare_cmd("packed", *extra), cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
 
     refused = prepare()
     assert refused.returncode == 2
     assert "--out packed: exists and is not empty; give a new folder, or --overwrite" \
         in refused.stderr
+    refused = prepare("--overwrite")
+    assert refused.returncode == 2 and "--out packed: holds keep.txt, which this script did " \
+        "not write; --overwrite replaces only a folder it wrote" in refused.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    first = prepare()  # an empty folder is written into
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "exists and is not empty" in prepare().stderr
     failed = prepare("--overwrite", "+data.dataset.fail_at=7")
     assert failed.returncode != 0 and "sample 7 cannot be read" in failed.stderr
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # and no partial folder beside it
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train", "val"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder
     done = prepare("--overwrite")
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train", "val"]
@@ -125,8 +143,66 @@ def test_a_full_out_folder_is_replaced_only_when_asked_and_only_once_complete(tm
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert torch.equal(MemmapDataset("train", str(out))[7][0], torch.full((3,), 7.0))
     (tmp_path / "link").symlink_to(out)  # a link to the folder: the folder is replaced
-    relinked = subprocess.run([*done.args[:3], "link", *done.args[4:], "--overwrite"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    relinked = subprocess.run(prepare_cmd("link", "--overwrite"), cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
     assert relinked.returncode == 0, relinked.stderr[-3000:]
     assert (tmp_path / "link").is_symlink() and (out / "meta.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("out,fragment", [
+    (".", "--out .: is the working directory or holds it"),
+    ("..", "--out ..: is the working directory or holds it"),
+    ("imgs", "--out imgs: overlaps data.dataset.root=imgs, which it reads"),
+    ("imgs/packed", "--out imgs/packed: overlaps data.dataset.root=imgs, which it reads"),
+])
+def test_an_out_folder_that_would_take_the_source_or_the_working_dir_is_refused(
+        tmp_path, monkeypatch, capsys, out, fragment):
+    """--out is replaced whole: never the folder the command runs in (or one holding it),
+    nor the data it reads, a folder inside that, or one around it; --overwrite or not."""
+    from scripts import prepare_data
+
+    work = tmp_path / "work"
+    (work / "imgs" / "train" / "a").mkdir(parents=True)
+    (work / "notes.txt").write_text("the user's")
+    monkeypatch.chdir(work)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.prepare(["--out", out, "--overwrite", "data=image_folder",
+                              "data.dataset.root=imgs"])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+    assert (work / "notes.txt").is_file() and (work / "imgs" / "train" / "a").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                           (signal.SIGINT, 130, "interrupted")])
+def test_a_stopped_prepare_is_one_line_and_leaves_no_partial_folder(tmp_path, sig, code, word):
+    (tmp_path / "userdata.py").write_text(USER_DATA)
+    proc = subprocess.Popen(prepare_cmd("packed", "+data.dataset.sleep_s=0.05"), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not [p for p in tmp_path.iterdir() if p.name.startswith(".packed.partial")] \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # inside the write
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err[-2000:]
+    assert err.strip().splitlines() == [f"stoker: error: {word}; --out is as it was"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["userdata.py"]
+
+
+def test_a_write_error_names_the_out_folder_not_the_staging_one(tmp_path, monkeypatch,
+                                                                capsys):
+    from scripts import prepare_data
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(prepare_data, "write_arrays", full)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--out", "packed"])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        "stoker: error: --out packed: cannot write it: No space left on device")
+    assert list(tmp_path.iterdir()) == []
