@@ -18,6 +18,9 @@ from typing import List, Optional
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.staging import Terminated, holds_working_dir, sigterm_raises, staged  # noqa: E402
+
 
 def pattern(label: int, classes: int, size: int, rng: np.random.Generator) -> np.ndarray:
     """One (size, size, 3) uint8 image of class `label`."""
@@ -51,30 +54,80 @@ def write_images(out: Path, count: int = 2000, size: int = 256, classes: int = 1
     return paths
 
 
+MAX_SIZE = 8192  # pixels per side: larger patterns do not fit a machine's memory
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    """The command line: bad flags are one line and exit 2; a failed write one line and 1;
+    Ctrl-C or SIGTERM one line and 130 or 143; --out is replaced whole or left as it was."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write (train/ and val/)")
     p.add_argument("--count", type=int, default=2000, help="files in all")
-    p.add_argument("--size", type=int, default=256, help="pixels per side")
+    p.add_argument("--size", type=int, default=256, help=f"pixels per side (8 to {MAX_SIZE})")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an --out folder this script wrote (once the new one is "
+                        "complete)")
     a = p.parse_args(argv)
-    if a.count < a.classes or a.classes < 1 or a.size < 8 or not 0 <= a.val_fraction < 1:
-        sys.exit("make_images: need --count >= --classes >= 1, --size >= 8 and "
-                 "0 <= --val-fraction < 1")
-    if a.out.exists() and not a.out.is_dir():
-        p.error(f"--out {a.out}: is a file; give a folder to write")
+    if a.count < a.classes or a.classes < 1 or not 8 <= a.size <= MAX_SIZE \
+            or not 0 <= a.val_fraction < 1:
+        p.error(f"need --count >= --classes >= 1, 8 <= --size <= {MAX_SIZE} and "
+                "0 <= --val-fraction < 1")
+    refusal = out_refusal(a.out, a.overwrite)
+    if refusal:
+        p.error(f"--out {a.out}: {refusal}")
     start = time.perf_counter()
     try:
-        paths = write_images(a.out, a.count, a.size, a.classes, a.val_fraction, a.seed)
-    except OSError as e:  # a file in the way below it, a read-only or full disk
-        sys.exit(f"make_images: --out {a.out}: {e.strerror or e}"
-                 + (f" ({e.filename})" if e.filename else ""))
+        with sigterm_raises(), staged(a.out.resolve()) as stage:
+            paths = write_images(stage, a.count, a.size, a.classes, a.val_fraction, a.seed)
+    except OSError as e:  # a read-only or full disk
+        sys.exit(f"make_images: --out {a.out}: cannot write it: {e.strerror or e}")
+    except KeyboardInterrupt:
+        print("make_images: interrupted; --out is as it was", file=sys.stderr)
+        sys.exit(130)
+    except Terminated:
+        print("make_images: stopped by SIGTERM; --out is as it was", file=sys.stderr)
+        sys.exit(143)
     print(f"wrote {len(paths)} JPEG files of {a.size}x{a.size} under {a.out} in "
           f"{time.perf_counter() - start:.1f}s")
     print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "
           "data.dataset.size=64 model=cnn")
+
+
+def out_refusal(out: Path, overwrite: bool) -> Optional[str]:
+    """Why `out` must not be written (it is replaced whole), or None."""
+    if not str(out).strip():
+        return "is empty; name the folder to write"
+    resolved = out.resolve()
+    if holds_working_dir(resolved):
+        return "is the working directory or holds it; give a folder of its own"
+    if resolved.exists() and not resolved.is_dir():
+        return "is a file; give a folder to write"
+    entries = sorted(e.name for e in resolved.iterdir()) if resolved.is_dir() else []
+    if entries and not overwrite:
+        return ("exists and is not empty; give a new folder, or --overwrite to replace it "
+                "once the new one is complete")
+    foreign = _foreign(resolved) if entries else None
+    if foreign:
+        return (f"holds {foreign}, which this script did not write; --overwrite replaces "
+                "only a folder it wrote (train/ and val/ of class_NN folders)")
+    return None
+
+
+def _foreign(folder: Path) -> Optional[str]:
+    """The first entry of `folder` that this script does not write, or None."""
+    for split in sorted(folder.iterdir()):
+        if split.name not in SPLITS or not split.is_dir():
+            return split.name
+        for c in sorted(split.iterdir()):
+            if not (c.is_dir() and c.name.startswith("class_")):
+                return f"{split.name}/{c.name}"
+    return None
+
+
+SPLITS = ("train", "val")
 
 
 if __name__ == "__main__":

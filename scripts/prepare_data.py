@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +33,7 @@ import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import write_shards  # noqa: E402
+from scripts.staging import Terminated, holds_working_dir, sigterm_raises, staged  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
@@ -45,9 +43,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     """The command line; a wrong setting or an unreadable file is one line and exit 2; a
     Ctrl-C or SIGTERM one line and 130 or 143, --out left as it was."""
     import_from_cwd()  # the user's own modules, as train.py finds them
-    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        return prepare(argv)
+        with sigterm_raises():
+            return prepare(argv)
     except (*USER_ERRORS, FileNotFoundError) as e:
         fail(e)
     except OSError as e:  # a read-only or full disk, a file in the way
@@ -56,16 +54,6 @@ def main(argv: Optional[List[str]] = None) -> dict:
         fail(RuntimeError("interrupted; --out is as it was"), code=130)
     except Terminated:
         fail(RuntimeError("stopped by SIGTERM; --out is as it was"), code=143)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(Exception):
-    """SIGTERM, raised where the script is so that its staging folder is removed."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated()
 
 
 def prepare(argv: Optional[List[str]] = None) -> dict:
@@ -88,24 +76,11 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
     if refusal:
         p.error(f"--out {a.out}: {refusal}")
     # written beside --out and moved there complete: a failure leaves --out as it was
-    stage = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
+    with staged(out) as stage:
         try:
             meta = write(cfg, a, stage, a.out)
         except OSError as e:  # named by --out, not by the staging folder the user never gave
             raise OSError(f"--out {a.out}: cannot write it: {e.strerror or e}") from None
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        signals = (signal.SIGINT, signal.SIGTERM)  # the swap is not interrupted half-way
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-        try:
-            if out.exists():
-                out.rename(old)
-            stage.rename(out)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     print("use it: python train.py " + use_args(a.format, a.out, cfg.data, meta))
     return meta
 
@@ -114,8 +89,7 @@ def out_refusal(out: Path, cfg, overwrite: bool) -> Optional[str]:
     """Why `out` must not be written (it is replaced whole), or None: the working directory
     or a folder holding it, the data it reads (or a folder inside or around it), a file, or
     a non-empty folder without --overwrite or that this script did not write."""
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents:
+    if holds_working_dir(out):
         return "is the working directory or holds it; give a folder of its own"
     for key in ("dataset", "train_dataset", "val_dataset"):
         root = OmegaConf.select(cfg, f"data.{key}.root", default=None)
