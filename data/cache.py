@@ -77,10 +77,8 @@ def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int
     row = 0
     for x, y in _pairs(dataset, num_workers):
         if x_out is None:
-            x_out = np.lib.format.open_memmap(folder / "x.npy.tmp", mode="w+",
-                                              dtype=x.numpy().dtype, shape=(n, *x.shape[1:]))
-            y_out = np.lib.format.open_memmap(folder / "y.npy.tmp", mode="w+",
-                                              dtype=y.numpy().dtype, shape=(n, *y.shape[1:]))
+            x_out = _open_reserved(folder / "x.npy.tmp", x.numpy().dtype, (n, *x.shape[1:]))
+            y_out = _open_reserved(folder / "y.npy.tmp", y.numpy().dtype, (n, *y.shape[1:]))
         x_out[row:row + len(x)] = x.numpy()
         y_out[row:row + len(y)] = y.numpy()
         row += len(x)
@@ -90,8 +88,7 @@ def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int
     for arr, name in ((x_out, "x.npy"), (y_out, "y.npy")):
         arr.flush()
         if row < n:  # samples were skipped (unreadable files): keep the rows written
-            short = np.lib.format.open_memmap(folder / f"{name}.short", mode="w+",
-                                              dtype=arr.dtype, shape=(row, *arr.shape[1:]))
+            short = _open_reserved(folder / f"{name}.short", arr.dtype, (row, *arr.shape[1:]))
             short[:] = arr[:row]
             short.flush()
             del short
@@ -99,6 +96,22 @@ def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int
         del arr
         os.replace(folder / f"{name}.tmp", folder / name)
     return shape
+
+
+def _open_reserved(path: Path, dtype, shape: Tuple[int, ...]) -> np.memmap:
+    """A new .npy file mapped for writing, its blocks reserved on disk first: a mapping over
+    a sparse file that the disk cannot fill kills the process with SIGBUS at the first write
+    past the free space, where a reservation fails at once with an error naming the file."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    try:
+        with open(path, "r+b") as f:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        del array
+        size = np.dtype(dtype).itemsize * int(np.prod(shape)) / 2**20
+        raise OSError(f"{path.parent}: cannot reserve {size:.1f} MB for "
+                      f"{path.name.split('.npy')[0]}.npy: {e.strerror}") from None
+    return array
 
 
 def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:

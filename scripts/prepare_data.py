@@ -80,7 +80,8 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
         try:
             meta = write(cfg, a, stage, a.out)
         except OSError as e:  # named by --out, not by the staging folder the user never gave
-            raise OSError(f"--out {a.out}: cannot write it: {e.strerror or e}") from None
+            why = e.strerror or str(e).replace(str(stage), str(a.out))
+            raise OSError(f"--out {a.out}: cannot write it: {why}") from None
     print("use it: python train.py " + use_args(a.format, a.out, cfg.data, meta))
     return meta
 

@@ -187,3 +187,21 @@ def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):
     assert len(mm) == 8
     kept = [i for i in range(10) if i not in (2, 5)]
     assert all(torch.equal(mm[j][0], src[i][0]) for j, i in enumerate(kept))
+
+
+def test_a_disk_too_full_for_the_arrays_is_an_error_naming_them_not_a_bus_error(tmp_path,
+                                                                               monkeypatch):
+    """The arrays' blocks are reserved before they are written through a memory map: a map
+    over a sparse file the disk cannot fill ends the process with SIGBUS (no message, no
+    cleanup). Here the reservation is refused as a full disk refuses it."""
+    reserved = []
+
+    def full(fd, offset, length):
+        reserved.append(length)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"train: cannot reserve 0\.\d MB for x\.npy: No space "
+                                      r"left on device"):
+        cache.write_arrays(source(), tmp_path / "train")
+    assert reserved and reserved[0] > 128  # the whole file, header included
+    assert list((tmp_path / "train").iterdir()) == []  # nothing half-written left
