@@ -275,6 +275,9 @@ class Checkpointing(Callback):
             ctrl_c = self.preemption.kind == 2
             saved = (f"checkpoint saved, resume with {rundir.resume_args(self.run_dir)}"
                      if self.enabled else "no checkpoint saved (trainer.save_checkpoint=false)")
+            sweep = rundir.sweep_resume_args() if self.enabled else None
+            if sweep:  # (the jobs after this one never ran)
+                saved += f"; or the whole sweep with {sweep}"
             raise Preempted(f"stopped on {'a Ctrl-C' if ctrl_c else 'a preemption signal'} at "
                             f"step {loop.state.step}; {saved}",
                             EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -221,6 +222,22 @@ def resume_args(run_dir: Path) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
+def sweep_resume_args() -> Optional[str]:
+    """In a sweep (`-m`), the arguments that continue the whole sweep, quoted for a shell:
+    the launch's own as typed with `trainer.resume=auto hydra.sweep.dir=<sweep dir>` (its
+    finished jobs are kept as they are, the stopped one resumes, the rest run); None outside
+    a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    args = [a for a in sys.argv[1:]
+            if a.lstrip("+~").split("=", 1)[0] not in ("trainer.resume", "hydra.sweep.dir")]
+    args += ["trainer.resume=auto", f"hydra.sweep.dir={_hydra_quoted(HydraConfig.get().sweep.dir)}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 # Hydra overrides of where and how a launch ran, not of what it trains: a resume names its own
 _NOT_CARRIED = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.launcher.", "hydra.sweeper.",
                 "hydra/launcher", "hydra/sweeper", "hydra.job.num", "hydra.job.id")
@@ -263,6 +280,9 @@ def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = Non
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     if code in (75, 130, 138, 143) and checkpoint.candidates(run_dir):
         status["resume"] = resume_args(run_dir)
+        sweep = sweep_resume_args()
+        if sweep:
+            status["resume_sweep"] = sweep
     try:
         (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
     except OSError:

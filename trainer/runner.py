@@ -4,6 +4,7 @@ This is the only place that builds components from the config; the loop receives
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import logging
@@ -12,7 +13,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -64,10 +65,26 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         _sweep_job_failed(e)
         if wants_traceback():
             raise
-        fail(e, code=exit_code(e), any_rank=isinstance(e, PeerLost))
+        if isinstance(e, PeerLost):
+            _end_without_peer(e)
+        fail(e, code=exit_code(e))
     except BaseException as e:
         _sweep_job_failed(e)
         raise
+
+
+def _end_without_peer(e: PeerLost) -> NoReturn:
+    """Says `e` (any rank: rank 0 may be the one lost) and ends the process with exit code 1,
+    Python's exit handlers run but not C++'s teardown: the backend's threads may still wait on
+    the lost peer, and destroying them then aborts the process (SIGABRT, 'terminate called
+    without an active exception') after the line was said."""
+    try:
+        fail(e, code=exit_code(e), any_rank=True)
+    except SystemExit as done:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(done.code)
 
 
 def _sweep_job_failed(e: BaseException) -> None:

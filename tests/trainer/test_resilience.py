@@ -194,6 +194,28 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 
 
+def test_a_sweep_stopped_by_ctrl_c_names_how_to_continue_the_whole_sweep(tmp_path):
+    """Ctrl-C in job 0 of a sweep: the line names the job's resume and the sweep's, whose
+    overrides (as typed) continue it: job 0 from its checkpoint, job 1 from the start."""
+    sweep = tmp_path / "sweep"
+    proc = start_and_wait(launcher() + ["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}",
+                                        *JOB, "trainer.max_epochs=12"],
+                          until=lambda: logged_step(sweep / "0") >= 10)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    status = json.loads((sweep / "0" / "status.json").read_text())
+    assert status["resume_sweep"].startswith("-m optim.lr=1e-3,2e-3 ")
+    assert status["resume_sweep"].endswith(f"trainer.resume=auto hydra.sweep.dir={sweep}")
+    assert f"; or the whole sweep with {status['resume_sweep']}" in out
+    assert not (sweep / "1").exists()
+    resumed = run(launcher() + shlex.split(status["resume_sweep"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and resumed.stdout.count("done:") == 2
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "status.json").read_text())["status"] == "completed"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp_path, sig):
     """A step that does not end (a sample read that hangs, in the main process: no
