@@ -106,12 +106,13 @@ def _open_reserved(path: Path, dtype, shape: Tuple[int, ...]) -> np.memmap:
     try:
         with open(path, "r+b") as f:
             os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        return array
     except OSError as e:
-        del array
-        size = np.dtype(dtype).itemsize * int(np.prod(shape)) / 2**20
-        raise OSError(f"{path.parent}: cannot reserve {size:.1f} MB for "
-                      f"{path.name.split('.npy')[0]}.npy: {e.strerror}") from None
-    return array
+        why = e.strerror
+    del array  # (unmapped before the caller removes the file)
+    size = np.dtype(dtype).itemsize * int(np.prod(shape)) / 2**20
+    raise OSError(f"{path.parent}: cannot reserve {size:.1f} MB for "
+                  f"{path.name.split('.npy')[0]}.npy: {why}")
 
 
 def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
