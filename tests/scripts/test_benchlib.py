@@ -186,3 +186,24 @@ def test_a_childs_one_line_error_is_said_as_it_is(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "stoker: error: data.batch_size=0: must be >= 1"
 
+
+OUT_SCRIPTS = ["bench_checkpoint", "bench_gpu", "bench_handoff", "bench_images", "bench_loader",
+               "bench_overhead", "bench_speed", "compare_strategies", "count_ops",
+               "make_benchmarks_page", "tune_loader"]
+
+
+@pytest.mark.parametrize("script", OUT_SCRIPTS)
+def test_every_out_is_checked_before_the_run(script, tmp_path, capsys):
+    """A directory, or a path under a file, is a usage error at the start, not a traceback
+    after the whole sweep."""
+    import importlib
+
+    main = importlib.import_module(script).main
+    file = tmp_path / "file"
+    file.write_text("x")
+    for out, needle in ((tmp_path, "is a directory"),
+                        (file / "x.json", f"{file} is a file, not a folder")):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: --out {out}: {needle}" in err, err
