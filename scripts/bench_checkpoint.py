@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
-from trainer.checkpoint import Checkpointer, state_bytes  # noqa: E402
+from benchlib import (at_least, check_out, default_out, die, machine, median,  # noqa: E402
+                      publish, run_main, table, unwritable)
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, state_bytes  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
 COLUMNS = ["mode", "state_mb", "stall_s", "write_s", "stall_vs_sync"]
@@ -52,22 +53,45 @@ def one_save(state, folder: Path, async_save: bool, step: int) -> Dict[str, floa
     return {"stall_s": stall, "write_s": time.perf_counter() - start}
 
 
+def saves(state, folder: Optional[Path], repeats: int) -> Dict[str, List[Dict[str, float]]]:
+    """Sync and async saves of `state`, alternating, in a temporary folder under `folder`
+    (the system's temp dir when None), removed afterwards; a write the disk refuses (full,
+    read-only) is one line naming the folder."""
+    runs: Dict[str, List[Dict[str, float]]] = {"sync": [], "async": []}
+    where = f"--dir {folder}" if folder else f"the temp dir {tempfile.gettempdir()} (--dir)"
+    try:
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="stoker-ckpt-", dir=folder) as tmp:
+            for rep in range(repeats):  # alternate, so drift on a shared disk hits both alike
+                for mode in runs:
+                    runs[mode].append(one_save(state, Path(tmp), mode == "async", rep + 1))
+    except CheckpointWriteError as e:  # "checkpoint <file>: the write failed (<cause>); ..."
+        die(f"{where}: cannot write the checkpoints: {str(e).split('; ')[0]}")
+    except OSError as e:
+        die(f"{where}: cannot write the checkpoints ({e.strerror or e})")
+    return runs
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--width", type=at_least(1), default=4096, help="the MLP's width")
+    p.add_argument("--layers", type=at_least(0), default=3, help="hidden layers of that width")
     p.add_argument("--repeats", type=at_least(1), default=5)
-    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="where to write (default: a temp dir); made if missing")
     p.add_argument("--out", type=Path, default=default_out("bench_checkpoint"))
     a = p.parse_args(argv)
+    check_out(p, a.out)
+    if a.dir is not None:  # a folder the checkpoints can be written in, said before the state
+        why = "is a file, not a folder" if a.dir.exists() and not a.dir.is_dir() \
+            else unwritable(a.dir / "step-00000001.pt")
+        if why:
+            p.error(f"--dir {a.dir}: {why}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     state = build_state(a.width, a.layers, device)
     size = state_mb(state)
-    runs: Dict[str, List[Dict[str, float]]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory(prefix="stoker-ckpt-", dir=a.dir) as tmp:
-        for rep in range(a.repeats):  # alternate, so drift on a shared disk hits both alike
-            for mode in runs:
-                runs[mode].append(one_save(state, Path(tmp), mode == "async", rep + 1))
+    runs = saves(state, a.dir, a.repeats)
     sync_stall = median([r["stall_s"] for r in runs["sync"]])
     rows = [{"mode": mode, "state_mb": size,
              "stall_s": median([r["stall_s"] for r in rs]),
@@ -81,4 +105,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

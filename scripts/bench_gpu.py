@@ -42,8 +42,9 @@ from typing import Any, Callable, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import (UINT8_CNN, at_least, default_out, machine, measure, median,  # noqa: E402
-                      medians, publish, table, write_json)
+from benchlib import (UINT8_CNN, at_least, check_out, default_out, machine,  # noqa: E402
+                      measure, median, medians, number_at_least, publish, run_main, table,
+                      write_partial)
 
 TRAIN_COLUMNS = ["model", "precision", "prefetch", "samples_per_s", "tokens_per_s",
                  "data_wait_frac", "device_wait_frac", "peak_mem_mb", "mfu", "skipped"]
@@ -244,9 +245,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests (CPU is fine)")
     p.add_argument("--repeats", type=at_least(1), help="override the repeats")
-    p.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16/fp16 peak")
+    p.add_argument("--peak-tflops", type=number_at_least(0, strict=True),
+                   help="the GPU's dense bf16/fp16 peak")
     p.add_argument("--out", type=Path, default=default_out("bench_gpu"))
     a = p.parse_args(argv)
+    check_out(p, a.out)
     import torch
 
     s = dict(SMOKE if a.smoke else FULL)
@@ -262,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "settings": s, "peak_flops": peak, "targets": TARGETS}
 
     def partial(rows: List[Dict[str, Any]]) -> None:  # the rows so far, if a limit cuts in
-        write_json(a.out, dict(base, training=rows, copy=[], partial=True))
+        write_partial(a.out, dict(base, training=rows, copy=[]))
 
     rows = train_rows(s, cuda, peak, report=partial)
     partial(rows)
@@ -275,4 +278,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
+from benchlib import (at_least, check_out, default_out, machine, median, publish,  # noqa: E402
+                      run_child, run_main, table)
 
 COLUMNS = ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch", "runs"]
 COLLATES = ("pooled", "default")
@@ -70,16 +70,21 @@ def one(a: argparse.Namespace) -> Dict[str, float]:
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--image", type=int, default=64, help="images are 3 x image x image uint8")
+    p.add_argument("--batch", type=at_least(1), default=256)
+    p.add_argument("--image", type=at_least(1), default=64,
+                   help="images are 3 x image x image uint8")
     p.add_argument("--batches", type=at_least(1), default=64, help="batches an epoch")
     p.add_argument("--epochs", type=at_least(1), default=2, help="timed epochs, after a warm one")
-    p.add_argument("--workers", type=at_least(0), default=2)
-    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--workers", type=at_least(1), default=2,
+                   help="loader workers (the handoff is theirs: at least 1)")
+    p.add_argument("--prefetch-factor", type=at_least(1), default=2)
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--out", type=Path, default=default_out("bench_handoff"))
     p.add_argument("--one", choices=COLLATES, help=argparse.SUPPRESS)  # a fresh process's run
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not a.one:
+        check_out(p, a.out)
+    return a
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -92,11 +97,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     runs: Dict[str, List[Dict[str, float]]] = {c: [] for c in COLLATES}
     for rep in range(a.repeats):
         for collate in (COLLATES if rep % 2 == 0 else COLLATES[::-1]):
-            proc = subprocess.run([sys.executable, __file__, *own, f"--one={collate}"],
-                                  capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                sys.exit(f"bench_handoff: the {collate} run failed:\n{proc.stderr[-2000:]}")
-            runs[collate].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            out = run_child([sys.executable, __file__, *own, f"--one={collate}"],
+                            f"the {collate} run", timeout=600)
+            runs[collate].append(json.loads(out.strip().splitlines()[-1]))
             print(f"repeat {rep + 1}/{a.repeats} {collate}: {runs[collate][-1]}",
                   file=sys.stderr)
     rows = [{"collate": c, "runs": len(runs[c]), "all": runs[c],
@@ -113,4 +116,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

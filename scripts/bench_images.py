@@ -43,7 +43,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +57,8 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import run_epochs  # noqa: E402
-from benchlib import at_least, default_out, machine, median, publish, table  # noqa: E402
+from benchlib import (at_least, check_out, default_out, machine, median,  # noqa: E402
+                      number_at_least, publish, run_child, run_main, table)
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
@@ -218,12 +218,9 @@ def child(name: str, tmp: Path, spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def in_subprocess(name: str, tmp: Path, spec: Dict[str, Any]) -> Dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, "--child", name, "--root", str(tmp),
-                           "--spec", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=1800, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_child([sys.executable, __file__, "--child", name, "--root", str(tmp),
+                     "--spec", json.dumps(spec)], f"the {name} run", timeout=1800)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def prepare(tmp: Path, spec: Dict[str, Any], count: int, image_size: int) -> Dict[str, float]:
@@ -244,12 +241,15 @@ def prepare(tmp: Path, spec: Dict[str, Any], count: int, image_size: int) -> Dic
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--count", type=at_least(1), default=2000, help="JPEG files to write")
-    p.add_argument("--image-size", type=int, default=256, help="pixels per side of the files")
-    p.add_argument("--size", type=int, default=224, help="the crop the samples are cut to")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--workers", type=at_least(0), default=2)
-    p.add_argument("--compute-ms", type=float, default=5.0, help="per step, standing for the GPU")
+    p.add_argument("--count", type=at_least(20), default=2000, help="JPEG files to write")
+    p.add_argument("--image-size", type=at_least(1), default=256,
+                   help="pixels per side of the files")
+    p.add_argument("--size", type=at_least(1), default=224,
+                   help="the crop the samples are cut to")
+    p.add_argument("--batch", type=at_least(1), default=64)
+    p.add_argument("--workers", type=at_least(1), default=2)
+    p.add_argument("--compute-ms", type=number_at_least(0), default=5.0,
+                   help="per step, standing for the GPU")
     p.add_argument("--epochs", type=at_least(2), default=3, help="epochs per configuration (>= 2)")
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="fresh processes per configuration, in alternating order")
@@ -261,9 +261,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.child:
         print(json.dumps(child(a.child, a.root, json.loads(a.spec))))
         return {}
-    if a.epochs < 2 or a.count < 20 or a.workers < 1 or a.repeats < 1:
-        p.error("need --epochs >= 2 (caches are measured on the second), --count >= 20, "
-                "--workers >= 1 and --repeats >= 1")
+    check_out(p, a.out)
     w, b = a.workers, a.batch
     spec = {"workers": w, "batch": b, "epochs": a.epochs, "compute_s": a.compute_ms / 1000,
             "size": a.size}
@@ -348,4 +346,4 @@ def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: to
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

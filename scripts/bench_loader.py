@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchlib import at_least, default_out, machine, median, table, write_json  # noqa: E402
+from benchlib import (at_least, atomic_path, check_out, default_out, machine,  # noqa: E402
+                      median, number_at_least, run_main, table, write_json)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset, SyntheticDataset  # noqa: E402
 from data.loader import build_loader  # noqa: E402
@@ -158,24 +159,30 @@ def plot(rows: List[Dict[str, Any]], bound: float, path: Path) -> None:
     ax.set_title("input pipeline: epoch time per configuration")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:  # a plot cut off half-way never replaces a good one
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=at_least(1), default=1024)
-    p.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
-    p.add_argument("--cost-ms", type=float, default=5.0, help="CPU work per sample")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--compute-ms", type=float, default=100.0, help="emulated GPU time per step")
+    p.add_argument("--shape", type=at_least(1), nargs="+", default=[3, 224, 224])
+    p.add_argument("--cost-ms", type=number_at_least(0), default=5.0, help="CPU work per sample")
+    p.add_argument("--batch", type=at_least(1), default=64)
+    p.add_argument("--compute-ms", type=number_at_least(0), default=100.0,
+                   help="emulated GPU time per step")
     p.add_argument("--workers", type=at_least(1), default=None, help="default: this machine's CPUs")
-    p.add_argument("--prefetch-factor", type=int, default=2)
+    p.add_argument("--prefetch-factor", type=at_least(1), default=2)
     p.add_argument("--epochs", type=at_least(1), default=3)
-    p.add_argument("--memory-workers", type=int, default=4, help="0 skips the memory part")
+    p.add_argument("--memory-workers", type=at_least(0), default=4,
+                   help="0 skips the memory part")
     p.add_argument("--out", type=Path, default=default_out("bench_loader"))
     p.add_argument("--png", type=Path, default=None, help="default: --out with .png")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    check_out(p, a.out)
+    check_out(p, a.png or a.out.with_suffix(".png"), "--png")
+    return a
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -235,4 +242,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

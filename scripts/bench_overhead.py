@@ -55,7 +55,6 @@ import argparse
 import importlib.util
 import itertools
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,8 +64,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import (at_least, default_out, machine, median, publish, table,  # noqa: E402
-                      write_json)
+from benchlib import (at_least, check_out, default_out, machine, median,  # noqa: E402
+                      publish, run_child, run_main, table, write_partial)
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
            "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]
@@ -369,11 +368,9 @@ def child(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
 
 
 def in_subprocess(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
-    proc = subprocess.run([sys.executable, __file__, "--child", kind, "--spec", json.dumps(w)], capture_output=True, text=True, timeout=900,
-                          cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_child([sys.executable, __file__, "--child", kind, "--spec", json.dumps(w)],
+                    f"the {w['name']} {kind} run", timeout=900)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def summarise(name: str, runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, Any]]:
@@ -435,7 +432,7 @@ def startup(repeats: int) -> List[Dict[str, Any]]:
             for name, cmd in commands.items():
                 extra = [f"hydra.run.dir={tmp}/r{rep}"] if "train.py" in cmd else []
                 t0 = time.perf_counter()
-                subprocess.run(cmd + extra, cwd=ROOT, check=True, capture_output=True)
+                run_child(cmd + extra, name)
                 times[name].append(time.perf_counter() - t0)
     return [{"command": k, "wall_s": median(v), "best_s": min(v), "runs": len(v), "all": v}
             for k, v in times.items()]
@@ -458,9 +455,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--workload", choices=["tiny", "cnn", "all"], default="all")
     p.add_argument("--steps", type=at_least(0), default=0,
                    help="steps per run (0: 500 tiny, 150 cnn)")
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=at_least(0), default=50,
+                   help="steps before the timing starts (fewer than --steps)")
     p.add_argument("--repeats", type=at_least(1), default=7)
-    p.add_argument("--startup-repeats", type=int, default=5)
+    p.add_argument("--startup-repeats", type=at_least(0), default=5)
     p.add_argument("--out", type=Path, default=default_out("bench_overhead"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -468,8 +466,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.child:  # a child process: one measurement, printed as JSON
         print(json.dumps(child(a.child, json.loads(a.spec))))
         return {}
-    has_lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
+    check_out(p, a.out)
     names = ["tiny", "cnn"] if a.workload == "all" else [a.workload]
+    for name in names:  # the clock needs a timed step after the warm-up
+        steps = a.steps or (500 if name == "tiny" else 150)
+        if a.warmup >= steps:
+            p.error(f"--warmup {a.warmup}: must be below the {steps} steps of {name} "
+                    "(--steps)")
+    has_lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
     result: Dict[str, Any] = {"machine": machine(), "repeats": a.repeats, "target": 0.97,
                               "lightning": lightning_version(), "workloads": {}, "results": []}
     for name in names:
@@ -488,7 +492,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                       f"{runs[kind][-1]['best_step_us']:.0f} us", file=sys.stderr, flush=True)
             if min(len(runs[k]) for k in kinds) == rep + 1:  # a run cut short keeps these
                 result["results"] = done + summarise(name, runs)
-                write_json(a.out, dict(result, partial=True))
+                write_partial(a.out, result)
         result["results"] = done + summarise(name, runs)
     print(table(result["results"], COLUMNS))
     for row in result["results"]:
@@ -506,4 +510,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

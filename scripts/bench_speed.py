@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import (UINT8_CNN, at_least, default_out, machine, measure, medians,  # noqa: E402
-                      publish, table)
+from benchlib import (UINT8_CNN, at_least, check_out, default_out, machine,  # noqa: E402
+                      measure, medians, publish, run_main, table)
 
 COLUMNS = ["switch", "overrides", "samples_per_s", "vs_baseline", "data_wait_frac",
            "peak_mem_mb", "skipped"]
@@ -63,16 +63,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--switches", default=",".join(SWITCHES),
                    help="comma-separated subset of: " + ", ".join(SWITCHES))
     p.add_argument("--steps", type=at_least(1), default=60)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--image", type=int, default=32, help="CNN image side")
-    p.add_argument("--tokens", type=int, default=128, help="transformer context")
+    p.add_argument("--log-every", type=at_least(1), default=10)
+    p.add_argument("--batch", type=at_least(1), default=64)
+    p.add_argument("--image", type=at_least(1), default=32, help="CNN image side")
+    p.add_argument("--tokens", type=at_least(1), default=128, help="transformer context")
     p.add_argument("--samples", type=at_least(1), default=4096)
     p.add_argument("--workers", type=at_least(0), default=2)
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     p.add_argument("--out", type=Path, default=default_out("bench_speed"))
     a = p.parse_args(argv)
+    check_out(p, a.out)
     names = [n for n in a.switches.split(",") if n]
     unknown = sorted(set(names) - set(SWITCHES))
     if unknown:
@@ -113,4 +114,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,18 +1,36 @@
-"""Helpers shared by the benchmark scripts: machine description, tables, JSON, launching runs."""
+"""Helpers shared by the benchmark scripts: argument types, the --out check, atomic JSON,
+tables, the machine description, and child processes that end with the script.
+
+A script's entry is `run_main(main)`: a Ctrl-C, a SIGTERM, a child's failure or an OS error
+(a full disk) is one line on stderr and an exit code (130, 143, the child's, 1), never a
+traceback; what --out held before stays as it was.
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import math
 import os
 import platform
+import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+# How long a signalled child may take to end before its session is killed: train.py stops at
+# its next step. Under 10 s: run_on_gpu.sh's `timeout -k 10` kills a script 10 s after its
+# SIGTERM, and a child in a session of its own would outlive a script killed first.
+GRACE_S = 8.0
 
 
 def at_least(low: int):
@@ -27,6 +45,117 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"{value}: must be >= {low}")
         return value
     return parse
+
+
+def number_at_least(low: float, strict: bool = False):
+    """An argparse type: a finite number >= `low` (> `low` when `strict`): a time or a rate,
+    where a negative one (or 0 for a rate) would be measured as if it meant something."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{value:g}: must be {'>' if strict else '>='} "
+                                             f"{low:g}")
+        return value
+    return parse
+
+
+def prog() -> str:
+    """The script's name as argparse says it in its errors."""
+    return os.path.basename(sys.argv[0])
+
+
+def die(message: str, code: int = 1) -> NoReturn:
+    """One line on stderr, `<script>: error: message`, and exit `code`."""
+    print(f"{prog()}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _cannot_write_in(folder: Path) -> Optional[str]:
+    """Why no file can be made in the existing `folder` (None when one can): a probe file that
+    has no name and is gone when closed, so read-only filesystems, permissions and full
+    inode tables all answer for themselves (os.access is always yes for root)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def unwritable(path: Path) -> Optional[str]:
+    """Why a file cannot be written at `path` (None when it can), said before a run so that a
+    long benchmark does not end in an error it could have named at its start. Folders that do
+    not exist yet are fine where the nearest existing one is writable (they are made at the
+    end); nothing is left behind."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a directory; give the path of a file"
+    folder = path.absolute().parent
+    while not os.path.exists(folder):
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    why = _cannot_write_in(folder)
+    if why:
+        return f"cannot write in {folder} ({why})"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "is read-only"
+    return None
+
+
+def check_out(parser: argparse.ArgumentParser, path: Optional[Path], flag: str = "--out") -> None:
+    """Refuses (usage error, exit 2) an output path that could not be written."""
+    why = unwritable(path) if path is not None else None
+    if why:
+        parser.error(f"{flag} {path}: {why}")
+
+
+def partial_path(path: Path) -> Path:
+    """Where a run's results so far go while it runs: next to `path`, `<name>.partial<.ext>`
+    (so bench_gpu_h100.json's is bench_gpu_h100.partial.json); the finished file replaces
+    neither until it is complete."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.partial{path.suffix}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path in `path`'s folder to write to; on success it is renamed over `path`
+    (atomic: `path` is either what it was or the complete new file), on failure removed."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
+                                   dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's file is private; a result is not
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not e.filename:  # a full disk: name the file
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import, before any thread could race on it
+
+
+_PARTIALS: List[Path] = []  # side files written by this process that still hold its results
 
 
 def machine() -> Dict[str, Any]:
@@ -70,11 +199,34 @@ def command() -> str:
     return " ".join(["python", str(script), *sys.argv[1:]])
 
 
+def _dump(path: Path, payload: Dict[str, Any]) -> None:
+    text = json.dumps({"command": command(), **payload}, indent=2) + "\n"
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
 def write_json(path: Path, payload: Dict[str, Any]) -> None:
-    """Writes `payload` with the command that produced it (unless it names one already)."""
-    payload = {"command": command(), **payload}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    """Writes `payload` with the command that produced it (unless it names one already),
+    atomically (a temp file in the same folder renamed over `path`), then removes the side
+    file of results so far (`partial_path`): the finished file stands for the run."""
+    path = Path(path)
+    _dump(path, payload)
+    side = partial_path(path)
+    with contextlib.suppress(FileNotFoundError):
+        side.unlink()
+    if side in _PARTIALS:
+        _PARTIALS.remove(side)
+
+
+def write_partial(path: Path, payload: Dict[str, Any]) -> Path:
+    """Writes the results so far of a run whose output is `path`, marked `"partial": true`,
+    to the side file `partial_path(path)`, atomically: a run cut off by a time limit or a
+    Ctrl-C leaves them there and `path` as it was. Returns the side file."""
+    side = partial_path(path)
+    _dump(side, dict(payload, partial=True))
+    if side not in _PARTIALS:
+        _PARTIALS.append(side)
+    return side
 
 
 def default_out(name: str) -> Path:
@@ -129,7 +281,7 @@ def run_train(args: List[str], run_dir: Path, nproc: int = 1,
               timeout: float = 600) -> Dict[str, Any]:
     """Runs train.py (under torchrun when nproc > 1) and returns its summary.json.
 
-    Raises RuntimeError with the tail of the output when the run fails.
+    Raises ChildFailed when the run fails (run_main says its `stoker: error:` line).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))}
     cmd = [sys.executable]
@@ -137,9 +289,188 @@ def run_train(args: List[str], run_dir: Path, nproc: int = 1,
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
             *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                           + (proc.stderr or proc.stdout)[-3000:])
+    run_child(cmd, f"train.py ({' '.join(args)})", timeout=timeout, env=env)
     return json.loads((run_dir / "summary.json").read_text())
+
+
+class Stopped(BaseException):
+    """A SIGTERM, raised where the script is (as a Ctrl-C raises KeyboardInterrupt) so that
+    temporary folders are removed and children ended on the way out. A BaseException: no
+    `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.code = signum, 128 + signum
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+_ERROR_LINE = re.compile(r"^\S+: error: ")  # stoker's own, or a script's argparse line
+
+
+class ChildFailed(RuntimeError):
+    """A child process (a train.py run, a script's measurement in a fresh process) that
+    failed: `code` its exit status (None: it timed out), `output` what it printed."""
+
+    def __init__(self, what: str, code: Optional[int], output: str = ""):
+        self.what, self.code, self.output = what, code, output
+        super().__init__(self.line() or self.summary())
+
+    def summary(self) -> str:
+        return (f"{self.what} failed (exit {self.code})" if self.code is not None
+                else f"{self.what} timed out")
+
+    def line(self) -> Optional[str]:
+        """The child's own one-line error (`stoker: error: ...`), if it said one."""
+        return next((ln.strip() for ln in self.output.splitlines()
+                     if _ERROR_LINE.match(ln.strip())), None)
+
+    def exit_code(self) -> int:
+        """The script's exit code: the child's, or 1 when it died of a signal or timed out."""
+        return self.code if self.code and self.code > 0 else 1
+
+
+def _session(sid: int) -> List[int]:
+    """The live processes of session `sid` (a child started in a session of its own and all
+    it started: torchrun puts each rank in a process group of its own, but not in a session
+    of its own), read from /proc; [] where there is none."""
+    pids = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            state, _ppid, _pgrp, session = stat[stat.rindex(")") + 2:].split()[:4]
+            if int(session) == sid and state != "Z":
+                pids.append(int(name))
+    return pids
+
+
+def _kill_session(sid: int) -> None:
+    """Kills what is left of the child's session (and of its process group, where /proc
+    cannot say)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sid, signal.SIGKILL)
+    for _ in range(20):  # again, for a process forked while the others were being killed
+        left = _session(sid)
+        if not left:
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _end(proc: subprocess.Popen, sig: int) -> None:
+    """Passes `sig` on to the child, lets it end for up to GRACE_S, then kills whatever is
+    left of its session (torchrun, its ranks, their loader workers).
+
+    The signal goes to the child alone first: train.py stops at the next step and closes
+    its loader workers, torchrun passes it to its ranks. Sent to the whole group at once, a
+    rank's loader workers died of the SIGTERM before the rank could stop them, and the rank
+    failed on their deaths, leaving their temporary files behind."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=GRACE_S)
+    except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
+        pass
+    _kill_session(proc.pid)
+    with contextlib.suppress(BaseException):
+        proc.wait(timeout=10)
+
+
+def _drain(pipe, lines: List[str]) -> None:
+    with pipe:
+        lines.extend(pipe)
+
+
+def run_child(cmd: List[str], what: str, timeout: Optional[float] = None,
+              cwd: Path = ROOT, env: Optional[Dict[str, str]] = None) -> str:
+    """Runs `cmd` to its end in a session (process group) of its own and returns its stdout.
+
+    A Ctrl-C or SIGTERM reaching this process (or the timeout: SIGTERM) is passed to the
+    child, whose session gets GRACE_S to end before what is left of it is killed; the
+    interruption then goes on (KeyboardInterrupt, Stopped; ChildFailed for the timeout).
+    Raises ChildFailed when the child exits non-zero. Nothing of its session outlives the
+    call. (Its output is read by threads, so a process it left holding the pipes cannot
+    hold the call.)
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out: List[str] = []
+    err: List[str] = []
+    readers = [threading.Thread(target=_drain, args=(pipe, lines), daemon=True)
+               for pipe, lines in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end(proc, signal.SIGTERM)
+        raise ChildFailed(f"{what}, given {timeout:g} s,", None) from None
+    except KeyboardInterrupt:
+        _end(proc, signal.SIGINT)
+        raise
+    except Stopped as e:
+        _end(proc, e.signum)
+        raise
+    except BaseException:
+        _end(proc, signal.SIGTERM)
+        raise
+    finally:
+        _kill_session(proc.pid)  # a process the child left behind (none, usually)
+        for reader in readers:
+            reader.join(timeout=10)
+    if proc.returncode != 0:
+        raise ChildFailed(what, proc.returncode, "".join(err) or "".join(out))
+    return "".join(out)
+
+
+def _left() -> str:
+    """What an interrupted run leaves: its results so far, if it wrote any."""
+    if not _PARTIALS:
+        return ""
+    return (f"; the results so far are in {', '.join(map(str, _PARTIALS))} "
+            "(the output file was not written)")
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """A script's entry point: runs `main()`, a SIGTERM raising Stopped where the script is.
+    A Ctrl-C (exit 130), a SIGTERM (143), a child's failure (its own one-line error, or its
+    last lines, and its exit code) and an OS error such as a full disk (exit 1) are said on
+    stderr without a traceback; STOKER_TRACEBACK=1 keeps the traceback."""
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    _PARTIALS.clear()  # (one run a process; a test runs several)
+    try:
+        main()
+    except (KeyboardInterrupt, Stopped, ChildFailed, OSError) as e:
+        if os.environ.get("STOKER_TRACEBACK") == "1":
+            raise
+        raise SystemExit(_say(e)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _say(e: BaseException) -> int:
+    """One line on stderr for what ended the script (run_main); returns the exit code."""
+    code, tail = 1, []
+    if isinstance(e, KeyboardInterrupt):
+        line, code = f"{prog()}: interrupted (Ctrl-C){_left()}", EXIT_INTERRUPTED
+    elif isinstance(e, Stopped):
+        line, code = f"{prog()}: stopped by {e}{_left()}", e.code
+    elif isinstance(e, ChildFailed):
+        line, code = e.line(), e.exit_code()
+        if line is None:  # not a mistake it could say in a line: its last lines, for a report
+            line = f"{prog()}: error: {e.summary()}"
+            tail = [f"  {ln}" for ln in e.output.splitlines() if ln.strip()][-25:]
+    else:  # OSError
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        line = f"{prog()}: error: {where}{getattr(e, 'strerror', None) or e}{_left()}"
+    print("\n".join([line, *tail]), file=sys.stderr, flush=True)
+    return code

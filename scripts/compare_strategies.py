@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from benchlib import at_least, default_out, machine, median, publish, run_train, table
+from benchlib import (at_least, check_out, default_out, machine, median, publish, run_main,
+                      run_train, table)
 
 COLUMNS = ["strategy", "ranks", "per_rank_batch", "samples_per_s", "step_time_ms",
            "data_wait_frac", "peak_mem_mb", "runs", "skipped"]
@@ -60,13 +61,14 @@ def measure(cfg: Dict[str, Any], steps: int, workdir: Path, rep: int,
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=at_least(1), default=2, help="DDP ranks")
-    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--global-batch", type=at_least(1), default=64)
     p.add_argument("--steps", type=at_least(1), default=30, help="optimizer steps per run")
     p.add_argument("--repeats", type=at_least(1), default=3,
                    help="alternating repetitions (median)")
     p.add_argument("--out", type=Path, default=default_out("compare_strategies"))
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every run")
     a = p.parse_args(argv)
+    check_out(p, a.out)
     configs = plan(a.nproc, a.global_batch)
     samples: Dict[str, List[Dict[str, float]]] = {c["strategy"]: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="stoker-compare-") as tmp:
@@ -90,4 +92,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

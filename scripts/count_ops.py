@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +43,9 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchlib import (at_least, check_out, machine, prog, run_main, table,  # noqa: E402
+                      write_json)
 
 COLUMNS = ["op", "per_step", "kind"]
 HOST_READ = "aten._local_scalar_dense.default"  # item(), bool(), int() of a tensor
@@ -123,35 +125,18 @@ def count(overrides: List[str], skip: int, steps: int) -> Dict[str, Any]:
     return {"per_step": sum(ops.values()), **totals, "ops": ops, "kinds": counter.kinds}
 
 
-def _writable(out: Path) -> Optional[str]:
-    """Why `out` cannot be written (None when it can), checked before the run."""
-    if out.is_dir():
-        return "is a directory"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"its folder cannot be made ({e.strerror})"
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        return "is not writable"
-    return None
-
-
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--skip", type=int, default=20, help="optimizer steps before counting")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps counted")
-    p.add_argument("--top", type=int, default=25, help="operations listed")
+    p.add_argument("--skip", type=at_least(1), default=20, help="optimizer steps before counting")
+    p.add_argument("--steps", type=at_least(1), default=20, help="optimizer steps counted")
+    p.add_argument("--top", type=at_least(1), default=25, help="operations listed")
     p.add_argument("--out", type=Path, help="write the counts as JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
-    if a.skip < 1 or a.steps < 1 or a.top < 1:
-        p.error(f"--skip {a.skip} --steps {a.steps} --top {a.top}: each must be >= 1")
-    unwritable = _writable(a.out) if a.out else None
-    if unwritable:
-        p.error(f"--out {a.out}: {unwritable}")
-    from benchlib import machine, table, write_json
+    check_out(p, a.out)
     from trainer.cli import USER_ERRORS, fail, import_from_cwd
     from trainer.distributed import detect
+    from trainer.resilience import Preempted
 
     import_from_cwd()  # the user's own modules, as train.py finds them
 
@@ -159,6 +144,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         got = count(a.overrides, a.skip, a.steps)
     except USER_ERRORS as e:
         fail(e)
+    except Preempted as e:  # a Ctrl-C or SIGTERM stops the run at a step: nothing counted
+        if detect().is_main:
+            print(f"{prog()}: {str(e).split(';')[0]}; nothing counted or written",
+                  file=sys.stderr, flush=True)
+        raise SystemExit(e.code) from None
     result = {"machine": machine(), "overrides": a.overrides, "skip": a.skip,
               "steps": a.steps, **got}
     if not detect().is_main:  # under torchrun: every rank counts, rank 0 reports
@@ -177,4 +167,4 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

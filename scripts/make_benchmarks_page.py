@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchlib import atomic_path, check_out, die, run_main  # noqa: E402
 
 
 @dataclass
@@ -207,8 +211,42 @@ def plot(section: Section, rows: List[Dict[str, Any]], title: str, png: Path) ->
     return True
 
 
-def render_file(section: Section, path: Path, page_dir: Path) -> List[str]:
-    data = json.loads(path.read_text())
+class BadFile(ValueError):
+    """A file in --dir that is not a benchmark's JSON: one line naming it."""
+
+
+def load(path: Path) -> Dict[str, Any]:
+    """A benchmark's JSON: an object with the machine it ran on."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadFile(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); "
+                      "rerun the benchmark that wrote it, or move the file away") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadFile(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("machine"), dict):
+        raise BadFile(f"{path}: no \"machine\" object, so not a file a benchmark script wrote "
+                      "(each records the machine it ran on); move it out of the folder")
+    return data
+
+
+def link(target: Path, page_dir: Path) -> str:
+    """`target` as the page links it: relative to the page's folder, wherever either is (a
+    relative --out, a page outside the repository)."""
+    return Path(os.path.relpath(os.path.abspath(target), os.path.abspath(page_dir))).as_posix()
+
+
+def render_file(section: Section, path: Path, page_dir: Path,
+                data: Dict[str, Any]) -> List[str]:
+    try:
+        return _render_file(section, path, page_dir, data)
+    except (KeyError, TypeError, AttributeError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise BadFile(f"{path}: not what {section.bench}.py writes ({what})") from None
+
+
+def _render_file(section: Section, path: Path, page_dir: Path,
+                 data: Dict[str, Any]) -> List[str]:
     m = data["machine"]
     rows = data.get(section.rows, [])
     lines = [f"### `{path.name}`", "",
@@ -227,7 +265,7 @@ def render_file(section: Section, path: Path, page_dir: Path) -> List[str]:
     png = path.with_name(path.stem + "-plot.png")
     if plot(section, rows, f"{path.stem} ({m.get('gpu') or 'CPU'}, {m.get('date', '')[:10]})",
             png):
-        lines += ["", f"![{path.stem}]({png.relative_to(page_dir).as_posix()})"]
+        lines += ["", f"![{path.stem}]({link(png, page_dir)})"]
     return lines + [""]
 
 
@@ -245,13 +283,13 @@ def render(bench_dir: Path, page: Path) -> str:
     lines = [HEADER]
     not_on_gpu = []
     for section in SECTIONS:
-        files = sorted(bench_dir.glob(f"{section.bench}_*.json"))
+        files = {path: load(path) for path in sorted(bench_dir.glob(f"{section.bench}_*.json"))}
         lines += [f"## {section.title}", "", section.what, ""]
         if not files:
             lines += ["Not measured yet.", ""]
-        for path in files:
-            lines += render_file(section, path, page.parent)
-        if not any(json.loads(f.read_text())["machine"].get("cuda") for f in files):
+        for path, data in files.items():
+            lines += render_file(section, path, page.parent, data)
+        if not any(data["machine"].get("cuda") for data in files.values()):
             not_on_gpu.append(section.bench)
     lines += ["## Not measured on a GPU yet", "",
               "No JSON from a CUDA machine has been committed for these; run them there "
@@ -267,10 +305,16 @@ def main(argv: Optional[List[str]] = None) -> Path:
     a = p.parse_args(argv)
     if not a.dir.is_dir():
         p.error(f"--dir {a.dir}: no such directory of benchmark JSON files")
-    a.out.write_text(render(a.dir, a.out))
+    check_out(p, a.out)
+    try:
+        text = render(a.dir, a.out)
+    except BadFile as e:
+        die(str(e), code=2)
+    with atomic_path(a.out) as tmp:  # the page is whole or as it was
+        tmp.write_text(text)
     print(f"wrote {a.out}")
     return a.out
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

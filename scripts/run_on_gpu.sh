@@ -12,7 +12,8 @@
 # gpu-summary.txt. Seen on one H100, 2026-11-25 (16 cores, torch 2.11): gpu_tests 74 s,
 # runs 3.8 min, loader 66 s, checkpoint 26 s, bench_gpu 256 s (--repeats 2, before its two
 # feed rows, the 8-layer transformer and the 64 KB copy row: ~370 s expected; it writes its
-# JSON after each repeat), bench_overhead's tiny step ~110 s a repeat (8 runners, with
+# rows so far to bench_gpu_<tag>.partial.json after each repeat, which a run cut off leaves
+# and pack collects), bench_overhead's tiny step ~110 s a repeat (8 runners, with
 # Lightning: 3 repeats did not fit in 330 s), overhead_cnn ~50 s a repeat, bench_images
 # (--repeats 1 --epochs 2) ~2 min, strategies 92 s, speed 149 s a repeat; suite not tried
 # there since 2026-11-22 (a call of its own; it needs pytest-xdist and execnet wheels).

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
-from benchlib import at_least, default_out, machine, publish, table  # noqa: E402
+from benchlib import (at_least, check_out, default_out, machine, publish,  # noqa: E402
+                      run_main, table)
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
@@ -73,6 +74,7 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--out", type=Path, default=default_out("tune_loader"))
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
     a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
+    check_out(p, a.out)
     swept = {"data.num_workers": "--workers", "data.prefetch_factor": "--prefetch",
              "data.pin_memory": "(both, on CUDA)"}
     for override in a.overrides:
@@ -106,4 +108,4 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

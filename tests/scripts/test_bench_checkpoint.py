@@ -23,3 +23,45 @@ def test_smoke_reports_sync_and_async_stalls(tmp_path):
         assert r["state_mb"] > 0 and r["stall_s"] > 0 and r["write_s"] >= r["stall_s"]
         assert len(r["runs"]) == 2
     assert rows["sync"]["stall_vs_sync"] == 1.0
+
+
+sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside them
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--width", "0"], "argument --width: 0: must be >= 1"),
+    (["--width", "-5"], "argument --width: -5: must be >= 1"),
+    (["--layers", "-1"], "argument --layers: -1: must be >= 0"),
+    (["--dir", "{file}"], "--dir {file}: is a file, not a folder"),
+    (["--dir", "{file}/sub"], "--dir {file}/sub: {file} is a file, not a folder"),
+])
+def test_bad_arguments_are_one_line_before_the_state_is_built(tmp_path, capsys, args, needle):
+    import bench_checkpoint
+
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        bench_checkpoint.main([a.format(file=file) for a in args]
+                              + ["--out", str(tmp_path / "o.json")])
+    assert e.value.code == 2 and needle.format(file=file) in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_naming_the_dir(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import bench_checkpoint
+    import trainer.checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer.checkpoint.torch, "save", full)
+    where, out = tmp_path / "ckpts", tmp_path / "o.json"
+    with pytest.raises(SystemExit) as e:
+        bench_checkpoint.main(["--width", "8", "--layers", "1", "--repeats", "1",
+                               "--dir", str(where), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err
+    assert f"error: --dir {where}: cannot write the checkpoints: checkpoint {where}/" in err
+    assert err.endswith("the write failed (No space left on device)"), err
+    assert not out.exists() and list(where.iterdir()) == []  # its temp folder went too

@@ -24,6 +24,7 @@ def test_smoke_writes_every_configuration(tmp_path):
     assert result["smoke"] is True and result["command"].endswith("--smoke --out " + str(out))
     assert result["targets"] == {"data_wait_frac_max": 0.01, "prefetcher_vs_plain_min": 0.9}
     assert "partial" not in result  # the finished file replaces the partial one
+    assert not (tmp_path / "gpu.partial.json").exists()  # and its side file goes
     rows = result["training"]
     assert [(r["model"], r["precision"], r["prefetch"]) for r in rows] == [
         ("cnn", "bf16", True), ("cnn", "bf16", False), ("transformer", "bf16", True),
@@ -117,3 +118,40 @@ def test_rows_so_far_are_reported_after_each_repeat_but_the_last(monkeypatch):
     assert all(r["skipped"] == "fp16 needs CUDA" for r in rows if r["precision"] == "fp16")
     never = bench_gpu.summarize(s, configs, [[] for _ in configs], True, None)
     assert all(r["skipped"] == "not run" and r["runs"] == 0 for r in never)
+
+
+@pytest.mark.parametrize("value,needle", [("-1", "-1: must be > 0"), ("0", "0: must be > 0"),
+                                          ("nan", "'nan' is not a finite number")])
+def test_a_peak_that_is_no_peak_is_a_usage_error(tmp_path, capsys, value, needle):
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.main(["--smoke", "--peak-tflops", value, "--out", str(tmp_path / "g.json")])
+    assert e.value.code == 2 and f"argument --peak-tflops: {needle}" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the second repeat: --out keeps the good result, the first repeat's rows are
+    in the side file beside it (bench_gpu_h100.partial.json, which run_on_gpu.sh collects)."""
+    from benchlib import run_main
+
+    calls = []
+
+    def fake_measure(args, run_dir):
+        calls.append(run_dir.name)
+        if run_dir.name.endswith("-1"):  # the second repeat
+            raise KeyboardInterrupt
+        return {"samples_per_s": 100.0, "data_wait_frac": 0.1, "peak_mem_mb": 1.0}
+
+    monkeypatch.setattr(bench_gpu, "measure", fake_measure)
+    good = tmp_path / "bench_gpu_h100.json"
+    good.write_text("the good result\n")
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: bench_gpu.main(["--smoke", "--repeats", "2", "--out", str(good)]))
+    side = tmp_path / "bench_gpu_h100.partial.json"
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 130 and "\n" not in err and "Traceback" not in err
+    assert err.endswith(f"interrupted (Ctrl-C); the results so far are in {side} (the output "
+                        "file was not written)")
+    assert good.read_text() == "the good result\n"
+    partial = json.loads(side.read_text())
+    assert partial["partial"] is True
+    assert {r["runs"] for r in partial["training"] if r["precision"] == "bf16"} == {1}

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
@@ -31,3 +33,18 @@ def test_smoke_measures_both_collates_in_alternating_fresh_processes(tmp_path):
     assert order == ["repeat 1/2 pooled", "repeat 1/2 default", "repeat 2/2 default",
                      "repeat 2/2 pooled"]  # fresh processes, the order flipped per repeat
     assert "pooled" in proc.stdout and f"wrote {out}" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch", "0"], "argument --batch: 0: must be >= 1"),  # was a ZeroDivisionError
+    (["--image", "0"], "argument --image: 0: must be >= 1"),
+    (["--prefetch-factor", "0"], "argument --prefetch-factor: 0: must be >= 1"),
+    (["--workers", "0"], "argument --workers: 0: must be >= 1"),  # no handoff without workers
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_handoff
+
+    with pytest.raises(SystemExit) as e:
+        bench_handoff.parse(args + ["--out", str(tmp_path / "h.json")])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

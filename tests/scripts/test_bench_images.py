@@ -38,3 +38,20 @@ def test_smoke_measures_every_path_and_writes_json(tmp_path):
     # (c)'s 2 epochs of 5 batches (and what the workers made ahead), all in the pool's slots
     assert pool["reused"] + pool["first"] >= 5 * 2 and pool["unpooled"] == 0
     assert "(c) vs bound" in proc.stdout and "target" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch", "0"], "argument --batch: 0: must be >= 1"),
+    (["--size", "0"], "argument --size: 0: must be >= 1"),
+    (["--image-size", "0"], "argument --image-size: 0: must be >= 1"),
+    (["--compute-ms", "-1"], "argument --compute-ms: -1: must be >= 0"),
+    (["--count", "5"], "argument --count: 5: must be >= 20"),
+    (["--workers", "0"], "argument --workers: 0: must be >= 1"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_images
+
+    with pytest.raises(SystemExit) as e:
+        bench_images.main(args + ["--out", str(tmp_path / "i.json")])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -54,3 +54,21 @@ def test_the_data_cost_is_the_least_disturbed_timing(monkeypatch):
 
     monkeypatch.setattr(bench_loader.time, "perf_counter", lambda: clock[0])
     assert bench_loader.data_cost_s(Costly(), samples=16, repeats=3) == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch", "0"], "argument --batch: 0: must be >= 1"),
+    (["--prefetch-factor", "0"], "argument --prefetch-factor: 0: must be >= 1"),
+    (["--memory-workers", "-2"], "argument --memory-workers: -2: must be >= 0"),
+    (["--cost-ms", "-5"], "argument --cost-ms: -5: must be >= 0"),
+    (["--compute-ms", "-1"], "argument --compute-ms: -1: must be >= 0"),
+    (["--shape", "3", "0", "16"], "argument --shape: 0: must be >= 1"),
+    (["--png", "{tmp}"], "--png {tmp}: is a directory"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
+    import bench_loader
+
+    with pytest.raises(SystemExit) as e:
+        bench_loader.parse([a.format(tmp=tmp_path) for a in args]
+                           + ["--out", str(tmp_path / "b.json")])
+    assert e.value.code == 2 and needle.format(tmp=tmp_path) in capsys.readouterr().err

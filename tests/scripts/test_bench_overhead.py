@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside them
+
 
 @pytest.mark.slow
 def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
@@ -45,6 +47,7 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
     # and the finished file is not marked partial
     assert "tiny repeat 1/1 stoker_device: best step" in proc.stderr
     assert "cnn repeat 1/1 stoker: best step" in proc.stderr and "partial" not in result
+    assert not (tmp_path / "overhead.partial.json").exists()  # the side file goes with it
     assert [r["command"] for r in result["startup"]] == [
         "python -c 'import torch'", "python -c 'import torch; AdamW(...)'",
         "python train.py debug=fdr"]
@@ -54,3 +57,55 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
         assert "skipped lightning" in proc.stdout
     else:  # the version measured is recorded
         assert result["lightning"].split()[0] in ("lightning", "pytorch-lightning")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--warmup", "-1"], "argument --warmup: -1: must be >= 0"),
+    (["--startup-repeats", "-1"], "argument --startup-repeats: -1: must be >= 0"),
+    (["--steps", "100", "--warmup", "100"], "--warmup 100: must be below the 100 steps of tiny"),
+    (["--workload", "cnn", "--warmup", "150"], "--warmup 150: must be below the 150 steps of cnn"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
+    import bench_overhead
+
+    with pytest.raises(SystemExit) as e:
+        bench_overhead.main(args + ["--out", str(tmp_path / "o.json")])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_ctrl_c_leaves_the_good_result_and_the_repeats_so_far_beside_it(tmp_path, capsys,
+                                                                          monkeypatch):
+    """Ctrl-C in the second repeat: one line, exit 130, --out as it was, the first repeat in
+    the side file (measurements faked: what is tested is where the results go)."""
+    import bench_overhead
+    from benchlib import run_main
+
+    runs = []
+    lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
+    kinds = [k for k in bench_overhead.RUNNERS["tiny"] if k != "lightning" or lightning]
+
+    def fake(kind, w):
+        runs.append(kind)
+        if len(runs) > len(kinds):  # into the second repeat
+            raise KeyboardInterrupt
+        return {"samples_per_s": 1.0, "step_us": 2.0, "cpu_us": 2.0, "best_step_us": 1.0,
+                "plain_step_us": 2.0, "plain_best_step_us": 1.0, "param_sum": 1.0,
+                "plain_param_sum": 1.0}
+
+    monkeypatch.setattr(bench_overhead, "in_subprocess", fake)
+    good = tmp_path / "good.json"
+    good.write_text('{"the": "good result"}\n')
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: bench_overhead.main(["--workload", "tiny", "--repeats", "5",
+                                              "--steps", "100", "--warmup", "10",
+                                              "--startup-repeats", "0", "--out", str(good)]))
+    err = capsys.readouterr().err.strip()
+    side = tmp_path / "good.partial.json"
+    assert e.value.code == 130 and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(
+        f"interrupted (Ctrl-C); the results so far are in {side} (the output file was not "
+        "written)")
+    assert good.read_text() == '{"the": "good result"}\n'
+    partial = json.loads(side.read_text())
+    assert partial["partial"] is True
+    assert {r["runs"] for r in partial["results"] if r["runner"] in kinds} == {1}

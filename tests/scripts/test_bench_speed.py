@@ -43,3 +43,28 @@ def test_unknown_switch_is_refused_with_the_valid_ones(tmp_path):
     proc = run_script("--switches", "turbo", "--out", str(tmp_path / "x.json"), timeout=60)
     assert proc.returncode == 2
     assert "--switches: unknown turbo; valid: baseline, compile" in proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch", "0"], "argument --batch: 0: must be >= 1"),
+    (["--log-every", "0"], "argument --log-every: 0: must be >= 1"),
+    (["--image", "0"], "argument --image: 0: must be >= 1"),
+    (["--tokens", "0"], "argument --tokens: 0: must be >= 1"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_speed
+
+    with pytest.raises(SystemExit) as e:
+        bench_speed.main(args + ["--out", str(tmp_path / "s.json")])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_runs_one_line_error_is_relayed_without_a_traceback(tmp_path):
+    out = tmp_path / "speed.json"
+    proc = run_script("--switches", "baseline", "--repeats", "1", "--extra", "data.bogus=1",
+                      "--out", str(out), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("stoker: error: Could not override 'data.bogus'")
+    assert not out.exists()

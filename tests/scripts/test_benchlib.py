@@ -1,8 +1,14 @@
-"""scripts/benchlib.py: the argument types the benchmark scripts share."""
+"""scripts/benchlib.py: the argument types, output checks, atomic JSON and child processes
+the benchmark scripts share."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +38,172 @@ def test_a_count_of_zero_is_a_usage_error_not_a_traceback(script, args, needle):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_number_at_least_takes_finite_numbers_in_bounds():
+    import argparse
+
+    from benchlib import number_at_least
+
+    assert number_at_least(0)("0") == 0.0 and number_at_least(0, strict=True)("2.5") == 2.5
+    for parse, text, needle in ((number_at_least(0), "-5", "-5: must be >= 0"),
+                                (number_at_least(0, strict=True), "0", "0: must be > 0"),
+                                (number_at_least(0), "inf", "'inf' is not a finite number"),
+                                (number_at_least(0), "x", "'x' is not a number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=needle):
+            parse(text)
+
+
+def test_unwritable_says_why_before_anything_is_written(tmp_path):
+    from benchlib import unwritable
+
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert unwritable(tmp_path) == "is a directory; give the path of a file"
+    assert unwritable(file / "x.json") == f"{file} is a file, not a folder"
+    assert unwritable(file / "deeper" / "x.json") == f"{file} is a file, not a folder"
+    assert unwritable(tmp_path / "new" / "sub" / "x.json") is None  # made at the end, not now
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing made, nothing left
+    if os.access("/sys", os.W_OK) and unwritable(Path("/sys/x.json")) is None:
+        pytest.skip("/sys is writable here")
+    assert unwritable(Path("/sys/x.json")).startswith("cannot write in /sys (")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder")
+def test_unwritable_names_a_read_only_folder(tmp_path):
+    from benchlib import unwritable
+
+    tmp_path.chmod(0o555)
+    try:
+        assert unwritable(tmp_path / "x.json") == f"cannot write in {tmp_path} (Permission denied)"
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_a_failed_write_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """A full disk half-way through the JSON: the good file stays whole, no temp file stays."""
+    import errno
+
+    import benchlib
+
+    out = tmp_path / "good.json"
+    benchlib.write_json(out, {"machine": {}, "results": [1]})
+    good = out.read_text()
+
+    def half_then_full(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError) as e:
+        benchlib.write_json(out, {"machine": {}, "results": [2]})
+    monkeypatch.undo()
+    assert e.value.strerror == "No space left on device" and e.value.filename == str(out)
+    assert out.read_text() == good and [p.name for p in tmp_path.iterdir()] == ["good.json"]
+
+
+def test_results_so_far_go_beside_the_output_until_it_is_written(tmp_path):
+    import benchlib
+
+    out = tmp_path / "bench_gpu_h100.json"
+    out.write_text("the good result\n")
+    side = benchlib.write_partial(out, {"results": [1]})
+    assert side == tmp_path / "bench_gpu_h100.partial.json"  # run_on_gpu.sh's *_h100* finds it
+    assert json.loads(side.read_text())["partial"] is True
+    assert out.read_text() == "the good result\n"
+    benchlib.write_json(out, {"results": [1, 2]})
+    assert not side.exists() and "partial" not in json.loads(out.read_text())
+
+
+DRIVER = """
+import os, subprocess, sys
+sys.path.insert(0, {scripts!r})
+from benchlib import run_child, run_main
+run_main(lambda: run_child([sys.executable, "-c", {child!r}], "the child"))
+"""
+# a child that starts a grandchild in a process group of its own (as torchrun starts its
+# ranks), says both pids, and waits
+TREE = """
+import os, subprocess, sys, time
+gc = subprocess.Popen([sys.executable, "-c",
+                       "import os, time; os.setpgid(0, 0); time.sleep(600)"])
+open({pids!r} + ".tmp", "w").write(f"{{os.getpid()}} {{gc.pid}}")
+os.replace({pids!r} + ".tmp", {pids!r})
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _start_tree(tmp_path):
+    pids = tmp_path / "pids"
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"),
+                                    child=TREE.format(pids=str(pids))))
+    proc = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pids.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    return proc, [int(p) for p in pids.read_text().split()]
+
+
+@pytest.mark.parametrize("sig,code,line", [
+    (signal.SIGTERM, 143, "driver.py: stopped by SIGTERM"),
+    (signal.SIGINT, 130, "driver.py: interrupted (Ctrl-C)"),
+])
+def test_a_signal_ends_the_childs_whole_tree_and_is_one_line(tmp_path, sig, code, line):
+    proc, tree = _start_tree(tmp_path)
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, tree)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in tree if _alive(pid)]
+    finally:
+        for pid in tree:  # this test's own processes, should it fail
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == code and err.strip() == line
+    assert left == []  # the grandchild in its own process group too
+
+
+def test_a_childs_one_line_error_is_said_as_it_is(tmp_path):
+    driver = tmp_path / "driver.py"
+    child = ("import sys; print('Traceback (most recent call last):', file=sys.stderr); "
+             "print('stoker: error: data.batch_size=0: must be >= 1', file=sys.stderr); "
+             "sys.exit(2)")
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child))
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "stoker: error: data.batch_size=0: must be >= 1"
+
+
+OUT_SCRIPTS = ["bench_checkpoint", "bench_gpu", "bench_handoff", "bench_images", "bench_loader",
+               "bench_overhead", "bench_speed", "compare_strategies", "count_ops",
+               "make_benchmarks_page", "tune_loader"]
+
+
+@pytest.mark.parametrize("script", OUT_SCRIPTS)
+def test_every_out_is_checked_before_the_run(script, tmp_path, capsys):
+    """A directory, or a path under a file, is a usage error at the start, not a traceback
+    after the whole sweep."""
+    import importlib
+
+    main = importlib.import_module(script).main
+    file = tmp_path / "file"
+    file.write_text("x")
+    for out, needle in ((tmp_path, "is a directory"),
+                        (file / "x.json", f"{file} is a file, not a folder")):
+        with pytest.raises(SystemExit) as e:
+            main(["--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: --out {out}: {needle}" in err, err

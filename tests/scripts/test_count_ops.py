@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,10 +86,35 @@ def test_a_model_of_ones_own_from_the_directory_it_runs_in(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--top", "0"], "--skip 20 --steps 20 --top 0: each must be >= 1"),
+    (["--top", "0"], "argument --top: 0: must be >= 1"),
+    (["--skip", "-1"], "argument --skip: -1: must be >= 1"),
     (["--out", "."], "--out .: is a directory"),
 ])
 def test_bad_options_are_refused_before_the_run(tmp_path, args, message):
     proc = count_ops(tmp_path, *args, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr
     assert "Traceback" not in proc.stderr and "operations a step" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_counting_is_one_line_and_exit_130(tmp_path):
+    """Stopped at a step (train.py's preemption handling turns the Ctrl-C into Preempted)."""
+    out = tmp_path / "ops.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts/count_ops.py"), "--skip", "5", "--steps", "200000",
+         "trainer.max_epochs=100000", "--out", str(out)], cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("stoker-ops-*/metrics.jsonl")):  # training has started
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    # the trainer's word at the signal ("stopping at the end of this step"), then one line
+    *said, line = err.strip().splitlines()
+    assert all(ln.startswith("stoker: stopping at the end of this step") for ln in said), err
+    assert line.startswith("count_ops.py: stopped on a Ctrl-C at step ")
+    assert line.endswith("; nothing counted or written")
+    assert not out.exists() and not list(tmp_path.glob("stoker-ops-*"))
