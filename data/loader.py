@@ -8,6 +8,7 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 from __future__ import annotations
 
 import math
+import signal
 from typing import Any, Iterator, Optional
 
 import torch
@@ -93,7 +94,22 @@ def _loader_options(cfg: DataConfig, workers: int) -> dict:
     if workers == 0:  # these are errors for the DataLoader when there are no workers
         return {}
     return dict(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
-                multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout)
+                multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout,
+                worker_init_fn=worker_signals)
+
+
+def worker_signals(worker_id: int) -> None:
+    """A loader worker's SIGTERM handling. A SIGTERM to the whole process group (SLURM
+    cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
+    ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
+    handler ends the worker at once, and the step then fails on the lost worker; here the
+    first SIGTERM is let pass, and a second ends the worker, as the loader's terminate() at
+    shutdown and Python's at exit do for a worker that did not stop when asked."""
+    signal.signal(signal.SIGTERM, _second_ends)
+
+
+def _second_ends(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,

@@ -194,6 +194,21 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 
 
+def test_sigterm_to_the_whole_process_group_reaches_the_loader_workers_too_and_still_saves(
+        tmp_path):
+    """SLURM cancelling a job (or `kill -- -PGID`) sends SIGTERM to every process, the loader
+    workers included: they let it pass, so the run ends its step, saves and exits 75 as on
+    a SIGTERM to it alone (torch's worker handler ended them, and the step failed on it)."""
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["data.num_workers=2", "trainer.max_epochs=50"]),
+                          until=lambda: logged_step(run_dir) >= 5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    assert "stopped on a preemption signal" in out and "killed by signal" not in out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+
+
 def test_a_sweep_stopped_by_ctrl_c_names_how_to_continue_the_whole_sweep(tmp_path):
     """Ctrl-C in job 0 of a sweep: the line names the job's resume and the sweep's, whose
     overrides (as typed) continue it: job 0 from its checkpoint, job 1 from the start."""
