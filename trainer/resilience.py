@@ -122,8 +122,9 @@ class Preemption:
     two steps finds the run ending anyway, with its final checkpoint).
     """
 
-    def __init__(self, env: DistEnv):
+    def __init__(self, env: DistEnv, saving: bool = True):
         self.requested = False
+        self._saving = saving  # checkpoints are on: what the first Ctrl-C's line promises
         self.kind = 0  # what was agreed: 1 a preemption signal, 2 a Ctrl-C (any rank's)
         self._mine = 0  # ... and what this rank received
         self._interrupted_at: Optional[float] = None
@@ -161,7 +162,9 @@ class Preemption:
                 raise KeyboardInterrupt
             if self._interrupted_at is None and self._main:  # (no logging in a handler)
                 os.write(2, b"stoker: stopping at the end of this step with a checkpoint "
-                            b"(Ctrl-C again to stop at once, without one)\n")
+                            b"(Ctrl-C again to stop at once, without one)\n" if self._saving
+                         else b"stoker: stopping at the end of this step (Ctrl-C again to "
+                              b"stop at once)\n")
             self._interrupted_at = self._interrupted_at or now
         elif self._stopping:
             return  # the step ended: the checkpoint is being written, let it finish

@@ -447,7 +447,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
                           env)
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
-                Preemption(env) as preemption:
+                Preemption(env, saving=t.save_checkpoint and not t.fast_dev_run) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
                                          resume, callbacks)
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record

@@ -408,3 +408,17 @@ def test_ranks_whose_torchrun_is_killed_save_and_stop(tmp_path):
     assert not alive, "ranks trained on after torchrun was killed"
     status = json.loads((run_dir / "status.json").read_text())
     assert status["exit_code"] == 75 and newest_step(run_dir) > 0, status
+
+
+@pytest.mark.parametrize("saving,line", [
+    (True, "stoker: stopping at the end of this step with a checkpoint (Ctrl-C again to stop "
+           "at once, without one)"),
+    (False, "stoker: stopping at the end of this step (Ctrl-C again to stop at once)")])
+def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capfd, saving,
+                                                                           line):
+    from trainer.distributed import DistEnv
+    from trainer.resilience import Preemption
+
+    preemption = Preemption(DistEnv(), saving=saving)
+    preemption._handle(signal.SIGINT, None)
+    assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
