@@ -126,7 +126,10 @@ def partial_path(path: Path) -> Path:
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path in `path`'s folder to write to; on success it is renamed over `path`
     (atomic: `path` is either what it was or the complete new file), on failure removed."""
-    path = Path(path)
+    path = Path(path).resolve()  # a link: its target is replaced, not the link
+    if path.exists() and not path.is_file():  # /dev/null, a FIFO: written to, never replaced
+        yield path
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
@@ -303,7 +306,20 @@ class Stopped(BaseException):
         self.signum, self.code = signum, 128 + signum
 
 
+_STOPPED_AT: Optional[float] = None  # when the first SIGTERM came
+AGAIN_AFTER_S = 1.0
+
+
 def _raise_stopped(signum, frame) -> None:
+    """Raises Stopped, once for one stop: GNU `timeout` (as run_on_gpu.sh uses it) sends
+    SIGTERM to the script, then to its process group, microseconds apart; the second would
+    cut short the grace the first gives the children. A SIGTERM a second or more later is a
+    second request: it raises again (no more waiting)."""
+    global _STOPPED_AT
+    now = time.monotonic()
+    if _STOPPED_AT is not None and now - _STOPPED_AT < AGAIN_AFTER_S:
+        return
+    _STOPPED_AT = _STOPPED_AT or now
     raise Stopped(signum)
 
 
@@ -351,11 +367,35 @@ def _session(sid: int) -> List[int]:
     return pids
 
 
-def _kill_session(sid: int) -> None:
-    """Kills what is left of the child's session (and of its process group, where /proc
-    cannot say)."""
+def _descendants(pid: int) -> List[int]:
+    """The live processes below `pid` by parent id, from /proc: torchrun (torch >= 2.x) starts
+    each rank in a session of its own, outside the child's."""
+    parents: Dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    stat = Path(f"/proc/{name}/stat").read_text()
+                except OSError:  # ended meanwhile
+                    continue
+                parents[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        found += frontier
+    return found
+
+
+def _kill_session(sid: int, seen: Sequence[int] = ()) -> None:
+    """Kills what is left of the child's session, every process below the child (read first:
+    once the child is gone, its orphans' parent is init) and those in `seen` (below it before
+    it was signalled), and of its process group where /proc cannot say."""
+    below = [*_descendants(sid), *seen]
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(sid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     for _ in range(20):  # again, for a process forked while the others were being killed
         left = _session(sid)
         if not left:
@@ -374,13 +414,14 @@ def _end(proc: subprocess.Popen, sig: int) -> None:
     its loader workers, torchrun passes it to its ranks. Sent to the whole group at once, a
     rank's loader workers died of the SIGTERM before the rank could stop them, and the rank
     failed on their deaths, leaving their temporary files behind."""
+    below = _descendants(proc.pid)  # (a child that dies at once orphans them to init)
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(sig)
     try:
         proc.wait(timeout=GRACE_S)
     except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
         pass
-    _kill_session(proc.pid)
+    _kill_session(proc.pid, below)
     with contextlib.suppress(BaseException):
         proc.wait(timeout=10)
 
@@ -445,8 +486,10 @@ def run_main(main: Callable[[], Any]) -> None:
     A Ctrl-C (exit 130), a SIGTERM (143), a child's failure (its own one-line error, or its
     last lines, and its exit code) and an OS error such as a full disk (exit 1) are said on
     stderr without a traceback; STOKER_TRACEBACK=1 keeps the traceback."""
+    global _STOPPED_AT
     previous = signal.signal(signal.SIGTERM, _raise_stopped)
     _PARTIALS.clear()  # (one run a process; a test runs several)
+    _STOPPED_AT = None
     try:
         main()
     except (KeyboardInterrupt, Stopped, ChildFailed, OSError) as e:

@@ -36,23 +36,29 @@ def sigterm_raises() -> Iterator[None]:
 def staged(out: Path) -> Iterator[Path]:
     """Yields a fresh folder beside `out` (resolved: a link's folder is replaced, not the
     link) to write into; when the block ends without an error, that folder becomes `out`,
-    replacing what was there, with SIGINT and SIGTERM held for the two renames. The staging
-    folder is removed in every case."""
+    replacing what was there. The staging folder is removed in every case. From the swap on,
+    the work is done: a Ctrl-C or SIGTERM then is let pass (handlers that only note it: a
+    blocked signal mask holds for this thread only, and numpy's and torch's threads would
+    take it), so the swap and the old folder's removal always end."""
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         yield stage
-        signals = (signal.SIGINT, signal.SIGTERM)
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        previous = {sig: signal.signal(sig, _noted) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             if out.exists():
                 out.rename(old)
             stage.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-        shutil.rmtree(old, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _noted(signum, frame) -> None:
+    """A signal during the swap: the result is complete, the script ends as it would."""
 
 
 def holds_working_dir(out: Path) -> bool:

@@ -122,12 +122,12 @@ sys.path.insert(0, {scripts!r})
 from benchlib import run_child, run_main
 run_main(lambda: run_child([sys.executable, "-c", {child!r}], "the child"))
 """
-# a child that starts a grandchild in a process group of its own (as torchrun starts its
-# ranks), says both pids, and waits
+# a child that starts a grandchild in a session of its own (as torchrun starts its ranks),
+# says both pids, and waits
 TREE = """
 import os, subprocess, sys, time
 gc = subprocess.Popen([sys.executable, "-c",
-                       "import os, time; os.setpgid(0, 0); time.sleep(600)"])
+                       "import os, time; os.setsid(); time.sleep(600)"])
 open({pids!r} + ".tmp", "w").write(f"{{os.getpid()}} {{gc.pid}}")
 os.replace({pids!r} + ".tmp", {pids!r})
 time.sleep(600)
@@ -207,3 +207,52 @@ def test_every_out_is_checked_before_the_run(script, tmp_path, capsys):
             main(["--out", str(out)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"error: --out {out}: {needle}" in err, err
+
+
+# a child that takes half a second to end on SIGTERM, and says it did
+GRACEFUL = """
+import signal, sys, time
+def stop(*a):
+    time.sleep(0.5)
+    open({marker!r}, "w").write("ended")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open({marker!r} + ".up", "w").write("up")
+time.sleep(600)
+"""
+
+
+def test_a_sigterm_said_twice_at_once_still_gives_the_child_its_grace(tmp_path):
+    """GNU timeout signals the script and then its process group, microseconds apart: one
+    stop, not two, so the child still gets its grace to end (a second SIGTERM a second or
+    more later cuts it short)."""
+    marker = tmp_path / "ended"
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"),
+                                    child=GRACEFUL.format(marker=str(marker))))
+    proc = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not Path(f"{marker}.up").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)  # (two at once would merge into one before Python's handler runs)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip() == "driver.py: stopped by SIGTERM"
+    assert marker.read_text() == "ended"
+
+
+def test_an_out_that_is_a_device_or_a_link_is_written_through_not_replaced(tmp_path):
+    """As root, renaming over /dev/null would make it a plain file for the whole machine."""
+    import benchlib
+
+    with benchlib.atomic_path(Path("/dev/null")) as tmp:
+        assert tmp == Path("/dev/null")
+        tmp.write_text("{}")
+    assert Path("/dev/null").is_char_device()
+    target = tmp_path / "results.json"
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    with benchlib.atomic_path(tmp_path / "link.json") as tmp:
+        tmp.write_text("new")
+    assert (tmp_path / "link.json").is_symlink() and target.read_text() == "new"
