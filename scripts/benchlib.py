@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -348,11 +348,9 @@ class ChildFailed(RuntimeError):
         return self.code if self.code and self.code > 0 else 1
 
 
-def _session(sid: int) -> List[int]:
-    """The live processes of session `sid` (a child started in a session of its own and all
-    it started: torchrun puts each rank in a process group of its own, but not in a session
-    of its own), read from /proc; [] where there is none."""
-    pids = []
+def _processes() -> Dict[int, Tuple[str, int, int]]:
+    """The processes /proc lists: pid -> (state, parent pid, session); {} where it cannot."""
+    table = {}
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
             if not name.isdigit():
@@ -361,24 +359,23 @@ def _session(sid: int) -> List[int]:
                 stat = Path(f"/proc/{name}/stat").read_text()
             except OSError:  # ended meanwhile
                 continue
-            state, _ppid, _pgrp, session = stat[stat.rindex(")") + 2:].split()[:4]
-            if int(session) == sid and state != "Z":
-                pids.append(int(name))
-    return pids
+            state, ppid, _pgrp, session = stat[stat.rindex(")") + 2:].split()[:4]
+            table[int(name)] = (state, int(ppid), int(session))
+    return table
 
 
-def _descendants(pid: int) -> List[int]:
-    """The live processes below `pid` by parent id, from /proc: torchrun (torch >= 2.x) starts
-    each rank in a session of its own, outside the child's."""
-    parents: Dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    stat = Path(f"/proc/{name}/stat").read_text()
-                except OSError:  # ended meanwhile
-                    continue
-                parents[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+def _session(sid: int) -> List[int]:
+    """The live processes of session `sid` (a child started in a session of its own and all
+    it started that stayed in it), read from /proc; [] where there is none."""
+    return [pid for pid, (state, _, session) in _processes().items()
+            if session == sid and state != "Z"]
+
+
+def descendants(pid: int) -> List[int]:
+    """The processes below `pid` by parent id, from /proc: torchrun (torch >= 2.x) starts each
+    rank in a session of its own, outside the child's. Read before killing `pid`, whose
+    orphans would be handed to init."""
+    parents = {p: ppid for p, (_, ppid, _) in _processes().items()}
     found, frontier = [], {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier}
@@ -386,11 +383,11 @@ def _descendants(pid: int) -> List[int]:
     return found
 
 
-def _kill_session(sid: int, seen: Sequence[int] = ()) -> None:
+def kill_session(sid: int, seen: Sequence[int] = ()) -> None:
     """Kills what is left of the child's session, every process below the child (read first:
     once the child is gone, its orphans' parent is init) and those in `seen` (below it before
     it was signalled), and of its process group where /proc cannot say."""
-    below = [*_descendants(sid), *seen]
+    below = [*descendants(sid), *seen]
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(sid, signal.SIGKILL)
     for pid in below:
@@ -414,14 +411,14 @@ def _end(proc: subprocess.Popen, sig: int) -> None:
     its loader workers, torchrun passes it to its ranks. Sent to the whole group at once, a
     rank's loader workers died of the SIGTERM before the rank could stop them, and the rank
     failed on their deaths, leaving their temporary files behind."""
-    below = _descendants(proc.pid)  # (a child that dies at once orphans them to init)
+    below = descendants(proc.pid)  # (a child that dies at once orphans them to init)
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(sig)
     try:
         proc.wait(timeout=GRACE_S)
     except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
         pass
-    _kill_session(proc.pid, below)
+    kill_session(proc.pid, below)
     with contextlib.suppress(BaseException):
         proc.wait(timeout=10)
 
@@ -465,7 +462,7 @@ def run_child(cmd: List[str], what: str, timeout: Optional[float] = None,
         _end(proc, signal.SIGTERM)
         raise
     finally:
-        _kill_session(proc.pid)  # a process the child left behind (none, usually)
+        kill_session(proc.pid)  # a process the child left behind (none, usually)
         for reader in readers:
             reader.join(timeout=10)
     if proc.returncode != 0:

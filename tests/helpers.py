@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers train_schema)
 from data.datasets import DigitsDataset
+from scripts.benchlib import kill_session
 from trainer.models import MLP
 from trainer.task import Task
 
@@ -497,35 +498,11 @@ class PairBatchTask(Task):
         return output, batch.y
 
 
-def descendants(pid: int) -> List[int]:
-    """The processes below `pid` (children, theirs, ...), from /proc: read before killing
-    `pid`, whose orphans would be handed to init."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:  # ended meanwhile
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL to a process started with start_new_session, its group and every process
-    below it (torchrun starts each rank in a session of its own, outside torchrun's group),
-    as a machine's crash would end them; then reaped."""
-    below = descendants(proc.pid)
-    for pid in [proc.pid, *below]:
-        try:
-            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """SIGKILL to a process started with start_new_session, its session and every process
+    below it (torchrun starts each rank in a session of its own, outside torchrun's), as a
+    machine's crash would end them; then reaped."""
+    kill_session(proc.pid)
     proc.wait(timeout=30)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, descendants, kill_tree
+from scripts.benchlib import descendants
+from tests.helpers import ROOT, kill_tree
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
