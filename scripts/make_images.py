@@ -19,7 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.staging import Terminated, holds_working_dir, sigterm_raises, staged  # noqa: E402
+from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
 
 
 def pattern(label: int, classes: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -97,23 +97,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def out_refusal(out: Path, overwrite: bool) -> Optional[str]:
-    """Why `out` must not be written (it is replaced whole), or None."""
-    if not str(out).strip():
-        return "is empty; name the folder to write"
-    resolved = out.resolve()
-    if holds_working_dir(resolved):
-        return "is the working directory or holds it; give a folder of its own"
-    if resolved.exists() and not resolved.is_dir():
-        return "is a file; give a folder to write"
-    entries = sorted(e.name for e in resolved.iterdir()) if resolved.is_dir() else []
-    if entries and not overwrite:
-        return ("exists and is not empty; give a new folder, or --overwrite to replace it "
-                "once the new one is complete")
-    foreign = _foreign(resolved) if entries else None
-    if foreign:
-        return (f"holds {foreign}, which this script did not write; --overwrite replaces "
-                "only a folder it wrote (train/ and val/ of class_NN folders)")
-    return None
+    """Why `out` must not be written (it is replaced whole), or None (staging.refusal)."""
+    return refusal(out.resolve(), overwrite, _foreign, "train/ and val/ of class_NN folders")
 
 
 def _foreign(folder: Path) -> Optional[str]:

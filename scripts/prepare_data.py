@@ -33,7 +33,7 @@ import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import write_shards  # noqa: E402
-from scripts.staging import Terminated, holds_working_dir, sigterm_raises, staged  # noqa: E402
+from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.config import cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
@@ -87,39 +87,25 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
 
 
 def out_refusal(out: Path, cfg, overwrite: bool) -> Optional[str]:
-    """Why `out` must not be written (it is replaced whole), or None: the working directory
-    or a folder holding it, the data it reads (or a folder inside or around it), a file, or
-    a non-empty folder without --overwrite or that this script did not write."""
-    if holds_working_dir(out):
-        return "is the working directory or holds it; give a folder of its own"
+    """Why `out` must not be written (it is replaced whole), or None (staging.refusal), the
+    data it reads counted."""
+    reads = []
     for key in ("dataset", "train_dataset", "val_dataset"):
         root = OmegaConf.select(cfg, f"data.{key}.root", default=None)
         if root:
-            r = Path(str(root)).expanduser().resolve()
-            if r == out or out in r.parents or r in out.parents:
-                return (f"overlaps data.{key}.root={root}, which it reads; give a folder "
-                        "outside it")
-    if out.exists() and not out.is_dir():
-        return "is a file; give a folder to write"
-    entries = sorted(e.name for e in out.iterdir()) if out.is_dir() else []
-    if entries and not overwrite:
-        return ("exists and is not empty; give a new folder, or --overwrite to replace it "
-                "once the new one is complete")
-    if entries:
-        foreign = [e for e in entries if e not in _written_by_us(out)]
-        if foreign:
-            return (f"holds {foreign[0]}, which this script did not write; --overwrite "
-                    "replaces only a folder it wrote (meta.json and its splits)")
-    return None
+            reads.append((f"data.{key}.root={root}", Path(str(root)).expanduser().resolve()))
+    return refusal(out, overwrite, _foreign, "meta.json and its splits", reads)
 
 
-def _written_by_us(out: Path) -> List[str]:
-    """The entries of a folder this script wrote: meta.json and the splits it names."""
+def _foreign(out: Path) -> Optional[str]:
+    """The first entry of `out` this script did not write (meta.json and the splits it
+    names), or None."""
     try:
         meta = json.loads((out / "meta.json").read_text())
-        return ["meta.json", *meta["splits"]] if isinstance(meta.get("source"), dict) else []
+        ours = ["meta.json", *meta["splits"]] if isinstance(meta.get("source"), dict) else []
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
+        ours = []
+    return next((e.name for e in sorted(out.iterdir()) if e.name not in ours), None)
 
 
 def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:

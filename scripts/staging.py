@@ -10,7 +10,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 
 class Terminated(Exception):
@@ -61,7 +61,28 @@ def _noted(signum, frame) -> None:
     """A signal during the swap: the result is complete, the script ends as it would."""
 
 
-def holds_working_dir(out: Path) -> bool:
-    """Whether replacing `out` (resolved) would take the working directory with it."""
+def refusal(out: Path, overwrite: bool, foreign: Callable[[Path], Optional[str]], own: str,
+            reads: Sequence[Tuple[str, Path]] = ()) -> Optional[str]:
+    """Why the folder `out` (resolved) must not be replaced whole, or None: it is the working
+    directory or holds it, it overlaps a folder the script reads (`reads`: (its key, the
+    folder)), it is a file, or it is not empty and either `overwrite` is off or it holds an
+    entry the script did not write (`foreign(out)` names the first; `own` says what the
+    script writes)."""
     cwd = Path.cwd().resolve()
-    return out == cwd or out in cwd.parents
+    if out == cwd or out in cwd.parents:
+        return "is the working directory or holds it; give a folder of its own"
+    for key, folder in reads:
+        if folder == out or out in folder.parents or folder in out.parents:
+            return f"overlaps {key}, which it reads; give a folder outside it"
+    if out.exists() and not out.is_dir():
+        return "is a file; give a folder to write"
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if not overwrite:
+        return ("exists and is not empty; give a new folder, or --overwrite to replace it "
+                "once the new one is complete")
+    name = foreign(out)
+    if name:
+        return (f"holds {name}, which this script did not write; --overwrite replaces only a "
+                f"folder it wrote ({own})")
+    return None
