@@ -498,6 +498,17 @@ class PairBatchTask(Task):
         return output, batch.y
 
 
+def usage_error(capsys, main, argv: List[str]) -> str:
+    """What a script's `main(argv)` (or its parser) says on stderr as it refuses `argv` with
+    a usage error, exit 2 (asserted)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL to a process started with start_new_session, its session and every process
     below it (torchrun starts each rank in a session of its own, outside torchrun's), as a

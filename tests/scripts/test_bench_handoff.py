@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, usage_error
 
 
 def test_smoke_measures_both_collates_in_alternating_fresh_processes(tmp_path):
@@ -45,6 +45,5 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_handoff
 
-    with pytest.raises(SystemExit) as e:
-        bench_handoff.parse(args + ["--out", str(tmp_path / "h.json")])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert needle in usage_error(capsys, bench_handoff.parse,
+                                 args + ["--out", str(tmp_path / "h.json")])

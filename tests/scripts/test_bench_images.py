@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, usage_error
 
 
 @pytest.mark.slow
@@ -52,6 +52,5 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_images
 
-    with pytest.raises(SystemExit) as e:
-        bench_images.main(args + ["--out", str(tmp_path / "i.json")])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert needle in usage_error(capsys, bench_images.main,
+                                 args + ["--out", str(tmp_path / "i.json")])

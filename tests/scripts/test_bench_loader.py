@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, usage_error
 
 sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside them
 
@@ -68,7 +68,6 @@ def test_the_data_cost_is_the_least_disturbed_timing(monkeypatch):
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     import bench_loader
 
-    with pytest.raises(SystemExit) as e:
-        bench_loader.parse([a.format(tmp=tmp_path) for a in args]
-                           + ["--out", str(tmp_path / "b.json")])
-    assert e.value.code == 2 and needle.format(tmp=tmp_path) in capsys.readouterr().err
+    assert needle.format(tmp=tmp_path) in usage_error(
+        capsys, bench_loader.parse,
+        [a.format(tmp=tmp_path) for a in args] + ["--out", str(tmp_path / "b.json")])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, usage_error
 
 sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside them
 
@@ -68,9 +68,8 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     import bench_overhead
 
-    with pytest.raises(SystemExit) as e:
-        bench_overhead.main(args + ["--out", str(tmp_path / "o.json")])
-    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert needle in usage_error(capsys, bench_overhead.main,
+                                 args + ["--out", str(tmp_path / "o.json")])
 
 
 def test_a_ctrl_c_leaves_the_good_result_and_the_repeats_so_far_beside_it(tmp_path, capsys,

@@ -142,15 +142,20 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def _start_tree(tmp_path):
-    pids = tmp_path / "pids"
+def _start_driver(tmp_path, child: str, ready: Path) -> subprocess.Popen:
+    """DRIVER running `child` (source) through run_child, once the child wrote `ready`."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"),
-                                    child=TREE.format(pids=str(pids))))
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child))
     proc = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not pids.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    return proc
+
+
+def _start_tree(tmp_path):
+    pids = tmp_path / "pids"
+    proc = _start_driver(tmp_path, TREE.format(pids=str(pids)), pids)
     return proc, [int(p) for p in pids.read_text().split()]
 
 
@@ -227,13 +232,7 @@ def test_a_sigterm_said_twice_at_once_still_gives_the_child_its_grace(tmp_path):
     stop, not two, so the child still gets its grace to end (a second SIGTERM a second or
     more later cuts it short)."""
     marker = tmp_path / "ended"
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"),
-                                    child=GRACEFUL.format(marker=str(marker))))
-    proc = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not Path(f"{marker}.up").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = _start_driver(tmp_path, GRACEFUL.format(marker=str(marker)), Path(f"{marker}.up"))
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)  # (two at once would merge into one before Python's handler runs)
     proc.send_signal(signal.SIGTERM)
