@@ -445,9 +445,9 @@ def run_child(cmd: List[str], what: str, timeout: Optional[float] = None,
     err: List[str] = []
     readers = [threading.Thread(target=_drain, args=(pipe, lines), daemon=True)
                for pipe, lines in ((proc.stdout, out), (proc.stderr, err))]
-    for reader in readers:
-        reader.start()
-    try:
+    try:  # (from the child's start: a signal while the readers start ends it too)
+        for reader in readers:
+            reader.start()
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         _end(proc, signal.SIGTERM)
@@ -464,7 +464,8 @@ def run_child(cmd: List[str], what: str, timeout: Optional[float] = None,
     finally:
         kill_session(proc.pid)  # a process the child left behind (none, usually)
         for reader in readers:
-            reader.join(timeout=10)
+            if reader.ident is not None:  # (started)
+                reader.join(timeout=10)
     if proc.returncode != 0:
         raise ChildFailed(what, proc.returncode, "".join(err) or "".join(out))
     return "".join(out)

@@ -119,7 +119,9 @@ def test_results_so_far_go_beside_the_output_until_it_is_written(tmp_path):
 DRIVER = """
 import os, subprocess, sys
 sys.path.insert(0, {scripts!r})
+import benchlib
 from benchlib import run_child, run_main
+{setup}
 run_main(lambda: run_child([sys.executable, "-c", {child!r}], "the child"))
 """
 # a child that starts a grandchild in a session of its own (as torchrun starts its ranks),
@@ -142,10 +144,11 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def _start_driver(tmp_path, child: str, ready: Path) -> subprocess.Popen:
-    """DRIVER running `child` (source) through run_child, once the child wrote `ready`."""
+def _start_driver(tmp_path, child: str, ready: Path, setup: str = "") -> subprocess.Popen:
+    """DRIVER running `child` (source) through run_child, once the child wrote `ready`;
+    `setup`: a line the driver runs first."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child))
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child, setup=setup))
     proc = subprocess.Popen([sys.executable, str(driver)], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -185,7 +188,7 @@ def test_a_childs_one_line_error_is_said_as_it_is(tmp_path):
     child = ("import sys; print('Traceback (most recent call last):', file=sys.stderr); "
              "print('stoker: error: data.batch_size=0: must be >= 1', file=sys.stderr); "
              "sys.exit(2)")
-    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child))
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child, setup=""))
     proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
@@ -232,7 +235,10 @@ def test_a_sigterm_said_twice_at_once_still_gives_the_child_its_grace(tmp_path):
     stop, not two, so the child still gets its grace to end (a second SIGTERM a second or
     more later cuts it short)."""
     marker = tmp_path / "ended"
-    proc = _start_driver(tmp_path, GRACEFUL.format(marker=str(marker)), Path(f"{marker}.up"))
+    # "at once": within AGAIN_AFTER_S, made long here so that a loaded machine's delay
+    # between the two sends cannot make them two requests
+    proc = _start_driver(tmp_path, GRACEFUL.format(marker=str(marker)), Path(f"{marker}.up"),
+                         setup="benchlib.AGAIN_AFTER_S = 60.0")
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)  # (two at once would merge into one before Python's handler runs)
     proc.send_signal(signal.SIGTERM)
