@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -277,6 +277,17 @@ class RunSpec:
     precision: Precision
     world_size: int
     global_batch: int  # per-rank batch x accumulation x world size
+
+    @property
+    def gpus(self) -> List[torch.device]:
+        """The GPUs this process computes on: its device, or every visible one under dp
+        (nn.DataParallel's default device_ids, as `strategy.wrap` uses); none on CPU. Whose
+        random states a checkpoint keeps and whose peak memory the run reports."""
+        if self.device.type != "cuda":
+            return []
+        if self.strategy == Strategy.dp:
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [self.device]
 
 
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:

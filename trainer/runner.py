@@ -37,7 +37,7 @@ from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import (Checkpointing, Preempted, Preemption, changes_line,
                                 resume_changes, set_rng_state)
 from trainer.rundir import RunDirLock
-from trainer.strategy import unwrap, used_gpus, wrap
+from trainer.strategy import unwrap, wrap
 from trainer.task import Task
 
 log = logging.getLogger("stoker")
@@ -385,7 +385,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     precision = MixedPrecision(spec.precision, spec.device)
     checkpointing = Checkpointing(cfg, env, run_dir, logger, cfg.trainer.save_checkpoint,
                                   preemption=preemption, mode=mode, device=spec.device,
-                                  gpus=used_gpus(spec.strategy, spec.device))
+                                  gpus=spec.gpus)
     loop = Loop(cfg=cfg.trainer, model=model, task=task, optimizer=optimizer,
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
@@ -395,8 +395,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 input_shape=cfg.data.input_shape)
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
-    warnings, lines = _restore(cfg, env, run_dir, loop, resume,
-                               used_gpus(spec.strategy, spec.device))
+    warnings, lines = _restore(cfg, env, run_dir, loop, resume, spec.gpus)
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
@@ -432,9 +431,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     run_dir = Path(cfg.run_dir)
     _process_flags(cfg)
     seed_everything(cfg.seed)
-    if torch.cuda.is_initialized():  # (an earlier job of a sweep; before CUDA starts there
-        for gpu in used_gpus(spec.strategy, spec.device):  # is nothing to reset, and the
-            torch.cuda.reset_peak_memory_stats(gpu)  # call would fail)
+    # an earlier job of a sweep started CUDA; before CUDA starts there is nothing to reset,
+    # and the call would fail
+    if torch.cuda.is_initialized():
+        for gpu in spec.gpus:
+            torch.cuda.reset_peak_memory_stats(gpu)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
@@ -579,7 +580,7 @@ def peak_memory_mb(spec: RunSpec) -> float:
     """Peak memory of this run: CUDA allocations since it began on the busiest of its GPUs
     (reset at its start, so a sweep's jobs in one process each report their own), resident
     set size of the process on CPU."""
-    gpus = used_gpus(spec.strategy, spec.device)
+    gpus = spec.gpus
     if gpus:
         return max(torch.cuda.max_memory_allocated(d) for d in gpus) / 2**20
     import resource

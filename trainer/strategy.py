@@ -6,8 +6,6 @@ single-process GIL and per-step replica broadcast are why DDP replaced it.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -29,16 +27,6 @@ def wrap(model: nn.Module, strategy: Strategy, device: torch.device, ddp: DDPCon
     if strategy == Strategy.dp:
         return nn.DataParallel(model)
     return model
-
-
-def used_gpus(strategy: Strategy, device: torch.device) -> List[torch.device]:
-    """The GPUs this process computes on: its device, or every visible one under dp
-    (nn.DataParallel's default device_ids, as `wrap` uses); none on CPU."""
-    if device.type != "cuda":
-        return []
-    if strategy == Strategy.dp:
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    return [device]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 
-from trainer.config import ConfigError, Precision, Strategy, monitor_mode, resolve
+from trainer.config import ConfigError, Precision, RunSpec, Strategy, monitor_mode, resolve
 
 
 @pytest.mark.parametrize("override,key", [
@@ -159,3 +160,18 @@ def test_fused_sgd_with_momentum_is_refused_under_fp16(make_cfg):
     with pytest.raises(ConfigError, match=r"^trainer\.precision=fp16: needs CUDA"):  # not SGD's
         resolve(make_cfg("optim=sgd", "optim.fused=true", "optim.momentum=0",
                          "optim.nesterov=false", "trainer.precision=fp16"))
+
+
+def test_a_runs_gpus_are_the_ranks_own_or_all_of_data_parallels(monkeypatch):
+    """Whose random states a checkpoint keeps and whose peak memory a run reports."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+    def gpus(strategy, device):
+        return RunSpec(device=device, strategy=strategy, precision=Precision.fp32,
+                       world_size=1, global_batch=1).gpus
+
+    cuda1 = torch.device("cuda", 1)
+    assert gpus(Strategy.ddp, cuda1) == gpus(Strategy.single, cuda1) == [cuda1]
+    assert gpus(Strategy.dp, torch.device("cuda", 0)) == [
+        torch.device("cuda", i) for i in range(4)]
+    assert gpus(Strategy.single, torch.device("cpu")) == []

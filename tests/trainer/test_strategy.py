@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.helpers import free_port
 from trainer.config import DDPConfig, Strategy
-from trainer.strategy import unwrap, used_gpus, wrap
+from trainer.strategy import unwrap, wrap
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str, steps: int, accumulate: int):
@@ -71,13 +71,3 @@ def test_data_parallel_wraps_on_cuda():
     wrapped = wrap(nn.Linear(2, 2), Strategy.dp, torch.device("cuda", 0), DDPConfig())
     assert isinstance(wrapped, nn.DataParallel)
     assert wrapped(torch.randn(4, 2, device="cuda")).shape == (4, 2)
-
-
-def test_used_gpus_are_the_ranks_own_or_all_of_data_parallels(monkeypatch):
-    """Whose random states a checkpoint keeps and whose peak memory a run reports."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    cuda1 = torch.device("cuda", 1)
-    assert used_gpus(Strategy.ddp, cuda1) == used_gpus(Strategy.single, cuda1) == [cuda1]
-    assert used_gpus(Strategy.dp, torch.device("cuda", 0)) == [
-        torch.device("cuda", i) for i in range(4)]
-    assert used_gpus(Strategy.single, torch.device("cpu")) == []
