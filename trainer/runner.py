@@ -315,7 +315,7 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     return warnings, lines
 
 
-def _check_steppable(optimizer) -> None:
+def _check_optimizer_step(optimizer) -> None:
     """The loop calls `optimizer.step()` once per window, with no closure."""
     import inspect
 
@@ -364,7 +364,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     params = [p for p in model.parameters() if p.requires_grad]
     chosen = optimizer_choice(factory, spec.precision, spec.device, params)
     optimizer = components.call(factory, "optim", cfg.optim, params, **chosen)
-    _check_steppable(optimizer)
+    _check_optimizer_step(optimizer)
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit

@@ -88,11 +88,11 @@ def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
         scheduler = factory(optimizer, total_steps=total_steps)
     else:
         scheduler = factory(optimizer)
-    _check_steppable(scheduler)
+    _check_schedule_step(scheduler)
     return scheduler
 
 
-def _check_steppable(scheduler: LRScheduler) -> None:
+def _check_schedule_step(scheduler: LRScheduler) -> None:
     """The loop calls `scheduler.step()` once per optimizer step, with no argument."""
     name = type(scheduler).__name__
     try:

@@ -285,13 +285,13 @@ def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
 
 
 def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line():
-    from trainer.runner import _check_steppable
+    from trainer.runner import _check_optimizer_step
 
     params = [torch.nn.Parameter(torch.zeros(2))]
-    _check_steppable(torch.optim.SGD(params, lr=0.1))  # a closure it may take, not needs
+    _check_optimizer_step(torch.optim.SGD(params, lr=0.1))  # a closure it may take, not needs
     with pytest.raises(ConfigError, match=r"^optim: LBFGS.step\(\) needs a closure that "
                                           r"evaluates the loss again"):
-        _check_steppable(torch.optim.LBFGS(params))
+        _check_optimizer_step(torch.optim.LBFGS(params))
 
 
 def test_a_monitor_without_checkpoints_says_it_keeps_nothing(make_cfg, caplog):
