@@ -145,6 +145,11 @@ def candidates(run_dir: Path) -> List[Path]:
     return ([last] if last.is_file() else []) + steps
 
 
+def in_run_dir(path: Path, run_dir: Path) -> bool:
+    """Whether `path` is one of `run_dir`'s own checkpoints (not another run's state)."""
+    return Path(path).resolve().parent == (Path(run_dir) / CHECKPOINT_DIR).resolve()
+
+
 def find_resume(resume: Optional[str], run_dir: Path
                 ) -> Optional[Tuple[Path, Dict[str, Any], List[str]]]:
     """The checkpoint to resume from, loaded, with the reasons newer ones were skipped:

@@ -125,37 +125,63 @@ class RunDirLock:
 
 
 def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
-    """A fresh run (`resume` null) must not write over another run's checkpoints or outputs;
-    nor a `resume=auto` that finds no checkpoint where a finished run left its summary (one
-    run with trainer.save_checkpoint=false: starting over would drop its metrics)."""
+    """A launch that does not continue the dir's own run must not write over another run's
+    checkpoints or outputs: a fresh run (`resume` null), or a new run from a checkpoint outside
+    the dir (`resume=PATH`; one of the dir's own continues its run, rolled back). Nor may a
+    `resume=auto` that finds no checkpoint start over where a finished run left its summary
+    (one run with trainer.save_checkpoint=false: its metrics would go), or over files that no
+    run recorded (a folder of the user's own: no status.json of a run)."""
     run_dir = Path(run_dir)
     found = checkpoint.candidates(run_dir)
     outputs = [name for name in OUTPUTS if _written(run_dir / name)]
-    if not found and set(outputs) <= set(RECORDS) and _failed_attempt(run_dir):
+    status = _status(run_dir)
+    if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
-    if resume == "auto" and not found and "summary.json" in outputs:
-        raise CheckpointError(
-            f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json and "
-            f"no checkpoint to continue from; start in a new dir ({_dir_key()}=...); nothing "
-            "was changed")
-    if resume is not None:
+    if not outputs and not found:
         return
-    if found or outputs:
-        what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
-        raise CheckpointError(
-            f"run dir {run_dir} holds another run's {what}: continue it with "
-            f"trainer.resume=auto, or start in a new dir ({_dir_key()}=...); nothing was "
-            "changed")
+    ours = bool(found) or status is not None  # a run's, which trainer.resume=auto continues
+    where = f"start in a new dir ({_dir_key()}=...); nothing was changed"
+    if resume == "auto":
+        if found:
+            return
+        if "summary.json" in outputs:
+            raise CheckpointError(
+                f"trainer.resume=auto: run dir {run_dir} holds a finished run's summary.json "
+                f"and no checkpoint to continue from; {where}")
+        if not ours:
+            raise CheckpointError(
+                f"trainer.resume=auto: run dir {run_dir} holds {', '.join(outputs)}, files a "
+                f"run writes, but no checkpoint to continue from nor a run's status.json; "
+                f"{where}")
+        return  # an attempt killed before its first checkpoint: this run starts it over
+    if resume is not None and checkpoint.in_run_dir(Path(resume), run_dir):
+        return
+    what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
+    held = (f"holds another run's {what}: continue it with trainer.resume=auto, or {where}"
+            if ours else f"holds {what}, files a run writes (not a run's: no status.json of "
+                         f"one): {where}")
+    if resume is None:
+        raise CheckpointError(f"run dir {run_dir} {held}")
+    raise CheckpointError(f"trainer.resume={resume}: a new run from a checkpoint outside run "
+                          f"dir {run_dir}, which {held}")
 
 
-def _failed_attempt(run_dir: Path) -> bool:
-    """Whether the dir's status.json is Stoker's record of an attempt that failed."""
+def _status(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """The dir's status.json, if it is a run's record (`write_status`, `write_running`)."""
     try:
         status = json.loads((run_dir / STATUS).read_text())
-        return str(status["status"]).startswith(("failed", "exited", "stopped")) \
-            and isinstance(status["exit_code"], int)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    except (OSError, ValueError):
+        return None
+    if isinstance(status, dict) and isinstance(status.get("status"), str) \
+            and "exit_code" in status:
+        return status
+    return None
+
+
+def _failed(status: Optional[Dict[str, Any]]) -> bool:
+    """Whether `status` records an attempt that failed."""
+    return status is not None and status["status"].startswith(("failed", "exited", "stopped")) \
+        and isinstance(status["exit_code"], int) and not isinstance(status["exit_code"], bool)
 
 
 def _written(path: Path) -> bool:
@@ -272,6 +298,22 @@ def _hydra_quoted(value: Any) -> str:
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"  # a final backslash
 
 
+def write_running(run_dir: Path) -> None:
+    """`<run dir>/status.json` while the run trains (from its first optimizer step, when its
+    files are opened): a run's record in the dir even if it is killed before any checkpoint,
+    so that `trainer.resume=auto` starts it over and a fresh run is told to continue it."""
+    _write(run_dir, {"status": "running", "exit_code": None, "error": None,
+                     "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                     "host": socket.gethostname(), "pid": os.getpid()})
+
+
+def _write(run_dir: Path, status: Dict[str, Any]) -> None:
+    try:
+        (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
+    except OSError:
+        pass  # the dir itself may be the problem (full disk): the exit code still tells
+
+
 def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = None) -> None:
     """`<run dir>/status.json`: how the run ended and the exit code its ranks returned (under
     torchrun the job as a whole exits 1 for any failed rank, 75 included, so this file is where
@@ -283,7 +325,4 @@ def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = Non
         sweep = sweep_resume_args()
         if sweep:
             status["resume_sweep"] = sweep
-    try:
-        (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
-    except OSError:
-        pass  # the dir itself may be the problem (full disk): the exit code still tells
+    _write(run_dir, status)

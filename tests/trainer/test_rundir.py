@@ -65,17 +65,83 @@ def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_p
     assert snapshot(run_dir) == before
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "status.json"])
-def test_a_fresh_run_into_a_folder_with_such_a_file_keeps_it(make_cfg, tmp_path, name):
+@pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
+def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(make_cfg,
+                                                                                 tmp_path, name):
     """A folder of the user's own (`hydra.run.dir=.` in a project holding its config.yaml): a
-    file a run would write is never overwritten by a fresh run."""
+    file a run would write is never overwritten, by a fresh run nor by `trainer.resume=auto`,
+    which has no run there to continue (no checkpoint, no run's status.json); the refusal
+    does not advise it."""
     run_dir = tmp_path / "project"
-    (run_dir / name).parent.mkdir(parents=True)
+    run_dir.mkdir()
     (run_dir / name).write_text("mine: true\n")
-    with pytest.raises(CheckpointError, match=rf"holds another run's {re.escape(name.split('/')[0])}"
-                                              r": continue it with trainer.resume=auto"):
+    held = rf"holds {re.escape(name)}, files a run writes \(not a run's: no status.json of one\)"
+    with pytest.raises(CheckpointError, match=rf"^run dir {run_dir} {held}: start in a new dir"):
         train(make_cfg(*QUICK, run_dir=run_dir))
-    assert (run_dir / name).read_text() == "mine: true\n"
+    with pytest.raises(CheckpointError, match=rf"^trainer.resume=auto: run dir {run_dir} holds "
+                                              rf"{re.escape(name)}, files a run writes, but no "
+                                              r"checkpoint to continue from nor a run's "
+                                              r"status.json; start in a new dir"):
+        train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=run_dir))
+    assert snapshot(run_dir) == {name: b"mine: true\n"}
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_resume_auto(tmp_path):
+    """Its status.json says it was running (written with its first files): a run's record, so
+    `trainer.resume=auto` starts it over, and a fresh run is told to continue it."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(["trainer.max_steps=2", "trainer.save_checkpoint=false",
+                    "trainer.progress_bar=false", "data.num_workers=0",
+                    f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run_dir / "summary.json").unlink()  # as if killed (SIGKILL) before the end
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "status": "running",
+                                                      "exit_code": None}))
+    again = run_cli([*QUICK, f"hydra.run.dir={run_dir}"])
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines()[-1].endswith(
+        "holds another run's metrics.jsonl, config.yaml, status.json: continue it with "
+        "trainer.resume=auto, or start in a new dir (hydra.run.dir=...); nothing was changed")
+    assert run_cli([*QUICK, "trainer.resume=auto", f"hydra.run.dir={run_dir}"]).returncode == 0
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+
+
+def test_a_run_writes_running_into_status_json_with_its_first_files(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    seen = []
+
+    class Look(Callback):
+        def after_step(self, loop):
+            seen.append(json.loads((run_dir / "status.json").read_text()))
+
+    train(make_cfg(*QUICK, run_dir=run_dir), callbacks=[Look()])
+    assert seen[0]["status"] == "running" and seen[0]["exit_code"] is None
+    assert seen[0]["pid"] == os.getpid()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+
+
+def test_a_new_run_from_another_runs_checkpoint_is_refused_a_dir_holding_a_run(tmp_path):
+    """`trainer.resume=PATH` outside the run dir starts a new run from that state: it needs a
+    dir of its own, and one holding another run is left as it was; a checkpoint of the dir's
+    own run continues it (rolled back to that step)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    every = ["trainer.checkpoint.every_n_steps=2"]
+    assert run_cli([*QUICK, *every, f"hydra.run.dir={a}"]).returncode == 0
+    assert run_cli([*QUICK, *every, "seed=7", f"hydra.run.dir={b}"]).returncode == 0
+    before = snapshot(a)
+    theirs = b / "checkpoints" / "step-00000002.pt"
+    proc = run_cli([*QUICK, f"trainer.resume={theirs}", f"hydra.run.dir={a}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: trainer.resume={theirs}: a new run from a checkpoint outside run dir "
+        f"{a}, which holds another run's checkpoints (last.pt...): continue it with "
+        "trainer.resume=auto, or start in a new dir (hydra.run.dir=...); nothing was changed")
+    assert snapshot(a) == before
+    c = tmp_path / "c"
+    assert run_cli([*QUICK, f"trainer.resume={theirs}", f"hydra.run.dir={c}"]).returncode == 0
+    own = a / "checkpoints" / "step-00000002.pt"
+    assert run_cli([*QUICK, f"trainer.resume={own}", f"hydra.run.dir={a}"]).returncode == 0
 
 
 def test_a_resume_its_first_batch_refuses_leaves_the_run_dir_as_it_was(tmp_path):
