@@ -93,11 +93,15 @@ class Heartbeat:
             return None
         step, phase = self.progress()  # this rank's own, now (its last beat may be older)
         where = f"in a collective at step {step} ({phase})"
+        key = "trainer.ddp.timeout_s"
+        if isinstance(error, WriteWaitTimedOut):  # (which of the two timeouts ran out)
+            key, timeout_s = error.key, error.seconds
+            where = f"for a checkpoint's write at step {step}"
         try:
             if _TIMEOUT.search(str(error)):
-                return PeerLost(f"rank {self.rank} waited more than trainer.ddp.timeout_s="
-                                f"{timeout_s:g} s {where}: {self._slowest()}; stopped, stuck "
-                                "or gone; the last checkpoint is kept")
+                return PeerLost(f"rank {self.rank} waited more than {key}={timeout_s:g} s "
+                                f"{where}: {self._slowest()}; stopped, stuck or gone; the last "
+                                "checkpoint is kept")
             if _CLOSED.search(str(error)):
                 return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}; its "
                                 "own error, if it had one, is in its output; the last "
@@ -141,12 +145,31 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def monitored_barrier(timeout_s: float) -> None:
-    """A barrier with its own timeout that names the ranks that did not arrive (on a CPU
-    group: it needs gloo); for waits longer than a collective's, such as a checkpoint write."""
+class WriteWaitTimedOut(RuntimeError):
+    """The checkpoint write's barrier timed out: `key` names the timeout that ran out."""
+
+    def __init__(self, key: str, seconds: float, text: str):
+        super().__init__(f"timed out after {key}={seconds:g} s: {text}")
+        self.key, self.seconds = key, seconds
+
+
+def writer_barrier(write_s: float, arrive_s: float) -> None:
+    """Where the ranks wait for rank 0's checkpoint write (a barrier on a CPU group that names
+    the ranks that did not arrive: it needs gloo). The others wait as long as a write may take
+    (`write_s`, trainer.checkpoint.timeout_s); rank 0 arrives last, its write done, and waits
+    only as long as a collective (`arrive_s`, trainer.ddp.timeout_s) for peers that are there
+    already, so one stopped meanwhile is named then, not after a write's timeout."""
     if not distributed.is_active():
         return
     import datetime
 
-    dist.monitored_barrier(group=distributed.cpu_group(),
-                           timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    writer = dist.get_rank() == 0
+    timeout = arrive_s if writer else write_s
+    try:
+        dist.monitored_barrier(group=distributed.cpu_group(),
+                               timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as e:
+        if "monitoredBarrier" not in str(e):
+            raise  # (a peer's closed connection: explain names it)
+        raise WriteWaitTimedOut("trainer.ddp.timeout_s" if writer
+                                else "trainer.checkpoint.timeout_s", timeout, str(e)) from None

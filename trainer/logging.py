@@ -23,6 +23,18 @@ log = logging.getLogger("stoker")
 _FILE_IDS = itertools.count()  # event files this process opened: unique names within it
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every float that is not finite made null: JSON has no NaN or Infinity (what
+    Python writes for them, strict readers such as jq and browsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 class RunLogger:
     """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard.
 
@@ -69,9 +81,8 @@ class RunLogger:
             self.before_first_write()  # the run's files, opened at its first row
         if self._jsonl is None:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in values.items()}
-        self._jsonl.write(json.dumps({"split": split, "step": step, **clean}) + "\n")
+        self._jsonl.write(json.dumps(json_safe({"split": split, "step": step, **values}),
+                                     allow_nan=False) + "\n")
         if self._tb is not None:
             self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -80,7 +91,8 @@ class RunLogger:
     def summary(self, values: Dict[str, Any]) -> None:
         """Writes the run's final numbers to `summary.json` (read by the scripts/ tools)."""
         if self.write:
-            (self.run_dir / "summary.json").write_text(json.dumps(values, indent=2) + "\n")
+            (self.run_dir / "summary.json").write_text(
+                json.dumps(json_safe(values), indent=2, allow_nan=False) + "\n")
 
     def progress(self, total: Optional[int], desc: str):
         """A tqdm bar on rank 0 (when enabled), else a silent stand-in with the same methods."""

@@ -8,6 +8,7 @@ optimizer-step boundaries, never inside an accumulation window.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, distributed, rundir
 from trainer.distributed import DistEnv
-from trainer.liveness import monitored_barrier
+from trainer.liveness import writer_barrier
 from trainer.loop import Callback
 from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
 from trainer.config import async_checkpoints
@@ -221,6 +222,7 @@ class Checkpointing(Callback):
         self.best: Optional[float] = None  # the monitored value best.pt holds ...
         self.best_step = -1  # ... and its step
         self.saved_validated = -1  # the saved state's validated_step
+        self.unranked = False  # a monitored value that was not finite has been reported
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """best.pt's value, so that a resumed run replaces it only with a better one."""
@@ -263,7 +265,7 @@ class Checkpointing(Callback):
         self.saved_validated = loop.state.validated_step
         if not async_save:
             # rank 0 writes, the others wait for a complete file: longer than a collective may
-            monitored_barrier(self.c.timeout_s)
+            writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
         loop.run_checkpoint_s += time.perf_counter() - start
         loop.phase = phase
         return True
@@ -289,8 +291,16 @@ class Checkpointing(Callback):
         best = False
         if self.c.monitor and val and self.c.monitor in val:
             value = val[self.c.monitor]
-            better = (self.best is None or (value > self.best if self.mode == "max"
-                                            else value < self.best))
+            # a value that is not a number ranks with none (every comparison with nan is
+            # false: a first nan would have stayed best.pt for the whole run)
+            finite = math.isfinite(value)
+            if not finite and not self.unranked:
+                self.unranked = True
+                distributed.warn(self.env, "trainer.checkpoint.monitor=%s is %s at step %d: "
+                                 "not a value to rank, so it never becomes best.pt",
+                                 self.c.monitor, value, loop.state.step)
+            better = finite and (self.best is None or (
+                value > self.best if self.mode == "max" else value < self.best))
             if better:  # (set first: the saved state holds it)
                 previous = self.best, self.best_step
                 self.best, self.best_step, best = value, loop.state.step, True
@@ -303,7 +313,7 @@ class Checkpointing(Callback):
     def finish(self) -> None:
         """Waits for a background write, then for every rank (all files complete)."""
         self.saver.wait()
-        monitored_barrier(self.c.timeout_s)
+        writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
 
 
 

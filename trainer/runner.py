@@ -252,10 +252,13 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
                 cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
 
 
-def _resume_setting(cfg: DictConfig) -> Optional[str]:
-    """trainer.resume, except that a job torchrun restarted resumes on its own."""
+def _resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    """trainer.resume, except that a job torchrun restarted continues on its own: from the run
+    dir's newest checkpoint (a path given for the first attempt would roll the run back to
+    it), or as given while the dir holds none."""
     resume = cfg.trainer.resume
-    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
+            (resume is None or checkpoint.candidates(run_dir)):
         return "auto"
     return resume
 
@@ -290,7 +293,7 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
                               f"into epoch {loop.state.epoch}, is past the end of this run's "
                               f"{n} training samples (another dataset?)")
-    if path.resolve().parent != (run_dir / checkpoint.CHECKPOINT_DIR).resolve():
+    if not checkpoint.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and
         # this run dir gets its own summary
@@ -439,7 +442,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
-    resume = _resume_setting(cfg)
+    resume = _resume_setting(cfg, run_dir)
     outputs = None
     start = time.perf_counter()
     loop = None
@@ -463,22 +466,12 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             with heartbeat:
                 try:
                     summary = loop.fit()
+                    _save_final(loop, checkpointing, run_dir, t.max_bad_steps)
                 except RuntimeError as e:  # a collective that timed out: name the rank
                     lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
                     if lost is None:
                         raise
                     raise lost from None  # (its line says it all: not the backend's text)
-        bad = loop.bad_steps()  # (collective: every rank takes the same branch)
-        if bad and t.max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
-            checkpointing.finish()
-            last = checkpoint.candidates(run_dir)
-            raise NonFiniteLoss(
-                f"the run ended with a loss that was not finite for its last {bad} optimizer "
-                f"steps (fewer than trainer.max_bad_steps={t.max_bad_steps}); its final state "
-                "was not saved; " + (f"the last good checkpoint is {last[0]}" if last
-                                     else "no checkpoint was saved"))
-        checkpointing.save(loop)  # the final state (skipped if this step is saved already)
-        checkpointing.finish()
         last = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
         summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else ""
         best = checkpointing.best_record()
@@ -514,6 +507,23 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             loop.train_feed.close()
         logger.close()
         lock.release()
+
+
+def _save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
+                max_bad_steps: int) -> None:
+    """The final state saved (skipped if its step is saved already) and every write done, or
+    NonFiniteLoss where the run ended on losses that were not finite."""
+    bad = loop.bad_steps()  # (collective: every rank takes the same branch)
+    if bad and max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
+        checkpointing.finish()
+        last = checkpoint.candidates(run_dir)
+        raise NonFiniteLoss(
+            f"the run ended with a loss that was not finite for its last {bad} optimizer "
+            f"steps (fewer than trainer.max_bad_steps={max_bad_steps}); its final state was "
+            "not saved; " + (f"the last good checkpoint is {last[0]}" if last
+                             else "no checkpoint was saved"))
+    checkpointing.save(loop)
+    checkpointing.finish()
 
 
 def _nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
@@ -569,6 +579,7 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
     if classes is not None:
         (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
     rundir.record_hydra(run_dir, cfg)
+    rundir.write_running(run_dir)
     dropped = logger.open(step, validated_step)
     if dropped:
         logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "

@@ -83,3 +83,67 @@ def test_a_killed_rank_is_named_by_its_peer_in_one_line(tmp_path):
                     r"\(training\): rank 1's process ended; its own error, if it had one, "
                     r"is in its output; the last checkpoint is kept$", lines[0])
     assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
+
+
+def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
+    """Rank `rank` of two gloo ranks: rank 0 (the writer) comes to the barrier `late` seconds
+    after rank 1 when `late` > 0; rank 1 never comes (a stopped peer) when `late` < 0."""
+    import datetime
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from trainer import distributed
+    from trainer.liveness import writer_barrier
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    done = Path(out, "rank0")
+    if rank == 1 and late < 0:
+        while not done.exists():  # stopped: it never arrives while rank 0 waits
+            time.sleep(0.1)
+        os._exit(0)
+    if rank == 0 and late > 0:
+        time.sleep(late)  # the checkpoint write
+    start = time.monotonic()
+    try:
+        writer_barrier(write_s=60, arrive_s=2)
+        result = "passed"
+    except RuntimeError as e:
+        result = f"failed: {e}"
+    took = time.monotonic() - start
+    Path(out, f"rank{rank}.tmp").write_text(f"{took}\n{result}")
+    os.replace(Path(out, f"rank{rank}.tmp"), Path(out, f"rank{rank}"))
+    distributed._CPU_GROUP = None
+    if rank == 0 and late < 0:
+        os._exit(0)  # (a peer that never came: no clean shutdown with it)
+    dist.destroy_process_group()
+
+
+def _barrier(tmp_path, late: float):
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    mp.spawn(_at_the_writer_barrier, args=(free_port(), str(tmp_path), late), nprocs=2)
+    took, result = (tmp_path / "rank0").read_text().split("\n", 1)
+    return float(took), result
+
+
+def test_the_ranks_wait_for_a_checkpoint_write_longer_than_a_collective(tmp_path):
+    """Rank 0 writes for 4 s, twice the time a peer may take to arrive: rank 1 waits it out."""
+    _, result = _barrier(tmp_path, late=4)
+    assert result == "passed"
+    took, result = (tmp_path / "rank1").read_text().split("\n", 1)
+    assert result == "passed" and float(took) >= 4
+
+
+def test_a_peer_that_stops_before_a_checkpoint_write_ends_is_named_without_the_writes_timeout(
+        tmp_path):
+    """Rank 1 never comes to the barrier: rank 0, its write done, waits the arrival timeout
+    (2 s), not the write's (60 s), and the error names rank 1."""
+    took, result = _barrier(tmp_path, late=-1)
+    assert result.startswith("failed:") and "1" in result, result
+    assert took < 60

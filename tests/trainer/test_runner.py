@@ -201,6 +201,31 @@ def test_a_resumed_run_replaces_best_pt_only_with_a_better_value(make_cfg, tmp_p
     assert best["step"] == 69 and Scripted.values == []
 
 
+def test_a_monitored_value_that_is_not_a_number_never_becomes_best(make_cfg, tmp_path,
+                                                                    monkeypatch, caplog):
+    """nan at the first validation (every comparison with it is false) would have stayed
+    best.pt for the whole run; the run's files stay JSON (null, not NaN)."""
+    from tests.helpers import Scripted
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+
+    monkeypatch.setattr(Scripted, "values", [float("nan"), 0.5, float("nan")])
+    summary = train(make_cfg("trainer.max_epochs=3", "trainer.checkpoint.mode=min",
+                             "+task.metrics.score._target_=tests.helpers.Scripted",
+                             "trainer.checkpoint.monitor=val_score"))
+    assert summary["best"] == {"monitor": "val_score", "value": 0.5, "step": 46}
+    run_dir = tmp_path / "run"
+    best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
+    assert best["step"] == 46
+    assert strict((run_dir / "summary.json").read_text())["val_score"] is None
+    rows = [strict(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_score"] for r in rows if r["split"] == "val"] == [None, 0.5, None]
+    warned = [r.getMessage() for r in caplog.records if "not a value to rank" in r.getMessage()]
+    assert warned == ["trainer.checkpoint.monitor=val_score is nan at step 23: not a value to "
+                      "rank, so it never becomes best.pt"]
+
+
 def test_a_crash_keeps_its_exception_type_in_status_json(make_cfg, tmp_path):
     with pytest.raises(RuntimeError, match="injected failure"):
         train(make_cfg("data.dataset._target_=tests.helpers.FailingOnRankDigits",
@@ -428,3 +453,23 @@ def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     narrow = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",
                             "model.hidden=[32]", run_dir=tmp_path / "narrow"))
     assert 0 < narrow["peak_mem_mb"] < wide["peak_mem_mb"] / 4
+
+
+def test_a_torchrun_restart_continues_from_the_run_dirs_own_checkpoints(make_cfg, tmp_path,
+                                                                       monkeypatch):
+    """A job launched with trainer.resume=PATH and restarted by torchrun after it saved goes on
+    from its own newest checkpoint, not back to PATH; before its first save, from PATH."""
+    from trainer.runner import _resume_setting
+
+    run_dir, path = tmp_path / "run", str(tmp_path / "other" / "step-00000004.pt")
+    given = make_cfg(f"trainer.resume={path}", run_dir=run_dir)
+    fresh = make_cfg(run_dir=run_dir)
+    assert _resume_setting(given, run_dir) == path
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _resume_setting(given, run_dir) == path  # nothing of its own saved yet
+    assert _resume_setting(fresh, run_dir) == "auto"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000002.pt").write_bytes(b"")
+    assert _resume_setting(given, run_dir) == "auto"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _resume_setting(given, run_dir) == path
