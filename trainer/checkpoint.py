@@ -150,6 +150,51 @@ def in_run_dir(path: Path, run_dir: Path) -> bool:
     return Path(path).resolve().parent == (Path(run_dir) / CHECKPOINT_DIR).resolve()
 
 
+def _step_of(path: Path, steps: List[Path]) -> float:
+    """The step a checkpoint holds: from its name (step-NNNNNNNN.pt), the step file it is a
+    link of, or the file; a file that does not load counts as the newest."""
+    if path.name.startswith("step-"):
+        return int(path.stem.split("-")[1])
+    for other in steps:
+        if os.path.samefile(path, other):
+            return _step_of(other, [])
+    try:
+        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["step"])
+    except Exception:  # noqa: BLE001  (damaged: resume=auto would skip it anyway)
+        return float("inf")
+
+
+def abandoned(run_dir: Path, resumed: Path, step: int) -> List[Path]:
+    """What a resume from one of the run dir's own checkpoints, at `step`, leaves behind: the
+    states saved after it (step files, and last.pt and best.pt where they hold one), which
+    belong to the timeline it rolls back."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    steps = sorted(folder.glob("step-*.pt"))
+    later = [p for p in steps if _step_of(p, []) > step]
+    if not later:
+        return []
+    links = [folder / name for name in (LAST, BEST) if (folder / name).is_file()
+             and not os.path.samefile(folder / name, resumed)]
+    return later + [p for p in links if _step_of(p, steps) > step]
+
+
+def set_aside(paths: List[Path], step: int) -> Optional[Path]:
+    """Moves `paths` (see `abandoned`) into `checkpoints/abandoned-after-step-NNNNNNNN/`, out of
+    the way of `trainer.resume=auto` and `keep_last` (which would have kept them, the newest
+    by name, over the new timeline's), and returns that folder; nothing is deleted."""
+    if not paths:
+        return None
+    base = paths[0].parent / f"abandoned-after-step-{step:08d}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    folder.mkdir()
+    for path in paths:
+        os.replace(path, folder / path.name)
+    return folder
+
+
 def find_resume(resume: Optional[str], run_dir: Path
                 ) -> Optional[Tuple[Path, Dict[str, Any], List[str]]]:
     """The checkpoint to resume from, loaded, with the reasons newer ones were skipped:

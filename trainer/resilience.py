@@ -223,6 +223,25 @@ class Checkpointing(Callback):
         self.best_step = -1  # ... and its step
         self.saved_validated = -1  # the saved state's validated_step
         self.unranked = False  # a monitored value that was not finite has been reported
+        self.abandoned: List[Path] = []  # checkpoints of a rolled-back timeline (roll_back)
+
+    def roll_back(self, abandoned: List[Path]) -> None:
+        """The run resumed from an earlier step of its own: `abandoned` (checkpoint.abandoned)
+        goes aside at `set_aside`; without its best.pt, the first validation makes a new one."""
+        self.abandoned = abandoned
+        if any(p.name == checkpoint.BEST for p in abandoned):
+            self.best, self.best_step = None, -1
+
+    def set_aside(self, step: int) -> None:
+        """Rank 0, with the run's first files: moves the rolled-back checkpoints aside."""
+        folder = checkpoint.set_aside(self.abandoned, step)
+        if folder is not None:
+            self.logger.info(
+                "%s: resumed at step %d of this run, so the %d checkpoint files saved after it "
+                "(%s) moved to %s, out of the way of trainer.resume=auto and keep_last; "
+                "nothing was deleted", folder.parent, step, len(self.abandoned),
+                ", ".join(p.name for p in self.abandoned), folder.name)
+        self.abandoned = []
 
     def state_dict(self) -> Optional[Dict[str, Any]]:
         """best.pt's value, so that a resumed run replaces it only with a better one."""

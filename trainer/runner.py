@@ -264,14 +264,16 @@ def _resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
 
 
 def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
-             resume: Optional[str], gpus: List[torch.device]) -> Tuple[List[str], List[str]]:
+             resume: Optional[str], gpus: List[torch.device]
+             ) -> Tuple[List[str], List[str], Optional[Path]]:
     """Loads the checkpoint `resume` names into the built loop, if any; returns the warnings
-    and the lines to log about it, which the caller logs once every check passed."""
+    and the lines to log about it, which the caller logs once every check passed, and the
+    file it resumed from."""
     found = checkpoint.find_resume(resume, run_dir)
     if found is None:
         return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
                      ": a fresh start (the run to continue is named by hydra.run.dir)"]
-                    if resume == "auto" else [])
+                    if resume == "auto" else []), None
     path, state, skipped = found
     # damaged newer checkpoints, skipped for an older one that loads
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
@@ -315,7 +317,7 @@ def _restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
-    return warnings, lines
+    return warnings, lines, path
 
 
 def _check_optimizer_step(optimizer) -> None:
@@ -398,7 +400,11 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 input_shape=cfg.data.input_shape)
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
-    warnings, lines = _restore(cfg, env, run_dir, loop, resume, spec.gpus)
+    warnings, lines, resumed = _restore(cfg, env, run_dir, loop, resume, spec.gpus)
+    if resumed is not None and checkpoint.in_run_dir(resumed, run_dir):
+        # an earlier step of this run: what it saved after that step is set aside with the
+        # run's first files (every rank reads the same dir, so they agree on best.pt)
+        checkpointing.roll_back(checkpoint.abandoned(run_dir, resumed, loop.state.step))
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
@@ -459,7 +465,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             # the run's files come once its first optimizer step succeeded (or before the
             # first metrics row, whichever is first): a resume the first batch refuses (a
             # task that does not fit the data) leaves the run dir as it was
-            outputs = _FirstStepOutputs(cfg, env, run_dir, logger, loop)
+            outputs = _FirstStepOutputs(cfg, env, run_dir, logger, loop, checkpointing)
             loop.callbacks.insert(0, outputs)
             logger.before_first_write = outputs.open
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
@@ -547,8 +553,9 @@ class _FirstStepOutputs(Callback):
     from then on, the run dir holds this run's files (rank 0)."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                 loop: Loop):
+                 loop: Loop, checkpointing: Checkpointing):
         self.args = (cfg, env, run_dir, logger, loop.train_feed)
+        self.checkpointing = checkpointing
         self.logger = logger
         # where the run starts: rows a killed attempt logged past it leave metrics.jsonl
         self.step, self.validated_step = loop.state.step, loop.state.validated_step
@@ -562,6 +569,8 @@ class _FirstStepOutputs(Callback):
         if not self.opened:
             self.opened = True
             _open_outputs(*self.args, self.step, self.validated_step)
+            if self.logger.write:
+                self.checkpointing.set_aside(self.step)
 
     def after_step(self, loop) -> None:
         self.open()

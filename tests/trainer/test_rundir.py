@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from data.cache import OWNER, reclaim_shm
 from tests.helpers import run_cli
@@ -355,3 +356,32 @@ def test_resume_auto_without_a_checkpoint_keeps_a_finished_runs_files(make_cfg, 
                                               r"finished run's summary.json and no checkpoint"):
         train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=run_dir))
     assert snapshot(run_dir) == before
+
+
+def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_aside(make_cfg,
+                                                                                  tmp_path):
+    """Resumed from step 23 of 69 with keep_last=1: keep_last had kept the old timeline's
+    step-69 (the newest by name) and deleted the new step-46 it had just written, and
+    `trainer.resume=auto` went back to step 69. Now the later files move to a folder of their
+    own, nothing deleted, and best.pt comes from the new timeline."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints"
+    best = ["trainer.checkpoint.monitor=val_loss", "trainer.progress_bar=false"]
+    assert train(make_cfg("trainer.max_epochs=3", *best, run_dir=run_dir))["steps"] == 69
+    old_best = torch.load(folder / "best.pt", weights_only=True)["step"]
+    summary = train(make_cfg("trainer.max_epochs=2", "trainer.checkpoint.keep_last=1", *best,
+                             f"trainer.resume={folder / 'step-00000023.pt'}", run_dir=run_dir))
+    assert summary["steps"] == 46 and summary["best"]["step"] in (23, 46)
+    aside = folder / "abandoned-after-step-00000023"
+    assert sorted(p.name for p in aside.iterdir()) == sorted(
+        ["step-00000046.pt", "step-00000069.pt", "last.pt"]
+        + (["best.pt"] if old_best > 23 else []))
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["best.pt", "last.pt",
+                                                          "step-00000046.pt"]
+    for name in ("best.pt", "last.pt", "step-00000046.pt"):
+        assert torch.load(folder / name, weights_only=True)["step"] <= 46
+    (folder / "last.pt").unlink()  # (a hard link of step-46: not written through)
+    (folder / "last.pt").write_bytes(b"damaged")
+    again = train(make_cfg("trainer.max_epochs=2", *best, "trainer.resume=auto",
+                           run_dir=run_dir))
+    assert again["complete"] and again["steps"] == 46  # the new timeline's, not step 69
