@@ -453,8 +453,7 @@ class Loop:
         if self.cfg.max_bad_steps and bad >= self.cfg.max_bad_steps:
             raise NonFiniteLoss(
                 f"the loss was not finite for {bad} optimizer steps in a row (up to step "
-                f"{self.state.step}, trainer.max_bad_steps={self.cfg.max_bad_steps}); "
-                "stopped with the last good checkpoint intact")
+                f"{self.state.step}, trainer.max_bad_steps={self.cfg.max_bad_steps}); stopped")
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> Dict[str, float]:

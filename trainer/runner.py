@@ -473,6 +473,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 try:
                     summary = loop.fit()
                     _save_final(loop, checkpointing, run_dir, t.max_bad_steps)
+                except NonFiniteLoss as e:  # which state is left to resume from
+                    checkpointing.finish()
+                    raise NonFiniteLoss(f"{e}; {_last_good(run_dir)}") from None
                 except RuntimeError as e:  # a collective that timed out: name the rank
                     lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
                     if lost is None:
@@ -521,15 +524,19 @@ def _save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
     NonFiniteLoss where the run ended on losses that were not finite."""
     bad = loop.bad_steps()  # (collective: every rank takes the same branch)
     if bad and max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
-        checkpointing.finish()
-        last = checkpoint.candidates(run_dir)
         raise NonFiniteLoss(
             f"the run ended with a loss that was not finite for its last {bad} optimizer "
             f"steps (fewer than trainer.max_bad_steps={max_bad_steps}); its final state was "
-            "not saved; " + (f"the last good checkpoint is {last[0]}" if last
-                             else "no checkpoint was saved"))
+            "not saved")
     checkpointing.save(loop)
     checkpointing.finish()
+
+
+def _last_good(run_dir: Path) -> str:
+    """What a run stopped for losses that were not finite leaves to resume from (no checkpoint
+    is saved with such a loss)."""
+    last = checkpoint.candidates(run_dir)
+    return f"the last good checkpoint is {last[0]}" if last else "no checkpoint was saved"
 
 
 def _nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,

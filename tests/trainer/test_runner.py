@@ -248,6 +248,17 @@ def test_sys_exit_in_the_users_code_is_recorded_as_what_it_was(make_cfg, tmp_pat
         "exited: SystemExit raised during the run", 0, "SystemExit(0)")
 
 
+def test_a_run_stopped_on_non_finite_losses_before_any_save_says_none_was_saved(make_cfg,
+                                                                                tmp_path):
+    from trainer.loop import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss, match=r"in a row \(up to step 5, trainer.max_bad_steps=3\);"
+                                            r" stopped; no checkpoint was saved$"):
+        train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=2",
+                       "trainer.max_bad_steps=3", "trainer.log_every_n_steps=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("every,good", [(4, "last.pt"), (0, None)])
 def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
         make_cfg, tmp_path, every, good):
