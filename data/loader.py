@@ -7,8 +7,11 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 """
 from __future__ import annotations
 
+import atexit
 import math
+import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -80,14 +83,48 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
                              workers, generator)
     extra = _loader_options(cfg, workers)
     if train and workers and cfg.persistent_workers and cfg.prefetch_next_epoch:
-        return RunOnLoader(dataset, sampler, batch_size, drop_last, generator,
-                           num_workers=workers, collate_fn=collate_fn,
-                           pin_memory=cfg.pin_memory and device.type == "cuda", **extra)
-    return DataLoader(
+        loader = RunOnLoader(dataset, sampler, batch_size, drop_last, generator,
+                             num_workers=workers, collate_fn=collate_fn,
+                             pin_memory=cfg.pin_memory and device.type == "cuda", **extra)
+        _WITH_WORKERS.add(loader)
+        return loader
+    loader = DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_fn,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         drop_last=drop_last, generator=generator, **extra)
+    if workers:
+        _WITH_WORKERS.add(loader)
+    return loader
+
+
+# DataLoaders whose workers (`worker_signals`) are ended before Python's own exit hook
+_WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+
+
+def end_workers(loader: Any) -> None:
+    """Ends a loader's running workers now: the run-on loader's (its close(), data/runon.py),
+    or those of the iterator a DataLoader keeps (persistent workers), as the loader does when
+    it is collected; a no-op for other loaders."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+        return
+    iterator = getattr(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+        loader._iterator = None
+
+
+@atexit.register
+def _end_workers_at_exit() -> None:
+    """Python's exit (multiprocessing's hook) sends each live worker one SIGTERM and waits for
+    it; `worker_signals` lets a first SIGTERM pass, so a loader nobody closed (persistent
+    workers of a loader still referenced) is closed here first, as the loader would close it.
+    (torch's own shutdown in the loader's __del__ does nothing once the exit has begun.)"""
+    for loader in list(_WITH_WORKERS):
+        end_workers(loader)
 
 
 def _loader_options(cfg: DataConfig, workers: int) -> dict:
@@ -103,8 +140,9 @@ def worker_signals(worker_id: int) -> None:
     cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
     ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
     handler ends the worker at once, and the step then fails on the lost worker; here the
-    first SIGTERM is let pass, and a second ends the worker, as the loader's terminate() at
-    shutdown and Python's at exit do for a worker that did not stop when asked."""
+    first SIGTERM is let pass, and a second ends the worker. Loaders end their workers by
+    asking them (then terminate() the ones that did not stop); Python's exit, which only
+    sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that."""
     signal.signal(signal.SIGTERM, _second_ends)
 
 

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from data.loader import readable
+from data.loader import end_workers, readable
 from data.resident import ResidentBatches
 from trainer.config import ConfigError
 
@@ -198,12 +198,9 @@ class DevicePrefetcher:
         return len(self.loader)
 
     def close(self) -> None:
-        """Ends the loader's workers now where it can (the run-on loader, data/runon.py, whose
-        workers are already into an epoch nobody may train); others end theirs when
-        collected."""
-        close = getattr(self.loader, "close", None)
-        if close is not None:
-            close()
+        """Ends the loader's workers now: the run-on loader's (data/runon.py), already into an
+        epoch nobody may train, and a DataLoader's kept ones (persistent workers)."""
+        end_workers(self.loader)
 
     def _keys(self) -> Iterator[Optional[int]]:
         """Each coming batch's augmentation key (None without augmentation): its epoch and its

@@ -512,8 +512,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             record_failure(run_dir, e)
         raise
     finally:
-        if loop is not None:  # run-on workers (data/runon.py), also after an error
+        if loop is not None:  # the loaders' workers, also after an error
             loop.train_feed.close()
+            if loop.val_feed is not None:
+                loop.val_feed.close()
         logger.close()
         lock.release()
 

@@ -168,3 +168,23 @@ def test_stall_advice_on_cuda_names_the_gpus_idle_share():
     line = stall_advice(cfg(), torch.device("cuda"), 0.21, workers=2, cores=4, in_memory=False,
                         gpu_idle=True)
     assert line.startswith("the GPU stood idle for data 21% of the time: raise data.num_workers")
+
+
+def test_a_process_with_a_loaders_kept_workers_still_exits():
+    """Workers let a first SIGTERM pass (worker_signals), and Python's exit sends one and then
+    waits: a loader with persistent workers still referenced at exit is closed first, or the
+    process never ended."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = ("import torch; from torch.utils.data import TensorDataset\n"
+            "from data.loader import build_loader; from trainer.config import DataConfig\n"
+            "ld = build_loader(TensorDataset(torch.arange(64)), DataConfig(dataset=None, "
+            "input_shape=[1], num_classes=2, batch_size=4, num_workers=2, "
+            "persistent_workers=True, prefetch_next_epoch=False), train=True)\n"
+            "next(iter(ld)); print('served', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]

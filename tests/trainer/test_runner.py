@@ -484,3 +484,12 @@ def test_a_torchrun_restart_continues_from_the_run_dirs_own_checkpoints(make_cfg
     assert _resume_setting(given, run_dir) == "auto"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert _resume_setting(given, run_dir) == path
+
+
+def test_a_run_whose_workers_wait_at_each_epochs_end_exits(tmp_path):
+    """data.prefetch_next_epoch=false: the training DataLoader keeps its workers (persistent)
+    until the run closes it; the process did not end after its last line."""
+    proc = run_cli(["trainer.max_epochs=1", "trainer.progress_bar=false", "data.placement=host",
+                    "data.num_workers=2", "data.prefetch_next_epoch=false",
+                    f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
