@@ -100,12 +100,10 @@ class Heartbeat:
         try:
             if _TIMEOUT.search(str(error)):
                 return PeerLost(f"rank {self.rank} waited more than {key}={timeout_s:g} s "
-                                f"{where}: {self._slowest()}; stopped, stuck or gone; the last "
-                                "checkpoint is kept")
+                                f"{where}: {self._slowest()}; stopped, stuck or gone")
             if _CLOSED.search(str(error)):
                 return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}; its "
-                                "own error, if it had one, is in its output; the last "
-                                "checkpoint is kept")
+                                "own error, if it had one, is in its output")
         except Exception:  # noqa: BLE001  (the store went with the job: say what is known)
             return None
         return None

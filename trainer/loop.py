@@ -468,7 +468,6 @@ class Loop:
         self.phase = "validating"
         start = time.perf_counter()
         sums = self._evaluate_batches(model)
-        self.phase = "training"
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()
         values = {"val_loss": loss_sum / count if count else math.nan}
         for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
@@ -484,6 +483,7 @@ class Loop:
         self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
                          " ".join(f"{k} {v:.4f}" for k, v in values.items()))
         model.train()
+        self.phase = "training"  # (after validation's collectives: a wait there is named so)
         return values
 
     def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:

@@ -480,7 +480,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                     lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
                     if lost is None:
                         raise
-                    raise lost from None  # (its line says it all: not the backend's text)
+                    # (its line says it all: not the backend's text)
+                    raise PeerLost(f"{lost}; {_last_good(run_dir)}") from None
         last = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
         summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else ""
         best = checkpointing.best_record()
