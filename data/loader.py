@@ -313,8 +313,14 @@ def loader_error(e: BaseException) -> BaseException:
         # worker's traceback in the message; its own one line is the last
         head, _, rest = last.partition(": ")
         return type(e)(rest if rest and head.endswith(type(e).__name__) else last)
-    if not isinstance(e, (TypeError, RuntimeError)) or not _raised_in_collate(e):
+    if not isinstance(e, (TypeError, RuntimeError, KeyError)) or not _raised_in_collate(e):
         return e
+    if isinstance(e, KeyError):  # a dict sample without a key the batch's first one has
+        key = last.removeprefix("KeyError: ")
+        return ConfigError(f"data: the dataset yields dict samples with different keys, which "
+                           f"the default collate cannot batch (a sample without {key}, which "
+                           "the batch's first sample has); give every sample the same keys, "
+                           "or set data.collate_fn")
     last = last.removeprefix("TypeError: ").removeprefix("RuntimeError: ")
     return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "
@@ -327,7 +333,7 @@ def readable(batches: Iterator[Any]) -> Iterator[Any]:
     file); other errors pass as they are."""
     try:
         yield from batches  # delegated in C: nothing per batch on the training thread
-    except (TypeError, RuntimeError, ConfigError) as e:
+    except (TypeError, RuntimeError, KeyError, ConfigError) as e:
         error = loader_error(e)
         if error is e:
             raise

@@ -261,6 +261,14 @@ class DictDigits(DigitsDataset):
         return {"image": x, "label": y, "name": f"digit-{i}"}
 
 
+class UnevenKeysDigits(DigitsDataset):
+    """Dict digits {"image", "labels"} of which every 7th names its label "label"."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"image": x, "label" if i % 7 == 3 else "labels": y}
+
+
 def stack_images(samples):
     return {"image": torch.stack([s["image"] for s in samples]),
             "label": torch.stack([s["label"] for s in samples]),
@@ -326,6 +334,13 @@ class StringDigits(DigitsDataset):
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
         return object(), y
+
+
+class Sentences(DigitsDataset):
+    """Samples that are strings: the default collate makes a batch a list of strings."""
+
+    def __getitem__(self, i):
+        return f"sample {i}"
 
 
 class SelfLossMLP(MLP):
@@ -397,6 +412,22 @@ class Scripted(torch.nn.Module):
 
     def compute(self) -> torch.Tensor:
         return torch.tensor(Scripted.values.pop(0))
+
+
+class BrokenMetric(torch.nn.Module):
+    """A metric whose update (`fails="update"`) or compute raises inside its own code."""
+
+    def __init__(self, fails: str = "update"):
+        super().__init__()
+        self.fails, self.updates = fails, 0
+
+    def update(self, preds, target) -> None:
+        if self.fails == "update":
+            raise ZeroDivisionError("a bug in update")
+        self.updates += 1
+
+    def compute(self) -> torch.Tensor:
+        return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
 
 
 class PerSampleLoss(__import__("trainer.task", fromlist=["Classification"]).Classification):

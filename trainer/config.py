@@ -325,7 +325,14 @@ def _check_ranges(cfg: DictConfig) -> None:
            "set data.normalize_mean and data.normalize_std together")
     _check(std is None or (len(std) == len(mean) and all(v > 0 for v in std)),
            "data.normalize_std", std, "needs one value > 0 per data.normalize_mean entry")
-    shape = list(d.input_shape) if d.input_shape is not None else None
+    shape = d.input_shape
+    _check(shape is None or ((OmegaConf.is_list(shape) or isinstance(shape, (list, tuple)))
+                             and len(shape) >= 1
+                             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                     for s in shape)),
+           "data.input_shape", shape if shape is None or not OmegaConf.is_list(shape)
+           else list(shape), "must be null or a non-empty list of sizes >= 1")
+    shape = list(shape) if shape is not None else None
     if shape is not None and len(shape) == 3:  # (channels, height, width) images
         _check(mean is None or len(mean) in (1, shape[0]), "data.normalize_mean", mean,
                f"needs one value per channel (or one for all): data.input_shape={shape} has "
@@ -358,12 +365,6 @@ def _check_ranges(cfg: DictConfig) -> None:
            "must be max, min or null (the metric's own direction)")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
-    shape = d.input_shape
-    _check(shape is None or ((OmegaConf.is_list(shape) or isinstance(shape, (list, tuple)))
-                             and len(shape) >= 1
-                             and all(isinstance(s, int) and s >= 1 for s in shape)),
-           "data.input_shape", None if shape is None else list(shape),
-           "must be null or a non-empty list of sizes >= 1")
     _check(d.num_classes is None or d.num_classes >= 2, "data.num_classes", d.num_classes,
            "must be null or >= 2")
     _check_datasets(d)

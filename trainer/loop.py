@@ -360,13 +360,17 @@ class Loop:
         """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
         returns the loss."""
         if self._autocast is None:  # fp32: no context to enter
-            loss = self.task.loss(self._forward(batch), batch)
+            output = self._forward(batch)
+            loss = self.task.loss(output, batch)
         else:
             with self._autocast():
-                loss = self.task.loss(self._forward(batch), batch)
+                output = self._forward(batch)
+                loss = self.task.loss(output, batch)
         if not self._loss_checked:
             self.task.check_loss(loss)
+            self.task.check_metrics(output, batch)
             self._loss_checked = True
+        output = None  # (held no longer than the graph holds it)
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
         self.precision.backward(loss if one else loss * weight)

@@ -19,6 +19,7 @@ your own subclasses `Task` and overrides what differs; see README "Bring your ow
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -54,6 +55,13 @@ def describe(obj: Any) -> str:
             return f"{type(obj).__name__}({len(items)} x {items[0]})"
         return type(obj).__name__ + "(" + ", ".join(items) + ")"
     return type(obj).__name__
+
+
+def _note(e: BaseException, line: str) -> None:
+    """A line under an error's traceback (Python 3.11's notes) saying what Stoker gave the
+    code that raised it."""
+    if hasattr(e, "add_note"):
+        e.add_note(line)
 
 
 def batch_size(batch: Any) -> int:
@@ -162,17 +170,45 @@ class Task:
         line naming it."""
         preds, target = self.metric_inputs(output, batch)
         for name, metric in self.metrics.items():
-            try:
-                metric.update(preds, target)
-            except (ValueError, TypeError, RuntimeError) as e:
-                raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
-                                f"task's metric inputs ({describe((preds, target))}): "
-                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                                ) from None
+            self._update(name, metric, preds, target)
+
+    def check_metrics(self, output: Any, batch: Any) -> None:
+        """Every metric tried once, on the first training batch (a copy of it, whose state is
+        thrown away): a metric that cannot take the task's inputs, or fails to compute, stops
+        the run at its first step, not after the first epoch's training, at validation."""
+        if not self.metrics:
+            return
+        with torch.no_grad():
+            preds, target = self.metric_inputs(output, batch)
+            preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
+            for name, metric in self.metrics.items():
+                try:
+                    trial = copy.deepcopy(metric)
+                except Exception:  # noqa: BLE001  (a metric that cannot be copied: validation
+                    continue  # tries it)
+                self._update(name, trial, preds, target)
+                self.compute_metric(name, trial)
+
+    def _update(self, name: str, metric: Any, preds: Any, target: Any) -> None:
+        try:
+            metric.update(preds, target)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
+                            f"task's metric inputs ({describe((preds, target))}): "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                            ) from None
+        except Exception as e:  # inside the metric's own code: its traceback stays
+            _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "
+                     f"given {describe((preds, target))}")
+            raise
 
     def compute_metric(self, name: str, metric: Any) -> float:
         """The metric's value over the whole validation set, as one number."""
-        value = metric.compute()
+        try:
+            value = metric.compute()
+        except Exception as e:
+            _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() failed")
+            raise
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
                             f"{describe(value)}, not one number; configure it to reduce "
@@ -214,17 +250,18 @@ class Task:
                                  f"({e})", got, fix=hint) from None
         try:
             return model(*args, **kwargs)
-        except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
             # inside the model: its traceback stays, with what it was given
-            if hasattr(e, "add_note") and not isinstance(e, torch.OutOfMemoryError):
-                e.add_note(f"stoker: task {self.name}: the model's first forward failed, given "
-                           f"{describe(got)}: do the data (data=...) and the model (model=...) "
-                           "fit together?")
+            if not isinstance(e, torch.OutOfMemoryError):
+                _note(e, f"stoker: task {self.name}: the model's first forward failed, given "
+                         f"{describe(got)}: do the data (data=...) and the model (model=...) "
+                         "fit together?")
             raise
 
     def split(self, batch: Any) -> Tuple[Any, Any]:
         """(inputs, target) of a batch: a sequence's first two items, or a dict's entries."""
-        if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        if isinstance(batch, (list, tuple)) and len(batch) >= 2 \
+                and not isinstance(batch[0], str):  # (the default collate's batch of strings)
             return batch[0], batch[1]
         if isinstance(batch, Mapping) and self.target_key in batch:
             target = batch[self.target_key]
@@ -236,7 +273,9 @@ class Task:
             return {k: v for k, v in batch.items() if k != self.target_key}, target
         raise self.error("a batch it cannot unpack", batch,
                          f"(inputs, target) or a dict with the target key '{self.target_key}' "
-                         "(task.target_key); or task=model_loss if the model computes its loss")
+                         "(task.target_key)" + ("" if self.name == "model_loss" else
+                                                "; or task=model_loss if the model computes "
+                                                "its loss"))
 
     def predictions(self, output: Any) -> torch.Tensor:
         """The prediction tensor inside a model output (a tensor, `.logits`, ["logits"], [0])."""

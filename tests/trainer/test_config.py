@@ -30,6 +30,10 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
     ("data.placement=gpu", "data.placement=gpu: must be auto, host or device"),
     ("data.device_budget_mb=-1", "data.device_budget_mb=-1"),
     ("data.augment.crop_padding=-4", "data.augment.crop_padding=-4"),
+    # checked before the checks that read it (a TypeError, or a crop_padding blamed)
+    ("data.input_shape=8", "data.input_shape=8: must be null or a non-empty list of sizes"),
+    ("data.input_shape=[1,a,8]", "data.input_shape=[1, 'a', 8]: must be null or a non-empty"),
+    ("data.input_shape=[1,0,8]", "data.input_shape=[1, 0, 8]: must be null or a non-empty"),
     ("trainer.checkpoint.async_save=maybe", "trainer.checkpoint.async_save=maybe: must be auto"),
     ("data.prefetch_factor=0", "data.prefetch_factor=0"),
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),

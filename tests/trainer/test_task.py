@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tests.helpers import (ROOT, Diabetes, PaddedTokens, TwoHeads, pad_collate, run_cli,
                            summary_of, tag_collate, tiny_bert_tagger, tiny_gpt2, torchrun)
 from trainer.config import ConfigError
+from trainer.loop import Callback
 from trainer.metrics import Accuracy
 from trainer.runner import train
 from trainer.task import Classification, LanguageModel, ModelLoss, Regression, TaskError
@@ -420,6 +421,15 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
       "data.input_shape=[24]", "data.num_classes=48", "data.num_workers=1"],  # (the run-on
      "data: the dataset yields samples the default collate cannot batch (stack expects each "
      "tensor to be equal size"),  # loader's workers, whose collate stacks into the pool)
+    (["data=custom", "+data.dataset._target_=tests.helpers.Sentences",
+      "data.input_shape=[1,8,8]", "data.num_classes=10", "data.placement=host"],
+     "task classification: a batch it cannot unpack: got list(64 x str)"),
+    *[(["data=custom", "+data.dataset._target_=tests.helpers.UnevenKeysDigits",
+        "data.input_shape=[1,8,8]", "data.num_classes=10", "data.placement=host",
+        f"data.num_workers={workers}"],
+       "data: the dataset yields dict samples with different keys, which the default collate "
+       "cannot batch (a sample without 'labels', which the batch's first sample has)")
+      for workers in (0, 1)],
     (["data.cache=memory", "data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
       "data.input_shape=[1,8,8]"], "data.cache and scripts/prepare_data.py need a dataset of "
                                    "(input, target) tensor pairs"),
@@ -545,3 +555,24 @@ def test_a_first_forward_that_fails_inside_the_model_says_what_it_was_given():
     with pytest.raises(RuntimeError) as again:  # later steps: the plain call, no note
         task.forward(Embedder(), batch)
     assert not getattr(again.value, "__notes__", None)
+
+
+@pytest.mark.parametrize("fails", ["update", "compute"])
+def test_a_metric_that_fails_stops_the_run_at_its_first_step_naming_it(make_cfg, tmp_path,
+                                                                       fails):
+    """Metrics run at validation, after the first epoch's training: each is tried on the first
+    training batch instead (a copy), so its error comes before any training is spent; an error
+    inside the metric's own code keeps its traceback, with a line naming the metric."""
+    seen = []
+
+    class Steps(Callback):
+        def after_step(self, loop):
+            seen.append(loop.state.step)
+
+    with pytest.raises(ZeroDivisionError) as info:
+        train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
+                       f"+task.metrics.bad.fails={fails}"), callbacks=[Steps()])
+    assert seen == []
+    assert info.value.__notes__[-1].startswith(f"stoker: task.metrics.bad: BrokenMetric.{fails}() "
+                                               "failed")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
