@@ -73,6 +73,21 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_pa
                      "reads RANK, or files that differ between nodes?)"]
 
 
+def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path):
+    """An override that reads the rank's environment: rank 1 took other batches (gloo aborted
+    it on the mismatched collective: SIGABRT and a thread dump)."""
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "data.num_workers=0",
+                        "data.batch_size=1${oc.env:RANK}", "trainer.max_epochs=1",
+                        "seed=${oc.env:RANK}"],
+                    cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "Fatal Python error" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert lines == ["stoker: error: the ranks run with different settings: seed (0 to 1), "
+                     "data.batch_size (10 to 11); every rank must have the same ones (an "
+                     "override that reads the rank's environment?)"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_sweep_runs_each_job_as_a_ddp_job_with_its_own_dir(tmp_path):
     proc = torchrun(2, ["optim.lr=0.001,0.003", "trainer.max_steps=5"], cwd=tmp_path,
                     multirun=True)

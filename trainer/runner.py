@@ -12,6 +12,7 @@ import os
 import random
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
@@ -335,6 +336,40 @@ def _check_optimizer_step(optimizer) -> None:
                           "optimizer stepped without one (adamw, sgd, ...)")
 
 
+# settings every rank must share: the steps each takes and when, which samples (the sampler's
+# seed and order), and when the ranks meet (logging, validation, checkpoints)
+_SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", "data.shuffle",
+           "trainer.accumulate_grad_batches", "trainer.max_epochs", "trainer.max_steps",
+           "trainer.limit_train_batches", "trainer.limit_val_batches",
+           "trainer.overfit_batches", "trainer.val_every_n_epochs", "trainer.log_every_n_steps",
+           "trainer.max_bad_steps", "trainer.precision", "trainer.save_checkpoint",
+           "trainer.checkpoint.every_n_steps", "trainer.checkpoint.every_n_epochs")
+
+
+def _same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
+    """Every rank must run with the same `_SHARED` settings (an override that reads the rank's
+    environment, `${oc.env:RANK}`, could give them different ones): ranks with different
+    batch sizes or limits take different numbers of steps, and gloo aborts the process on the
+    mismatched collective while NCCL hangs. One small all-reduce at start-up, before any other
+    collective; ConfigError on every rank, naming the keys."""
+    if distributed.world_size() == 1:
+        return
+    values = []
+    for key in _SHARED:
+        v = OmegaConf.select(cfg, key)
+        v = getattr(v, "value", v)  # an enum's value
+        values.append(float(v) if isinstance(v, (int, float)) else  # (bools too)
+                      -1.0 if v is None else float(zlib.crc32(str(v).encode())))
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
+    high, low = distributed.all_reduce_max(both).view(2, -1).tolist()
+    differ = [f"{key} ({-lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
+              else key for key, hi, lo in zip(_SHARED, high, low) if hi != -lo]
+    if differ:
+        raise ConfigError(f"the ranks run with different settings: {', '.join(differ)}; every "
+                          "rank must have the same ones (an override that reads the rank's "
+                          "environment?)")
+
+
 def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
     """Every rank must have built datasets of the same lengths: the samplers cut one index
     range into shards, and ranks with different ones would take different numbers of steps
@@ -357,6 +392,7 @@ def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
            prof, preemption: Preemption, resume: Optional[str],
            callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
+    _same_settings_everywhere(cfg, spec.device)
     train_feed, val_feed, data_lines = build_feeds(cfg, env, spec.device)
     _same_data_everywhere(train_feed, val_feed, spec.device)
     train_loader = train_feed.loader
