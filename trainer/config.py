@@ -9,6 +9,7 @@ values such as the global batch are computed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -416,6 +417,11 @@ def _pick_strategy(cfg: DictConfig, world_size: int, launched: bool) -> Strategy
     return s
 
 
+# torch.compile backends that torch lists but that live in packages of their own
+_BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "onnxrt": "onnxruntime",
+                     "tensorrt": "torch_tensorrt", "ipex": "intel_extension_for_pytorch"}
+
+
 def _check_speed(cfg: DictConfig, strategy: Strategy) -> None:
     c = cfg.trainer.compile
     _check(c.mode in COMPILE_MODES, "trainer.compile.mode", c.mode,
@@ -425,6 +431,11 @@ def _check_speed(cfg: DictConfig, strategy: Strategy) -> None:
         _check(c.backend in torch.compiler.list_backends(exclude_tags=()),
                "trainer.compile.backend", c.backend,
                "must be one of " + ", ".join(torch.compiler.list_backends() + ["aot_eager"]))
+        package = _BACKEND_PACKAGES.get(c.backend.split("_")[0])
+        _check(package is None or importlib.util.find_spec(package) is not None,
+               "trainer.compile.backend", c.backend,
+               f"needs the {package} package, which is not installed here; use inductor (the "
+               "default)")
         _check(strategy != Strategy.dp, "trainer.compile.enabled", True,
                "is not supported with DataParallel (a comparison mode); use ddp or single")
         # eager runs the captured checkpoint regions as they are: the recomputation repeats
