@@ -207,8 +207,10 @@ def find_resume(resume: Optional[str], run_dir: Path
     if resume != "auto":
         path = Path(resume)
         if not path.is_file():
-            raise CheckpointError(f"trainer.resume={resume}: no such checkpoint file "
-                                  "(give a path to a .pt file, auto, or null)")
+            what = "a directory, not a checkpoint file" if path.is_dir() else \
+                "no such checkpoint file"
+            raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
+                                  "file, auto, or null)")
         return path, resumable(load(path), path), []
     found, skipped = candidates(run_dir), []
     for path in found:

@@ -36,6 +36,8 @@ class SignalledAgain(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.code = 128 + signum  # as a shell reports a process ended by that signal
 # Hydra hints that do not apply to a typed schema or to this command line
+# a config group's choices: the files that start with _ are shared bases, not choices
+_OPTIONS = re.compile(r"(Available options in '[^']+': )((?:\S+ ?)+)$")
 _NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_FULL_ERROR=1 to "
                     r"see chained exception\.?")
 
@@ -83,6 +85,8 @@ def describe(e: BaseException) -> str:
                      f"({cur.strerror})"]
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
+        text = _OPTIONS.sub(lambda m: m.group(1) + " ".join(
+            o for o in m.group(2).split() if not o.startswith("_")), text)
         call = _CALL.match(text)
         if call and cur.__cause__ is not None:
             text = call.group(1)

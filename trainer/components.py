@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Dict, Optional
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -102,11 +103,10 @@ def accepts(target: Callable, name: str) -> bool:
         return False
 
 
-def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: str = "",
-          **kwargs: Any) -> Any:
-    """`instantiate(node, **kwargs)` after checking its keys (see the module doc). A
-    `_partial_: true` node is not checked for missing arguments: its caller passes them.
-    `hint` ends the message about an unknown key."""
+def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
+             kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """Checks `node`'s keys against its target's parameters; returns the arguments `build`
+    passes besides the node's own (`offered` ones the target takes, and `kwargs`)."""
     target = target_of(node, key)
     name = node["_target_"]
     params = parameters(target)
@@ -137,12 +137,72 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
             where = f"data.{missing[0]} or " if missing[0] in (offered or {}) else ""
             raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
                               f"{key}.{missing[0]}")
+    return extra
+
+
+def _inner_nodes(node: Any, key: str) -> List[Tuple[str, Any]]:
+    """The `_target_` nodes Hydra builds inside `node` (in its values, or in a mapping of them
+    such as a task's metrics), deepest first, each with its key."""
+    if node.get("_recursive_", True) is False:
+        return []  # (its inner nodes stay configs: the target builds them itself)
+    found: List[Tuple[str, Any]] = []
+    for k, value in node.items():
+        if k in RESERVED or not OmegaConf.is_dict(value):
+            continue
+        inner = [(f"{key}.{k}", value)] if "_target_" in value else \
+            [(f"{key}.{k}.{n}", v) for n, v in value.items()
+             if OmegaConf.is_dict(v) and "_target_" in v]
+        for where, child in inner:
+            found += [*_inner_nodes(child, where), (where, child)]
+    return found
+
+
+def _check_inner(node: Any, key: str) -> None:
+    """The `_target_` nodes inside `node`, checked as `build` checks a node, each named by its
+    own key."""
+    for where, child in reversed(_inner_nodes(node, key)):
+        _checked(child, where, None, "", {})
+
+
+def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: str = "",
+          **kwargs: Any) -> Any:
+    """`instantiate(node, **kwargs)` after checking its keys (see the module doc), and those
+    of the `_target_` nodes inside it (a task's `metrics.<name>`), each named by its own key.
+    A `_partial_: true` node is not checked for missing arguments: its caller passes them.
+    `hint` ends the message about an unknown key."""
+    extra = _checked(node, key, offered, hint, kwargs)
+    _check_inner(node, key)
     try:
         return instantiate(node, **extra)
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):  # a component's own check of its arguments
             raise e.__cause__ from None
-        raise
+        where = _inner_key(node, key, str(e))
+        if where is None or e.__cause__ is None:
+            raise
+        cause = e.__cause__  # an inner node's target refused its arguments: name its key
+        raise ConfigError(f"{where}: {_CALLED.match(str(e)).group(1)} refused its arguments "
+                          f"({type(cause).__name__}: {str(cause).splitlines()[0]})") from None
+
+
+_CALLED = re.compile(r"Error in call to target '([^']+)'")
+
+
+def _inner_key(node: Any, key: str, message: str) -> Optional[str]:
+    """The key of the `_target_` node inside `node` whose call failed (Hydra names the
+    target's qualified name), None for `node` itself or where it is not known."""
+    called = _CALLED.match(message)
+    if called is None:
+        return None
+    for where, child in _inner_nodes(node, key):
+        try:
+            target = target_of(child, where)
+        except ConfigError:
+            continue
+        name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+        if called.group(1) in (name, str(child["_target_"])):
+            return where
+    return None
 
 
 def _is_number(value: Any) -> bool:

@@ -339,6 +339,10 @@ class Classification(Task):
                 or not 0.0 <= label_smoothing <= 1.0:
             raise ConfigError(f"task.label_smoothing={label_smoothing!r}: must be a number "
                               "from 0.0 to 1.0")
+        if num_classes is not None and (isinstance(num_classes, bool)
+                                        or not isinstance(num_classes, int) or num_classes < 2):
+            raise ConfigError(f"task.num_classes={num_classes!r}: must be an integer >= 2 or "
+                              "null (it follows data.num_classes)")
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.num_classes = num_classes
         self._checked = False

@@ -15,6 +15,10 @@ from trainer.cli import describe
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),  # semantic
     ("trainer.precision=fp16", "trainer.precision"),  # fp16 without CUDA
     ("trainer.resume=/no/such/file.pt", "trainer.resume"),
+    ("trainer.resume=/tmp", "trainer.resume=/tmp: a directory, not a checkpoint file"),
+    ("task=classifcation", "Available options in 'task': classification language_model "
+                           "model_loss regression"),  # (not _base, a shared base file)
+    ("task.num_classes=abc", "task.num_classes='abc': must be an integer >= 2 or null"),
     ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
                                      "torch.nn.Module"),
 ])

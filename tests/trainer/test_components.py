@@ -120,3 +120,22 @@ def test_a_function_is_a_collate_as_it_stands():
     assert build_callable(node(_target_="tests.helpers.pad_collate"), "data.collate_fn") \
         is pad_collate
     assert build_callable(None, "data.collate_fn") is None
+
+
+@pytest.mark.parametrize("metric,message", [
+    (dict(_target_="trainer.metrics.Acuracy"),
+     r"^task.metrics.acc._target_=trainer.metrics.Acuracy: trainer.metrics has no attribute "
+     r"'Acuracy'"),
+    (dict(_target_="trainer.metrics.Accuracy", ignore_indx=3),
+     r"^task.metrics.acc.ignore_indx: trainer.metrics.Accuracy takes no argument 'ignore_indx'"),
+    (dict(_target_="torch.nn.Linear", in_features=3),
+     r"^task.metrics.acc: torch.nn.Linear needs 'out_features': set "
+     r"task.metrics.acc.out_features$"),
+    (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=[1]),
+     r"^task.metrics.acc: tests.helpers.BrokenMetric refused its arguments \(TypeError: "),
+])
+def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
+    """A task's metrics are built inside it (Hydra's recursion): their mistakes name
+    task.metrics.<name>, as a model's name model.<key>, not Hydra's whole message."""
+    with pytest.raises(ConfigError, match=message):
+        build(node(_target_="trainer.task.Classification", metrics={"acc": metric}), "task")
