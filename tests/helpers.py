@@ -336,6 +336,14 @@ class StringDigits(DigitsDataset):
         return object(), y
 
 
+class Float64Digits(DigitsDataset):
+    """Digits as numpy gives them: float64 inputs."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x.double(), y
+
+
 class Sentences(DigitsDataset):
     """Samples that are strings: the default collate makes a batch a list of strings."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -74,6 +75,17 @@ def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> Lis
 
 def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
     return len(epoch_plan(loader, limit, accumulate))
+
+
+def _float_dtypes(batch: Any) -> set:
+    """The floating-point dtypes of the tensors in a batch (tuples, lists, dicts of them)."""
+    if isinstance(batch, torch.Tensor):
+        return {batch.dtype} if batch.is_floating_point() else set()
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return set().union(*(_float_dtypes(b) for b in batch)) if batch else set()
+    return set()
 
 
 class NonFiniteLoss(RuntimeError):
@@ -393,11 +405,20 @@ class Loop:
         if not self._forwarded and any(w in str(e) for w in ("shape", "size", "dtype")):
             # the first batch of the run: inputs that do not fit the model are a
             # configuration mismatch (data.input_shape, the model's arguments), not a crash
+            model = unwrap(self.model)
+            params = {p.dtype for p in model.parameters() if p.is_floating_point()}
+            floats = _float_dtypes(batch) - params
+            fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
+                   f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
+                   "make the dataset return tensors of the model's dtype (numpy arrays are "
+                   "float64: torch.as_tensor(x, dtype=torch.float32))"
+                   if "dtype" in str(e) and floats and len(params) == 1 else
+                   f"check data.input_shape="
+                   f"{None if self.input_shape is None else list(self.input_shape)} and the "
+                   "model's arguments")
             return ConfigError(
-                f"model: {type(unwrap(self.model)).__name__} cannot take the first batch "
-                f"({describe(batch)}): {str(e).splitlines()[0]}; check data.input_shape="
-                f"{None if self.input_shape is None else list(self.input_shape)} and the "
-                "model's arguments")
+                f"model: {type(model).__name__} cannot take the first batch "
+                f"({describe(batch)}): {str(e).splitlines()[0]}; {fix}")
         unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
         if unused and not self.cfg.ddp.find_unused_parameters:
             return ConfigError(

@@ -421,6 +421,10 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
       "data.input_shape=[24]", "data.num_classes=48", "data.num_workers=1"],  # (the run-on
      "data: the dataset yields samples the default collate cannot batch (stack expects each "
      "tensor to be equal size"),  # loader's workers, whose collate stacks into the pool)
+    (["data=custom", "+data.dataset._target_=tests.helpers.Float64Digits",
+      "data.input_shape=[1,8,8]", "data.num_classes=10", "data.placement=host"],
+     "the batch holds float64 inputs and the model's parameters are float32: make the dataset "
+     "return tensors of the model's dtype"),
     (["data=custom", "+data.dataset._target_=tests.helpers.Sentences",
       "data.input_shape=[1,8,8]", "data.num_classes=10", "data.placement=host"],
      "task classification: a batch it cannot unpack: got list(64 x str)"),
