@@ -152,7 +152,7 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     limit_train_batches: Optional[int] = None
     limit_val_batches: Optional[int] = None
-    overfit_batches: int = 0  # >0: train (and validate) on the same first N batches
+    overfit_batches: int = 0  # >0: train on the same first N batches (validation as set)
     fast_dev_run: bool = False
     deterministic: bool = False
     detect_anomaly: bool = False
