@@ -408,18 +408,23 @@ class Empty(torch.utils.data.Dataset):
 
 class Scripted(torch.nn.Module):
     """A validation metric whose values are given in advance (`Scripted.values`, one per
-    compute), to decide deterministically what a run's best checkpoint must be; which
-    direction is better it leaves to `trainer.checkpoint.mode`."""
+    validation, taken at its reset), to decide deterministically what a run's best checkpoint
+    must be; which direction is better it leaves to `trainer.checkpoint.mode`. (The trial on
+    the first training batch, which resets nothing, computes 0.)"""
     values: List[float] = []
+
+    def __init__(self):
+        super().__init__()
+        self.value = 0.0
 
     def update(self, preds, target) -> None:
         pass
 
     def reset(self) -> None:
-        pass
+        self.value = Scripted.values.pop(0)
 
     def compute(self) -> torch.Tensor:
-        return torch.tensor(Scripted.values.pop(0))
+        return torch.tensor(self.value)
 
 
 class BrokenMetric(torch.nn.Module):
