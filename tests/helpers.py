@@ -439,6 +439,9 @@ class BrokenMetric(torch.nn.Module):
             raise ZeroDivisionError("a bug in update")
         self.updates += 1
 
+    def reset(self) -> None:
+        self.updates = 0
+
     def compute(self) -> torch.Tensor:
         return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
 

@@ -137,10 +137,13 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     status = _status(run_dir)
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
-    if not outputs and not found:
-        return
+    if (not outputs and not found) or this_jobs(run_dir):
+        return  # (an earlier attempt of this job: the runner chose how to continue it)
     ours = bool(found) or status is not None  # a run's, which trainer.resume=auto continues
     where = f"start in a new dir ({_dir_key()}=...); nothing was changed"
+    # a run that saved no checkpoint yet is continued from the one it started from
+    again = (f"trainer.resume={status['from']}" if not found and status is not None
+             and status.get("from") else "trainer.resume=auto")
     if resume == "auto":
         if found:
             return
@@ -157,7 +160,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     if resume is not None and checkpoint.in_run_dir(Path(resume), run_dir):
         return
     what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
-    held = (f"holds another run's {what}: continue it with trainer.resume=auto, or {where}"
+    held = (f"holds another run's {what}: continue it with {again}, or {where}"
             if ours else f"holds {what}, files a run writes (not a run's: no status.json of "
                          f"one): {where}")
     if resume is None:
@@ -298,13 +301,22 @@ def _hydra_quoted(value: Any) -> str:
     return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"  # a final backslash
 
 
-def write_running(run_dir: Path) -> None:
+def write_running(run_dir: Path, source: Optional[str]) -> None:
     """`<run dir>/status.json` while the run trains (from its first optimizer step, when its
     files are opened): a run's record in the dir even if it is killed before any checkpoint,
-    so that `trainer.resume=auto` starts it over and a fresh run is told to continue it."""
+    so that `trainer.resume=auto` starts it over and a fresh run is told to continue it; with
+    the job's id (a restarted attempt of the same job continues it) and the checkpoint it
+    started from (`source`: `trainer.resume=PATH`), which continues it while it saved none."""
     _write(run_dir, {"status": "running", "exit_code": None, "error": None,
                      "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                     "host": socket.gethostname(), "pid": os.getpid()})
+                     "host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
+                     "from": source})
+
+
+def this_jobs(run_dir: Path) -> bool:
+    """Whether the dir's run is this job's (an earlier attempt of it: a torchrun restart)."""
+    status, job = _status(Path(run_dir)), job_id()
+    return job is not None and status is not None and status.get("job") == job
 
 
 def _write(run_dir: Path, status: Dict[str, Any]) -> None:
@@ -318,8 +330,10 @@ def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = Non
     """`<run dir>/status.json`: how the run ended and the exit code its ranks returned (under
     torchrun the job as a whole exits 1 for any failed rank, 75 included, so this file is where
     a preemption is told from a failure)."""
+    earlier = _status(Path(run_dir)) or {}  # (the attempt's running record)
     status = {"status": word or _STATUS_WORDS.get(code, "failed"), "exit_code": code,
-              "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "job": job_id(), "from": earlier.get("from")}
     if code in (75, 130, 138, 143) and checkpoint.candidates(run_dir):
         status["resume"] = resume_args(run_dir)
         sweep = sweep_resume_args()

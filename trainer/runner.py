@@ -254,12 +254,13 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
 
 
 def _resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """trainer.resume, except that a job torchrun restarted continues on its own: from the run
-    dir's newest checkpoint (a path given for the first attempt would roll the run back to
-    it), or as given while the dir holds none."""
+    """trainer.resume, except that a job torchrun restarted continues its own run (the run
+    dir's status.json names this job) from the dir's newest checkpoint: a path given for the
+    first attempt would roll the run back to it. While the dir holds none, or holds no run of
+    this job (the first attempt failed before its first step), it is as given."""
     resume = cfg.trainer.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
-            (resume is None or checkpoint.candidates(run_dir)):
+            rundir.this_jobs(run_dir) and checkpoint.candidates(run_dir):
         return "auto"
     return resume
 
@@ -634,7 +635,8 @@ def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogge
     if classes is not None:
         (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
     rundir.record_hydra(run_dir, cfg)
-    rundir.write_running(run_dir)
+    resume = cfg.trainer.resume
+    rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)
     dropped = logger.open(step, validated_step)
     if dropped:
         logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "

@@ -174,8 +174,9 @@ class Task:
 
     def check_metrics(self, output: Any, batch: Any) -> None:
         """Every metric tried once, on the first training batch (a copy of it, whose state is
-        thrown away): a metric that cannot take the task's inputs, or fails to compute, stops
-        the run at its first step, not after the first epoch's training, at validation."""
+        thrown away): a metric that cannot take the task's inputs stops the run at its first
+        step, not after the first epoch's training, at validation. A compute() that fails on
+        one batch only warns: some need more samples than a batch has (R2 needs two)."""
         if not self.metrics:
             return
         with torch.no_grad():
@@ -187,7 +188,15 @@ class Task:
                 except Exception:  # noqa: BLE001  (a metric that cannot be copied: validation
                     continue  # tries it)
                 self._update(name, trial, preds, target)
-                self.compute_metric(name, trial)
+                try:
+                    self.compute_metric(name, trial)
+                except TaskError:
+                    raise  # (not one number: so on the whole set too)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("task.metrics.%s: %s.compute() failed on the first training "
+                                "batch (%s: %s); validation computes it over the whole set",
+                                name, type(metric).__name__, type(e).__name__,
+                                str(e).splitlines()[0] if str(e) else "")
 
     def _update(self, name: str, metric: Any, preds: Any, target: Any) -> None:
         try:

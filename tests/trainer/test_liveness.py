@@ -145,5 +145,6 @@ def test_a_peer_that_stops_before_a_checkpoint_write_ends_is_named_without_the_w
     """Rank 1 never comes to the barrier: rank 0, its write done, waits the arrival timeout
     (2 s), not the write's (60 s), and the error names rank 1."""
     took, result = _barrier(tmp_path, late=-1)
-    assert result.startswith("failed:") and "1" in result, result
+    assert result.startswith("failed: timed out after trainer.ddp.timeout_s=2 s: ") and \
+        "Ranks 1 failed to pass monitoredBarrier" in result, result
     assert took < 60

@@ -466,24 +466,39 @@ def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     assert 0 < narrow["peak_mem_mb"] < wide["peak_mem_mb"] / 4
 
 
-def test_a_torchrun_restart_continues_from_the_run_dirs_own_checkpoints(make_cfg, tmp_path,
-                                                                       monkeypatch):
+def test_a_torchrun_restart_continues_its_own_run_and_no_other(make_cfg, tmp_path,
+                                                              monkeypatch):
     """A job launched with trainer.resume=PATH and restarted by torchrun after it saved goes on
-    from its own newest checkpoint, not back to PATH; before its first save, from PATH."""
+    from its own newest checkpoint, not back to PATH; before its first save, from PATH again
+    (its status.json names the job and PATH). A dir whose run is not this job's is refused
+    to a restart as to the first attempt."""
+    import json
+
+    from trainer import rundir
+    from trainer.checkpoint import CheckpointError
     from trainer.runner import _resume_setting
 
     run_dir, path = tmp_path / "run", str(tmp_path / "other" / "step-00000004.pt")
     given = make_cfg(f"trainer.resume={path}", run_dir=run_dir)
-    fresh = make_cfg(run_dir=run_dir)
-    assert _resume_setting(given, run_dir) == path
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert _resume_setting(given, run_dir) == path  # nothing of its own saved yet
-    assert _resume_setting(fresh, run_dir) == "auto"
-    (run_dir / "checkpoints").mkdir(parents=True)
+    run_dir.mkdir()
+    rundir.write_running(run_dir, path)  # the first attempt, killed before its first save
+    assert _resume_setting(given, run_dir) == path
+    rundir.check_fresh_start(run_dir, path)  # its own earlier attempt: not refused
+    (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "step-00000002.pt").write_bytes(b"")
     assert _resume_setting(given, run_dir) == "auto"
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job's dir
     assert _resume_setting(given, run_dir) == path
+    with pytest.raises(CheckpointError, match="a new run from a checkpoint outside run dir"):
+        rundir.check_fresh_start(run_dir, path)
+    (run_dir / "checkpoints" / "step-00000002.pt").unlink()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["job"], status["from"]) == ("TORCHELASTIC_RUN_ID=job-1", path)
+    with pytest.raises(CheckpointError, match=rf"continue it with trainer.resume={path}, or "):
+        rundir.check_fresh_start(run_dir, None)  # (auto would start from the seed)
+
 
 
 def test_a_run_whose_workers_wait_at_each_epochs_end_exits(tmp_path):

@@ -561,9 +561,8 @@ def test_a_first_forward_that_fails_inside_the_model_says_what_it_was_given():
     assert not getattr(again.value, "__notes__", None)
 
 
-@pytest.mark.parametrize("fails", ["update", "compute"])
-def test_a_metric_that_fails_stops_the_run_at_its_first_step_naming_it(make_cfg, tmp_path,
-                                                                       fails):
+def test_a_metric_whose_update_fails_stops_the_run_at_its_first_step_naming_it(make_cfg,
+                                                                              tmp_path):
     """Metrics run at validation, after the first epoch's training: each is tried on the first
     training batch instead (a copy), so its error comes before any training is spent; an error
     inside the metric's own code keeps its traceback, with a line naming the metric."""
@@ -574,9 +573,31 @@ def test_a_metric_that_fails_stops_the_run_at_its_first_step_naming_it(make_cfg,
             seen.append(loop.state.step)
 
     with pytest.raises(ZeroDivisionError) as info:
-        train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
-                       f"+task.metrics.bad.fails={fails}"), callbacks=[Steps()])
+        train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric"),
+              callbacks=[Steps()])
     assert seen == []
-    assert info.value.__notes__[-1].startswith(f"stoker: task.metrics.bad: BrokenMetric.{fails}() "
-                                               "failed")
+    assert info.value.__notes__[-1].startswith("stoker: task.metrics.bad: BrokenMetric.update() "
+                                               "failed, given tuple(tensor(64, 10) float32")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_metric_whose_compute_fails_on_one_batch_only_warns_at_the_first_step(make_cfg,
+                                                                                caplog):
+    """Some metrics need more samples than one batch has (R2 needs two): the trial's
+    compute() warns, and validation computes it over the whole set (where this one fails for
+    good, with a line naming it)."""
+    seen = []
+
+    class Steps(Callback):
+        def after_step(self, loop):
+            seen.append(loop.state.step)
+
+    with pytest.raises(ZeroDivisionError) as info:
+        train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
+                       "+task.metrics.bad.fails=compute"), callbacks=[Steps()])
+    assert seen == list(range(1, 24))  # a whole epoch trained: the trial did not stop it
+    assert info.value.__notes__[-1] == "stoker: task.metrics.bad: BrokenMetric.compute() failed"
+    warned = [r.getMessage() for r in caplog.records if "on the first training" in r.getMessage()]
+    assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
+                      "batch (ZeroDivisionError: float division by zero); validation computes "
+                      "it over the whole set"]
