@@ -154,7 +154,8 @@ def _step_of(path: Path, steps: List[Path]) -> float:
     """The step a checkpoint holds: from its name (step-NNNNNNNN.pt), the step file it is a
     link of, or the file; a file that does not load counts as the newest."""
     if path.name.startswith("step-"):
-        return int(path.stem.split("-")[1])
+        number = path.stem.split("-", 1)[1]
+        return int(number) if number.isdigit() else -1  # (not one the run wrote)
     for other in steps:
         if os.path.samefile(path, other):
             return _step_of(other, [])

@@ -37,7 +37,7 @@ class SignalledAgain(BaseException):
         self.code = 128 + signum  # as a shell reports a process ended by that signal
 # Hydra hints that do not apply to a typed schema or to this command line
 # a config group's choices: the files that start with _ are shared bases, not choices
-_OPTIONS = re.compile(r"(Available options in '[^']+': )((?:\S+ ?)+)$")
+_OPTIONS = re.compile(r"(Available options in '[^']+': )(\S+(?: \S+)*)$")
 _NOISE = re.compile(r"\s*To append to your config use \S+|,? set env var HYDRA_FULL_ERROR=1 to "
                     r"see chained exception\.?")
 

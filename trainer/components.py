@@ -194,6 +194,9 @@ def _inner_key(node: Any, key: str, message: str) -> Optional[str]:
     called = _CALLED.match(message)
     if called is None:
         return None
+    full = re.search(r"^full_key: (\S+)$", message, re.MULTILINE)  # Hydra's, relative to node
+    if full is not None and f"{key}.{full.group(1)}" in dict(_inner_nodes(node, key)):
+        return f"{key}.{full.group(1)}"
     for where, child in _inner_nodes(node, key):
         try:
             target = target_of(child, where)

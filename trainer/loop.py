@@ -488,9 +488,9 @@ class Loop:
             self.state.validated_step = self.state.step
             return {}
         model = unwrap(self.model)  # no DDP collectives in evaluation
+        self.phase = "validating"
         distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
         model.eval()
-        self.phase = "validating"
         start = time.perf_counter()
         sums = self._evaluate_batches(model)
         loss_sum, count = distributed.all_reduce_sum(sums).tolist()

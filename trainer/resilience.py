@@ -252,6 +252,7 @@ class Checkpointing(Callback):
         """Takes the saved best only where it still describes this run's best.pt: the same
         key and direction, and the file there (a checkpoint of another run starts afresh)."""
         if ((state.get("monitor"), state.get("mode")) == (self.c.monitor, self.mode)
+                and math.isfinite(float(state["value"]))  # (an older version's nan best)
                 and (self.run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.BEST).exists()):
             self.best, self.best_step = float(state["value"]), int(state["step"])
 
@@ -313,7 +314,7 @@ class Checkpointing(Callback):
             # a value that is not a number ranks with none (every comparison with nan is
             # false: a first nan would have stayed best.pt for the whole run)
             finite = math.isfinite(value)
-            if not finite and not self.unranked:
+            if not finite and not self.unranked and self.env.is_main:  # (values agreed)
                 self.unranked = True
                 distributed.warn(self.env, "trainer.checkpoint.monitor=%s is %s at step %d: "
                                  "not a value to rank, so it never becomes best.pt",

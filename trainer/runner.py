@@ -344,7 +344,12 @@ _SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", 
            "trainer.limit_train_batches", "trainer.limit_val_batches",
            "trainer.overfit_batches", "trainer.val_every_n_epochs", "trainer.log_every_n_steps",
            "trainer.max_bad_steps", "trainer.precision", "trainer.save_checkpoint",
-           "trainer.checkpoint.every_n_steps", "trainer.checkpoint.every_n_epochs")
+           "trainer.fast_dev_run", "trainer.resume", "trainer.compile.enabled",
+           "trainer.checkpoint.every_n_steps", "trainer.checkpoint.every_n_epochs",
+           "trainer.checkpoint.async_save", "trainer.checkpoint.monitor",
+           "trainer.checkpoint.mode", "trainer.ddp.static_graph",
+           "trainer.ddp.find_unused_parameters", "trainer.ddp.sync_batchnorm",
+           "trainer.ddp.bucket_cap_mb")
 
 
 def _same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
@@ -352,7 +357,7 @@ def _same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
     environment, `${oc.env:RANK}`, could give them different ones): ranks with different
     batch sizes or limits take different numbers of steps, and gloo aborts the process on the
     mismatched collective while NCCL hangs. One small all-reduce at start-up, before any other
-    collective; ConfigError on every rank, naming the keys."""
+    collective of the run; ConfigError on every rank, naming the keys."""
     if distributed.world_size() == 1:
         return
     values = []
@@ -360,7 +365,7 @@ def _same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
         v = OmegaConf.select(cfg, key)
         v = getattr(v, "value", v)  # an enum's value
         values.append(float(v) if isinstance(v, (int, float)) else  # (bools too)
-                      -1.0 if v is None else float(zlib.crc32(str(v).encode())))
+                      float(zlib.crc32(repr(v).encode())))  # (null: repr None's)
     both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
     high, low = distributed.all_reduce_max(both).view(2, -1).tolist()
     differ = [f"{key} ({-lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
@@ -393,7 +398,6 @@ def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
            prof, preemption: Preemption, resume: Optional[str],
            callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
-    _same_settings_everywhere(cfg, spec.device)
     train_feed, val_feed, data_lines = build_feeds(cfg, env, spec.device)
     _same_data_everywhere(train_feed, val_feed, spec.device)
     train_loader = train_feed.loader
@@ -490,6 +494,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     start = time.perf_counter()
     loop = None
     try:
+        _same_settings_everywhere(cfg, spec.device)  # (the first collective of the run)
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
                           env)

@@ -131,7 +131,7 @@ def test_a_function_is_a_collate_as_it_stands():
     (dict(_target_="torch.nn.Linear", in_features=3),
      r"^task.metrics.acc: torch.nn.Linear needs 'out_features': set "
      r"task.metrics.acc.out_features$"),
-    (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=[1]),
+    (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=["update", 2]),
      r"^task.metrics.acc: tests.helpers.BrokenMetric refused its arguments \(TypeError: "),
 ])
 def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
@@ -139,3 +139,10 @@ def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
     task.metrics.<name>, as a model's name model.<key>, not Hydra's whole message."""
     with pytest.raises(ConfigError, match=message):
         build(node(_target_="trainer.task.Classification", metrics={"acc": metric}), "task")
+
+
+def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
+    metrics = {"a": dict(_target_="tests.helpers.BrokenMetric"),
+               "b": dict(_target_="tests.helpers.BrokenMetric", _args_=["update", 2])}
+    with pytest.raises(ConfigError, match=r"^task.metrics.b: tests.helpers.BrokenMetric refused"):
+        build(node(_target_="trainer.task.Classification", metrics=metrics), "task")
