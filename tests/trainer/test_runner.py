@@ -434,7 +434,7 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
     assert json.loads((sweep / "1" / "status.json").read_text()) == {
         "status": "failed: configuration, data or checkpoint", "exit_code": 2,
         "error": "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate: -1",
-        "when": ANY}
+        "when": ANY, "job": None, "from": None}
 
 
 def test_exit_codes_and_status_lines_say_what_the_process_did():
