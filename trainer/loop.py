@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -75,17 +74,6 @@ def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> Lis
 
 def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
     return len(epoch_plan(loader, limit, accumulate))
-
-
-def _float_dtypes(batch: Any) -> set:
-    """The floating-point dtypes of the tensors in a batch (tuples, lists, dicts of them)."""
-    if isinstance(batch, torch.Tensor):
-        return {batch.dtype} if batch.is_floating_point() else set()
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        return set().union(*(_float_dtypes(b) for b in batch)) if batch else set()
-    return set()
 
 
 class NonFiniteLoss(RuntimeError):
@@ -407,7 +395,8 @@ class Loop:
             # configuration mismatch (data.input_shape, the model's arguments), not a crash
             model = unwrap(self.model)
             params = {p.dtype for p in model.parameters() if p.is_floating_point()}
-            floats = _float_dtypes(batch) - params
+            floats = {t.dtype for t in checkpoint.tensors_in(batch)
+                      if t.is_floating_point()} - params
             fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
                    f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
                    "make the dataset return tensors of the model's dtype (numpy arrays are "
