@@ -316,6 +316,14 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def spread(values: List[float], device: torch.device) -> Tuple[List[float], List[float]]:
+    """(smallest, largest) of each value over the ranks, in one all-reduce (of the values and
+    their negatives): where they differ, the ranks disagree."""
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
+    high, low = all_reduce_max(both).view(2, -1).tolist()
+    return [-v for v in low], high
+
+
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     if is_active():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -366,10 +366,9 @@ def _same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
         v = getattr(v, "value", v)  # an enum's value
         values.append(float(v) if isinstance(v, (int, float)) else  # (bools too)
                       float(zlib.crc32(repr(v).encode())))  # (null: repr None's)
-    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
-    high, low = distributed.all_reduce_max(both).view(2, -1).tolist()
-    differ = [f"{key} ({-lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
-              else key for key, hi, lo in zip(_SHARED, high, low) if hi != -lo]
+    low, high = distributed.spread(values, device)
+    differ = [f"{key} ({lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
+              else key for key, lo, hi in zip(_SHARED, low, high) if lo != hi]
     if differ:
         raise ConfigError(f"the ranks run with different settings: {', '.join(differ)}; every "
                           "rank must have the same ones (an override that reads the rank's "
@@ -385,9 +384,7 @@ def _same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
         return
     sizes = [len(train_feed.loader.dataset),
              len(val_feed.loader.dataset) if val_feed is not None else -1]
-    both = torch.tensor([*sizes, *(-n for n in sizes)], dtype=torch.float64, device=device)
-    high, low = distributed.all_reduce_max(both).view(2, 2).tolist()
-    for split, hi, lo in zip(("training", "validation"), high, (-x for x in low)):
+    for split, lo, hi in zip(("training", "validation"), *distributed.spread(sizes, device)):
         if hi != lo:
             raise ConfigError(
                 f"data: the ranks built {split} sets of different lengths ({int(lo)} to "
