@@ -137,7 +137,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     status = _status(run_dir)
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
-    if (not outputs and not found) or this_jobs(run_dir):
+    if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
     ours = bool(found) or status is not None  # a run's, which trainer.resume=auto continues
     where = f"start in a new dir ({_dir_key()}=...); nothing was changed"
@@ -315,7 +315,11 @@ def write_running(run_dir: Path, source: Optional[str]) -> None:
 
 def this_jobs(run_dir: Path) -> bool:
     """Whether the dir's run is this job's (an earlier attempt of it: a torchrun restart)."""
-    status, job = _status(Path(run_dir)), job_id()
+    return _same_job(_status(Path(run_dir)))
+
+
+def _same_job(status: Optional[Dict[str, Any]]) -> bool:
+    job = job_id()
     return job is not None and status is not None and status.get("job") == job
 
 
