@@ -293,9 +293,9 @@ def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case,
     """The advice a run gives follows what its feed shows. Whether a run waits more than the
     bar that earns advice depends on this machine's load, which is not what is tested here:
     the bar is lowered to 0 so every run gives its advice."""
-    import trainer.runner
+    import trainer.ending
 
-    monkeypatch.setattr(trainer.runner, "STALL_ADVICE_ABOVE", 0.0)
+    monkeypatch.setattr(trainer.ending, "STALL_ADVICE_ABOVE", 0.0)
     with two_cores(), caplog.at_level(logging.INFO, logger="stoker"):
         train(make_cfg(*overrides))
     line = [r.getMessage() for r in caplog.records if "steps waited for data" in r.getMessage()]
@@ -305,9 +305,9 @@ def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case,
 
 def test_no_advice_for_a_fast_dev_run_or_a_few_steps(make_cfg, caplog, monkeypatch, tmp_path):
     """One step's wait is the loader's start-up: no advice, however long it waited."""
-    import trainer.runner
+    import trainer.ending
 
-    monkeypatch.setattr(trainer.runner, "STALL_ADVICE_ABOVE", 0.0)
+    monkeypatch.setattr(trainer.ending, "STALL_ADVICE_ABOVE", 0.0)
     for i, args in enumerate((["trainer.fast_dev_run=true"], ["trainer.max_steps=9"],
                               ["trainer.max_steps=10"])):
         caplog.clear()

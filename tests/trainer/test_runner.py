@@ -320,16 +320,6 @@ def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
                        run_dir=tmp_path / "other"))
 
 
-def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line():
-    from trainer.runner import _check_optimizer_step
-
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    _check_optimizer_step(torch.optim.SGD(params, lr=0.1))  # a closure it may take, not needs
-    with pytest.raises(ConfigError, match=r"^optim: LBFGS.step\(\) needs a closure that "
-                                          r"evaluates the loss again"):
-        _check_optimizer_step(torch.optim.LBFGS(params))
-
-
 def test_a_monitor_without_checkpoints_says_it_keeps_nothing(make_cfg, caplog):
     with caplog.at_level(logging.WARNING, logger="stoker"):
         summary = train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false",
@@ -437,19 +427,6 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
         "when": ANY, "job": None, "from": None}
 
 
-def test_exit_codes_and_status_lines_say_what_the_process_did():
-    from trainer.runner import exit_code, status_error
-
-    assert [exit_code(SystemExit(c)) for c in (None, 0, 3, "bye")] == [0, 0, 3, 1]
-    from torch._utils import KeyErrorMessage  # how the DataLoader re-raises a worker's KeyError
-
-    worker = KeyError(KeyErrorMessage(
-        "Caught KeyError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
-        "last):\n  File \"x.py\", line 1\nKeyError: 'lbl'\n"))
-    assert status_error(worker) == "KeyError: 'lbl' (KeyError in DataLoader worker process 0)"
-    assert status_error(KeyError("lbl")) == "KeyError: 'lbl'"
-
-
 @pytest.mark.gpu
 def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     """A sweep's jobs share one process: each reports the CUDA peak since its own start, not
@@ -464,41 +441,6 @@ def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     narrow = train(make_cfg("trainer.accelerator=cuda", "trainer.max_steps=5",
                             "model.hidden=[32]", run_dir=tmp_path / "narrow"))
     assert 0 < narrow["peak_mem_mb"] < wide["peak_mem_mb"] / 4
-
-
-def test_a_torchrun_restart_continues_its_own_run_and_no_other(make_cfg, tmp_path,
-                                                              monkeypatch):
-    """A job launched with trainer.resume=PATH and restarted by torchrun after it saved goes on
-    from its own newest checkpoint, not back to PATH; before its first save, from PATH again
-    (its status.json names the job and PATH). A dir whose run is not this job's is refused
-    to a restart as to the first attempt."""
-    import json
-
-    from trainer import rundir
-    from trainer.checkpoint import CheckpointError
-    from trainer.runner import _resume_setting
-
-    run_dir, path = tmp_path / "run", str(tmp_path / "other" / "step-00000004.pt")
-    given = make_cfg(f"trainer.resume={path}", run_dir=run_dir)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    run_dir.mkdir()
-    rundir.write_running(run_dir, path)  # the first attempt, killed before its first save
-    assert _resume_setting(given, run_dir) == path
-    rundir.check_fresh_start(run_dir, path)  # its own earlier attempt: not refused
-    (run_dir / "checkpoints").mkdir()
-    (run_dir / "checkpoints" / "step-00000002.pt").write_bytes(b"")
-    assert _resume_setting(given, run_dir) == "auto"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job's dir
-    assert _resume_setting(given, run_dir) == path
-    with pytest.raises(CheckpointError, match="a new run from a checkpoint outside run dir"):
-        rundir.check_fresh_start(run_dir, path)
-    (run_dir / "checkpoints" / "step-00000002.pt").unlink()
-    status = json.loads((run_dir / "status.json").read_text())
-    assert (status["job"], status["from"]) == ("TORCHELASTIC_RUN_ID=job-1", path)
-    with pytest.raises(CheckpointError, match=rf"continue it with trainer.resume={path}, or "):
-        rundir.check_fresh_start(run_dir, None)  # (auto would start from the seed)
-
 
 
 def test_a_run_whose_workers_wait_at_each_epochs_end_exits(tmp_path):

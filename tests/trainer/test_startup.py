@@ -1,0 +1,48 @@
+"""trainer/startup.py: what a run settles before its first step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer import rundir
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError
+from trainer.startup import check_optimizer_step, resume_setting
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    check_optimizer_step(torch.optim.SGD(params, lr=0.1))  # a closure it may take, not needs
+    with pytest.raises(ConfigError, match=r"^optim: LBFGS.step\(\) needs a closure that "
+                                          r"evaluates the loss again"):
+        check_optimizer_step(torch.optim.LBFGS(params))
+
+
+def test_a_torchrun_restart_continues_its_own_run_and_no_other(make_cfg, tmp_path,
+                                                              monkeypatch):
+    """A job launched with trainer.resume=PATH and restarted by torchrun after it saved goes on
+    from its own newest checkpoint, not back to PATH; before its first save, from PATH again
+    (its status.json names the job and PATH). A dir whose run is not this job's is refused
+    to a restart as to the first attempt."""
+    run_dir, path = tmp_path / "run", str(tmp_path / "other" / "step-00000004.pt")
+    given = make_cfg(f"trainer.resume={path}", run_dir=run_dir)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    run_dir.mkdir()
+    rundir.write_running(run_dir, path)  # the first attempt, killed before its first save
+    assert resume_setting(given, run_dir) == path
+    rundir.check_fresh_start(run_dir, path)  # its own earlier attempt: not refused
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "step-00000002.pt").write_bytes(b"")
+    assert resume_setting(given, run_dir) == "auto"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another job's dir
+    assert resume_setting(given, run_dir) == path
+    with pytest.raises(CheckpointError, match="a new run from a checkpoint outside run dir"):
+        rundir.check_fresh_start(run_dir, path)
+    (run_dir / "checkpoints" / "step-00000002.pt").unlink()
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["job"], status["from"]) == ("TORCHELASTIC_RUN_ID=job-1", path)
+    with pytest.raises(CheckpointError, match=rf"continue it with trainer.resume={path}, or "):
+        rundir.check_fresh_start(run_dir, None)  # (auto would start from the seed)

@@ -1,0 +1,196 @@
+"""How a run ends: a finished run's summary, files and advice; the exit code and status.json
+line for what stopped it, the failures said in one line, and the ending of a process whose
+peer was lost (README "Exit codes")."""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, NoReturn, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from data.loader import LoaderStalled
+from trainer import checkpoint, distributed, rundir
+from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
+from trainer.config import RunSpec
+from trainer.distributed import DistEnv
+from trainer.feeds import feed_advice
+from trainer.liveness import PeerLost
+from trainer.logging import RunLogger
+from trainer.loop import Loop, NonFiniteLoss, skipped_files
+from trainer.resilience import Checkpointing, Preempted
+
+log = logging.getLogger("stoker")
+STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
+STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a shorter one's
+# wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
+
+# failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
+ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError)
+
+
+def end_without_peer(e: PeerLost) -> NoReturn:
+    """Says `e` (any rank: rank 0 may be the one lost) and ends the process with exit code 1,
+    Python's exit handlers run but not C++'s teardown: the backend's threads may still wait on
+    the lost peer, and destroying them then aborts the process (SIGABRT, 'terminate called
+    without an active exception') after the line was said."""
+    try:
+        fail(e, code=exit_code(e), any_rank=True)
+    except SystemExit as done:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(done.code)
+
+
+def sweep_job_failed(e: BaseException) -> None:
+    """A sweep job that failed before it opened its files (a refused setting of its own, a
+    first batch its task refuses) leaves its status.json in the job dir Hydra made for it,
+    where nothing else would say how it ended; the sweep itself stops there (Hydra's launcher
+    runs no job after a failed one). A job dir with a status.json keeps it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or not distributed.detect().is_main:
+        return
+    h = HydraConfig.get()
+    job_dir = Path(h.runtime.output_dir)
+    if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
+        return
+    record_failure(job_dir, e)
+
+
+def record_failure(run_dir: Path, e: BaseException) -> None:
+    """`run_dir`'s status.json for a run that ended with `e`."""
+    rundir.write_status(run_dir, exit_code(e), status_error(e),
+                        word=("exited: SystemExit raised during the run"
+                              if type(e) is SystemExit else None))
+
+
+def status_error(e: BaseException) -> str:
+    """status.json's error line: a crash (not a mistake the run names in one line) keeps its
+    exception's type."""
+    if type(e) is SystemExit:  # sys.exit() in the user's code, mid-run
+        return f"SystemExit({e.code!r})"
+    crash = exit_code(e) == 1 and not isinstance(e, ONE_LINE)
+    text = describe(e)
+    if crash and not text.startswith(f"{type(e).__name__}:"):  # (a worker's line has it)
+        return f"{type(e).__name__}: {text}"
+    return text
+
+
+def exit_code(e: Optional[BaseException]) -> int:
+    """The process's exit code for a run that ended with `e` (None: success)."""
+    if e is None:
+        return 0
+    if isinstance(e, Preempted):
+        return e.code
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(e, SignalledAgain):
+        return e.code
+    if isinstance(e, SystemExit):  # as Python exits with it: None is 0, a message is 1
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    return EXIT_CONFIG if isinstance(e, USER_ERRORS) else 1
+
+
+def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
+           checkpointing: Checkpointing, logger: RunLogger, summary: Dict[str, Any],
+           writing: bool) -> None:
+    """Completes a finished run's `summary` (its checkpoints, skipped files, shape, peak
+    memory), writes it with status.json (`writing`: rank 0 holds the run's files), says it, and
+    advises on the input pipeline where the steps waited for data."""
+    t, run_dir = cfg.trainer, Path(cfg.run_dir)
+    last = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
+    summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else ""
+    best = checkpointing.best_record()
+    if best is not None and t.save_checkpoint:
+        summary["best"] = best
+    skipped = skipped_files(loop.train_feed, loop.val_feed)
+    if skipped:
+        distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."
+                         "on_error=skip), e.g. %s", len(skipped), ", ".join(skipped[:3]))
+    summary.update(skipped_files=len(skipped), global_batch=spec.global_batch,
+                   world_size=env.world_size, strategy=spec.strategy.value,
+                   precision=t.precision.value, peak_mem_mb=peak_memory_mb(spec))
+    logger.summary(summary)
+    if writing:
+        rundir.write_status(run_dir, 0, "")
+    final_summary_line(summary, env)
+    # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
+    gpu_idle = "run_device_wait_frac" in summary
+    stalled = summary["run_device_wait_frac" if gpu_idle else "run_data_wait_frac"]
+    if stalled > STALL_ADVICE_ABOVE and loop.state.step >= STALL_ADVICE_STEPS \
+            and not t.fast_dev_run:
+        logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
+                                      env.local_world_size, gpu_idle))
+
+
+def save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
+                max_bad_steps: int) -> None:
+    """The final state saved (skipped if its step is saved already) and every write done, or
+    NonFiniteLoss where the run ended on losses that were not finite."""
+    bad = loop.bad_steps()  # (collective: every rank takes the same branch)
+    if bad and max_bad_steps:  # fewer than max_bad_steps, but the final state is broken
+        raise NonFiniteLoss(
+            f"the run ended with a loss that was not finite for its last {bad} optimizer "
+            f"steps (fewer than trainer.max_bad_steps={max_bad_steps}); its final state was "
+            "not saved")
+    checkpointing.save(loop)
+    checkpointing.finish()
+
+
+def last_good(run_dir: Path) -> str:
+    """What a run stopped for losses that were not finite leaves to resume from (no checkpoint
+    is saved with such a loss)."""
+    last = checkpoint.candidates(run_dir)
+    return f"the last good checkpoint is {last[0]}" if last else "no checkpoint was saved"
+
+
+def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
+                   logger: RunLogger) -> Dict[str, Any]:
+    """What a run resumed from its final checkpoint returns, writing nothing: the summary its
+    run dir holds (where this rank can read it), and one line saying so."""
+    t, state = cfg.trainer, loop.state
+    logger.info("nothing to train: the run is complete at epoch %d step %d (trainer.max_epochs="
+                "%d, trainer.max_steps=%d) and its files are left as they are; raise either to "
+                "train on", state.epoch, state.step, t.max_epochs, t.max_steps)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {**summary, "epochs": state.epoch, "steps": state.step, "complete": True}
+
+
+def peak_memory_mb(spec: RunSpec) -> float:
+    """Peak memory of this run: CUDA allocations since it began on the busiest of its GPUs
+    (reset at its start, so a sweep's jobs in one process each report their own), resident
+    set size of the process on CPU."""
+    gpus = spec.gpus
+    if gpus:
+        return max(torch.cuda.max_memory_allocated(d) for d in gpus) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
+    if not env.is_main:
+        return
+    val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
+        or "no validation"
+    gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
+           if "run_device_wait_frac" in s else "")
+    log.info("done: %d epochs, %d steps in %.1fs (training %.1fs, validation %.1fs, "
+             "checkpoints %.1fs) | %s | %.0f samples/s | waiting for data %.1f%% of step "
+             "time%s%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
+             s["run_checkpoint_s"], val, s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
+             gpu, f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+    if "best" in s:
+        b = s["best"]
+        log.info("best.pt: step %d, %s %.4f", b["step"], b["monitor"], b["value"])

@@ -1,0 +1,158 @@
+"""What a run settles before its first step: that every rank runs the same settings and data,
+that the optimizer steps the way the loop calls it, and which checkpoint it continues from,
+loaded into the built loop."""
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checkpoint, distributed, rundir
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError
+from trainer.distributed import DistEnv
+from trainer.loop import Loop
+from trainer.resilience import changes_line, resume_changes, set_rng_state
+from trainer.strategy import unwrap
+
+def resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    """trainer.resume, except that a job torchrun restarted continues its own run (the run
+    dir's status.json names this job) from the dir's newest checkpoint: a path given for the
+    first attempt would roll the run back to it. While the dir holds none, or holds no run of
+    this job (the first attempt failed before its first step), it is as given."""
+    resume = cfg.trainer.resume
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
+            rundir.this_jobs(run_dir) and checkpoint.candidates(run_dir):
+        return "auto"
+    return resume
+
+
+def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
+             resume: Optional[str], gpus: List[torch.device]
+             ) -> Tuple[List[str], List[str], Optional[Path]]:
+    """Loads the checkpoint `resume` names into the built loop, if any; returns the warnings
+    and the lines to log about it, which the caller logs once every check passed, and the
+    file it resumed from."""
+    found = checkpoint.find_resume(resume, run_dir)
+    if found is None:
+        return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
+                     ": a fresh start (the run to continue is named by hydra.run.dir)"]
+                    if resume == "auto" else []), None
+    path, state, skipped = found
+    # damaged newer checkpoints, skipped for an older one that loads
+    warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
+    rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
+    changes = resume_changes(state.get("config", {}), cfg, old_world, env.world_size)
+    checkpoint.check_model_state(unwrap(loop.model), state, path)
+    try:
+        loop.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
+        raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
+                              f"fit this run ({type(e).__name__}: {e})") from None
+    # a sanity bound: the position counts whole global batches (an epoch's last one may pass
+    # the dataset's end: 23 x 64 = 1472 for 1438 samples), and a checkpoint at an epoch's last
+    # step is saved before it resets to 0
+    n = len(loop.train_feed.loader.dataset)
+    old_batch = ((state.get("config") or {}).get("data") or {}).get("batch_size") \
+        or cfg.data.batch_size
+    if loop.state.position > n + int(old_batch) * old_world:
+        raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
+                              f"into epoch {loop.state.epoch}, is past the end of this run's "
+                              f"{n} training samples (another dataset?)")
+    if not checkpoint.in_run_dir(path, run_dir):
+        # another run's checkpoint: its final validation is that run's record, not this
+        # one's, so a complete one is validated again here (on this world size) and
+        # this run dir gets its own summary
+        loop.state.validated_step = -1
+    lines = []
+    if resume != cfg.trainer.resume:
+        lines.append(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming "
+                     "from this run's newest checkpoint")
+    if changes:
+        lines.append(changes_line(changes))
+    generator = loop.train_feed.loader.generator
+    if len(rngs) == env.world_size:
+        set_rng_state(rngs[env.rank], generator, gpus)
+        loop.loader_rng = rngs[env.rank].get("loader")
+    elif old_world != env.world_size:
+        lines.append(f"the checkpoint was written by {old_world} ranks, this job has "
+                     f"{env.world_size}: the data position is kept in global samples "
+                     f"({loop.state.position} into epoch {loop.state.epoch}); random states "
+                     "start from the seed")
+    lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
+                 f"({loop.state.position} samples into the epoch)")
+    return warnings, lines, path
+
+
+def check_optimizer_step(optimizer) -> None:
+    """The loop calls `optimizer.step()` once per window, with no closure."""
+    import inspect
+
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is closure.empty:
+        raise ConfigError(f"optim: {type(optimizer).__name__}.step() needs a closure that "
+                          "evaluates the loss again (several times a step), which the loop, "
+                          "one forward and backward per micro-batch, does not give; use an "
+                          "optimizer stepped without one (adamw, sgd, ...)")
+
+
+# settings every rank must share: the steps each takes and when, which samples (the sampler's
+# seed and order), and when the ranks meet (logging, validation, checkpoints)
+SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", "data.shuffle",
+           "trainer.accumulate_grad_batches", "trainer.max_epochs", "trainer.max_steps",
+           "trainer.limit_train_batches", "trainer.limit_val_batches",
+           "trainer.overfit_batches", "trainer.val_every_n_epochs", "trainer.log_every_n_steps",
+           "trainer.max_bad_steps", "trainer.precision", "trainer.save_checkpoint",
+           "trainer.fast_dev_run", "trainer.resume", "trainer.compile.enabled",
+           "trainer.checkpoint.every_n_steps", "trainer.checkpoint.every_n_epochs",
+           "trainer.checkpoint.async_save", "trainer.checkpoint.monitor",
+           "trainer.checkpoint.mode", "trainer.ddp.static_graph",
+           "trainer.ddp.find_unused_parameters", "trainer.ddp.sync_batchnorm",
+           "trainer.ddp.bucket_cap_mb")
+
+
+def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
+    """Every rank must run with the same `SHARED` settings (an override that reads the rank's
+    environment, `${oc.env:RANK}`, could give them different ones): ranks with different
+    batch sizes or limits take different numbers of steps, and gloo aborts the process on the
+    mismatched collective while NCCL hangs. One small all-reduce at start-up, before any other
+    collective of the run; ConfigError on every rank, naming the keys."""
+    if distributed.world_size() == 1:
+        return
+    values = []
+    for key in SHARED:
+        v = OmegaConf.select(cfg, key)
+        v = getattr(v, "value", v)  # an enum's value
+        values.append(float(v) if isinstance(v, (int, float)) else  # (bools too)
+                      float(zlib.crc32(repr(v).encode())))  # (null: repr None's)
+    low, high = distributed.spread(values, device)
+    differ = [f"{key} ({lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
+              else key for key, lo, hi in zip(SHARED, low, high) if lo != hi]
+    if differ:
+        raise ConfigError(f"the ranks run with different settings: {', '.join(differ)}; every "
+                          "rank must have the same ones (an override that reads the rank's "
+                          "environment?)")
+
+
+def same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
+    """Every rank must have built datasets of the same lengths: the samplers cut one index
+    range into shards, and ranks with different ones would take different numbers of steps
+    (gloo aborts the process on the mismatched collective, NCCL hangs). One small all-reduce
+    at start-up; ConfigError on every rank."""
+    if distributed.world_size() == 1:
+        return
+    sizes = [len(train_feed.loader.dataset),
+             len(val_feed.loader.dataset) if val_feed is not None else -1]
+    for split, lo, hi in zip(("training", "validation"), *distributed.spread(sizes, device)):
+        if hi != lo:
+            raise ConfigError(
+                f"data: the ranks built {split} sets of different lengths ({int(lo)} to "
+                f"{int(hi)} samples); every rank must build the same dataset (one that reads "
+                "RANK, or files that differ between nodes?)")
