@@ -138,11 +138,11 @@ def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
     """A task's metrics are built inside it (Hydra's recursion): their mistakes name
     task.metrics.<name>, as a model's name model.<key>, not Hydra's whole message."""
     with pytest.raises(ConfigError, match=message):
-        build(node(_target_="trainer.task.Classification", metrics={"acc": metric}), "task")
+        build(node(_target_="trainer.tasks.Classification", metrics={"acc": metric}), "task")
 
 
 def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
     metrics = {"a": dict(_target_="tests.helpers.BrokenMetric"),
                "b": dict(_target_="tests.helpers.BrokenMetric", _args_=["update", 2])}
     with pytest.raises(ConfigError, match=r"^task.metrics.b: tests.helpers.BrokenMetric refused"):
-        build(node(_target_="trainer.task.Classification", metrics=metrics), "task")
+        build(node(_target_="trainer.tasks.Classification", metrics=metrics), "task")

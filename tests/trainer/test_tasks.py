@@ -1,0 +1,231 @@
+"""The built-in tasks (trainer/tasks.py): how batches reach the model, losses and their counts,
+metrics, one-line errors."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import PaddedTokens, pad_collate, tag_collate, tiny_bert_tagger, tiny_gpt2
+from trainer.config import ConfigError
+from trainer.metrics import Accuracy
+from trainer.runner import train
+from trainer.task import TaskError
+from trainer.tasks import Classification, LanguageModel, ModelLoss, Regression
+
+
+def test_classification_reads_tuples_dicts_and_model_outputs():
+    task = Classification(num_classes=3)
+    logits, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    ref = F.cross_entropy(logits, y)
+    model = torch.nn.Identity()
+    assert torch.allclose(task.loss(task.forward(model, (logits, y)), (logits, y)), ref)
+    batch = {"x": logits, "labels": y}
+    out = task.forward(lambda x: {"logits": x}, batch)  # dict in -> keywords, dict out
+    assert torch.allclose(task.loss(out, batch), ref)
+    assert task.count(batch) == 4 and isinstance(task.count(batch), int)  # no host sync
+
+
+@pytest.mark.parametrize("batch,output,fragment", [
+    ({"x": torch.zeros(2)}, torch.zeros(2, 3),
+     "a batch it cannot unpack: got dict{x: tensor(2,) float32}; expected (inputs, target) or "
+     "a dict with the target key 'labels'"),
+    ((torch.zeros(2, 3), torch.zeros(2)), torch.zeros(2, 3), "targets that are not integer"),
+    ((torch.zeros(2, 3), torch.zeros(3, dtype=torch.int64)), torch.zeros(2, 3),
+     "logits (2, 3) and targets of another shape"),
+    ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2, 5),
+     "logits with 5 classes but data.num_classes=3"),
+    ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
+     "a model output it cannot read: got str"),
+])
+def test_classification_errors_are_one_line_naming_the_task(batch, output, fragment):
+    task = Classification(num_classes=3)
+    with pytest.raises(TaskError) as info:
+        task.loss(output, batch)
+    assert str(info.value).startswith("task classification: ")
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_targets_beyond_the_logits_are_caught_on_the_first_batch():
+    with pytest.raises(TaskError, match="a target outside 0..2"):
+        Classification().loss(torch.zeros(2, 3), (None, torch.tensor([0, 7])))
+
+
+def test_ignore_index_is_left_out_of_loss_count_and_accuracy():
+    logits = torch.randn(2, 5, 7)
+    target = torch.randint(7, (2, 5))
+    target[0, 3:] = -100
+    task = LanguageModel()
+    loss, count = task.loss(logits, (None, target)), task.count((None, target))
+    valid = target != -100
+    assert int(count) == int(valid.sum()) == 8
+    assert torch.allclose(loss, F.cross_entropy(logits[valid], target[valid]))
+    acc = Accuracy(ignore_index=-100)
+    acc.update(logits, target)
+    expected = (logits.argmax(-1) == target)[valid].float().mean()
+    assert torch.allclose(acc.compute(), expected)  # not halved by the padding
+
+
+def test_language_model_shifts_labels_like_hugging_face():
+    model = tiny_gpt2()
+    batch = pad_collate([PaddedTokens("val", num_samples=3)[i] for i in range(3)])
+    own = model(**batch).loss
+    task = ModelLoss(count="tokens")
+    task.setup(model)  # auto: GPT-2 is a causal LM, its labels are scored one position on
+    assert task.shift_labels is True and "causal language model" in task.note
+    lm = LanguageModel(shift_labels=True, input_key="input_ids")
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert torch.allclose(lm.loss(out, batch), own, rtol=1e-5)
+    assert int(task.count(batch)) == int(lm.count(batch)) == int(
+        (batch["labels"][:, 1:] != -100).sum())
+    assert torch.allclose(task.loss(model(**batch), batch), own)
+
+
+def test_model_loss_scores_an_encoders_token_labels_where_they_stand():
+    """shift_labels=auto: a token classifier's labels are not shifted: the count and the
+    metrics see every label against its own position's logits."""
+    model = tiny_bert_tagger()
+    batch = tag_collate([PaddedTokens("val", num_samples=4)[i] for i in range(4)])
+    task = ModelLoss(count="tokens", metrics={"acc": Accuracy(ignore_index=-100)})
+    task.setup(model)
+    assert task.shift_labels is False and "not a Hugging Face causal" in task.note
+    out = model(**batch)
+    valid = batch["labels"] != -100
+    assert int(task.count(batch)) == int(valid.sum())
+    task.update_metrics(out, batch)
+    own = (out.logits.argmax(-1) == batch["labels"])[valid].float().mean()
+    assert float(task.metrics["acc"].compute()) == pytest.approx(float(own))
+
+
+def test_a_hugging_face_token_classifier_trains_with_its_own_loss_and_exact_metrics(
+        make_cfg, caplog):
+    """BERT tagging tokens with task=model_loss task.count=tokens (shift_labels=auto): the
+    logged token accuracy is the model's own, recomputed from the saved weights."""
+    cfg = make_cfg("data=custom", "+data.train_dataset._target_=tests.helpers.PaddedTokens",
+                   "+data.val_dataset._target_=tests.helpers.PaddedTokens",
+                   "+data.val_dataset.split=val", "+data.val_dataset.num_samples=20",
+                   "+data.collate_fn._target_=tests.helpers.tag_collate", "data.batch_size=8",
+                   "model=custom", "model._target_=tests.helpers.tiny_bert_tagger",
+                   "task=model_loss", "task.count=tokens", "+task.metrics.acc._target_="
+                   "trainer.metrics.Accuracy", "+task.metrics.acc.ignore_index=-100",
+                   "trainer.max_epochs=3", "optim.lr=0.01")
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        s = train(cfg)
+    assert "labels scored where they stand (BertForTokenClassification" in caplog.text
+    model = tiny_bert_tagger()
+    model.load_state_dict(torch.load(s["checkpoint"], weights_only=True)["model"])
+    model.eval()
+    batch = tag_collate([PaddedTokens("val", num_samples=20)[i] for i in range(20)])
+    with torch.no_grad():
+        logits = model(**batch).logits
+    valid = batch["labels"] != -100
+    own = float((logits.argmax(-1) == batch["labels"])[valid].float().mean())
+    assert s["val_acc"] == pytest.approx(own, abs=1e-6) and own > 0.9  # parity is learnable
+
+
+def test_model_loss_shift_labels_refuses_bad_values_and_an_undecided_auto():
+    with pytest.raises(ConfigError, match="task.shift_labels=maybe: must be auto, true or false"):
+        ModelLoss(shift_labels="maybe")
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.int64),
+             "labels": torch.ones(1, 3, dtype=torch.int64)}
+    with pytest.raises(ConfigError, match="decided from the model: call the task's setup"):
+        ModelLoss(count="tokens").count(batch)
+    assert int(ModelLoss(count="tokens", shift_labels=False).count(batch)) == 3
+
+
+def test_model_loss_warns_when_unshifted_labels_are_the_inputs(caplog):
+    ids = torch.randint(48, (2, 6))
+    task = ModelLoss(count="tokens", shift_labels=False)
+    task.count({"input_ids": ids, "labels": ids})
+    assert "the labels equal the input_ids" in caplog.text
+    caplog.clear()
+    task = ModelLoss(count="tokens", shift_labels=False)
+    task.count({"input_ids": ids, "labels": ids % 2})
+    assert "input_ids" not in caplog.text
+
+
+def test_language_model_warns_when_targets_are_the_unshifted_inputs(caplog):
+    ids = torch.randint(48, (2, 6))
+    batch = {"input_ids": ids, "labels": ids}
+    task = LanguageModel(input_key="input_ids")
+    task.loss(task.forward(lambda t: torch.randn(2, 6, 48), batch), batch)
+    assert "set task.shift_labels=true" in caplog.text
+    caplog.clear()
+    shifted = LanguageModel(input_key="input_ids", shift_labels=True)
+    shifted.loss(shifted.forward(lambda t: torch.randn(2, 6, 48), batch), batch)
+    assert "shift_labels" not in caplog.text
+
+
+def test_regression_loss_and_shapes():
+    task = Regression()
+    pred, y = torch.randn(5, 1), torch.randn(5, dtype=torch.float64)
+    assert torch.allclose(task.loss(pred, (None, y)), F.mse_loss(pred.squeeze(1), y.float()))
+    with pytest.raises(TaskError, match="targets that are not real numbers"):
+        task.loss(pred, (None, torch.zeros(5, dtype=torch.int64)))
+
+
+def test_regression_keeps_targets_in_fp32_under_autocast_outputs():
+    pred, y = torch.randn(4, 1).bfloat16(), torch.tensor([1.0001, 2.0002, 3.0003, 4.0004])
+    p, t = Regression().metric_inputs(pred, (None, y))
+    assert t.dtype == p.dtype == torch.float32 and torch.equal(t.squeeze(1), y)
+
+
+def test_classification_takes_int32_targets():
+    logits, y = torch.randn(3, 4), torch.tensor([0, 3, 1], dtype=torch.int32)
+    assert torch.allclose(Classification().loss(logits, (None, y)),
+                          F.cross_entropy(logits, y.long()))
+
+
+def test_a_metric_that_does_not_reduce_to_one_number_is_one_line():
+    from torchmetrics.classification import MulticlassF1Score
+
+    task = Classification(metrics={"f1": MulticlassF1Score(num_classes=3, average=None)})
+    task.update_metrics(torch.randn(6, 3), (None, torch.tensor([0, 1, 2, 0, 1, 2])))
+    with pytest.raises(TaskError, match=r"^task.metrics.f1: MulticlassF1Score computed "
+                                        r"tensor\(3,\) float32, not one number; configure"):
+        task.compute_metric("f1", task.metrics["f1"])
+
+
+def test_a_model_returning_only_its_loss_trains_and_validates(make_cfg):
+    s = train(make_cfg("model._target_=tests.helpers.SelfLossMLP", "task=model_loss",
+                       "trainer.max_epochs=2"))
+    assert s["val_loss"] < 1.0 and "val_acc" not in s
+
+
+def test_model_loss_needs_a_scalar_loss():
+    with pytest.raises(TaskError, match="task model_loss: no scalar loss in the model output: "
+                                        "got dict{logits: tensor"):
+        ModelLoss().loss({"logits": torch.zeros(2, 3)}, {})
+
+
+@pytest.mark.parametrize("count", ["samples", "tokens"])
+def test_model_loss_under_data_parallel_is_the_whole_batchs_mean(count):
+    """DataParallel on several GPUs gathers each GPU's 0-d loss into a vector, one per chunk
+    of the batch (torch.chunk along dim 0; 7 samples on 4 GPUs: 2, 2, 2, 1): the task
+    weighs them back into the mean over the whole batch, a chunk of padding only (its mean
+    NaN) weighing nothing. The gather is made by hand here, with no GPU."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(7, 5, 3), torch.randint(0, 3, (7, 5))
+    labels[6] = -100  # the last chunk: padding only
+    labels[0, :2] = -100
+
+    def mean_loss(lg, lb):
+        if count == "tokens":
+            return F.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100)
+        return F.cross_entropy(lg[:, 0], lb[:, 0].clamp(min=0))
+
+    task = ModelLoss(count=count, shift_labels=False)
+    task._replicas = 4  # what forward() reads from a DataParallel model on 4 GPUs
+    gathered = torch.stack([mean_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4))])
+    whole = mean_loss(logits[:6] if count == "tokens" else logits, labels[:6] if count == "tokens"
+                      else labels)
+    batch = {"labels": labels}
+    assert torch.isnan(gathered[-1]) == (count == "tokens")
+    assert torch.allclose(task.loss({"loss": gathered}, batch), whole)
+    with pytest.raises(TaskError, match="no scalar loss"):  # not a gather of this batch
+        task.loss({"loss": gathered[:2]}, batch)
+    task._replicas = 1  # a vector without DataParallel: an unreduced loss, refused
+    with pytest.raises(TaskError, match="no scalar loss"):
+        task.loss({"loss": gathered}, batch)
