@@ -53,8 +53,8 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     `collate_fn` (null: PyTorch's default) turns a list of samples into a batch.
     `shuffle` overrides `cfg.shuffle` for training (overfit mode repeats the same batches).
     `num_workers` overrides `cfg.num_workers` (the trainer passes it with `auto` resolved).
-    Pinned memory is used only when the batches go to a CUDA device, and then by the
-    DataLoader's pin thread, never on the training loop's thread.
+    Pinned memory is used only when the batches go to a CUDA device: by the DataLoader's pin
+    thread when there are workers, on the calling thread without (PyTorch's way).
     """
     if train:
         sampler: Sampler[int] = ResumableDistributedSampler(

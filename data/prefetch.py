@@ -87,6 +87,23 @@ def map_tensors(batch: Any, fn) -> Any:
     return batch
 
 
+def each_tensor(batch: Any, fn) -> None:
+    """Calls `fn` on every tensor `map_tensors` would map, building nothing: no copy of a
+    dict-like batch or a dataclass (a per-batch cost, and a type that refuses other values
+    would fail its rebuild)."""
+    if isinstance(batch, torch.Tensor):
+        fn(batch)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            each_tensor(v, fn)
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            each_tensor(v, fn)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            each_tensor(getattr(batch, field.name), fn)
+
+
 class DeviceAugment:
     """Random crop with zero padding and horizontal flips of N x C x H x W inputs, drawn per
     sample on the device in one gather.
@@ -184,6 +201,9 @@ class DevicePrefetcher:
     def __init__(self, loader, device: torch.device, transform: Optional[InputTransform] = None,
                  enabled: bool = True):
         self.loader = loader
+        if device.type == "cuda" and device.index is None:  # "cuda": the current GPU, named,
+            # so that a batch made there compares equal to it (cuda:0 != cuda)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.transform = transform or InputTransform()
         self.resident = isinstance(loader, ResidentBatches)
@@ -248,7 +268,7 @@ class DevicePrefetcher:
             copied.record(side)  # after the copy and transform of `pending`
             compute.wait_event(copied)  # ... which the compute stream must not overtake
             batch = pending
-            map_tensors(batch, lambda t: t.record_stream(compute))
+            each_tensor(batch, lambda t: t.record_stream(compute))
             # overlaps with the step that uses `batch`
             pending = self._preload(batches, keys, compute)
             yield batch

@@ -112,6 +112,19 @@ def _device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _trainers_math() -> None:
+    """The hand-written runners compute as train.py does by default (trainer.tf32=true,
+    trainer.cudnn_benchmark=true): on CUDA, TF32 matmuls and convolutions and cuDNN's
+    autotuned algorithms, so that a ratio measures the loop, not the kernels. The same calls as
+    trainer/speed.py's, without importing it (a plain process starts with torch alone)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+
+
 def _parts(w: Dict[str, Any]):
     """The dataset and model of workload `w`, built as train.py builds them: the model right
     after seeding with SEED (train.py's `seed`), so every runner starts from the same weights."""
@@ -172,6 +185,7 @@ def plain_stepper(w: Dict[str, Any], indexed: bool):
     import torch.nn.functional as F
 
     device = _device()
+    _trainers_math()
     ds, model = _parts(w)
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -206,6 +220,7 @@ def lightning_loop(w: Dict[str, Any]) -> Dict[str, float]:
     import torch
     import torch.nn.functional as F
 
+    _trainers_math()
     ds, model = _parts(w)
     loader = torch.utils.data.DataLoader(  # Lightning calls the sampler's set_epoch
         ds, batch_size=w["batch"], sampler=_sampler(ds), num_workers=w["workers"],

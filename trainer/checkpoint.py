@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from data.prefetch import map_tensors
+from data.prefetch import each_tensor, map_tensors
 from data.resident import nbytes
 
 CHECKPOINT_DIR = "checkpoints"
@@ -311,9 +311,9 @@ def _link_over(src: Path, dst: Path) -> None:
 
 
 def tensors_in(obj: Any) -> List[torch.Tensor]:
-    """Every tensor inside nested dicts, lists and tuples (map_tensors' walk)."""
+    """Every tensor inside nested dicts, lists, tuples and dataclasses (map_tensors' walk)."""
     found: List[torch.Tensor] = []
-    map_tensors(obj, lambda t: found.append(t) or t)
+    each_tensor(obj, found.append)
     return found
 
 

@@ -292,8 +292,10 @@ class RunSpec:
 
 
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value}: {valid}")
+    if not ok:  # the value as an override writes it: null, true, false
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) \
+            else value
+        raise ConfigError(f"{key}={shown}: {valid}")
 
 
 def _check_ranges(cfg: DictConfig) -> None:
@@ -450,6 +452,25 @@ def _check_speed(cfg: DictConfig, strategy: Strategy) -> None:
            "cannot be combined with optim.foreach=true; set one of them to null")
 
 
+def _check_graphs_and_accumulation(cfg: DictConfig, device: torch.device) -> None:
+    """A model compiled to replay CUDA graphs hands its backward's outputs over as the
+    parameters' gradients: the next micro-batch's replay writes over the ones accumulated so
+    far (PyTorch raises "accessing tensor output of CUDAGraphs that has been overwritten", or
+    the gradient silently holds one micro-batch's share; pytorch/pytorch#169545)."""
+    from trainer.speed import cuda_graphs  # (speed imports this module)
+
+    c = cfg.trainer.compile
+    if device.type != "cuda" or not cuda_graphs(c) or cfg.trainer.accumulate_grad_batches == 1:
+        return
+    key, value = (("trainer.compile.backend", c.backend) if c.backend == "cudagraphs"
+                  else ("trainer.compile.mode", c.mode))
+    raise ConfigError(f"{key}={value}: replays CUDA graphs, whose next replay overwrites the "
+                      "gradients accumulated so far, so it cannot be combined with "
+                      f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}; "
+                      "use trainer.compile.mode=max-autotune-no-cudagraphs (or default), or "
+                      "trainer.accumulate_grad_batches=1")
+
+
 def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
             launched: bool = False) -> RunSpec:
     """Checks every value that could not work and returns the derived values of the run.
@@ -484,6 +505,7 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
            "cannot be combined with trainer.accumulate_grad_batches > 1 (DDP's no_sync); "
            "set one of them back")
     _check_speed(cfg, strategy)
+    _check_graphs_and_accumulation(cfg, device)
     _check(cfg.trainer.ddp.timeout_s > 0, "trainer.ddp.timeout_s", cfg.trainer.ddp.timeout_s,
            "must be > 0 seconds")
     # Under dp the one process's batch is split across GPUs, so it still counts once.

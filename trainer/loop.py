@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from data.prefetch import DevicePrefetcher
+from data.prefetch import DevicePrefetcher, map_tensors
 from data.sampler import epoch_batches, limit_left
 from trainer import checkpoint, devicewait, distributed
 from trainer.config import ConfigError, Precision, TrainerConfig
@@ -164,7 +164,9 @@ class Loop:
         # losses and the non-finite guard, kept on the device: no host sync per step
         self._ddp = isinstance(model, DistributedDataParallel)
         self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
-        self.ledger = Ledger(device, copy=cuda_graphs(cfg.compile) and device.type == "cuda")
+        # a compiled model that replays CUDA graphs returns outputs its next replay overwrites
+        self.replays = cuda_graphs(cfg.compile) and device.type == "cuda"
+        self.ledger = Ledger(device, copy=self.replays)
         self.window = Window()  # the current logging window
 
     def state_dict(self) -> Dict[str, Any]:
@@ -512,6 +514,7 @@ class Loop:
                 count = task.count(batch)
                 sums[0] += counted(task.loss(output, batch), count)
                 sums[1] += count
-            if task.metrics:
-                task.update_metrics(output, batch)
+            if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
+                task.update_metrics(map_tensors(output, torch.clone) if self.replays else output,
+                                    batch)
         return sums

@@ -5,6 +5,7 @@ This is the only place that builds components from the config; the loop receives
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import os
@@ -264,6 +265,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     # an earlier job of a sweep started CUDA; before CUDA starts there is nothing to reset,
     # and the call would fail
     if torch.cuda.is_initialized():
+        # its model and optimizer may still be held by a reference cycle (an exception caught
+        # while building keeps frames that hold them) until a full collection: freed first,
+        # or they would count in this job's peak and crowd its memory
+        gc.collect()
         for gpu in spec.gpus:
             torch.cuda.reset_peak_memory_stats(gpu)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import UserDict, namedtuple
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.loader import build_loader
-from data.prefetch import (DeviceAugment, DevicePrefetcher, InputTransform, map_tensors,
-                           to_device)
+from data.prefetch import (DeviceAugment, DevicePrefetcher, InputTransform, each_tensor,
+                           map_tensors, to_device)
 from trainer.config import ConfigError, DataConfig
 
 Pair = namedtuple("Pair", "x y")
@@ -70,6 +71,41 @@ def test_map_tensors_reaches_into_dict_like_batches_and_dataclasses():
     assert type(out) is type(state) and out._metadata == state._metadata
     assert list(out) == list(state)
     assert map_tensors(MappingProxyType({"a": torch.zeros(1)}), add_one)["a"].eq(1).all()
+
+
+class OnlyTensors(Mapping):
+    """A read-only dict-like batch whose constructor takes tensors alone: a rebuild with
+    anything else in its entries fails."""
+
+    def __init__(self, data):
+        assert all(isinstance(v, torch.Tensor) for v in data.values()), data
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+def test_each_tensor_visits_what_map_tensors_maps_and_builds_nothing():
+    """The prefetcher marks every tensor of a handed-out batch with this walk (CUDA's
+    record_stream), once per batch: no copy of the batch, so a type that accepts tensors
+    alone is walked as well."""
+    strict = OnlyTensors({"a": torch.zeros(1), "b": torch.ones(2)})
+    batch = [Pair(torch.zeros(3), (torch.ones(1),)), strict, "id", 7,
+             {"enc": Encoding({"x": torch.zeros(4)}), "f": FrozenBatch(torch.ones(5), [])}]
+    seen = []
+    each_tensor(batch, seen.append)
+    mapped = []
+    map_tensors(batch, lambda t: mapped.append(t) or t)
+    assert [t.numel() for t in seen] == [3, 1, 1, 2, 4, 5]
+    assert len(seen) == len(mapped) and all(a is b for a, b in zip(seen, mapped))
+    with pytest.raises(AssertionError):  # what a rebuild of it meets
+        map_tensors(strict, lambda t: None)
 
 
 def test_cpu_pass_through_order_exhaustion_and_reiteration():
@@ -201,7 +237,7 @@ def test_cuda_values_equal_and_one_stream_across_epochs():
 def test_cuda_dict_like_and_dataclass_batches_reach_the_device():
     """Batches of the user's collate that are not tuples, lists or dicts still arrive on the
     GPU through the side stream, with every tensor inside moved."""
-    from transformers import BatchEncoding
+    BatchEncoding = pytest.importorskip("transformers").BatchEncoding
 
     def collate(samples):
         x = torch.stack([s[0] for s in samples])
@@ -282,9 +318,11 @@ def test_cuda_batch_in_use_survives_the_copies_after_it():
 
 
 @pytest.mark.gpu
-def test_cuda_batch_made_on_the_device_is_read_after_it_is_written():
+@pytest.mark.parametrize("given", ["cuda:0", "cuda"])
+def test_cuda_batch_made_on_the_device_is_read_after_it_is_written(given):
     """A collate of one's own that makes its batch on the GPU writes it on the compute
-    stream: the side stream's transform (uint8 to float) must wait for that write."""
+    stream: the side stream's transform (uint8 to float) must wait for that write. A
+    prefetcher given "cuda" (no index) knows such a batch as made there too."""
     n = 2**20
 
     def collate(samples):
@@ -293,7 +331,9 @@ def test_cuda_batch_made_on_the_device_is_read_after_it_is_written():
         torch.cuda._sleep(500_000_000)  # the batch is written well after it is queued
         return torch.full((1, n), i + 1, dtype=torch.uint8, device=CUDA), torch.tensor([i])
 
-    feed = DevicePrefetcher(DataLoader(list(range(3)), batch_size=1, collate_fn=collate), CUDA)
+    feed = DevicePrefetcher(DataLoader(list(range(3)), batch_size=1, collate_fn=collate),
+                            torch.device(given))
+    assert feed.device == CUDA
     got = [(x[0, [0, -1]].cpu(), y.item()) for x, y in feed]
     assert [y for _, y in got] == [0, 1, 2]
     for x, y in got:  # (CUDA divides by 255 as a multiplication by its reciprocal)

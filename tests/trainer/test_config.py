@@ -96,7 +96,7 @@ def test_sync_batchnorm_needs_cuda(make_cfg):
 
 def test_static_graph_refuses_accumulation_under_ddp(make_cfg):
     cfg = make_cfg("trainer.ddp.static_graph=true", "trainer.accumulate_grad_batches=2")
-    with pytest.raises(ConfigError, match="trainer.ddp.static_graph=True: cannot be combined"):
+    with pytest.raises(ConfigError, match="trainer.ddp.static_graph=true: cannot be combined"):
         resolve(cfg, world_size=2, launched=True)
     resolve(make_cfg("trainer.ddp.static_graph=true"), world_size=2, launched=True)
 
@@ -157,7 +157,7 @@ def test_values_from_interpolations_arrive_as_strings_and_are_accepted(make_cfg)
 def test_fused_sgd_with_momentum_is_refused_under_fp16(make_cfg):
     """torch's fused SGD keeps the uninitialised momentum of a first step the GradScaler
     skipped; without momentum, or with bf16 (no scaler), it stands."""
-    with pytest.raises(ConfigError, match=r"^optim\.fused=True: with SGD's momentum under fp16 "
+    with pytest.raises(ConfigError, match=r"^optim\.fused=true: with SGD's momentum under fp16 "
                                           r"keeps the momentum of a first step"):
         resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=fp16"))
     resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=bf16"))
@@ -191,3 +191,30 @@ def test_a_compile_backend_whose_package_is_missing_is_refused(make_cfg, name, p
     with pytest.raises(ConfigError, match=rf"^trainer.compile.backend={name}: needs the "
                                           rf"{package} package, which is not installed here"):
         resolve(make_cfg("trainer.compile.enabled=true", f"trainer.compile.backend={name}"))
+
+
+@pytest.mark.parametrize("args,key", [
+    (["trainer.compile.mode=reduce-overhead"], "trainer.compile.mode=reduce-overhead"),
+    (["trainer.compile.mode=max-autotune"], "trainer.compile.mode=max-autotune"),
+    (["trainer.compile.backend=cudagraphs"], "trainer.compile.backend=cudagraphs"),
+])
+def test_cuda_graphs_and_accumulation_are_refused_together_on_cuda(make_cfg, args, key):
+    """The next replay writes over the gradients accumulated so far (pytorch/pytorch#169545);
+    on CPU no graph is replayed, and without accumulation nothing is accumulated."""
+    from trainer.config import _check_graphs_and_accumulation
+
+    cuda = torch.device("cuda", 0)  # (a device object: no GPU needed to make one)
+    cfg = make_cfg("trainer.compile.enabled=true", "trainer.accumulate_grad_batches=2", *args)
+    with pytest.raises(ConfigError, match=rf"^{key}: replays CUDA graphs, whose next replay "
+                                          r"overwrites the gradients accumulated so far, so it "
+                                          r"cannot be combined with trainer.accumulate_grad_"
+                                          r"batches=2; use trainer.compile.mode=max-autotune-"
+                                          r"no-cudagraphs"):
+        _check_graphs_and_accumulation(cfg, cuda)
+    _check_graphs_and_accumulation(cfg, torch.device("cpu"))
+    for ok in (make_cfg("trainer.compile.enabled=true", *args),
+               make_cfg("trainer.compile.enabled=false", "trainer.accumulate_grad_batches=2",
+                        *args),
+               make_cfg("trainer.compile.enabled=true", "trainer.accumulate_grad_batches=2",
+                        "trainer.compile.mode=max-autotune-no-cudagraphs")):
+        _check_graphs_and_accumulation(ok, cuda)
