@@ -8,8 +8,9 @@
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
 # speed (loader also runs bench_handoff: new, ~30 s expected). A step never outlives its
-# time limit, and a part that runs past the call's limit still leaves its steps' lines in
-# gpu-summary.txt. Seen on one H100, 2026-11-25 (16 cores, torch 2.11): gpu_tests 74 s,
+# time limit; a call cut off by its own (SIGTERM) says which step it cut in gpu-summary.txt
+# and packs the archive once more, which is also packed every 30 s (a SIGKILL loses at most
+# that). BENCH_GPU_REPEATS=1 halves bench_gpu's time. Seen on one H100, 2026-11-25 (16 cores, torch 2.11): gpu_tests 74 s,
 # runs 3.8 min, loader 66 s, checkpoint 26 s, bench_gpu 256 s (--repeats 2, before its two
 # feed rows, the 8-layer transformer and the 64 KB copy row: ~370 s expected; it writes its
 # rows so far to bench_gpu_<tag>.partial.json after each repeat, which a run cut off leaves
@@ -30,11 +31,19 @@
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
 # archive, $OUT/gpu-results.tar.gz, and one line per step into $OUT/gpu-summary.txt.
 set -u
+PARTS="suite gpu_tests runs nccl bench_gpu bench_overhead overhead_cnn bench_images strategies loader checkpoint speed"
+for part in "$@"; do  # before any install: a misspelt part is refused at once
+  case " checks $PARTS " in *" $part "*) ;; *)
+    echo "usage: run_on_gpu.sh checks | PART... ($PARTS)"; exit 2 ;; esac
+done
 if ls .gpu/whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .gpu/whl/*.whl || { echo "wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# without them every step fails on its first import: say so once (carry .gpu in the call)
+python3 -c "import hydra, omegaconf" 2>/dev/null || {
+  echo "hydra/omegaconf missing: fetch the wheels into .gpu/whl and carry .gpu"; exit 1; }
 OUT=${OUT:-/tmp/gpu-out}; R=${R:-/tmp/gpu-results}; mkdir -p "$OUT" "$R" docs/benchmarks
 S="$OUT/gpu-summary.txt"
 # JSON files are named after the GPU (bench_gpu_h100.json): the device tool may lend an H200
@@ -43,11 +52,15 @@ TAG=${GPU_TAG:-$(echo "$gpu" | grep -oiE 'h100|h200|a100|l40s|l4|a10g' | head -1
 TAG=${TAG:-gpu}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-  echo "cpus $(nproc)"; } > "$R/device.txt" 2>&1
+  echo "cpus $(nproc)"
+  df -h /dev/shm | tail -1 | awk '{print "/dev/shm", $2}'; } > "$R/device.txt" 2>&1  # (workers' batches)
 tee "$S" < "$R/device.txt"
 step() {  # step NAME SECONDS COMMAND...: bounded, log in the archive, one line in the summary
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
-  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" > "$R/$name.log" 2>&1; local rc=$?
+  # in the background, waited for: a SIGTERM to this script is handled at once, not after
+  # the step (timeout leads a process group of its own, which the trap below ends)
+  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" > "$R/$name.log" 2>&1 &
+  STEP=$! STEP_NAME=$name STEP_T0=$t0; wait $STEP; local rc=$?; STEP=
   local last; last=$(grep -v '^\s*$' "$R/$name.log" | tail -1 | cut -c1-160)
   [ "$rc" = 124 ] && last="TIMED OUT after ${limit}s (incomplete) | $last"
   printf '%-26s rc=%-3s %4ss | %s\n' "$name" "$rc" "$((SECONDS - t0))" "$last" | tee -a "$S"
@@ -59,9 +72,24 @@ run() {  # run NAME OVERRIDES...: train.py on CUDA into its own run dir
 export -f run; export R
 pack() {  # the benchmark files this call wrote (not older committed ones), logs, run dirs
   find docs/benchmarks -name "*_$TAG*" -newer "$R/device.txt" -exec cp {} "$R"/ \;
-  rm -rf "$R"/runs/*/checkpoints  # weights are not results; keep the archive small
-  tar -czf "$OUT/gpu-results.tar.gz" -C "$R" .
+  # (weights are not results: a small archive; a running job's files are left alone)
+  tar -czf "$OUT/.gpu-results.tmp" --exclude='*.pt' -C "$R" . 2>/dev/null && \
+    mv "$OUT/.gpu-results.tmp" "$OUT/gpu-results.tar.gz"  # (whole or not at all)
 }
+# a call cut off by its limit leaves what it had: packed every 30 s, and once more on SIGTERM
+( trap 'kill $! 2>/dev/null; exit 0' TERM; while :; do sleep 30 & wait $!; pack; done ) &
+PACKER=$! STEP=
+trap 'kill $PACKER 2>/dev/null' EXIT
+cut_off() {  # SIGTERM (the call's limit) or Ctrl-C: the running step's line, then the archive
+  if [ -n "$STEP" ]; then
+    kill $STEP 2>/dev/null; wait $STEP
+    printf '%-26s rc=%-3s %4ss | %s\n' "$STEP_NAME" 124 "$((SECONDS - STEP_T0))" \
+      "CUT OFF: the call ended (its time limit?) | $(grep -v '^\s*$' "$R/$STEP_NAME.log" |
+      tail -1 | cut -c1-120)" | tee -a "$S"
+  fi
+  pack; exit 124
+}
+trap cut_off TERM INT
 nccl() {  # DDP over NCCL in a torchrun job of one process (one GPU cannot show scaling)
   step nccl_torchrun_1 120 torchrun --standalone --nproc_per_node=1 train.py \
     trainer.strategy=ddp hydra.run.dir="$R/runs/nccl" trainer.progress_bar=false
@@ -88,8 +116,11 @@ runs)
     trainer.accumulate_grad_batches=2 trainer.grad_clip=1.0 trainer.max_epochs=2
   nccl
   step dp_mode 120 run dp experiment=synthetic_cnn trainer.strategy=dp trainer.max_epochs=2
+  # AUROC keeps the predictions it is given: copies of the replayed graph's outputs
   step compile_cudagraphs 240 run cudagraphs experiment=synthetic_cnn trainer.precision=bf16 \
-    trainer.compile.enabled=true trainer.compile.mode=reduce-overhead trainer.max_epochs=2
+    trainer.compile.enabled=true trainer.compile.mode=reduce-overhead trainer.max_epochs=2 \
+    +task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC \
+    '+task.metrics.auroc.num_classes=${data.num_classes}'
   step profile 120 python3 train.py debug=profile hydra.run.dir="$R/runs/profile"
   step transformer_bf16 120 run lm experiment=tokens_transformer trainer.precision=bf16 \
     trainer.max_epochs=1
@@ -103,7 +134,7 @@ runs)
   step start_up_fdr 60 python3 train.py debug=fdr hydra.run.dir="$R/runs/fdr"
   ;;
 bench_gpu)
-  step bench_gpu 460 python3 scripts/bench_gpu.py --repeats 2 \
+  step bench_gpu 460 python3 scripts/bench_gpu.py --repeats "${BENCH_GPU_REPEATS:-2}" \
     --out "docs/benchmarks/bench_gpu_$TAG.json"
   ;;
 bench_overhead)
@@ -136,7 +167,7 @@ speed)
   step bench_speed 330 python3 scripts/bench_speed.py --precision bf16 --repeats 2 \
     --out "docs/benchmarks/bench_speed_$TAG.json"
   ;;
-*) echo "usage: run_on_gpu.sh checks | PART... (suite gpu_tests runs nccl bench_gpu bench_overhead overhead_cnn bench_images strategies loader checkpoint speed)"; exit 2 ;;
+*) echo "run_on_gpu.sh: part $part has no steps"; exit 2 ;;  # (listed in PARTS, not below)
 esac
 pack  # after every part: a call cut off by its time limit still returns the parts done
 done

@@ -17,3 +17,39 @@ def test_is_valid_shell_and_refuses_an_unknown_part(tmp_path):
     assert proc.returncode == 2
     assert "usage: run_on_gpu.sh checks | PART..." in proc.stdout
     assert "bench_overhead" in proc.stdout
+
+
+def test_a_call_cut_off_by_its_limit_still_leaves_its_archive_and_no_process(tmp_path):
+    """The device tool ends a call that runs past its limit; what the steps so far wrote must
+    come back (the archive, packed once more on SIGTERM) and the background packer must end
+    with the rest. A stand-in python3 passes the import check and then hangs in its step."""
+    import signal
+    import time
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\ncase "$1" in -c) exit 0 ;; esac\nexec sleep 60\n')
+    (fake / "python3").chmod(0o755)
+    out, results = tmp_path / "out", tmp_path / "results"
+    env = {**os.environ, "OUT": str(out), "R": str(results),
+           "PATH": f"{fake}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "run_on_gpu.sh"), "checkpoint"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (results / "bench_checkpoint.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (results / "bench_checkpoint.log").exists(), proc.stdout.read() if proc.poll() else ""
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole call, as a limit ends it
+    assert proc.wait(timeout=30) == 124
+    assert (out / "gpu-results.tar.gz").stat().st_size > 0
+    assert "bench_checkpoint           rc=124" in (out / "gpu-summary.txt").read_text()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anything left of the call: the packer, a sleep
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("a process of the call outlived it")
