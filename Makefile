@@ -1,8 +1,10 @@
-# Local virtual environment, installed once and reused. TORCH_SPEC is pinned so a CPU-only
-# machine takes the CPU wheel; on a GPU machine set TORCH_SPEC to the CUDA build you want.
+# Local virtual environment, installed once and reused. TORCH_SPEC pins the version; which
+# build pip takes is the index's choice (PyPI's Linux wheel is a CUDA build): TORCH_INDEX=
+# "--index-url https://download.pytorch.org/whl/cpu" (or .../cu128) picks one.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.stoker-installed
 # the suite on two pytest-xdist workers: its multi-process tests wait on process start-up much of
 # the time, so two share 2 cores well (PYTEST_ARGS= for one process)
@@ -15,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
 	# pin the torch just installed, so no dependency (torchmetrics, transformers) replaces it
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
 	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev]"

@@ -313,3 +313,12 @@ class Task:
             if isinstance(metric, nn.Module):
                 metric.to(device)
         return self
+
+
+def __getattr__(name: str) -> Any:
+    """The built-in tasks under their former module (`_target_: trainer.task.Classification`
+    in a config written before they moved to trainer/tasks.py)."""
+    if name in ("Classification", "LanguageModel", "Regression", "ModelLoss"):
+        from trainer import tasks
+        return getattr(tasks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

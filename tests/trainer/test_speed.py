@@ -116,7 +116,7 @@ def test_optimizer_implementations_agree(make_cfg, tmp_path, optim, impl):
 @pytest.mark.parametrize("override,key", [
     ("trainer.compile.mode=fastest", "trainer.compile.mode=fastest: must be one of default"),
     ("trainer.compile.backend=turbo", "trainer.compile.backend=turbo: must be one of"),
-    ("optim.foreach=true", "optim.fused=True: cannot be combined with optim.foreach=true"),
+    ("optim.foreach=true", "optim.fused=true: cannot be combined with optim.foreach=true"),
 ])
 def test_bad_speed_settings_fail_with_the_key(make_cfg, override, key):
     cfg = make_cfg("trainer.compile.enabled=true", "optim.fused=true", override)
@@ -128,7 +128,7 @@ def test_bad_speed_settings_fail_with_the_key(make_cfg, override, key):
 
 def test_compile_is_refused_with_data_parallel(make_cfg):
     cfg = make_cfg("trainer.compile.enabled=true")
-    with pytest.raises(ConfigError, match="trainer.compile.enabled=True: is not supported with "
+    with pytest.raises(ConfigError, match="trainer.compile.enabled=true: is not supported with "
                                           "DataParallel"):
         _check_speed(cfg, Strategy.dp)
     _check_speed(cfg, Strategy.ddp)  # fine

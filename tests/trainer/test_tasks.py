@@ -229,3 +229,16 @@ def test_model_loss_under_data_parallel_is_the_whole_batchs_mean(count):
     task._replicas = 1  # a vector without DataParallel: an unreduced loss, refused
     with pytest.raises(TaskError, match="no scalar loss"):
         task.loss({"loss": gathered}, batch)
+
+
+def test_a_config_naming_the_tasks_former_module_still_builds():
+    """`_target_: trainer.task.Classification`, written before the built-in tasks moved here."""
+    from hydra.utils import get_class
+
+    import trainer.task
+    import trainer.tasks
+
+    for name in ("Classification", "LanguageModel", "Regression", "ModelLoss"):
+        assert get_class(f"trainer.task.{name}") is getattr(trainer.tasks, name)
+    with pytest.raises(AttributeError, match="has no attribute 'Classifier'"):
+        trainer.task.Classifier
