@@ -11,11 +11,12 @@ import atexit
 import math
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
+import time
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from data.images import default_resize
 from data.resident import ResidentBatches, rows_of
@@ -161,12 +162,67 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
                        generator, **_loader_options(cfg, workers))
 
 
+class SampleCost(NamedTuple):
+    """What making one sample took, in seconds: of wall time, of the thread's CPU time, and
+    of neither (`blocked_s`: waiting on storage, a network, a lock or a sleep, not on a CPU
+    or in the queue for one, so a loaded machine does not read as waiting; None where the
+    system does not say)."""
+    wall_s: float
+    cpu_s: float
+    blocked_s: Optional[float]
+
+    def waits(self) -> bool:
+        """At least 50 microseconds, more than half of them blocked."""
+        return self.blocked_s is not None and self.blocked_s >= 50e-6 \
+            and self.blocked_s > 0.5 * self.wall_s
+
+
+def _queued_s() -> Optional[float]:
+    """Seconds this thread has spent queued for a CPU (Linux's schedstat; None elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
+                ) -> Optional[SampleCost]:
+    """The mean cost of making one sample of `dataset` in this thread, over up to `samples`
+    spread over it within `budget_s` (two at least). None for a dataset that is not indexed,
+    or whose sample fails here (advice then goes without)."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        n = min(samples, len(dataset))
+    except TypeError:
+        return None
+    wall = cpu = queued = 0.0
+    start, count = time.perf_counter(), 0
+    for i in range(n):
+        q0, c0, w0 = _queued_s(), time.thread_time(), time.perf_counter()
+        try:
+            dataset[i * len(dataset) // n]
+        except Exception:  # noqa: BLE001  (advice only: a sample that fails says nothing)
+            return None
+        w1, c1, q1 = time.perf_counter(), time.thread_time(), _queued_s()
+        wall, cpu, count = wall + w1 - w0, cpu + c1 - c0, count + 1
+        queued = None if q0 is None or queued is None else queued + q1 - q0
+        if count >= 2 and w1 - start > budget_s:
+            break
+    if not count:
+        return None
+    blocked = None if queued is None else max(0.0, wall - cpu - queued) / count
+    return SampleCost(wall / count, cpu / count, blocked)
+
+
 def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
                  cores: int, in_memory: bool, placement: str = "host",
                  why_not_device: Optional[str] = None, streamed: bool = False,
                  mapped: bool = False, uint8_images: bool = False,
                  gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False,
-                 converted: bool = False) -> str:
+                 converted: bool = False, sample: Optional[SampleCost] = None,
+                 batch_size: int = 1) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time
     (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
 
@@ -182,7 +238,10 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
     not a steady shortfall). `pairs`: a sample is an (input, target) pair, which data.cache
     can hold; `whole_set`: one batch holds the rank's whole training set already;
     `converted`: the prefetcher turns each batch into normalised floats (uint8 samples) or
-    augments it, in the wait.
+    augments it, in the wait. `sample`: what making one sample took in this process
+    (`sample_cost`; None where unknown), which tells a sample that waits (storage, a network,
+    a sleep: more workers than cores help) and one cheap to make (`batch_size` of them cost
+    less than a worker's hand-over) from one the CPU is busy with.
     """
     pct = f"{100 * wait_frac:.0f}%"
     n = workers
@@ -211,6 +270,29 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
             "data.placement=auto batches them by indexing on the training device"
             if why_not_device else ": set data.placement=auto (or device) to batch them by "
             "indexing on the training device"))
+    elif sample is not None and sample.waits() and cfg.cache == "none" and not streamed:
+        # n workers that wait give n / (1 - wait) worth of throughput needed; no more than
+        # a few times as many at once (each holds the dataset and its batches in flight)
+        more = min(max(math.ceil(max(n, 1) / max(1.0 - wait_frac, 1e-3)), n + 1),
+                   max(4 * n, 8), 32)
+        fix = (f"making a sample mostly waits ({_duration(sample.wall_s)} a sample, "
+               f"{sample.blocked_s / sample.wall_s:.0%} of it neither on a CPU nor queued for "
+               "one: storage, a network, a lock?): workers "
+               "overlap such waits without competing for the cores, so raise data.num_workers "
+               f"from {n} to about {more} (scripts/tune_loader.py measures), or pay the wait "
+               + ("once with data.cache=memory (or shm, disk) if the samples fit" if pairs
+                  else "once: fetch what __getitem__ reads ahead of the run, to local storage"))
+    elif sample is not None and sample.cpu_s * batch_size < CHEAP_BATCH_S \
+            and cfg.cache == "none" and not streamed:
+        made = f"making a batch costs {_duration(sample.cpu_s * batch_size)} of CPU here"
+        fix = (f"{made}, less than handing it over from a worker: data.cache=memory keeps the "
+               "samples as arrays in this process (with data.placement=auto, batched by "
+               "indexing on the training device)" + (", or data.num_workers=0" if n else "")
+               if pairs else
+               f"{made}; the wait is the loader's per-sample Python work" + (
+                   " and a worker's hand-over: compare data.num_workers=0" if n else "")
+               + ", and give the dataset a __getitems__(indices) that makes a whole batch "
+               "at once (the DataLoader calls it when it has one)")
     elif n > cores:
         fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
                f"workers compete for them; lower it to {cores} (or auto)")
@@ -264,6 +346,13 @@ def _stored_size(cfg: DataConfig) -> str:
     return (f"their shorter side at {resize} px, what decoding resizes them to "
             "(data.dataset.resize) before the crop" if resize is not None else
             "their shorter side at what decoding resizes them to (data.dataset.resize)")
+
+
+CHEAP_BATCH_S = 1e-3  # a batch whose samples cost less CPU to make than a worker's hand-over
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
 
 
 def count_of(n: int, noun: str) -> str:

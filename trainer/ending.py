@@ -126,7 +126,7 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     gpu_idle = "run_device_wait_frac" in summary
     stalled = summary["run_device_wait_frac" if gpu_idle else "run_data_wait_frac"]
     if stalled > STALL_ADVICE_ABOVE and loop.state.step >= STALL_ADVICE_STEPS \
-            and not t.fast_dev_run:
+            and not t.fast_dev_run and env.is_main:  # (it times a few samples: rank 0's line)
         logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
                                       env.local_world_size, gpu_idle))
 

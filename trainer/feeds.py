@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from data.cache import cache_dataset, reclaim_shm
-from data.loader import build_loader, count_of, stall_advice
+from data.loader import build_loader, count_of, sample_cost, stall_advice
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
 from data.resident import gathers, nbytes, rows_of, tensors_of
@@ -259,7 +259,10 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         uint8_images=getattr(loader.dataset, "uint8_images", False) is True,
                         gpu_idle=gpu_idle, pairs=_pair_samples(loader.dataset),
                         whole_set=_one_batch(loader, d.batch_size),
-                        converted=_converted(feed))
+                        converted=_converted(feed),
+                        sample=None if feed.resident else sample_cost(loader.dataset),
+                        batch_size=d.batch_size)
+
 
 
 def _converted(feed: DevicePrefetcher) -> bool:

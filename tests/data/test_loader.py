@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.utils.data import TensorDataset
 
 import pytest
 
-from data.loader import EvalShardSampler, build_loader, stall_advice
+from data.datasets import burn_cpu
+from data.loader import EvalShardSampler, SampleCost, build_loader, sample_cost, stall_advice
 from trainer.config import DataConfig
 
 
@@ -150,6 +153,32 @@ def test_loader_passes_timeout_and_context():
     (dict(), dict(workers=4, mapped=True, why_not_device="its arrays take 900.0 MB (1800.0 MB "
                   "with an epoch's copy), more than half of the 1000 MB free on cuda:0"), "cuda",
      "CPU-bound reading memory-mapped arrays: 4 workers on 4 cores"),  # not the budget
+    # what making a sample took (data.loader.sample_cost) tells waiting from computing
+    (dict(), dict(workers=2, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",
+     "making a sample mostly waits (2.0 ms a sample, 95% of it neither on a CPU nor queued for "
+     "one: storage, a network, a lock?): workers overlap such waits without competing for the "
+     "cores, so raise data.num_workers from 2 to about 4 (scripts/tune_loader.py measures), or "
+     "pay the wait once with data.cache=memory (or shm, disk) if the samples fit"),
+    (dict(), dict(workers=0, sample=SampleCost(2e-3, 3e-5, 1.9e-3), pairs=False), "cpu",
+     "raise data.num_workers from 0 to about 2 (scripts/tune_loader.py measures), or pay the "
+     "wait once: fetch what __getitem__ reads ahead of the run, to local storage"),
+    (dict(), dict(workers=2, sample=SampleCost(2e-3, 2e-3, 0.0)), "cpu",
+     "raise data.num_workers from 2 to 4 (the CPU cores"),  # computing: as before
+    (dict(), dict(workers=2, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32), "cpu",
+     "making a batch costs 160 µs of CPU here, less than handing it over from a worker: "
+     "data.cache=memory keeps the samples as arrays in this process (with data.placement=auto, "
+     "batched by indexing on the training device), or data.num_workers=0"),
+    (dict(), dict(workers=0, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32), "cpu",
+     "batched by indexing on the training device)"),
+    (dict(), dict(workers=2, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32, pairs=False),
+     "cpu", "making a batch costs 160 µs of CPU here; the wait is the loader's per-sample Python "
+     "work and a worker's hand-over: compare data.num_workers=0, and give the dataset a "
+     "__getitems__(indices) that makes a whole batch at once"),
+    (dict(), dict(workers=2, sample=SampleCost(2e-3, 3e-5, None), batch_size=64), "cpu",
+     # (no schedstat: whether it waited is unknown)
+     "raise data.num_workers from 2 to 4 (the CPU cores"),
+    (dict(cache="memory"), dict(workers=4, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",
+     "CPU-bound reading data.cache=memory"),  # the cache's reads, not the sample's making
 ])
 def test_stall_advice_names_the_fix(overrides, kw, device, expected):
     line = stall_advice(cfg(**overrides), torch.device(device), 0.37,
@@ -162,6 +191,61 @@ def test_stall_advice_names_the_fix(overrides, kw, device, expected):
         assert "data.cache" not in line and "prepare_data" not in line
     if kw.get("whole_set") or (kw.get("converted") and device == "cpu"):
         assert "raise data.batch_size" not in line
+
+
+class Sleepy(torch.utils.data.Dataset):
+    """Each sample waits 2 ms and computes nothing (storage or a network, in the small)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return torch.zeros(2), i
+
+
+class Busy(Sleepy):
+    """Each sample computes for 2 ms of this thread's CPU time (a decode, in the small)."""
+
+    def __getitem__(self, i):
+        burn_cpu(2.0)
+        return torch.zeros(2), i
+
+
+def test_sample_cost_tells_a_sample_that_waits_from_one_that_computes():
+    """Relations that hold on a loaded machine too: time queued for a CPU is not waiting."""
+    waits, computes, cheap = sample_cost(Sleepy()), sample_cost(Busy()), sample_cost([1] * 9)
+    assert computes.cpu_s >= 2e-3
+    assert cheap.cpu_s < 50e-6 and waits.cpu_s < 1e-3
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    assert sample_cost(Stream()) is None
+    assert sample_cost([]) is None
+    if waits.blocked_s is None:
+        pytest.skip("no /proc/thread-self/schedstat: the time queued for a CPU is unknown")
+    assert waits.waits() and waits.blocked_s >= 1.5e-3
+    assert not computes.waits() and not cheap.waits()
+
+
+def test_sample_cost_stops_at_its_budget_and_says_nothing_of_a_failing_sample():
+    calls = []
+
+    class Slow(Sleepy):
+        def __getitem__(self, i):
+            calls.append(i)
+            time.sleep(0.05)
+            return i
+
+    assert sample_cost(Slow(), samples=16, budget_s=0.01) is not None and len(calls) == 2
+    assert calls == [0, 4]  # spread over the dataset
+
+    class Broken(Sleepy):
+        def __getitem__(self, i):
+            raise OSError("unreadable")
+
+    assert sample_cost(Broken()) is None
 
 
 def test_stall_advice_on_cuda_names_the_gpus_idle_share():

@@ -281,6 +281,16 @@ HEAVY = ["data=synthetic", "data.dataset.num_samples=256", "data.input_shape=[1,
                              "trainer.max_epochs=2", "trainer.progress_bar=false",
                              "trainer.save_checkpoint=false"],
      "the samples are tensors in memory: set data.placement=device"),
+    ("samples that wait (a sleep standing for storage)",
+     ["data.dataset._target_=tests.helpers.SlowDigits", "+data.dataset.delay=0.002",
+      "data.num_workers=2", "data.placement=host", "trainer.max_steps=12",
+      "trainer.progress_bar=false", "trainer.save_checkpoint=false"],
+     "making a sample mostly waits"),
+    ("a dataset of one's own holding tensors, cheap to index",
+     ["data=custom", "+data.dataset._target_=tests.helpers.Diabetes", "data.input_shape=[10]",
+      "+model.num_classes=1", "task=regression", "data.num_workers=2", "trainer.max_epochs=2",
+      "data.batch_size=16", "trainer.progress_bar=false", "trainer.save_checkpoint=false"],
+     "less than handing it over from a worker: data.cache=memory keeps the samples"),
     ("uint8 samples converted on the CPU", ["data=synthetic", "data.dataset.num_samples=512",
                                             "data.input_shape=[3,8,8]", "data.dataset.dtype=uint8",
                                             "data.cache=memory", "model=mlp",
@@ -295,6 +305,8 @@ def test_stall_advice_fits_the_case_it_sees(make_cfg, caplog, monkeypatch, case,
     the bar is lowered to 0 so every run gives its advice."""
     import trainer.ending
 
+    if "mostly waits" in advice and not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no /proc/thread-self/schedstat: the time queued for a CPU is unknown")
     monkeypatch.setattr(trainer.ending, "STALL_ADVICE_ABOVE", 0.0)
     with two_cores(), caplog.at_level(logging.INFO, logger="stoker"):
         train(make_cfg(*overrides))
@@ -317,6 +329,19 @@ def test_no_advice_for_a_fast_dev_run_or_a_few_steps(make_cfg, caplog, monkeypat
         assert len(advice) == (args == ["trainer.max_steps=10"]), args
 
 
+class BusyPairs(torch.utils.data.Dataset):
+    """(input, target) pairs that take 1 ms of CPU each to make: a decode, in the small."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        from data.datasets import burn_cpu
+
+        burn_cpu(1.0)
+        return torch.zeros(3), 0
+
+
 def test_the_advice_for_a_cpu_bound_image_folder_does_not_ask_for_uint8(tmp_path):
     from omegaconf import OmegaConf
     from torch.utils.data import DataLoader
@@ -332,7 +357,7 @@ def test_the_advice_for_a_cpu_bound_image_folder_does_not_ask_for_uint8(tmp_path
     cores = distributed.cpus_per_rank(1)
     d = OmegaConf.structured(DataConfig(num_workers=cores))
     for ds, uint8 in [(ImageFolder("train", str(tmp_path), size=8), True),
-                      ([(torch.zeros(3), 0)] * 4, False)]:  # pairs, not images
+                      (BusyPairs(), False)]:  # pairs, not images
         feed = DevicePrefetcher(DataLoader(ds, num_workers=cores), torch.device("cpu"))
         line = feed_advice(d, feed, torch.device("cpu"), 0.4, 1)
         assert "cannot decode faster" in line and ("ship uint8" in line) != uint8, line
