@@ -187,9 +187,11 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
     gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
            if "run_device_wait_frac" in s else "")
     log.info("done: %d epochs, %d steps in %.1fs (training %.1fs, validation %.1fs, "
-             "checkpoints %.1fs) | %s | %.0f samples/s | waiting for data %.1f%% of step "
+             "checkpoints %.1fs) | %s | %.0f samples/s%s | waiting for data %.1f%% of step "
              "time%s%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
-             s["run_checkpoint_s"], val, s["run_samples_per_s"], 100 * s["run_data_wait_frac"],
+             s["run_checkpoint_s"], val, s["run_samples_per_s"],
+             f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "",
+             100 * s["run_data_wait_frac"],
              gpu, f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
     if "best" in s:
         b = s["best"]

@@ -151,6 +151,8 @@ class Loop:
         self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
+        self.tokens = task.counts_tokens()  # the window's count is tokens: a rate of them too
+        self.run_tokens = 0
         self.run_val_s = 0.0  # time in validation
         self.run_checkpoint_s = 0.0  # time the training thread spent in checkpoint saves
         self.last_train: Dict[str, Any] = {}
@@ -272,6 +274,7 @@ class Loop:
     def run_rates(self) -> Dict[str, float]:
         train_s = max(self.run_train_s, 1e-9)
         rates = {"run_samples_per_s": self.run_samples / train_s,
+                 **({"run_tokens_per_s": self.run_tokens / train_s} if self.tokens else {}),
                  "run_data_wait_frac": self.run_wait_s / train_s,
                  "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s,
                  "run_val_s": self.run_val_s, "run_checkpoint_s": self.run_checkpoint_s}
@@ -450,6 +453,9 @@ class Loop:
                   "lr": self.optimizer.param_groups[0]["lr"],
                   "samples_per_s": samples / max(wall_sum / world, 1e-9),
                   "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
+        if self.tokens:  # (the count the loss sum is divided by: no other read)
+            values["tokens_per_s"] = count / max(wall_sum / world, 1e-9)
+            self.run_tokens += int(count)
         if device_wait is not None:  # the GPU's idle time across the fetches
             values["device_wait_frac"] = sums[5] / max(wall_sum, 1e-9)
             self.run_device_wait_s += device_wait

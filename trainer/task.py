@@ -140,6 +140,10 @@ class Task:
         """Units the loss of `batch` averages over; the batch's samples by default."""
         return batch_size(batch)
 
+    def counts_tokens(self) -> bool:
+        """Whether `count` counts tokens: the run then also logs tokens per second."""
+        return False
+
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         """The mean loss over `count(batch)` units (a 0-d tensor that autograd can use)."""
         raise NotImplementedError(f"{type(self).__name__} must define loss(output, batch)")

@@ -122,6 +122,9 @@ class LanguageModel(Classification):
 
     name = "language_model"
 
+    def counts_tokens(self) -> bool:
+        return True
+
     def __init__(self, ignore_index: int = -100, shift_labels: bool = False, **kwargs):
         super().__init__(ignore_index=ignore_index, **kwargs)
         self.shift_labels = shift_labels
@@ -298,6 +301,9 @@ class ModelLoss(Task):
         if self.count_by == "samples":
             return batch_size(batch)
         return (self.labels(batch) != self.ignore_index).sum()
+
+    def counts_tokens(self) -> bool:
+        return self.count_by == "tokens"
 
     def loss(self, output: Any, batch: Any) -> torch.Tensor:
         loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)

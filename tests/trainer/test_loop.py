@@ -2,6 +2,7 @@
 hands callbacks their saved states on a resume."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -156,12 +157,18 @@ def test_no_host_sync_per_step_only_at_logging_boundaries(make_cfg, tmp_path, mo
     assert syncs(16, 1) > syncs(4, 1)
 
 
-def test_language_model_learns_synthetic_tokens(make_cfg):
+def test_language_model_learns_synthetic_tokens_and_logs_tokens_per_second(make_cfg, tmp_path):
     summary = train(make_cfg("experiment=tokens_transformer", "data.dataset.num_samples=512",
                              "data.input_shape=[32]", "data.num_classes=32",
-                             "trainer.max_epochs=4", "optim.lr=0.003"))
+                             "trainer.max_epochs=4", "optim.lr=0.003", run_dir=tmp_path))
     # the successor table explains 90% of next tokens (+ 1/32 of the rest by chance)
     assert summary["val_acc"] > 0.8 and summary["val_loss"] < 1.5
+    # every sample's 32 targets are counted: 32 tokens a sample, over the same seconds
+    assert summary["run_tokens_per_s"] == pytest.approx(32 * summary["run_samples_per_s"])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert train_rows and all(r["tokens_per_s"] == pytest.approx(32 * r["samples_per_s"])
+                              for r in train_rows)
 
 
 class CountSteps(Callback):
