@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -94,22 +95,23 @@ def find_images(folder: Path, classes: Sequence[str],
     if unknown:
         raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
                          f"{unknown[:5]}; every class needs training images")
-    samples, others = [], []
+    samples, others, looped = [], [], []
+    homes = {name: os.path.realpath(folder / name) for name in found}
     for name in found:
-        for dirpath, dirnames, filenames in os.walk(folder / name, followlinks=True):
-            dirnames.sort()
-            for f in sorted(filenames):
-                if f.startswith("."):
-                    continue
-                if f.lower().endswith(IMAGE_EXTENSIONS):
-                    samples.append((os.path.join(dirpath, f), index[name]))
-                else:
-                    others.append(os.path.join(dirpath, f))
-    if others and os.environ.get("RANK", "0") == "0":  # (every rank lists the same files)
+        samples += [(path, index[name])
+                    for path in _walk_class(folder / name, homes, name, others, looped)]
+    main = os.environ.get("RANK", "0") == "0"  # (every rank lists the same files)
+    if others and main:
         log.warning("data: %d %s under %s/<class>/ not %s, left out (e.g. %s)", len(others),
                     "file" if len(others) == 1 else "files", folder,
                     "/".join(e[1:] for e in IMAGE_EXTENSIONS),
                     ", ".join(os.path.relpath(p, folder) for p in others[:3]))
+    if looped and main:
+        log.warning("data: %d linked %s under %s/<class>/ lead back into the data (a loop, "
+                    "or another class's folder), left out: their images would be listed "
+                    "twice or under the wrong class (e.g. %s)", len(looped),
+                    "folder" if len(looped) == 1 else "folders", folder,
+                    ", ".join(os.path.relpath(p, folder) for p in looped[:3]))
     if not samples:
         raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
                          f"{folder}/<class>/")
@@ -121,9 +123,41 @@ def find_images(folder: Path, classes: Sequence[str],
     return samples
 
 
+def _walk_class(top: Path, homes: dict, name: str, others: list, looped: list):
+    """The path of every image under class folder `top`, linked subfolders followed once:
+    one that resolves to a folder already walked, to an ancestor of `top` or into another
+    class's folder is left out (appended to `looped`), as are files that are not images
+    (`others`). A folder that cannot be listed is an error naming it, not a class that
+    silently lost its images."""
+    home, seen = homes[name], set()
+
+    def refuse(e: OSError) -> None:
+        raise ValueError(f"data.dataset.root: cannot list {e.filename} ({e.strerror}); make it "
+                         "readable, or move it out of the data") from None
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=refuse):
+        seen.add(os.path.realpath(dirpath))
+        kept = []
+        for d in sorted(dirnames):
+            real = os.path.realpath(os.path.join(dirpath, d))
+            back = real in seen or os.path.commonpath([real, home]) == real or any(
+                other != name and os.path.commonpath([real, r]) == r
+                for other, r in homes.items())
+            (looped if back else kept).append(os.path.join(dirpath, d) if back else d)
+        dirnames[:] = kept
+        for f in sorted(filenames):
+            if f.startswith("."):
+                continue
+            if f.lower().endswith(IMAGE_EXTENSIONS):
+                yield os.path.join(dirpath, f)
+            else:
+                others.append(os.path.join(dirpath, f))
+
+
 # what `decode_into` makes of a file, versioned: caches keyed by a fingerprint holding it are
-# rebuilt when it changes (2: 16-bit grayscale scaled to 8 bits, no longer clipped)
-DECODER = 2
+# rebuilt when it changes (2: 16-bit grayscale scaled to 8 bits, no longer clipped; 3: 32-bit
+# float images unreadable, no longer all zeros)
+DECODER = 3
 
 
 def decode(source: Any, size: int, resize: int) -> torch.Tensor:
@@ -139,7 +173,12 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int) -> None:
     file cannot be read."""
     from PIL import Image
 
+    if isinstance(source, (str, os.PathLike)) and not stat.S_ISREG(os.stat(source).st_mode):
+        # a pipe or a device would be read until it ends (a FIFO: forever)
+        raise OSError(f"not a regular file: {source}")
     with Image.open(source) as img:
+        if img.mode == "F":  # 32-bit float (TIFF): no scale to read it in; RGB would clip it
+            raise ValueError("a 32-bit float image (mode F): store it with 8 or 16 bits")
         if img.format == "JPEG" and min(img.size) >= 2 * resize:
             # DCT scaling inside libjpeg: never below the requested size
             img.draft("RGB", (resize * img.size[0] // min(img.size),

@@ -275,3 +275,75 @@ def test_a_subclass_with_its_own_getitem_is_fetched_through_it(folder):
     ds = Flipped("train", str(folder), size=16)
     x, _ = next(iter(DataLoader(ds, batch_size=3, collate_fn=ds.collate_fn)))
     assert torch.equal(x[0], ImageFolder("train", str(folder), size=16)[0][0].flip(-1))
+
+
+def test_linked_folders_that_lead_back_into_the_data_are_left_out_once(folder, tmp_path,
+                                                                      caplog):
+    """A link to the split (a loop) or to another class's folder listed 2624 files for 64,
+    many under the wrong class; a link to images elsewhere is followed."""
+    import os
+    import shutil
+
+    root = tmp_path / "linked"
+    shutil.copytree(folder, root)
+    train = root / "train"
+    before = ImageFolder("train", str(root)).samples
+    os.symlink("..", train / "class_00" / "loop")
+    os.symlink("../class_01", train / "class_00" / "other")
+    os.symlink(".", train / "class_02" / "self")
+    extra = tmp_path / "elsewhere"
+    extra.mkdir()
+    shutil.copy(next((train / "class_01").glob("*.jpg")), extra / "far.jpg")
+    os.symlink(extra, train / "class_01" / "far")
+    with caplog.at_level("WARNING", logger="stoker"):
+        after = ImageFolder("train", str(root)).samples
+    assert sorted(after) == sorted(before + [(str(train / "class_01" / "far" / "far.jpg"), 1)])
+    line = [r.getMessage() for r in caplog.records if "linked" in r.getMessage()]
+    assert len(line) == 1 and line[0].startswith("data: 3 linked folders under ")
+
+
+def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(folder, monkeypatch):
+    """(As root, chmod 000 does not stop a listing: the refusal is made by hand.)"""
+    import os
+
+    real = os.scandir
+    denied = str(folder / "train" / "class_01")
+
+    def scandir(path="."):
+        if str(path) == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ValueError, match=rf"^data.dataset.root: cannot list {denied} "
+                                         r"\(Permission denied\); make it readable"):
+        ImageFolder("train", str(folder))
+
+
+def test_a_pipe_and_a_float_image_are_unreadable_files_not_a_hang_or_zeros(folder, tmp_path):
+    import os
+    import shutil
+    import signal
+
+    from PIL import Image
+
+    root = tmp_path / "odd"
+    shutil.copytree(folder, root)
+    os.mkfifo(root / "train" / "class_00" / "zz_pipe.jpg")
+    Image.fromarray(np.random.rand(40, 40).astype("float32")).save(
+        root / "train" / "class_01" / "zz_float.tif")
+    ds = ImageFolder("train", str(root), size=16, on_error="skip")
+    def hung(*_):
+        raise TimeoutError("the pipe was read forever")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        kept = [ds[i] for i in range(len(ds))]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert sum(k is None for k in kept) == 2
+    assert sorted(ds.skipped()) == sorted(str(p) for p in root.rglob("zz_*"))
+    with pytest.raises(ValueError, match="32-bit float image"):
+        decode(str(root / "train" / "class_01" / "zz_float.tif"), 16, 18)
