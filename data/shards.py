@@ -65,6 +65,32 @@ def _join(root: str, name: str) -> str:
     return posixpath.join(root, name)
 
 
+KINDS = ("image", "npy")  # what a shard's samples are: .jpg/.png + .cls, or x.npy + y.npy
+
+
+def _check_index(index: Any, where: str) -> List[Dict]:
+    """The shard list of an index.json, checked: {"shards": [{"url": ..., "samples": n >= 0},
+    ...], "kind": image | npy, ...} as scripts/prepare_data.py writes it; one line naming
+    `where` and what is wrong, else."""
+    shards = index.get("shards") if isinstance(index, dict) else None
+    if not isinstance(shards, list):
+        raise ValueError(f"{where}: not a shard index (expected a JSON object whose \"shards\" "
+                         "is a list of {\"url\", \"samples\"}; scripts/prepare_data.py --format "
+                         "shards writes one)")
+    for i, shard in enumerate(shards):
+        count = shard.get("samples") if isinstance(shard, dict) else None
+        if not isinstance(shard, dict) or not isinstance(shard.get("url"), str) or \
+                not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"{where}: shards[{i}] is {json.dumps(shard)[:80]}; each shard "
+                             "needs a \"url\" (a string) and a \"samples\" count (an integer "
+                             ">= 0)")
+    kind = index.get("kind", "image")
+    if kind not in KINDS:
+        raise ValueError(f"{where}: \"kind\": {json.dumps(kind)}; must be one of "
+                         + ", ".join(KINDS))
+    return shards
+
+
 class ShardStream:
     """One split of a shard set: its index and how samples are decoded (module doc).
 
@@ -89,8 +115,9 @@ class ShardStream:
             raise FileNotFoundError(f"data.dataset.root={root}: cannot read {split}/{INDEX} "
                                     f"({e}); write shards with scripts/prepare_data.py "
                                     "--format shards") from None
-        self.urls = [_join(folder, s["url"]) for s in index["shards"]]
-        self.counts = [int(s["samples"]) for s in index["shards"]]
+        shards = _check_index(index, f"data.dataset.root={root}: {split}/{INDEX}")
+        self.urls = [_join(folder, s["url"]) for s in shards]
+        self.counts = [s["samples"] for s in shards]
         self.kind = index.get("kind", "image")
         self.classes = index.get("classes")
         self.num_classes = index.get("num_classes")
@@ -159,12 +186,15 @@ class ShardStream:
         try:
             if ext is None or "cls" not in sample:
                 raise ValueError(f"no image or no .cls member (has {sorted(sample)})")
+            text = sample["cls"].decode(errors="replace").strip()
+            if not text.lstrip("-").isdigit():
+                raise ValueError(f"its .cls member holds {text[:20]!r}, not a class index")
             image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
         except unreadable_errors() as e:
             key = sample.get("__key__", "")
             self.unreadable.handle(e, int(key) if key.isdigit() else None, where)
             return None
-        return image, torch.tensor(int(sample["cls"].decode().strip()))
+        return image, torch.tensor(int(text))
 
 
 class ShardPlan:

@@ -194,12 +194,13 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     good = sorted((tmp_path / "im").rglob("*.jpg"))[0].read_bytes()
     (tmp_path / "sh" / "train").mkdir(parents=True)
     with TarWriter(str(tmp_path / "sh" / "train" / "s0.tar")) as sink:
-        for pos, data in enumerate([good, b"broken", good]):
-            sink.write({"__key__": f"{pos:09d}", "jpg": data, "cls": b"1",
+        for pos, (data, cls) in enumerate([(good, b"1"), (b"broken", b"1"), (good, b"1"),
+                                           (good, b"abc")]):
+            sink.write({"__key__": f"{pos:09d}", "jpg": data, "cls": cls,
                         "path": f"/data/{pos}.jpg".encode()})
     (tmp_path / "sh" / "train" / "index.json").write_text(json.dumps(
         {"kind": "image", "classes": ["a", "b"], "num_classes": 2,
-         "shards": [{"url": "s0.tar", "samples": 3}]}))
+         "shards": [{"url": "s0.tar", "samples": 4}]}))
     stream = ShardStream("train", str(tmp_path / "sh"), size=8, on_error="fail")
     with pytest.raises(ImageError, match=r"cannot read the sample .*s0.tar:000000001 "
                                          r"\(/data/1.jpg\) \(cannot identify image file\)"):
@@ -208,10 +209,30 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     skip = ShardStream("train", str(tmp_path / "sh"), size=8)
     with caplog.at_level("WARNING", logger="stoker"):
         for _ in range(2):  # two epochs: one warning
-            decoded = [skip.decode(s) for s in skip.samples_in([0], 0, 3)]
-    assert [d is None for d in decoded] == [False, True, False]
-    assert skip.skipped() == ["train sample 000000001"]
+            decoded = [skip.decode(s) for s in skip.samples_in([0], 0, 4)]
+    assert [d is None for d in decoded] == [False, True, False, True]  # (a label "abc")
+    assert skip.skipped() == ["train sample 000000001", "train sample 000000003"]
     assert sum("/data/1.jpg" in r.getMessage() for r in caplog.records) == 1
+    assert any("its .cls member holds 'abc', not a class index" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("index,fragment", [
+    ([], r'not a shard index \(expected a JSON object whose "shards" is a list'),
+    ({"kind": "image"}, "not a shard index"),
+    ({"shards": [{"url": "a.tar"}]}, r'shards\[0\] is \{"url": "a.tar"\}; each shard needs a '
+                                     r'"url" \(a string\) and a "samples" count'),
+    ({"shards": [{"url": "a.tar", "samples": "twenty"}]}, r"shards\[0\] is"),
+    ({"shards": [{"url": "a.tar", "samples": -20}]}, r"shards\[0\] is"),
+    ({"shards": [{"url": "a.tar", "samples": 2}], "kind": "video"},
+     r'"kind": "video"; must be one of image, npy'),
+])
+def test_an_index_that_is_not_a_shard_index_is_one_line_naming_it(tmp_path, index, fragment):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"^data.dataset.root={tmp_path}: train/index.json: "
+                                         rf"{fragment}"):
+        ShardStream("train", str(tmp_path))
 
 
 def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
