@@ -78,10 +78,17 @@ class Classification(Task):
         self.check(logits, target)
         if logits.dim() != 2:
             logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-        return F.cross_entropy(
-            logits.float(), target.long(),
-            ignore_index=-100 if self.ignore_index is None else self.ignore_index,
-            label_smoothing=self.label_smoothing)
+        try:
+            return F.cross_entropy(
+                logits.float(), target.long(),
+                ignore_index=-100 if self.ignore_index is None else self.ignore_index,
+                label_smoothing=self.label_smoothing)
+        except IndexError as e:  # a later batch's target out of range (checked on the first)
+            classes = logits.shape[-1]
+            raise self.error(f"a target outside 0..{classes - 1} (the logits have {classes} "
+                             f"classes; {str(e).strip()})", target,
+                             "class indices below the model's output size (a label file "
+                             "with a value out of range?)") from None
 
     def check(self, logits: torch.Tensor, target: Any) -> None:
         """Shapes and dtypes on every call (metadata only; skipped for the shapes and dtype

@@ -53,6 +53,18 @@ def test_targets_beyond_the_logits_are_caught_on_the_first_batch():
         Classification().loss(torch.zeros(2, 3), (None, torch.tensor([0, 7])))
 
 
+@pytest.mark.parametrize("bad", [57, -1])
+def test_a_later_batchs_target_out_of_range_is_one_line_too(bad):
+    """Values are checked on the first batch only (one host sync a run); a later one out of
+    range (one wrong row of a label file) was a 188-line traceback. (On CUDA it is a
+    device-side assert, which no process survives.)"""
+    task = Classification()
+    task.loss(torch.zeros(2, 3), (None, torch.tensor([0, 2])))
+    with pytest.raises(TaskError, match=r"^task classification: a target outside 0..2 \(the "
+                                        r"logits have 3 classes; Target -?\d+ is out of bounds"):
+        task.loss(torch.zeros(2, 3), (None, torch.tensor([0, bad])))
+
+
 def test_ignore_index_is_left_out_of_loss_count_and_accuracy():
     logits = torch.randn(2, 5, 7)
     target = torch.randint(7, (2, 5))
