@@ -490,7 +490,12 @@ class Loop:
         model.eval()
         start = time.perf_counter()
         sums = self._evaluate_batches(model)
-        loss_sum, count = distributed.all_reduce_sum(sums).tolist()
+        sums[2] = len(skipped_files(self.val_feed))
+        loss_sum, count, files = distributed.all_reduce_sum(sums).tolist()
+        if count == 0 and files > 0:  # (every rank has the same sums: all stop here)
+            raise ConfigError(
+                "data: no validation sample was read: every one was skipped as unreadable "
+                f"({int(files)} files, data.dataset.on_error=skip); check the validation files")
         values = {"val_loss": loss_sum / count if count else math.nan}
         for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
             values[f"val_{name}"] = self.task.compute_metric(name, metric) if count else math.nan
@@ -509,11 +514,12 @@ class Loop:
         return values
 
     def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:
-        """(loss sum, count) over this rank's validation shard; metrics updated on the way."""
+        """(loss sum, count, 0) over this rank's validation shard; metrics updated on the
+        way."""
         task = self.task
         for metric in task.metrics.values():
             metric.reset()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # (and skipped files)
         for batch in self.val_feed.take(self.val_limit):
             with self.precision.autocast():
                 output = task.forward(model, batch)

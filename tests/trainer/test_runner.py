@@ -295,6 +295,22 @@ def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cf
                        "model=cnn", "data.num_workers=0", "data.batch_size=16"))
 
 
+def test_a_run_whose_every_validation_file_is_unreadable_fails_in_one_line(make_cfg, tmp_path):
+    """It "completed" with val_loss nan and val_acc nan."""
+    from scripts.make_images import write_images
+
+    root = tmp_path / "images"
+    write_images(root, count=40, size=16, classes=2)
+    for path in (root / "val").rglob("*.jpg"):
+        path.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^data: no validation sample was read: every one was "
+                                          r"skipped as unreadable \(8 files, data.dataset."
+                                          r"on_error=skip\); check the validation files"):
+        train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+                       "model=cnn", "data.num_workers=0", "data.batch_size=16",
+                       "trainer.max_epochs=1"))
+
+
 def test_a_file_where_the_checkpoints_go_stops_the_run_before_it_trains(make_cfg, tmp_path):
     from trainer.checkpoint import CheckpointWriteError
 
