@@ -48,21 +48,40 @@ def end_without_peer(e: PeerLost) -> NoReturn:
         os._exit(done.code)
 
 
-def sweep_job_failed(e: BaseException) -> None:
-    """A sweep job that failed before it opened its files (a refused setting of its own, a
-    first batch its task refuses) leaves its status.json in the job dir Hydra made for it,
-    where nothing else would say how it ended; the sweep itself stops there (Hydra's launcher
-    runs no job after a failed one). A job dir with a status.json keeps it."""
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra sweep (`-m`)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if not HydraConfig.initialized() or not distributed.detect().is_main:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sweep_job_failed(e: BaseException) -> None:
+    """A sweep job that failed before it opened its files (a refused setting of its own, a
+    first batch its task refuses) leaves its status.json in the job dir Hydra made for it,
+    where nothing else would say how it ended; the sweep itself stops there (`end_sweep`).
+    A job dir with a status.json keeps it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not in_sweep() or not distributed.detect().is_main:
         return
-    h = HydraConfig.get()
-    job_dir = Path(h.runtime.output_dir)
-    if h.mode != RunMode.MULTIRUN or not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    if not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
     record_failure(job_dir, e)
+
+
+def end_sweep(e: Exception) -> NoReturn:
+    """A sweep job's crash (an exception with its traceback, not a one-line refusal): the
+    traceback now, and the process's exit code, which stops the sweep as a refused job does.
+    Hydra's launcher would keep the exception, run the next jobs and raise it at the end, and
+    under torchrun a rank that crashed would go on to the next job while its peers wait in
+    this one's collectives until `trainer.ddp.timeout_s`, naming it lost, not its error."""
+    import traceback
+
+    traceback.print_exception(e)
+    sys.stderr.flush()
+    raise SystemExit(exit_code(e))
 
 
 def record_failure(run_dir: Path, e: BaseException) -> None:

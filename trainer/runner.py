@@ -59,6 +59,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         fail(e, code=ending.exit_code(e))
     except BaseException as e:
         ending.sweep_job_failed(e)
+        if isinstance(e, Exception) and ending.in_sweep():
+            ending.end_sweep(e)
         raise
 
 

@@ -443,6 +443,39 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
         "when": ANY, "job": None, "from": None}
 
 
+CRASHING = ["data.dataset._target_=tests.helpers.FailingOnRankDigits", "data.num_workers=0",
+            "data.placement=host", "trainer.max_steps=2", "trainer.progress_bar=false"]
+
+
+def test_a_sweep_job_that_crashes_stops_the_sweep_with_its_traceback(tmp_path):
+    """Hydra's launcher kept a crash, ran the next jobs and raised it at the end; a refused
+    job stopped the sweep: one rule now, the README's."""
+    proc = run_cli(["-m", "+data.dataset.fail_rank=0,5", *CRASHING], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "RuntimeError: injected failure on rank None" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # 1 never ran
+    status = json.loads((sweep / "0" / "status.json").read_text())
+    assert (status["status"], status["exit_code"]) == ("failed", 1)
+    assert status["error"] == "RuntimeError: injected failure on rank None"
+
+
+@pytest.mark.slow
+def test_a_torchrun_sweep_job_crashing_on_one_rank_ends_with_its_error(tmp_path):
+    """Rank 1's crash went to the next job while rank 0 waited out trainer.ddp.timeout_s in
+    the first one's collectives and named rank 1 lost; the error itself was never said."""
+    from tests.helpers import torchrun
+
+    proc = torchrun(2, ["+data.dataset.fail_rank=1,5", *CRASHING, "trainer.ddp.timeout_s=120"],
+                    cwd=tmp_path, multirun=True, timeout=100)
+    assert proc.returncode != 0
+    assert "RuntimeError: injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "made no progress" not in proc.stderr
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]
+
+
 @pytest.mark.gpu
 def test_peak_memory_is_each_runs_own(make_cfg, tmp_path):
     """A sweep's jobs share one process: each reports the CUDA peak since its own start, not
