@@ -83,7 +83,7 @@ def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int
         y_out[row:row + len(y)] = y.numpy()
         row += len(x)
     if x_out is None or row == 0:
-        raise ValueError("cannot cache an empty dataset")
+        raise _nothing_read(n)
     shape = tuple(x_out.shape[1:])
     for arr, name in ((x_out, "x.npy"), (y_out, "y.npy")):
         arr.flush()
@@ -115,8 +115,16 @@ def _open_reserved(path: Path, dtype, shape: Tuple[int, ...]) -> np.memmap:
                   f"{path.name.split('.npy')[0]}.npy: {why}")
 
 
+def _nothing_read(n: int) -> ConfigError:
+    return ConfigError(f"data: nothing to cache or pack: none of the dataset's {n} samples "
+                       "could be read (every file unreadable? the warnings above name them)")
+
+
 def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
-    xs, ys = zip(*_pairs(dataset, num_workers))
+    pairs = list(_pairs(dataset, num_workers))
+    if not pairs or sum(len(y) for _, y in pairs) == 0:
+        raise _nothing_read(len(dataset))
+    xs, ys = zip(*pairs)
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
@@ -206,14 +214,27 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             shutil.rmtree(tmp, ignore_errors=True)  # ours alone
     elif local_rank == 0:
         log.info("data.cache=disk: reusing %s", root)
-        left_out = json.loads(done.read_text()).get("skipped") or []
+        try:
+            left_out = json.loads(done.read_text()).get("skipped") or []
+        except (OSError, ValueError, AttributeError) as e:
+            raise _damaged(root, e) from None
         if left_out:  # said again on every run that uses the cache, not only the first
             log.warning("data.cache=disk: %d unreadable files were left out when %s was "
                         "written, e.g. %s", len(left_out), root, ", ".join(left_out[:3]))
     else:
         _await(done, failed, f"data.cache=disk in {root}")
     wait()
-    return MemmapDataset("train", str(root))
+    try:
+        return MemmapDataset("train", str(root))
+    except (OSError, ValueError) as e:  # (a ConfigError too: the folder's own checks)
+        raise _damaged(root, e) from None
+
+
+def _damaged(root: Path, e: BaseException) -> ConfigError:
+    """A disk cache whose files were changed or cut after it was written."""
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ConfigError(f"data.cache=disk: the cache {root} is damaged ({type(e).__name__}: "
+                       f"{reason[:200]}); delete that folder and the next run writes it again")
 
 
 def _sample_bytes(sample: Any) -> int:

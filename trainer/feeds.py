@@ -12,6 +12,7 @@ are formed (README "The input pipeline"):
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -161,6 +162,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         raise ConfigError(f"data.cache={d.cache}: streamed shards (data=shards) are read as "
                           "they come, not cached; use data.cache=none, or scripts/"
                           "prepare_data.py --format npy and data=memmap for data that fits")
+    _check_cache_dir(d)
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
         num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
@@ -263,6 +265,21 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         sample=None if feed.resident else sample_cost(loader.dataset),
                         batch_size=d.batch_size)
 
+
+
+def _check_cache_dir(d: DictConfig) -> None:
+    """data.cache=disk writes its folders into data.cache_dir: inside the data they read,
+    they become part of it (an image folder's class folders), and every later run fails."""
+    if d.cache != "disk":
+        return
+    cache = os.path.realpath(d.cache_dir)
+    for key in ("dataset", "train_dataset", "val_dataset"):
+        root = OmegaConf.select(d, f"{key}.root", default=None)
+        if isinstance(root, str) and "://" not in root and \
+                os.path.commonpath([cache, os.path.realpath(root)]) == os.path.realpath(root):
+            raise ConfigError(f"data.cache_dir={d.cache_dir}: inside data.{key}.root={root}, "
+                              "where the cache's folders would become part of the data; put "
+                              "it outside")
 
 
 def _converted(feed: DevicePrefetcher) -> bool:

@@ -205,3 +205,40 @@ def test_a_disk_too_full_for_the_arrays_is_an_error_naming_them_not_a_bus_error(
         cache.write_arrays(source(), tmp_path / "train")
     assert reserved and reserved[0] > 128  # the whole file, header included
     assert list((tmp_path / "train").iterdir()) == []  # nothing half-written left
+
+
+@pytest.mark.parametrize("damage", ["done.json", "x.npy missing", "x.npy cut", "x.npy garbage"])
+def test_a_damaged_disk_cache_is_one_line_naming_it_and_what_to_delete(tmp_path, damage):
+    cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path))
+    [root] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    x = root / "train" / "x.npy"
+    if damage == "done.json":
+        (root / "done.json").write_text("{not json")
+    elif damage == "x.npy missing":
+        x.unlink()
+    elif damage == "x.npy cut":
+        x.write_bytes(x.read_bytes()[:200])
+    else:
+        x.write_bytes(b"\x17" * 500)
+    with pytest.raises(ConfigError, match=rf"^data.cache=disk: the cache {root} is damaged "
+                                          r"\(.*\); delete that folder and the next run writes "
+                                          r"it again$"):
+        cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_a_dataset_of_which_nothing_can_be_read_is_one_line_not_an_empty_cache(tmp_path, mode):
+    from torch.utils.data import default_collate
+
+    class Unreadable(Counting):
+        collate_fn = staticmethod(lambda s: default_collate([x for x in s if x is not None])
+                                  if any(x is not None for x in s) else
+                                  (torch.zeros(0, 2, 4, 4), torch.zeros(0, dtype=torch.long)))
+
+        def __getitem__(self, i):
+            return None
+
+    with pytest.raises(ConfigError, match=r"^data: nothing to cache or pack: none of the "
+                                          r"dataset's 10 samples could be read"):
+        cache.cache_dataset(Unreadable(), mode, tag="cfg", cache_dir=str(tmp_path))
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no cache left to trust

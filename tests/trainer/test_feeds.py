@@ -386,3 +386,18 @@ def test_the_advice_offers_data_cache_only_for_samples_it_can_hold():
         feed = DevicePrefetcher(DataLoader(ds, num_workers=cores), torch.device("cpu"))
         line = feed_advice(d, feed, torch.device("cpu"), 0.4, 1)
         assert ("data.cache=memory" in line) == cacheable, line
+
+
+def test_a_disk_cache_inside_the_data_it_reads_is_refused(make_cfg, tmp_path):
+    """Its key folders became class folders of the image folder: every later run failed."""
+    from scripts.make_images import write_images
+    from trainer.config import ConfigError
+
+    root = tmp_path / "imgs"
+    write_images(root, count=8, size=16, classes=2)
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir={root}/train: inside "
+                                          rf"data.dataset.root={root}, where the cache's "
+                                          r"folders would become part of the data"):
+        train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+                       "model=cnn", "data.cache=disk", f"data.cache_dir={root}/train"))
+    assert sorted(p.name for p in (root / "train").iterdir()) == ["class_00", "class_01"]
