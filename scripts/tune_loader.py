@@ -31,7 +31,8 @@ from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
-from trainer.feeds import build_datasets  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.feeds import build_datasets, collate_for  # noqa: E402
 from trainer.task import batch_size  # noqa: E402
 
 COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
@@ -39,12 +40,12 @@ COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "fir
 
 def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[str, float]:
     """Samples/s over up to `batches` batches after the first, and the first batch's wait."""
-    collate = build_callable(data_cfg.collate_fn, "data.collate_fn")
+    collate = collate_for(dataset, build_callable(data_cfg.collate_fn, "data.collate_fn"))
     feed = DevicePrefetcher(build_loader(dataset, data_cfg, train=True, device=device,
-                                         collate_fn=collate), device)
+                                         collate_fn=collate), device)  # as train.py's
     it = iter(feed)
     start = time.perf_counter()
-    next(it)
+    first_batch = next(it)
     first = time.perf_counter() - start
     start, samples = time.perf_counter(), 0
     for _, batch in zip(range(batches), it):
@@ -52,6 +53,9 @@ def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[st
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if samples == 0 and batch_size(first_batch) == 0:
+        raise ConfigError("data: no sample was read in the batches timed (every file "
+                          "unreadable? the warnings above name them)")
     return {"samples_per_s": samples / elapsed if samples else 0.0, "first_batch_s": first}
 
 

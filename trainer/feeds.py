@@ -176,12 +176,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if ds is None:
             feeds.append(None)
             continue
-        # the dataset's own collate (an image folder's leaves out the files it skipped); a
-        # collate of the user's gets the samples that are there
-        split_collate = getattr(ds, "collate_fn", None)
-        if collate is not None:
-            split_collate = SkipCollate(split_collate.shape, collate) \
-                if isinstance(split_collate, SkipCollate) else collate
+        split_collate = collate_for(ds, collate)
         where, why_not = placement(d, ds, device, split_collate is not None, reserved_mb)
         where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
@@ -265,6 +260,16 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         sample=None if feed.resident else sample_cost(loader.dataset),
                         batch_size=d.batch_size)
 
+
+
+def collate_for(dataset, collate):
+    """The collate a loader of `dataset` uses: the dataset's own (an image folder's leaves
+    out the files it skipped), with `collate` (data.collate_fn, built) given the samples
+    that are there; `collate` alone for other datasets."""
+    own = getattr(dataset, "collate_fn", None)
+    if collate is None:
+        return own
+    return SkipCollate(own.shape, collate) if isinstance(own, SkipCollate) else collate
 
 
 def _check_cache_dir(d: DictConfig) -> None:

@@ -66,6 +66,28 @@ def test_a_wrong_setting_is_one_line(capsys):
                           "'nowhere'") and "\n" not in err
 
 
+def test_an_image_folder_is_timed_through_its_own_collate(tmp_path, capsys):
+    """As train.py batches it (the folder's collate leaves out unreadable files): a folder
+    with a broken file is timed; one of which no file reads is one line, not default_collate's
+    IndexError traceback."""
+    from scripts.make_images import write_images
+    from scripts.tune_loader import main
+
+    root = tmp_path / "imgs"
+    write_images(root, count=16, size=16, classes=2)
+    next((root / "train").rglob("*.jpg")).write_bytes(b"broken")
+    common = ["data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+              "data.batch_size=4", "--workers", "0", "--prefetch", "2", "--batches", "2"]
+    result = main([*common, "--out", str(tmp_path / "a.json")])
+    assert result["results"][0]["samples_per_s"] > 0
+    for f in (root / "train").rglob("*.jpg"):
+        f.write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--out", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("stoker: error: data: no sample was read")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--batches", "0"], "argument --batches: 0: must be >= 1"),
     (["--workers", "-1"], "argument --workers: -1: must be >= 0"),
