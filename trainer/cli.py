@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
-from trainer.distributed import detect
+from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -105,7 +105,8 @@ def describe(e: BaseException) -> str:
     return ": ".join(parts) or type(e).__name__
 
 
-USER_ERRORS = (ConfigError, CheckpointError, HydraException, OmegaConfBaseException)
+USER_ERRORS = (ConfigError, CheckpointError, LaunchError, HydraException,
+               OmegaConfBaseException)
 
 
 def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> NoReturn:

@@ -60,8 +60,55 @@ def _slurm_master(environ: Mapping[str, str]) -> str:
     return first or "127.0.0.1"
 
 
+class LaunchError(ValueError):
+    """A launcher's variables that cannot describe a job (a rank past the world size, a count
+    that is not a number): one line naming the variable, exit code 2."""
+
+
+class JoinFailed(RuntimeError):
+    """The job's ranks did not all join its process group in time: one line, exit code 1."""
+
+
+# (variable, lowest value) of each launcher, and the (rank, world size) pair among them
+_LAUNCH_VARS = {"torchrun": ([("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0),
+                              ("LOCAL_WORLD_SIZE", 1)], ("RANK", "WORLD_SIZE")),
+                "slurm": ([("SLURM_PROCID", 0), ("SLURM_NTASKS", 1), ("SLURM_LOCALID", 0),
+                           ("SLURM_JOB_ID", 0), ("MASTER_PORT", 1)],
+                          ("SLURM_PROCID", "SLURM_NTASKS"))}
+
+
+def check_launch(environ: Mapping[str, str] = os.environ) -> None:
+    """LaunchError for launcher variables `detect` would read that cannot describe a job: a
+    value that is not a whole number, or below its least, or a rank at or past the world
+    size (a job script that sets them by hand, or an srun outside its allocation)."""
+    launcher = ("torchrun" if "RANK" in environ and "WORLD_SIZE" in environ else
+                "slurm" if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ else None)
+    if launcher is None:
+        return
+    names, (rank, world) = _LAUNCH_VARS[launcher]
+    for name, low in names:
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        if not raw.strip().isdigit() or int(raw) < low:
+            raise LaunchError(f"{name}={raw}: must be a whole number >= {low} ({launcher} sets "
+                              "it; a job script that sets it by hand?)")
+    if int(environ[rank]) >= int(environ[world]):
+        raise LaunchError(f"{rank}={environ[rank]}: must be below {world}={environ[world]} "
+                          "(the job's ranks are 0 to one less than its size)")
+
+
 def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
-    """Reads torchrun's variables, else SLURM's (`srun python train.py`), else one process."""
+    """Reads torchrun's variables, else SLURM's (`srun python train.py`), else one process;
+    variables `check_launch` refuses read as one process, so that the refusal can be said."""
+    try:
+        check_launch(environ)
+    except LaunchError:
+        return DistEnv()
+    return _detect(environ)
+
+
+def _detect(environ: Mapping[str, str]) -> DistEnv:
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return DistEnv(rank=int(environ["RANK"]), local_rank=int(environ.get("LOCAL_RANK", 0)),
                        world_size=int(environ["WORLD_SIZE"]),
@@ -265,8 +312,17 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
         kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
     if backend == "nccl":
         timeout += datetime.timedelta(seconds=NCCL_GRACE_S)
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, **kwargs)
+    except dist.DistError as e:  # a peer that never came, an address nobody listens on
+        where = (f"{env.master_addr}:{env.master_port}" if env.launcher == "slurm" else
+                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise JoinFailed(f"rank {env.rank} of {env.world_size} could not join the job's "
+                         f"process group at {where} within trainer.ddp.timeout_s="
+                         f"{timeout_s:g} s ({type(e).__name__}: {reason}); did every rank "
+                         "start, with the same MASTER_ADDR and MASTER_PORT?") from None
     atexit.register(_destroy)
 
 

@@ -18,7 +18,7 @@ from data.loader import LoaderStalled
 from trainer import checkpoint, distributed, rundir
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
 from trainer.config import RunSpec
-from trainer.distributed import DistEnv
+from trainer.distributed import DistEnv, JoinFailed
 from trainer.feeds import feed_advice
 from trainer.liveness import PeerLost
 from trainer.logging import RunLogger
@@ -31,7 +31,7 @@ STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a
 # wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
 
 # failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
-ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, LoaderStalled, OSError)
+ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, JoinFailed, LoaderStalled, OSError)
 
 
 def end_without_peer(e: PeerLost) -> NoReturn:

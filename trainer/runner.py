@@ -56,7 +56,9 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             raise
         if isinstance(e, PeerLost):
             ending.end_without_peer(e)
-        fail(e, code=ending.exit_code(e))
+        # (a launch the variables cannot describe, a rank that could not join: each says it)
+        fail(e, code=ending.exit_code(e),
+             any_rank=isinstance(e, (distributed.LaunchError, distributed.JoinFailed)))
     except BaseException as e:
         ending.sweep_job_failed(e)
         if isinstance(e, Exception) and ending.in_sweep():
@@ -84,7 +86,9 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         raise ConfigError(f"{empty} is empty: name the {what}'s directory "
                           f"({empty}=outputs/my-{what}), or leave the key out for a new dated "
                           "one")
-    env = env or distributed.detect()
+    if env is None:
+        distributed.check_launch()
+        env = distributed.detect()
     distributed.end_with_launcher()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)
         logging.getLogger().setLevel(logging.WARNING)

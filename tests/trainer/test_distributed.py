@@ -139,3 +139,39 @@ def test_a_failing_rank_aborts_an_nccl_group_rather_than_flushing_it(monkeypatch
                         lambda: calls.append("destroy"))
     distributed._destroy(failed=failed)
     assert calls == [call]
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "abc"},
+     "SLURM_NTASKS=abc: must be a whole number >= 1 (slurm sets it"),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"},
+     "SLURM_PROCID=5: must be below SLURM_NTASKS=2 (the job's ranks are 0 to one less"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_PORT": "http"},
+     "MASTER_PORT=http: must be a whole number >= 1"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2: must be below WORLD_SIZE=2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1: must be a whole number >= 0 (torchrun"),
+])
+def test_launcher_variables_that_cannot_describe_a_job_are_one_line(env, message):
+    """They were an interpolation traceback, or a rank that waited out the timeout for peers
+    that did not exist; detect() reads them as one process, so that the line can be said."""
+    with pytest.raises(distributed.LaunchError, match=f"^{message}".replace("(", r"\(")):
+        distributed.check_launch(env)
+    assert detect(env).world_size == 1
+    distributed.check_launch({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"})  # a real job
+    distributed.check_launch({})
+
+
+def test_a_rank_whose_peers_never_join_says_so_in_one_line(make_cfg, monkeypatch, tmp_path):
+    """The first of two SLURM tasks, alone: torch's DistStoreError with C++ frames before."""
+    from tests.helpers import free_port
+    from trainer.runner import train
+
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7",
+                       "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port())
+                       }.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(distributed.JoinFailed, match=r"^rank 0 of 2 could not join the job's "
+                                                     r"process group at localhost:\d+ within "
+                                                     r"trainer.ddp.timeout_s=3 s \(Dist"):
+        train(make_cfg("trainer.ddp.timeout_s=3", run_dir=tmp_path / "run"))
+    assert not distributed.is_active()
