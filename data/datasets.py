@@ -176,11 +176,18 @@ class NpyRows:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         with open(self.path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            self.shape, fortran, self.dtype = read_header(f)
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                self.shape, fortran, self.dtype = read_header(f)
+            except ValueError as e:  # numpy's words name neither the file nor a way out
+                raise ValueError(f"{self.path}: not a .npy array ({str(e).splitlines()[0]}); "
+                                 "write it again with scripts/prepare_data.py") from None
             self.offset = f.tell()
+        if self.dtype.hasobject:  # pickled objects: no fixed row size to map
+            raise ValueError(f"{self.path}: an array of Python objects ({self.dtype}); store "
+                             "numbers (np.save of a numeric array)")
         if fortran:
             raise ValueError(f"{self.path}: Fortran-ordered arrays are not supported")
         self.row_items = int(np.prod(self.shape[1:], dtype=np.int64))

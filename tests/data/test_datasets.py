@@ -124,7 +124,9 @@ def test_memmap_missing_files_name_the_key(tmp_path):
 
 
 def test_a_truncated_array_or_a_broken_meta_json_names_the_file(tmp_path):
-    from data.datasets import MemmapDataset, read_meta
+    import numpy as np
+
+    from data.datasets import MemmapDataset, NpyRows, read_meta
     from tests.helpers import make_memmap_root
 
     root = make_memmap_root(tmp_path / "mm", n=12, dtype="uint8")
@@ -136,6 +138,14 @@ def test_a_truncated_array_or_a_broken_meta_json_names_the_file(tmp_path):
     (root / "meta.json").write_text("{'not': json")
     with pytest.raises(ValueError, match=rf"^{root / 'meta.json'}: not valid JSON"):
         read_meta(str(root))
+    x.write_bytes(b"\x17" * 500)  # numpy's own words named no file
+    with pytest.raises(ValueError, match=rf"^{x}: not a .npy array \(the magic string is not "
+                                         r"correct.*\); write it again"):
+        MemmapDataset("train", str(root))
+    np.save(root / "train" / "y.npy", np.array([1, "a"] * 6, dtype=object))
+    with pytest.raises(ValueError, match=r"y.npy: an array of Python objects \(object\); store "
+                                         r"numbers"):  # (it was called truncated)
+        NpyRows(root / "train" / "y.npy")
 
 
 def test_heavy_config_is_the_classic_benchmark():
