@@ -80,6 +80,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
     except OmegaConfBaseException as e:  # composed outside train.py: no Hydra run dir
         raise ConfigError(f"run_dir: cannot be resolved ({type(e).__name__}); a config composed "
                           "with hydra.compose needs a run_dir=PATH override") from None
+    _check_launcher()
     empty = _empty_hydra_dir()
     if empty:  # `hydra.run.dir=$UNSET`: the run would write into the current directory
         what = empty.split(".")[1]  # run or sweep
@@ -126,6 +127,21 @@ def _deterministic(mode: bool, compiling: bool) -> None:
         torch.use_deterministic_algorithms(mode)
     elif torch.are_deterministic_algorithms_enabled() != mode:
         torch._C._set_deterministic_algorithms(mode)
+
+
+def _check_launcher() -> None:
+    """A sweep launcher of Hydra's (hydra/launcher=slurm) launches sweeps (-m) only: a run
+    without -m would train here, where its user meant to submit it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
+        return
+    target = str(OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or "")
+    if "submitit" in target:
+        raise ConfigError("hydra/launcher=slurm: submits sweeps (-m) only, and this command "
+                          "would train here; add -m to submit it as a job (one job for one "
+                          "setting), or leave the launcher out")
 
 
 def _empty_hydra_dir() -> Optional[str]:

@@ -499,3 +499,15 @@ def test_a_run_whose_workers_wait_at_each_epochs_end_exits(tmp_path):
                     "data.num_workers=2", "data.prefetch_next_epoch=false",
                     f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_slurm_launcher_without_a_sweep_is_refused_not_run_here(tmp_path):
+    """Hydra uses a launcher for -m only: the run trained on this machine, with no word."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = run_cli(["hydra/launcher=slurm", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "stoker: error: hydra/launcher=slurm: submits sweeps (-m) only, and this command would "
+        "train here; add -m to submit it as a job (one job for one setting), or leave the "
+        "launcher out")
+    assert not (tmp_path / "run" / "checkpoints").exists()
