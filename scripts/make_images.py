@@ -75,6 +75,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             or not 0 <= a.val_fraction < 1:
         p.error(f"need --count >= --classes >= 1, 8 <= --size <= {MAX_SIZE} and "
                 "0 <= --val-fraction < 1")
+    sizes = {a.count // a.classes + (1 if label < a.count % a.classes else 0)
+             for label in range(a.classes)}  # files per class
+    if a.val_fraction > 0 and any(not 1 <= round(n * a.val_fraction) < n for n in sizes):
+        p.error(f"--count {a.count} --classes {a.classes} --val-fraction {a.val_fraction}: "
+                f"each class needs a file in train/ and in val/ ({min(sizes)} files a class); "
+                "raise --count or change --val-fraction (0: train/ alone)")
     refusal = out_refusal(a.out, a.overwrite)
     if refusal:
         p.error(f"--out {a.out}: {refusal}")
@@ -92,8 +98,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(143)
     print(f"wrote {len(paths)} JPEG files of {a.size}x{a.size} under {a.out} in "
           f"{time.perf_counter() - start:.1f}s")
-    print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "
-          "data.dataset.size=64 model=cnn")
+    if a.val_fraction > 0:
+        print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "
+              "data.dataset.size=64 model=cnn")
+    else:  # data=image_folder reads <root>/val too
+        print(f"train/ alone (--val-fraction 0): name {a.out}/train in a data.train_dataset "
+              "node (README: Bring your own), as data=image_folder needs val/ too")
 
 
 def out_refusal(out: Path, overwrite: bool) -> Optional[str]:

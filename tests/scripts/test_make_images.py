@@ -43,6 +43,10 @@ def test_writes_train_and_val_per_class_and_replaces_only_its_own_folder(tmp_pat
     (["--out", "f.txt"], "--out f.txt: is a file"),
     (["--out", "x", "--size", "200000"], "8 <= --size <= 8192"),
     (["--out", "x", "--count", "3"], "--count >= --classes >= 1"),
+    (["--out", "x", "--count", "40", "--classes", "10", "--val-fraction", "0.9"],
+     "each class needs a file in train/ and in val/ (4 files a class)"),
+    (["--out", "x", "--count", "20", "--classes", "10", "--val-fraction", "0.1"],
+     "each class needs a file in train/ and in val/ (2 files a class)"),  # (0.2 rounds to 0)
 ])
 def test_bad_flags_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, args,
                                                           fragment):
@@ -72,3 +76,11 @@ def test_a_stopped_run_is_one_line_and_leaves_out_as_it_was(tmp_path, sig, code,
     assert proc.returncode == code and err.strip().splitlines() == [
         f"make_images: {word}; --out is as it was"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_without_val_says_how_to_use_it_not_a_command_that_fails(tmp_path, capsys):
+    make_images.main(["--out", str(tmp_path / "imgs"), "--count", "4", "--classes", "2",
+                      "--size", "8", "--val-fraction", "0"])
+    out = capsys.readouterr().out
+    assert "data.train_dataset" in out and "use them: python train.py" not in out
+    assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["train"]
