@@ -23,7 +23,7 @@ def test_writes_train_and_val_per_class_and_replaces_only_its_own_folder(tmp_pat
     first = files(tmp_path / "imgs")
     assert len(first) == 40 and sum(f.startswith("val/") for f in first) == 8
     with pytest.raises(SystemExit) as e:  # a second run does not mix into the first
-        make_images.main(["--out", "imgs", "--count", "20", "--size", "24"])
+        make_images.main(["--out", "imgs", "--count", "20", "--size", "24", "--classes", "4"])
     assert e.value.code == 2 and "--out imgs: exists and is not empty" in capsys.readouterr().err
     assert files(tmp_path / "imgs") == first
     make_images.main(["--out", "imgs", "--count", "20", "--size", "24", "--classes", "4",
