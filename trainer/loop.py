@@ -176,7 +176,9 @@ class Loop:
         return {"model": unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
-                "callbacks": self._callback_states(), **asdict(self.state)}
+                "callbacks": self._callback_states(), **asdict(self.state),
+                # what the position counts into: a resume over a changed set says so
+                "train_samples": len(self.train_feed.loader.dataset)}
 
     def _callback_states(self) -> Dict[str, Any]:
         states = {}

@@ -63,6 +63,12 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
                               f"into epoch {loop.state.epoch}, is past the end of this run's "
                               f"{n} training samples (another dataset?)")
+    had = state.get("train_samples")
+    if had is not None and had != n:  # (the sampler's order is a function of the length)
+        warnings.append(f"checkpoint {path}: its run had {had} training samples, this one has "
+                        f"{n}: epoch {loop.state.epoch} goes on {loop.state.position} samples "
+                        "in, over another order of them (some may come twice in it, or not "
+                        "at all); later epochs are whole")
     if not checkpoint.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and

@@ -336,6 +336,25 @@ def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
                        run_dir=tmp_path / "other"))
 
 
+def test_a_resume_over_a_training_set_of_another_length_says_so(make_cfg, tmp_path, caplog):
+    """The position counts into the sampler's order, a function of the set's length: a
+    grown set went on over another order with no word."""
+    train(make_cfg("trainer.max_steps=5", "trainer.checkpoint.every_n_steps=5"))
+    path = tmp_path / "run" / "checkpoints" / "step-00000005.pt"
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        train(make_cfg("trainer.max_steps=6", f"trainer.resume={path}",
+                       "data.dataset.val_fraction=0.1", run_dir=tmp_path / "other"))
+    lines = [r.getMessage() for r in caplog.records if "training samples" in r.getMessage()]
+    assert lines == [f"checkpoint {path}: its run had 1438 training samples, this one has "
+                     "1617: epoch 0 goes on 320 samples in, over another order of them (some "
+                     "may come twice in it, or not at all); later epochs are whole"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker"):  # the same set: no word
+        train(make_cfg("trainer.max_steps=6", f"trainer.resume={path}",
+                       run_dir=tmp_path / "third"))
+    assert not [r for r in caplog.records if "training samples" in r.getMessage()]
+
+
 def test_a_monitor_without_checkpoints_says_it_keeps_nothing(make_cfg, caplog):
     with caplog.at_level(logging.WARNING, logger="stoker"):
         summary = train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false",
