@@ -96,6 +96,7 @@ def find_images(folder: Path, classes: Sequence[str],
         raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
                          f"{unknown[:5]}; every class needs training images")
     samples, others, looped = [], [], []
+    loose = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     homes = {name: os.path.realpath(folder / name) for name in found}
     for name in found:
         samples += [(path, index[name])
@@ -106,6 +107,10 @@ def find_images(folder: Path, classes: Sequence[str],
                     "file" if len(others) == 1 else "files", folder,
                     "/".join(e[1:] for e in IMAGE_EXTENSIONS),
                     ", ".join(os.path.relpath(p, folder) for p in others[:3]))
+    if loose and main:  # a class is a folder: a file beside them has none
+        log.warning("data: %d %s directly under %s, in no class folder, left out (e.g. %s)",
+                    len(loose), "file" if len(loose) == 1 else "files", folder,
+                    ", ".join(loose[:3]))
     if looped and main:
         log.warning("data: %d linked %s under %s/<class>/ lead back into the data (a loop, "
                     "or another class's folder), left out: their images would be listed "
@@ -115,11 +120,14 @@ def find_images(folder: Path, classes: Sequence[str],
     if not samples:
         raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
                          f"{folder}/<class>/")
-    if require_all:
-        empty = sorted(set(classes) - {classes[label] for _, label in samples})
-        if empty:
-            raise ValueError(f"data.dataset.root: class folders without images under "
-                             f"{folder}: {empty[:5]}; every class needs training images")
+    empty = sorted(set(classes) - {classes[label] for _, label in samples})
+    if empty and require_all:
+        raise ValueError(f"data.dataset.root: class folders without images under "
+                         f"{folder}: {empty[:5]}; every class needs training images")
+    if empty and main:  # validation's metrics then say nothing of them
+        log.warning("data: %d of the %d classes have no images under %s (e.g. %s): the "
+                    "metrics there leave them out", len(empty), len(classes), folder,
+                    ", ".join(empty[:3]))
     return samples
 
 

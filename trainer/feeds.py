@@ -72,6 +72,13 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
                               "return the number of samples") from None
         if n == 0:
             raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
+        classes = getattr(ds, "classes", None)  # an image folder's (shards': their index's)
+        if isinstance(classes, (list, tuple)) and d.num_classes is not None \
+                and d.num_classes != len(classes):
+            raise ConfigError(f"data.num_classes={d.num_classes}: {key} has {len(classes)} "
+                              f"classes ({', '.join(map(str, classes[:5]))}"
+                              f"{', ...' if len(classes) > 5 else ''}); leave the key out to "
+                              "take its count")
     return sets[0], sets[1]
 
 

@@ -347,3 +347,23 @@ def test_a_pipe_and_a_float_image_are_unreadable_files_not_a_hang_or_zeros(folde
     assert sorted(ds.skipped()) == sorted(str(p) for p in root.rglob("zz_*"))
     with pytest.raises(ValueError, match="32-bit float image"):
         decode(str(root / "train" / "class_01" / "zz_float.tif"), 16, 18)
+
+
+def test_loose_files_and_classes_without_validation_images_are_said(folder, tmp_path, caplog):
+    import shutil
+
+    root = tmp_path / "gaps"
+    shutil.copytree(folder, root)
+    shutil.copy(next((root / "train" / "class_00").glob("*.jpg")), root / "train" / "loose.jpg")
+    for f in (root / "val" / "class_02").glob("*.jpg"):
+        f.unlink()
+    with caplog.at_level("WARNING", logger="stoker"):
+        train = ImageFolder("train", str(root))
+        val = ImageFolder("val", str(root))
+    assert all(not p.endswith("loose.jpg") for p, _ in train.samples)
+    assert {label for _, label in val.samples} == {0, 1}
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("data: 1 file directly under ") and "in no class folder, left out "
+               "(e.g. loose.jpg)" in m for m in said), said
+    assert any(m.startswith("data: 1 of the 3 classes have no images under ") and
+               m.endswith("(e.g. class_02): the metrics there leave them out") for m in said)

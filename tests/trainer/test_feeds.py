@@ -401,3 +401,16 @@ def test_a_disk_cache_inside_the_data_it_reads_is_refused(make_cfg, tmp_path):
         train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
                        "model=cnn", "data.cache=disk", f"data.cache_dir={root}/train"))
     assert sorted(p.name for p in (root / "train").iterdir()) == ["class_00", "class_01"]
+
+
+def test_a_num_classes_other_than_the_folders_is_refused(make_cfg, tmp_path):
+    """A 5-way model trained on a 2-class folder, with no word."""
+    from scripts.make_images import write_images
+    from trainer.config import ConfigError
+
+    folder = tmp_path / "imgs"
+    write_images(folder, count=12, size=16, classes=3)
+    with pytest.raises(ConfigError, match=r"^data.num_classes=5: data.dataset has 3 classes "
+                                          r"\(class_00, class_01, class_02\); leave the key out"):
+        train(make_cfg("data=image_folder", f"data.dataset.root={folder}", "data.num_classes=5",
+                       "data.dataset.size=8", "model=cnn"))
