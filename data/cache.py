@@ -193,6 +193,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     race on a shared file system drops its copy); the other ranks wait for it."""
     root = cache_dir / key
     done, failed = root / "done.json", cache_dir / f"{key}.failed-{socket.gethostname()}"
+    reused = False
     if local_rank == 0 and not done.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         _reclaim_tmp(cache_dir)
@@ -214,20 +215,21 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             shutil.rmtree(tmp, ignore_errors=True)  # ours alone
     elif local_rank == 0:
         log.info("data.cache=disk: reusing %s", root)
-        try:
-            left_out = json.loads(done.read_text()).get("skipped") or []
-        except (OSError, ValueError, AttributeError) as e:
-            raise _damaged(root, e) from None
-        if left_out:  # said again on every run that uses the cache, not only the first
-            log.warning("data.cache=disk: %d unreadable files were left out when %s was "
-                        "written, e.g. %s", len(left_out), root, ", ".join(left_out[:3]))
+        reused = True
     else:
         _await(done, failed, f"data.cache=disk in {root}")
     wait()
+    # every rank reads the same files to the same verdict: a damaged cache is refused by all
+    # of them here, after the barrier, not by local rank 0 alone while the others wait in it
     try:
-        return MemmapDataset("train", str(root))
-    except (OSError, ValueError) as e:  # (a ConfigError too: the folder's own checks)
+        left_out = json.loads(done.read_text()).get("skipped") or []
+        cached = MemmapDataset("train", str(root))
+    except (OSError, ValueError, AttributeError) as e:  # (a ConfigError: the folder's checks)
         raise _damaged(root, e) from None
+    if reused and left_out:  # said again on every run that uses the cache, not only the first
+        log.warning("data.cache=disk: %d unreadable files were left out when %s was written, "
+                    "e.g. %s", len(left_out), root, ", ".join(left_out[:3]))
+    return cached
 
 
 def _damaged(root: Path, e: BaseException) -> ConfigError:

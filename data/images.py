@@ -97,7 +97,7 @@ def find_images(folder: Path, classes: Sequence[str],
                          f"{unknown[:5]}; every class needs training images")
     samples, others, looped = [], [], []
     loose = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    homes = {name: os.path.realpath(folder / name) for name in found}
+    homes = {os.path.realpath(folder / name): name for name in found}
     for name in found:
         samples += [(path, index[name])
                     for path in _walk_class(folder / name, homes, name, others, looped)]
@@ -133,25 +133,38 @@ def find_images(folder: Path, classes: Sequence[str],
 
 def _walk_class(top: Path, homes: dict, name: str, others: list, looped: list):
     """The path of every image under class folder `top`, linked subfolders followed once:
-    one that resolves to a folder already walked, to an ancestor of `top` or into another
+    one that resolves to a folder already kept, to an ancestor of `top` or into another
     class's folder is left out (appended to `looped`), as are files that are not images
-    (`others`). A folder that cannot be listed is an error naming it, not a class that
-    silently lost its images."""
-    home, seen = homes[name], set()
+    (`others`). `homes`: each class folder's real path -> its class. A folder that cannot be
+    listed is an error naming it, not a class that silently lost its images."""
+    home = next(path for path, owner in homes.items() if owner == name)
+    seen = {home}
 
     def refuse(e: OSError) -> None:
         raise ValueError(f"data.dataset.root: cannot list {e.filename} ({e.strerror}); make it "
                          "readable, or move it out of the data") from None
 
+    def leads_back(real: str) -> bool:
+        if real in seen or home.startswith(real + os.sep):  # (a loop, or above the class)
+            return True
+        up = real
+        while True:  # into another class's folder: one of its parents is one (a few steps)
+            if homes.get(up, name) != name:
+                return True
+            parent = os.path.dirname(up)
+            if parent == up:
+                return False
+            up = parent
+
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=refuse):
-        seen.add(os.path.realpath(dirpath))
         kept = []
         for d in sorted(dirnames):
             real = os.path.realpath(os.path.join(dirpath, d))
-            back = real in seen or os.path.commonpath([real, home]) == real or any(
-                other != name and os.path.commonpath([real, r]) == r
-                for other, r in homes.items())
-            (looped if back else kept).append(os.path.join(dirpath, d) if back else d)
+            if leads_back(real):
+                looped.append(os.path.join(dirpath, d))
+            else:
+                seen.add(real)  # (kept now: a link to a sibling not yet entered is refused)
+                kept.append(d)
         dirnames[:] = kept
         for f in sorted(filenames):
             if f.startswith("."):

@@ -242,3 +242,18 @@ def test_a_dataset_of_which_nothing_can_be_read_is_one_line_not_an_empty_cache(t
                                           r"dataset's 10 samples could be read"):
         cache.cache_dataset(Unreadable(), mode, tag="cfg", cache_dir=str(tmp_path))
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no cache left to trust
+
+
+def test_every_rank_refuses_a_damaged_cache_alike_after_the_barrier(tmp_path):
+    """Local rank 0 refused a broken done.json before the job's barrier, which the other
+    ranks then waited in alone (a gloo read error when rank 0 exited, or a wait to the DDP
+    timeout): each rank reads it now, after the barrier."""
+    cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path))
+    [root] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (root / "done.json").write_text("{not json")
+    barrier = []
+    for rank in (1, 0):
+        with pytest.raises(ConfigError, match="is damaged"):
+            cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path),
+                                local_rank=rank, wait=lambda: barrier.append(rank))
+    assert barrier == [1, 0]  # both passed the barrier before refusing

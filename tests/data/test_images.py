@@ -287,10 +287,13 @@ def test_linked_folders_that_lead_back_into_the_data_are_left_out_once(folder, t
     root = tmp_path / "linked"
     shutil.copytree(folder, root)
     train = root / "train"
+    (train / "class_02" / "sub").mkdir()
+    shutil.copy(next((train / "class_02").glob("*.jpg")), train / "class_02" / "sub" / "s.jpg")
     before = ImageFolder("train", str(root)).samples
     os.symlink("..", train / "class_00" / "loop")
     os.symlink("../class_01", train / "class_00" / "other")
     os.symlink(".", train / "class_02" / "self")
+    os.symlink("sub", train / "class_02" / "zlink")  # a sibling, not yet entered
     extra = tmp_path / "elsewhere"
     extra.mkdir()
     shutil.copy(next((train / "class_01").glob("*.jpg")), extra / "far.jpg")
@@ -299,7 +302,7 @@ def test_linked_folders_that_lead_back_into_the_data_are_left_out_once(folder, t
         after = ImageFolder("train", str(root)).samples
     assert sorted(after) == sorted(before + [(str(train / "class_01" / "far" / "far.jpg"), 1)])
     line = [r.getMessage() for r in caplog.records if "linked" in r.getMessage()]
-    assert len(line) == 1 and line[0].startswith("data: 3 linked folders under ")
+    assert len(line) == 1 and line[0].startswith("data: 4 linked folders under ")
 
 
 def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(folder, monkeypatch):
