@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data.loader import LoaderStalled
 from trainer import checkpoint, distributed, rundir
@@ -56,6 +56,18 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def stops_sweep() -> bool:
+    """Whether this is a job of a sweep that Hydra's basic launcher runs here, one job after
+    another in this process (a launcher such as submitit's runs each job as a job of its
+    own, and carries its exception back as it is)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not in_sweep():
+        return False
+    target = OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or ""
+    return "basic_launcher" in str(target)
+
+
 def sweep_job_failed(e: BaseException) -> None:
     """A sweep job that failed before it opened its files (a refused setting of its own, a
     first batch its task refuses) leaves its status.json in the job dir Hydra made for it,
@@ -71,7 +83,7 @@ def sweep_job_failed(e: BaseException) -> None:
     record_failure(job_dir, e)
 
 
-def end_sweep(e: Exception) -> NoReturn:
+def end_sweep(e: BaseException) -> NoReturn:
     """A sweep job's crash (an exception with its traceback, not a one-line refusal): the
     traceback now, and the process's exit code, which stops the sweep as a refused job does.
     Hydra's launcher would keep the exception, run the next jobs and raise it at the end, and

@@ -53,6 +53,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     except ending.ONE_LINE as e:
         ending.sweep_job_failed(e)
         if wants_traceback():
+            if ending.stops_sweep():
+                ending.end_sweep(e)
             raise
         if isinstance(e, PeerLost):
             ending.end_without_peer(e)
@@ -61,7 +63,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
              any_rank=isinstance(e, (distributed.LaunchError, distributed.JoinFailed)))
     except BaseException as e:
         ending.sweep_job_failed(e)
-        if isinstance(e, Exception) and ending.in_sweep():
+        if isinstance(e, Exception) and ending.stops_sweep():
             ending.end_sweep(e)
         raise
 

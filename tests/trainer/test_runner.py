@@ -480,6 +480,18 @@ def test_a_sweep_job_that_crashes_stops_the_sweep_with_its_traceback(tmp_path):
     assert status["error"] == "RuntimeError: injected failure on rank None"
 
 
+def test_with_full_tracebacks_a_refused_sweep_job_still_stops_the_sweep(tmp_path):
+    """HYDRA_FULL_ERROR=1 re-raised the refusal, which Hydra's launcher kept: the next job
+    trained."""
+    proc = run_cli(["-m", "data.batch_size=0,8", "trainer.max_steps=2",
+                    "trainer.progress_bar=false"], cwd=tmp_path,
+                   env_extra={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 2 and "Traceback (most recent call last)" in proc.stderr
+    assert "data.batch_size=0: must be >= 1" in proc.stderr
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]
+
+
 @pytest.mark.slow
 def test_a_torchrun_sweep_job_crashing_on_one_rank_ends_with_its_error(tmp_path):
     """Rank 1's crash went to the next job while rank 0 waited out trainer.ddp.timeout_s in
