@@ -462,13 +462,15 @@ def _check_graphs_and_accumulation(cfg: DictConfig, device: torch.device) -> Non
     c = cfg.trainer.compile
     if device.type != "cuda" or not cuda_graphs(c) or cfg.trainer.accumulate_grad_batches == 1:
         return
-    key, value = (("trainer.compile.backend", c.backend) if c.backend == "cudagraphs"
-                  else ("trainer.compile.mode", c.mode))
+    key, value, instead = (
+        ("trainer.compile.backend", c.backend, "trainer.compile.backend=inductor")
+        if c.backend == "cudagraphs" else
+        ("trainer.compile.mode", c.mode,
+         "trainer.compile.mode=max-autotune-no-cudagraphs (or default)"))
     raise ConfigError(f"{key}={value}: replays CUDA graphs, whose next replay overwrites the "
                       "gradients accumulated so far, so it cannot be combined with "
                       f"trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}; "
-                      "use trainer.compile.mode=max-autotune-no-cudagraphs (or default), or "
-                      "trainer.accumulate_grad_batches=1")
+                      f"use {instead}, or trainer.accumulate_grad_batches=1")
 
 
 def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
