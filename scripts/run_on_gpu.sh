@@ -73,8 +73,10 @@ export -f run; export R
 pack() {  # the benchmark files this call wrote (not older committed ones), logs, run dirs
   find docs/benchmarks -name "*_$TAG*" -newer "$R/device.txt" -exec cp {} "$R"/ \;
   # (weights are not results: a small archive; a running job's files are left alone)
-  tar -czf "$OUT/.gpu-results.tmp" --exclude='*.pt' -C "$R" . 2>/dev/null && \
-    mv "$OUT/.gpu-results.tmp" "$OUT/gpu-results.tar.gz"  # (whole or not at all)
+  local tmp="$OUT/.gpu-results.$BASHPID.tmp"  # (the packer's and the script's apart)
+  tar -czf "$tmp" --exclude='*.pt' -C "$R" . 2>/dev/null && \
+    mv "$tmp" "$OUT/gpu-results.tar.gz"  # (whole or not at all)
+  rm -f "$tmp"
 }
 # a call cut off by its limit leaves what it had: packed every 30 s, and once more on SIGTERM
 ( trap 'kill $! 2>/dev/null; exit 0' TERM; while :; do sleep 30 & wait $!; pack; done ) &
@@ -87,6 +89,7 @@ cut_off() {  # SIGTERM (the call's limit) or Ctrl-C: the running step's line, th
       "CUT OFF: the call ended (its time limit?) | $(grep -v '^\s*$' "$R/$STEP_NAME.log" |
       tail -1 | cut -c1-120)" | tee -a "$S"
   fi
+  kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null  # (its pack done or ended: ours last)
   pack; exit 124
 }
 trap cut_off TERM INT

@@ -28,7 +28,8 @@ def test_a_call_cut_off_by_its_limit_still_leaves_its_archive_and_no_process(tmp
 
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python3").write_text('#!/bin/sh\ncase "$1" in -c) exit 0 ;; esac\nexec sleep 60\n')
+    (fake / "python3").write_text('#!/bin/sh\ncase "$1" in -c) exit 0 ;; esac\n'
+                                  f'echo $$ > {tmp_path}/step.pid\nexec sleep 60\n')
     (fake / "python3").chmod(0o755)
     out, results = tmp_path / "out", tmp_path / "results"
     env = {**os.environ, "OUT": str(out), "R": str(results),
@@ -53,3 +54,13 @@ def test_a_call_cut_off_by_its_limit_still_leaves_its_archive_and_no_process(tmp
         time.sleep(0.1)
     else:
         raise AssertionError("a process of the call outlived it")
+    step = int((tmp_path / "step.pid").read_text())  # (timeout leads a group of its own)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(step, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the cut step outlived the call")
