@@ -181,9 +181,11 @@ def _queued_s() -> Optional[float]:
     """Seconds this thread has spent queued for a CPU (Linux's schedstat; None elsewhere)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
+            ran, queued = f.read().split()[:2]
+    except (OSError, ValueError):
         return None
+    # (a kernel without scheduler statistics writes zeros: no time queued is then known)
+    return None if ran == "0" or not queued.isdigit() else int(queued) / 1e9
 
 
 def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
@@ -208,8 +210,8 @@ def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
         w1, c1, q1 = time.perf_counter(), time.thread_time(), _queued_s()
         wall, cpu, count = wall + w1 - w0, cpu + c1 - c0, count + 1
         queued = None if q0 is None or queued is None else queued + q1 - q0
-        if count >= 2 and w1 - start > budget_s:
-            break
+        if w1 - start > budget_s and (count >= 2 or w1 - w0 > budget_s):
+            break  # (two for a steadier figure, unless one alone took the budget)
     if not count:
         return None
     blocked = None if queued is None else max(0.0, wall - cpu - queued) / count
@@ -275,13 +277,15 @@ def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, wor
         # a few times as many at once (each holds the dataset and its batches in flight)
         more = min(max(math.ceil(max(n, 1) / max(1.0 - wait_frac, 1e-3)), n + 1),
                    max(4 * n, 8), 32)
+        pay = ("data.cache=memory (or shm, disk) if the samples fit" if pairs
+               else "fetch what __getitem__ reads ahead of the run, to local storage")
         fix = (f"making a sample mostly waits ({_duration(sample.wall_s)} a sample, "
                f"{sample.blocked_s / sample.wall_s:.0%} of it neither on a CPU nor queued for "
-               "one: storage, a network, a lock?): workers "
-               "overlap such waits without competing for the cores, so raise data.num_workers "
-               f"from {n} to about {more} (scripts/tune_loader.py measures), or pay the wait "
-               + ("once with data.cache=memory (or shm, disk) if the samples fit" if pairs
-                  else "once: fetch what __getitem__ reads ahead of the run, to local storage"))
+               "one: storage, a network, a lock?): " + (
+                   "workers overlap such waits without competing for the cores, so raise "
+                   f"data.num_workers from {n} to about {more} (scripts/tune_loader.py "
+                   f"measures), or pay the wait once: {pay}" if more > n else
+                   f"{n} workers overlap such waits already; pay the wait once: {pay}"))
     elif sample is not None and sample.cpu_s * batch_size < CHEAP_BATCH_S \
             and cfg.cache == "none" and not streamed:
         made = f"making a batch costs {_duration(sample.cpu_s * batch_size)} of CPU here"

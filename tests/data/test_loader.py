@@ -158,7 +158,9 @@ def test_loader_passes_timeout_and_context():
      "making a sample mostly waits (2.0 ms a sample, 95% of it neither on a CPU nor queued for "
      "one: storage, a network, a lock?): workers overlap such waits without competing for the "
      "cores, so raise data.num_workers from 2 to about 4 (scripts/tune_loader.py measures), or "
-     "pay the wait once with data.cache=memory (or shm, disk) if the samples fit"),
+     "pay the wait once: data.cache=memory (or shm, disk) if the samples fit"),
+    (dict(), dict(workers=32, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",  # (at the cap)
+     "32 workers overlap such waits already; pay the wait once: data.cache=memory"),
     (dict(), dict(workers=0, sample=SampleCost(2e-3, 3e-5, 1.9e-3), pairs=False), "cpu",
      "raise data.num_workers from 0 to about 2 (scripts/tune_loader.py measures), or pay the "
      "wait once: fetch what __getitem__ reads ahead of the run, to local storage"),
@@ -233,13 +235,18 @@ def test_sample_cost_stops_at_its_budget_and_says_nothing_of_a_failing_sample():
     calls = []
 
     class Slow(Sleepy):
+        def __init__(self, first_s):
+            self.first_s = first_s
+
         def __getitem__(self, i):
             calls.append(i)
-            time.sleep(0.05)
+            time.sleep(self.first_s if len(calls) == 1 else 0.05)
             return i
 
-    assert sample_cost(Slow(), samples=16, budget_s=0.01) is not None and len(calls) == 2
-    assert calls == [0, 4]  # spread over the dataset
+    # one sample over the budget is enough; else two, spread over the dataset
+    assert sample_cost(Slow(0.05), samples=16, budget_s=0.01) is not None and calls == [0]
+    calls.clear()
+    assert sample_cost(Slow(0.0), samples=16, budget_s=0.01) is not None and calls == [0, 4]
 
     class Broken(Sleepy):
         def __getitem__(self, i):
