@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import posixpath
+import re
 import tarfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -187,7 +188,7 @@ class ShardStream:
             if ext is None or "cls" not in sample:
                 raise ValueError(f"no image or no .cls member (has {sorted(sample)})")
             text = sample["cls"].decode(errors="replace").strip()
-            if not text.lstrip("-").isdigit():
+            if not re.fullmatch(r"-?[0-9]+", text):
                 raise ValueError(f"its .cls member holds {text[:20]!r}, not a class index")
             image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
         except unreadable_errors() as e:

@@ -16,6 +16,7 @@ import datetime
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -90,7 +91,7 @@ def check_launch(environ: Mapping[str, str] = os.environ) -> None:
         raw = environ.get(name)
         if raw is None:
             continue
-        if not raw.strip().isdigit() or int(raw) < low:
+        if not re.fullmatch(r"[0-9]+", raw.strip()) or int(raw) < low:  # (ASCII: not "²")
             raise LaunchError(f"{name}={raw}: must be a whole number >= {low} ({launcher} sets "
                               "it; a job script that sets it by hand?)")
     if int(environ[rank]) >= int(environ[world]):
@@ -306,13 +307,15 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
         # torchrun shares its rendezvous store with the workers and keeps it across
         # --max-restarts; the group's keys from the previous attempt would then hand the new
         # ranks stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              env.world_size, is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
+        kwargs["store"] = None  # (made below, where its failure is said as the group's)
     if backend == "nccl":
         timeout += datetime.timedelta(seconds=NCCL_GRACE_S)
     try:
+        if "store" in kwargs:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  env.world_size, is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, **kwargs)
     except dist.DistError as e:  # a peer that never came, an address nobody listens on

@@ -280,18 +280,22 @@ def collate_for(dataset, collate):
 
 
 def _check_cache_dir(d: DictConfig) -> None:
-    """data.cache=disk writes its folders into data.cache_dir: inside the data they read,
-    they become part of it (an image folder's class folders), and every later run fails."""
+    """data.cache=disk writes its folders into data.cache_dir: inside a split folder the
+    data reads (<root>/train, <root>/val), they become part of it (an image folder's class
+    folders), and every later run fails."""
     if d.cache != "disk":
         return
     cache = os.path.realpath(d.cache_dir)
     for key in ("dataset", "train_dataset", "val_dataset"):
         root = OmegaConf.select(d, f"{key}.root", default=None)
-        if isinstance(root, str) and "://" not in root and \
-                os.path.commonpath([cache, os.path.realpath(root)]) == os.path.realpath(root):
-            raise ConfigError(f"data.cache_dir={d.cache_dir}: inside data.{key}.root={root}, "
-                              "where the cache's folders would become part of the data; put "
-                              "it outside")
+        if not isinstance(root, str) or "://" in root:
+            continue
+        for split in ("train", "val"):
+            folder = os.path.realpath(os.path.join(root, split))
+            if os.path.commonpath([cache, folder]) == folder:
+                raise ConfigError(f"data.cache_dir={d.cache_dir}: inside {root}/{split}, which "
+                                  f"data.{key} reads, where the cache's folders would become "
+                                  "part of the data; put it outside")
 
 
 def _converted(feed: DevicePrefetcher) -> bool:

@@ -195,12 +195,12 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     (tmp_path / "sh" / "train").mkdir(parents=True)
     with TarWriter(str(tmp_path / "sh" / "train" / "s0.tar")) as sink:
         for pos, (data, cls) in enumerate([(good, b"1"), (b"broken", b"1"), (good, b"1"),
-                                           (good, b"abc")]):
+                                           (good, b"abc"), (good, b"--3")]):
             sink.write({"__key__": f"{pos:09d}", "jpg": data, "cls": cls,
                         "path": f"/data/{pos}.jpg".encode()})
     (tmp_path / "sh" / "train" / "index.json").write_text(json.dumps(
         {"kind": "image", "classes": ["a", "b"], "num_classes": 2,
-         "shards": [{"url": "s0.tar", "samples": 4}]}))
+         "shards": [{"url": "s0.tar", "samples": 5}]}))
     stream = ShardStream("train", str(tmp_path / "sh"), size=8, on_error="fail")
     with pytest.raises(ImageError, match=r"cannot read the sample .*s0.tar:000000001 "
                                          r"\(/data/1.jpg\) \(cannot identify image file\)"):
@@ -209,9 +209,10 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     skip = ShardStream("train", str(tmp_path / "sh"), size=8)
     with caplog.at_level("WARNING", logger="stoker"):
         for _ in range(2):  # two epochs: one warning
-            decoded = [skip.decode(s) for s in skip.samples_in([0], 0, 4)]
-    assert [d is None for d in decoded] == [False, True, False, True]  # (a label "abc")
-    assert skip.skipped() == ["train sample 000000001", "train sample 000000003"]
+            decoded = [skip.decode(s) for s in skip.samples_in([0], 0, 5)]
+    assert [d is None for d in decoded] == [False, True, False, True, True]  # ("abc", "--3")
+    assert skip.skipped() == ["train sample 000000001", "train sample 000000003",
+                              "train sample 000000004"]
     assert sum("/data/1.jpg" in r.getMessage() for r in caplog.records) == 1
     assert any("its .cls member holds 'abc', not a class index" in r.getMessage()
                for r in caplog.records)

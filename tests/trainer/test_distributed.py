@@ -150,6 +150,7 @@ def test_a_failing_rank_aborts_an_nccl_group_rather_than_flushing_it(monkeypatch
      "MASTER_PORT=http: must be a whole number >= 1"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2: must be below WORLD_SIZE=2"),
     ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1: must be a whole number >= 0 (torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "²"}, "WORLD_SIZE=²: must be a whole number >= 1"),
 ])
 def test_launcher_variables_that_cannot_describe_a_job_are_one_line(env, message):
     """They were an interpolation traceback, or a rank that waited out the timeout for peers

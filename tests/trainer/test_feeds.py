@@ -396,11 +396,14 @@ def test_a_disk_cache_inside_the_data_it_reads_is_refused(make_cfg, tmp_path):
     root = tmp_path / "imgs"
     write_images(root, count=8, size=16, classes=2)
     with pytest.raises(ConfigError, match=rf"^data.cache_dir={root}/train: inside "
-                                          rf"data.dataset.root={root}, where the cache's "
-                                          r"folders would become part of the data"):
+                                          rf"{root}/train, which data.dataset reads, where the "
+                                          r"cache's folders would become part of the data"):
         train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
                        "model=cnn", "data.cache=disk", f"data.cache_dir={root}/train"))
     assert sorted(p.name for p in (root / "train").iterdir()) == ["class_00", "class_01"]
+    train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+                   "model=cnn", "data.cache=disk", f"data.cache_dir={root}/.cache",
+                   "trainer.max_steps=1"))  # beside the splits: nothing reads it as data
 
 
 def test_a_num_classes_other_than_the_folders_is_refused(make_cfg, tmp_path):
