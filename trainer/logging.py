@@ -75,6 +75,11 @@ class RunLogger:
         if self.main:
             log.info(msg, *args)
 
+    def warning(self, msg: str, *args: Any) -> None:
+        """A warning every rank meets alike, said once (rank 0)."""
+        if self.main:
+            log.warning(msg, *args)
+
     def metrics(self, split: str, step: int, values: Dict[str, Any]) -> None:
         """Records `values` for `split` ("train" or "val") at optimizer step `step`."""
         if self._jsonl is None and self.before_first_write is not None:

@@ -151,6 +151,7 @@ class Loop:
         self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
+        self.val_read = False  # a validation of this run read a sample
         self.tokens = task.counts_tokens()  # the window's count is tokens: a rate of them too
         self.run_tokens = 0
         self.run_val_s = 0.0  # time in validation
@@ -492,12 +493,15 @@ class Loop:
         model.eval()
         start = time.perf_counter()
         sums = self._evaluate_batches(model)
-        sums[2] = len(skipped_files(self.val_feed))
-        loss_sum, count, files = distributed.all_reduce_sum(sums).tolist()
-        if count == 0 and files > 0:  # (every rank has the same sums: all stop here)
-            raise ConfigError(
-                "data: no validation sample was read: every one was skipped as unreadable "
-                f"({int(files)} files, data.dataset.on_error=skip); check the validation files")
+        sums[3] = len(skipped_files(self.val_feed))
+        loss_sum, count, samples, files = distributed.all_reduce_sum(sums).tolist()
+        if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
+            line = ("no validation sample was read: every one was skipped as unreadable "
+                    f"({int(files)} files, data.dataset.on_error=skip)")
+            if not self.val_read:  # the run's first: the files, not a passing outage
+                raise ConfigError(f"data: {line}; check the validation files")
+            self.logger.warning("data: validation at step %d: %s", self.state.step, line)
+        self.val_read = self.val_read or samples > 0
         values = {"val_loss": loss_sum / count if count else math.nan}
         for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
             values[f"val_{name}"] = self.task.compute_metric(name, metric) if count else math.nan
@@ -516,13 +520,15 @@ class Loop:
         return values
 
     def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:
-        """(loss sum, count, 0) over this rank's validation shard; metrics updated on the
-        way."""
+        """(loss sum, count, samples, 0) over this rank's validation shard; metrics updated
+        on the way."""
         task = self.task
         for metric in task.metrics.values():
             metric.reset()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # (and skipped files)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # (and skipped files)
+        samples = 0
         for batch in self.val_feed.take(self.val_limit):
+            samples += batch_size(batch)  # (shapes only)
             with self.precision.autocast():
                 output = task.forward(model, batch)
                 count = task.count(batch)
@@ -531,4 +537,5 @@ class Loop:
             if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
                 task.update_metrics(map_tensors(output, torch.clone) if self.replays else output,
                                     batch)
+        sums[2] = samples
         return sums

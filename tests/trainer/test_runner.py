@@ -311,6 +311,36 @@ def test_a_run_whose_every_validation_file_is_unreadable_fails_in_one_line(make_
                        "trainer.max_epochs=1"))
 
 
+def test_a_later_validation_that_reads_nothing_warns_and_the_run_goes_on(make_cfg, tmp_path,
+                                                                        caplog, monkeypatch):
+    """A passing outage of the validation storage after validations that read: a warning,
+    not the end of a long run (nan values for that validation)."""
+    from data.images import ImageFolder
+    from scripts.make_images import write_images
+
+    root = tmp_path / "images"
+    write_images(root, count=40, size=16, classes=2)
+    real, calls = ImageFolder._read, []
+
+    def flaky(self, i, out):  # the second validation's reads all fail
+        if self.samples[i][0].split("/")[-3] == "val":
+            calls.append(i)
+            if 8 < len(calls) <= 16:
+                self.unreadable.handle(OSError("storage away"), i, self.samples[i][0])
+                return False
+        return real(self, i, out)
+
+    monkeypatch.setattr(ImageFolder, "_read", flaky)
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        s = train(make_cfg("data=image_folder", f"data.dataset.root={root}",
+                           "data.dataset.size=8", "model=cnn", "data.num_workers=0",
+                           "data.batch_size=16", "trainer.max_epochs=3"))
+    assert s["epochs"] == 3 and len(calls) == 24
+    said = [r.getMessage() for r in caplog.records if "validation at step" in r.getMessage()]
+    assert said == ["data: validation at step 4: no validation sample was read: every one was "
+                    "skipped as unreadable (8 files, data.dataset.on_error=skip)"]
+
+
 def test_a_file_where_the_checkpoints_go_stops_the_run_before_it_trains(make_cfg, tmp_path):
     from trainer.checkpoint import CheckpointWriteError
 
