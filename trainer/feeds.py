@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from data.cache import cache_dataset, reclaim_shm
-from data.loader import build_loader, count_of, sample_cost, stall_advice
+from data.advice import count_of, sample_cost, stall_advice
+from data.loader import build_loader
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
 from data.resident import gathers, nbytes, rows_of, tensors_of
@@ -249,7 +250,7 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,
                 local_world_size: int, gpu_idle: bool = False) -> str:
-    """The stall advice (data.loader.stall_advice) for the training feed as it was built;
+    """The stall advice (data.advice.stall_advice) for the training feed as it was built;
     `gpu_idle`: `wait_frac` is the GPU's idle share (trainer/devicewait.py)."""
     loader = feed.loader
     return stall_advice(d, device, wait_frac, workers=loader.num_workers,

@@ -1,0 +1,227 @@
+"""What a run whose steps waited for data should change: one line of advice for the case the
+run shows (the feed's shape, the workers against the cores, and what making a sample costs:
+computing, waiting, or cheaper than a worker's hand-over)."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+from data.images import default_resize
+from trainer.config import DataConfig
+
+
+class SampleCost(NamedTuple):
+    """What making one sample took, in seconds: of wall time, of the thread's CPU time, and
+    of neither (`blocked_s`: waiting on storage, a network, a lock or a sleep, not on a CPU
+    or in the queue for one, so a loaded machine does not read as waiting; None where the
+    system does not say)."""
+    wall_s: float
+    cpu_s: float
+    blocked_s: Optional[float]
+
+    def waits(self) -> bool:
+        """At least 50 microseconds, more than half of them blocked."""
+        return self.blocked_s is not None and self.blocked_s >= 50e-6 \
+            and self.blocked_s > 0.5 * self.wall_s
+
+
+def _queued_s() -> Optional[float]:
+    """Seconds this thread has spent queued for a CPU (Linux's schedstat; None elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, queued = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    # (a kernel without scheduler statistics writes zeros: no time queued is then known)
+    return None if ran == "0" or not queued.isdigit() else int(queued) / 1e9
+
+
+def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
+                ) -> Optional[SampleCost]:
+    """The mean cost of making one sample of `dataset` in this thread, over up to `samples`
+    spread over it within `budget_s` (two at least). None for a dataset that is not indexed,
+    or whose sample fails here (advice then goes without)."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        n = min(samples, len(dataset))
+    except TypeError:
+        return None
+    wall = cpu = queued = 0.0
+    start, count = time.perf_counter(), 0
+    for i in range(n):
+        q0, c0, w0 = _queued_s(), time.thread_time(), time.perf_counter()
+        try:
+            dataset[i * len(dataset) // n]
+        except Exception:  # noqa: BLE001  (advice only: a sample that fails says nothing)
+            return None
+        w1, c1, q1 = time.perf_counter(), time.thread_time(), _queued_s()
+        wall, cpu, count = wall + w1 - w0, cpu + c1 - c0, count + 1
+        queued = None if q0 is None or queued is None else queued + q1 - q0
+        if w1 - start > budget_s and (count >= 2 or w1 - w0 > budget_s):
+            break  # (two for a steadier figure, unless one alone took the budget)
+    if not count:
+        return None
+    blocked = None if queued is None else max(0.0, wall - cpu - queued) / count
+    return SampleCost(wall / count, cpu / count, blocked)
+
+
+def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
+                 cores: int, in_memory: bool, placement: str = "host",
+                 why_not_device: Optional[str] = None, streamed: bool = False,
+                 mapped: bool = False, uint8_images: bool = False,
+                 gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False,
+                 converted: bool = False, sample: Optional[SampleCost] = None,
+                 batch_size: int = 1) -> str:
+    """One line of concrete advice for a run whose steps waited `wait_frac` of their time
+    (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
+
+    `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
+    may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
+    already in memory; `mapped`: rows of memory-mapped arrays (data=memmap, data.cache=shm or
+    disk) read by loader workers; `uint8_images`: the samples are uint8 images already (an
+    image folder); `placement`: where the training batches were formed. The
+    advice follows what the case shows (`why_not_device`: why the data could not be kept on
+    the device): tensors in memory need no loader at all; more workers than cores only
+    compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
+    and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
+    not a steady shortfall). `pairs`: a sample is an (input, target) pair, which data.cache
+    can hold; `whole_set`: one batch holds the rank's whole training set already;
+    `converted`: the prefetcher turns each batch into normalised floats (uint8 samples) or
+    augments it, in the wait. `sample`: what making one sample took in this process
+    (`sample_cost`; None where unknown), which tells a sample that waits (storage, a network,
+    a sleep: more workers than cores help) and one cheap to make (`batch_size` of them cost
+    less than a worker's hand-over) from one the CPU is busy with.
+    """
+    pct = f"{100 * wait_frac:.0f}%"
+    n = workers
+    on = f"{count_of(n, 'worker')} on {count_of(cores, 'core')}"
+    bigger = ("data.batch_size holds the whole training set already" if whole_set
+              else "raise data.batch_size")
+    if placement == "device" and converted and device.type == "cpu":
+        fix = ("the batches are formed on the device already; the wait is their conversion to "
+               "normalised floats (and augmentation), which on a CPU is compute like the step "
+               "itself: neither workers nor a larger batch hide it (a GPU does it in "
+               "microseconds)")
+    elif placement == "device":
+        fix = ("the batches are formed on the device already: the wait is the indexing itself; "
+               + bigger)
+    elif in_memory and why_not_device is None:
+        fix = ("the samples are tensors in memory: set data.placement=device (or auto) to batch "
+               "them by indexing on the training device" + (
+                   f", or data.num_workers=0 ({_copiers(n)} them)"
+                   if n else ""))
+    elif in_memory and n:
+        fix = (f"the samples are tensors in memory, which cannot stay on the device "
+               f"({why_not_device}): set data.num_workers=0 ({_copiers(n)} them)")
+    elif mapped and (why_not_device is None or "data.device_budget_mb" in why_not_device):
+        fix = ("the samples are rows of memory-mapped arrays, read by loader workers" + (
+            f" because {why_not_device}: raise data.device_budget_mb above their size, and "
+            "data.placement=auto batches them by indexing on the training device"
+            if why_not_device else ": set data.placement=auto (or device) to batch them by "
+            "indexing on the training device"))
+    elif sample is not None and cfg.cache == "none" and not streamed and (
+            sample.waits() or sample.cpu_s * batch_size < CHEAP_BATCH_S):
+        fix = _sample_fix(sample, n, wait_frac, batch_size, pairs)
+    elif n > cores:
+        fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
+               f"workers compete for them; lower it to {cores} (or auto)")
+    elif n < cores:
+        fix = (f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has; "
+               "scripts/tune_loader.py with your overrides measures which is faster, since a "
+               "cheap sample can cost more to hand over from a worker than to make"
+               + ("; on a CPU the workers share the cores with the training itself, so compare "
+                  "whole runs too)" if device.type == "cpu" else ")"))
+    elif not cfg.persistent_workers:
+        fix = "set data.persistent_workers=true (workers restart every epoch)"
+    elif device.type == "cuda" and not cfg.pin_memory:
+        fix = "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
+    elif device.type == "cuda" and not cfg.device_prefetch:
+        fix = "enable data.device_prefetch=true (copy the next batch during the step)"
+    elif streamed:
+        fix = (f"the loader is CPU-bound: {on} cannot decode the "
+               "streamed shards faster; pack data that fits locally once (scripts/"
+               "prepare_data.py --format npy, data=memmap), or store smaller images")
+    elif mapped:
+        fix = (f"the loader is CPU-bound reading memory-mapped arrays: {on} cannot batch "
+               f"them faster; {bigger}, or store smaller samples (uint8, a lower resolution)")
+    elif cfg.cache != "none":
+        fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {on} cannot batch it "
+               "faster; data.cache=memory keeps it in this process (and, with data.placement="
+               "auto, on the device) if it fits" + ("" if whole_set else ", else raise "
+                                                    "data.batch_size"))
+    elif not pairs:  # data.cache and prepare_data.py take (input, target) pairs only
+        fix = (f"the loader is CPU-bound: {on} cannot prepare samples faster; if making a "
+               "sample is cheap (indexing tensors), handing it over from a worker costs more: "
+               "compare data.num_workers=0 (scripts/tune_loader.py measures both); else pay "
+               "per-sample work once: compute what the dataset's __getitem__ computes "
+               "(decoding, tokenizing) ahead of the run and load the results")
+    else:
+        fix = (f"the loader is CPU-bound: {on} cannot decode faster; pay "
+               "per-sample work once (data.cache=memory or shm if the decoded data fits in "
+               "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
+                   f"; or store the images smaller: {_stored_size(cfg)}" if uint8_images else
+                   "; if samples are images, ship uint8 and augment on the device "
+                   "(data.augment)"))
+    what = "the GPU stood idle for data" if gpu_idle else "steps waited for data"
+    return f"{what} {pct} of the time: {fix}"
+
+
+def _sample_fix(sample: SampleCost, n: int, wait_frac: float, batch_size: int,
+                pairs: bool) -> str:
+    """The advice for `n` workers whose samples mostly wait, or cost less CPU to make than a
+    worker's hand-over (`stall_advice`)."""
+    if sample.waits():
+        # n workers that wait give n / (1 - wait) worth of throughput needed; no more than
+        # a few times as many at once (each holds the dataset and its batches in flight)
+        more = min(max(math.ceil(max(n, 1) / max(1.0 - wait_frac, 1e-3)), n + 1),
+                   max(4 * n, 8), 32)
+        pay = ("data.cache=memory (or shm, disk) if the samples fit" if pairs
+               else "fetch what __getitem__ reads ahead of the run, to local storage")
+        return (f"making a sample mostly waits ({_duration(sample.wall_s)} a sample, "
+                f"{sample.blocked_s / sample.wall_s:.0%} of it neither on a CPU nor queued for "
+                "one: storage, a network, a lock?): " + (
+                    "workers overlap such waits without competing for the cores, so raise "
+                    f"data.num_workers from {n} to about {more} (scripts/tune_loader.py "
+                    f"measures), or pay the wait once: {pay}" if more > n else
+                    f"{n} workers overlap such waits already; pay the wait once: {pay}"))
+    made = f"making a batch costs {_duration(sample.cpu_s * batch_size)} of CPU here"
+    if pairs:
+        return (f"{made}, less than handing it over from a worker: data.cache=memory keeps the "
+                "samples as arrays in this process (with data.placement=auto, batched by "
+                "indexing on the training device)" + (", or data.num_workers=0" if n else ""))
+    return (f"{made}; the wait is the loader's per-sample Python work" + (
+        " and a worker's hand-over: compare data.num_workers=0" if n else "")
+        + ", and give the dataset a __getitems__(indices) that makes a whole batch at once "
+        "(the DataLoader calls it when it has one)")
+
+
+def _stored_size(cfg: DataConfig) -> str:
+    """The size images need no larger than: the shorter side decoding resizes them to."""
+    ds = getattr(cfg, "dataset", None) or getattr(cfg, "train_dataset", None) or {}
+    size, resize = ds.get("size"), ds.get("resize")
+    if isinstance(size, int):
+        resize = default_resize(size, resize)
+    return (f"their shorter side at {resize} px, what decoding resizes them to "
+            "(data.dataset.resize) before the crop" if resize is not None else
+            "their shorter side at what decoding resizes them to (data.dataset.resize)")
+
+
+CHEAP_BATCH_S = 1e-3  # a batch whose samples cost less CPU to make than a worker's hand-over
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
+
+
+def count_of(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 worker", "2 cores")."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _copiers(n: int) -> str:
+    return "the one worker only copies" if n == 1 else f"each of the {n} workers only copies"
