@@ -19,7 +19,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from trainer import distributed
+from trainer import distributed, stamp
 
 
 class ConfigError(ValueError):
@@ -247,8 +247,8 @@ def register() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     # ${stoker_stamp:} the launch's stamp; ${stoker_stamp:outputs} a run dir claimed under it
     OmegaConf.register_new_resolver(
-        "stoker_stamp", lambda parent=None: (distributed.claim_run_dir(str(parent)) if parent
-                                             else distributed.run_stamp()),
+        "stoker_stamp", lambda parent=None: (stamp.claim_run_dir(str(parent)) if parent
+                                             else stamp.run_stamp()),
         use_cache=True, replace=True)
     OmegaConf.register_new_resolver("stoker_log_file", _log_file, replace=True)
     # Hydra's own lines (a sweep's "Launching 2 jobs") from rank 0 alone

@@ -19,10 +19,8 @@ import os
 import re
 import signal
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -148,97 +146,6 @@ def end_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     if os.getppid() == 1:  # the agent died before the call: the signal it would have sent
         os.kill(os.getpid(), signal.SIGTERM)
     return True
-
-
-def _process_start(pid: int) -> float:
-    """Wall-clock start time of process `pid` (Linux /proc); raises OSError elsewhere."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
-
-
-_claimed: Dict[Tuple[str, str], str] = {}  # (parent, stamp) -> the run dir named for it
-
-
-def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
-    """`parent/<run_stamp>`, the default run (or sweep) dir. A plain process makes it here,
-    atomically, and takes `<stamp>-1`, `-2`... where another launch made it in the same
-    second: launches from one script never share a dir. The ranks of a torchrun or SLURM job
-    must name one dir alike without talking, so theirs is the job's stamp as it is (two jobs
-    started in the same second share it, and the second is refused as in use). The dirs the
-    launch made (rank 0's, as far as it can tell) are removed at exit if nothing was written
-    into them: a refused launch, `--cfg hydra --resolve`. Hydra may resolve the key more
-    than once: the same stamp gives the same dir."""
-    stamp, shared = _stamp(environ, "%Y-%m-%d/%H-%M-%S")
-    if (parent, stamp) in _claimed:
-        return _claimed[(parent, stamp)]
-    base = os.path.join(parent, stamp)
-    missing = [d for d in Path(base).parents if not d.is_dir()]  # innermost first
-    path, ours = (base, True) if shared else _claim(base)
-    if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
-        atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
-    _claimed[(parent, stamp)] = path
-    return path
-
-
-def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
-    """`base`, or `base-N`, made here by this process alone (mkdir fails where one exists),
-    and True; `base` and False where none could be made."""
-    try:
-        os.makedirs(os.path.dirname(base), exist_ok=True)
-    except OSError:
-        return base, False  # unwritable, a file in the way: Hydra's making of it says so
-    for n in range(tries):
-        path = f"{base}-{n}" if n else base
-        try:
-            os.mkdir(path)
-            return path, True
-        except FileExistsError:
-            continue
-        except OSError:
-            break
-    return base, False  # (every name taken: the run dir lock then refuses in one line)
-
-
-def _remove_empty(folders: List[str]) -> None:
-    """Removes each of `folders` (innermost first) that is empty; one that is gone is skipped,
-    one that holds anything ends it (its parents hold it)."""
-    for folder in folders:
-        try:
-            os.rmdir(folder)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return
-
-
-def run_stamp(environ: Mapping[str, str] = os.environ, fmt: str = "%Y-%m-%d/%H-%M-%S") -> str:
-    """A name for this run's directory that every rank of the job computes alike.
-
-    Ranks start a moment apart, so each one's own clock could split the run dir. Under
-    torchrun on one node the stamp is the start time of the torchrun agent (every rank's
-    parent, which also survives --max-restarts, so a restarted job finds its checkpoints);
-    across nodes it is the rendezvous id (`--rdzv-id`); under SLURM the job id.
-    """
-    return _stamp(environ, fmt)[0]
-
-
-def _stamp(environ: Mapping[str, str], fmt: str) -> Tuple[str, bool]:
-    """run_stamp, and whether the ranks of a job share it."""
-    if "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ:
-        run_id = environ["TORCHELASTIC_RUN_ID"]
-        if int(environ.get("GROUP_WORLD_SIZE", "1")) > 1 and run_id not in ("", "none"):
-            return f"rdzv-{run_id}", True
-        try:
-            return time.strftime(fmt, time.localtime(_process_start(os.getppid()))), True
-        except (OSError, ValueError, IndexError, StopIteration):  # no /proc: each rank's clock
-            return time.strftime(fmt), True
-    elif "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        return f"slurm-{environ['SLURM_JOB_ID']}", True
-    return time.strftime(fmt), False
 
 
 def cpus_per_rank(local_world_size: int) -> int:

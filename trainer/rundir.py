@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed
+from trainer import checkpoint, distributed, stamp
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
@@ -44,7 +44,7 @@ def job_id(environ=os.environ) -> Optional[str]:
 
 def _start_time(pid: int) -> Optional[float]:
     try:
-        return distributed._process_start(pid)
+        return stamp.process_start(pid)
     except (OSError, ValueError, IndexError):
         return None  # gone, or no /proc here
 

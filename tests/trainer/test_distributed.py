@@ -2,12 +2,10 @@
 the process group of a one-process DDP job."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.helpers import ROOT, run_cli, summary_of, torchrun
+from tests.helpers import ROOT, summary_of, torchrun
 from trainer import distributed
 from trainer.distributed import detect
 
@@ -42,50 +40,6 @@ def test_collectives_are_identity_without_a_group():
     t = torch.tensor([1.0, 2.0])
     assert torch.equal(distributed.all_reduce_sum(t.clone()), t)
     assert distributed.world_size() == 1 and distributed.broadcast_object(5) == 5
-
-
-def test_run_stamp_is_shared_by_the_ranks_of_a_job():
-    torchrun = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "1"}
-    # one node: the torchrun agent's start time, the same for each of its ranks
-    assert distributed.run_stamp(torchrun) == distributed.run_stamp({**torchrun, "RANK": "0"})
-    assert distributed.run_stamp({**torchrun, "GROUP_WORLD_SIZE": "2"}) == "rdzv-abc"
-    assert distributed.run_stamp({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4"}) == "slurm-9"
-    assert len(distributed.run_stamp({})) == len("2026-01-01/00-00-00")
-
-
-def test_a_plain_launch_claims_a_run_dir_no_other_launch_has(tmp_path, monkeypatch):
-    monkeypatch.setattr(distributed, "_stamp", lambda environ, fmt: ("2026-01-01/00-00-00",
-                                                                     False))
-    parent = str(tmp_path / "outputs")
-    first = distributed.claim_run_dir(parent)
-    assert distributed.claim_run_dir(parent) == first  # Hydra resolving the key again
-    monkeypatch.setattr(distributed, "_claimed", {})  # another launch, in the same second
-    second = distributed.claim_run_dir(parent)
-    assert (first, second) == (f"{parent}/2026-01-01/00-00-00", f"{parent}/2026-01-01/00-00-00-1")
-    assert os.path.isdir(first) and os.path.isdir(second)
-    # the ranks of a job name one dir alike: no claim, no suffix
-    monkeypatch.setattr(distributed, "_claimed", {})
-    monkeypatch.setattr(distributed, "_stamp", lambda environ, fmt: ("2026-01-01/00-00-00",
-                                                                     True))
-    assert distributed.claim_run_dir(parent) == first
-
-
-def test_a_claim_never_loops_on_a_file_in_the_way_and_removal_stops_at_a_used_dir(tmp_path):
-    (tmp_path / "outputs").write_text("a file where the dated dirs go")
-    assert distributed._claim(str(tmp_path / "outputs" / "day" / "time")) == (
-        str(tmp_path / "outputs" / "day" / "time"), False)
-    used, empty = tmp_path / "used", tmp_path / "used" / "day" / "time"
-    empty.mkdir(parents=True)
-    (used / "train.log").write_text("x")
-    distributed._remove_empty([str(tmp_path / "gone"), str(empty), str(empty.parent),
-                               str(used)])
-    assert not empty.parent.exists() and used.is_dir()
-
-
-def test_a_launch_that_ran_nothing_leaves_no_claimed_dir(tmp_path):
-    proc = run_cli(["--cfg", "hydra", "--resolve"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dir: outputs/" in proc.stdout and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
