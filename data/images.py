@@ -95,28 +95,18 @@ def find_images(folder: Path, classes: Sequence[str],
     if unknown:
         raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
                          f"{unknown[:5]}; every class needs training images")
-    samples, others, looped = [], [], []
+    samples, left = [], {"others": [], "looped": [], "dangling": []}
     loose = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
     homes = {os.path.realpath(folder / name): name for name in found}
+    # the other split's folder: a link into it from here would train on validation images
+    fences = {os.path.realpath(folder.parent / d) for d in SPLIT_DIRS.values()} - {
+        os.path.realpath(folder)}
     for name in found:
         samples += [(path, index[name])
-                    for path in _walk_class(folder / name, homes, name, others, looped)]
+                    for path in _walk_class(folder / name, homes, fences, name, left)]
     main = os.environ.get("RANK", "0") == "0"  # (every rank lists the same files)
-    if others and main:
-        log.warning("data: %d %s under %s/<class>/ not %s, left out (e.g. %s)", len(others),
-                    "file" if len(others) == 1 else "files", folder,
-                    "/".join(e[1:] for e in IMAGE_EXTENSIONS),
-                    ", ".join(os.path.relpath(p, folder) for p in others[:3]))
-    if loose and main:  # a class is a folder: a file beside them has none
-        log.warning("data: %d %s directly under %s, in no class folder, left out (e.g. %s)",
-                    len(loose), "file" if len(loose) == 1 else "files", folder,
-                    ", ".join(loose[:3]))
-    if looped and main:
-        log.warning("data: %d linked %s under %s/<class>/ lead back into the data (a loop, "
-                    "or another class's folder), left out: their images would be listed "
-                    "twice or under the wrong class (e.g. %s)", len(looped),
-                    "folder" if len(looped) == 1 else "folders", folder,
-                    ", ".join(os.path.relpath(p, folder) for p in looped[:3]))
+    if main:
+        _say_left_out(folder, loose, **left)
     if not samples:
         raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
                          f"{folder}/<class>/")
@@ -125,18 +115,47 @@ def find_images(folder: Path, classes: Sequence[str],
         raise ValueError(f"data.dataset.root: class folders without images under "
                          f"{folder}: {empty[:5]}; every class needs training images")
     if empty and main:  # validation's metrics then say nothing of them
-        log.warning("data: %d of the %d classes have no images under %s (e.g. %s): the "
-                    "metrics there leave them out", len(empty), len(classes), folder,
-                    ", ".join(empty[:3]))
+        log.warning("data: %s of the %d classes %s no images under %s (e.g. %s): the metrics "
+                    "there leave %s out", len(empty), len(classes),
+                    "has" if len(empty) == 1 else "have", folder, ", ".join(empty[:3]),
+                    "it" if len(empty) == 1 else "them")
     return samples
 
 
-def _walk_class(top: Path, homes: dict, name: str, others: list, looped: list):
+def _say_left_out(folder: Path, loose: list, others: list, looped: list,
+                  dangling: list) -> None:
+    """One warning for each kind of entry a listing of `folder` left out."""
+    def some(paths: list, noun: str) -> str:
+        return (f"{len(paths)} {noun}{'' if len(paths) == 1 else 's'}",
+                ", ".join(os.path.relpath(p, folder) for p in paths[:3]))
+    if others:
+        log.warning("data: %s under %s/<class>/ not %s, left out (e.g. %s)",
+                    some(others, "file")[0], folder, "/".join(e[1:] for e in IMAGE_EXTENSIONS),
+                    some(others, "file")[1])
+    if loose:  # a class is a folder: a file beside them has none
+        log.warning("data: %s directly under %s, in no class folder, left out (e.g. %s): move "
+                    "them into their class's folder", some(loose, "file")[0], folder,
+                    ", ".join(loose[:3]))
+    if looped:
+        log.warning("data: %s under %s/<class>/ lead%s back into the data (a loop, another "
+                    "class's folder or the other split), left out: their images would be "
+                    "listed twice, under the wrong class or in both splits (e.g. %s)",
+                    some(looped, "linked folder")[0], folder, "s" if len(looped) == 1 else "",
+                    some(looped, "linked folder")[1])
+    if dangling:
+        log.warning("data: %s under %s/<class>/ lead%s nowhere (an unmounted share? a moved "
+                    "folder?), left out (e.g. %s)", some(dangling, "link")[0], folder,
+                    "s" if len(dangling) == 1 else "", some(dangling, "link")[1])
+
+
+def _walk_class(top: Path, homes: dict, fences: set, name: str, left: dict):
     """The path of every image under class folder `top`, linked subfolders followed once:
-    one that resolves to a folder already kept, to an ancestor of `top` or into another
-    class's folder is left out (appended to `looped`), as are files that are not images
-    (`others`). `homes`: each class folder's real path -> its class. A folder that cannot be
-    listed is an error naming it, not a class that silently lost its images."""
+    one that resolves to a folder already kept, to an ancestor of `top`, into another
+    class's folder or into a `fences` folder (the other split) is left out (in
+    left["looped"]), as are files that are not images (left["others"]) and links that lead
+    nowhere (left["dangling"]). `homes`: each class folder's real path -> its class. A folder
+    that cannot be listed is an error naming it, not a class that silently lost its images."""
+    others, looped, dangling = left["others"], left["looped"], left["dangling"]
     home = next(path for path, owner in homes.items() if owner == name)
     seen = {home}
 
@@ -148,8 +167,8 @@ def _walk_class(top: Path, homes: dict, name: str, others: list, looped: list):
         if real in seen or home.startswith(real + os.sep):  # (a loop, or above the class)
             return True
         up = real
-        while True:  # into another class's folder: one of its parents is one (a few steps)
-            if homes.get(up, name) != name:
+        while True:  # into another class's folder or split: one of its parents is one
+            if homes.get(up, name) != name or up in fences:
                 return True
             parent = os.path.dirname(up)
             if parent == up:
@@ -169,10 +188,12 @@ def _walk_class(top: Path, homes: dict, name: str, others: list, looped: list):
         for f in sorted(filenames):
             if f.startswith("."):
                 continue
+            path = os.path.join(dirpath, f)
             if f.lower().endswith(IMAGE_EXTENSIONS):
-                yield os.path.join(dirpath, f)
-            else:
-                others.append(os.path.join(dirpath, f))
+                yield path
+            else:  # (os.walk lists a link to a folder that is gone among the files)
+                (dangling if os.path.islink(path) and not os.path.exists(path)
+                 else others).append(path)
 
 
 # what `decode_into` makes of a file, versioned: caches keyed by a fingerprint holding it are

@@ -294,6 +294,8 @@ def test_linked_folders_that_lead_back_into_the_data_are_left_out_once(folder, t
     os.symlink("../class_01", train / "class_00" / "other")
     os.symlink(".", train / "class_02" / "self")
     os.symlink("sub", train / "class_02" / "zlink")  # a sibling, not yet entered
+    os.symlink("../../val/class_00", train / "class_00" / "val_leak")  # validation images
+    os.symlink("/nonexistent/share/class_01", train / "class_01" / "nas")  # not mounted
     extra = tmp_path / "elsewhere"
     extra.mkdir()
     shutil.copy(next((train / "class_01").glob("*.jpg")), extra / "far.jpg")
@@ -301,8 +303,13 @@ def test_linked_folders_that_lead_back_into_the_data_are_left_out_once(folder, t
     with caplog.at_level("WARNING", logger="stoker"):
         after = ImageFolder("train", str(root)).samples
     assert sorted(after) == sorted(before + [(str(train / "class_01" / "far" / "far.jpg"), 1)])
-    line = [r.getMessage() for r in caplog.records if "linked" in r.getMessage()]
-    assert len(line) == 1 and line[0].startswith("data: 4 linked folders under ")
+    line = [r.getMessage() for r in caplog.records if "linked folder" in r.getMessage()]
+    assert len(line) == 1 and line[0].startswith("data: 5 linked folders under ")
+    assert "or the other split" in line[0]
+    nowhere = [r.getMessage() for r in caplog.records if "nowhere" in r.getMessage()]
+    assert nowhere == [f"data: 1 link under {train}/<class>/ leads nowhere (an unmounted share? "
+                       "a moved folder?), left out (e.g. class_01/nas)"]
+    assert not [r for r in caplog.records if "not jpg" in r.getMessage()]
 
 
 def test_a_folder_that_cannot_be_listed_is_one_line_naming_it(folder, monkeypatch):
@@ -368,5 +375,5 @@ def test_loose_files_and_classes_without_validation_images_are_said(folder, tmp_
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("data: 1 file directly under ") and "in no class folder, left out "
                "(e.g. loose.jpg)" in m for m in said), said
-    assert any(m.startswith("data: 1 of the 3 classes have no images under ") and
-               m.endswith("(e.g. class_02): the metrics there leave them out") for m in said)
+    assert any(m.startswith("data: 1 of the 3 classes has no images under ") and
+               m.endswith("(e.g. class_02): the metrics there leave it out") for m in said)
