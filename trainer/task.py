@@ -55,6 +55,15 @@ def describe(obj: Any) -> str:
     return type(obj).__name__
 
 
+def _collective_failed(e: BaseException) -> bool:
+    """Whether `e` is a collective's failure (a peer gone mid-sync), not the code's own."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        word in text for word in ("/gloo/", "NCCL", "ProcessGroup")))
+
+
 def _note(e: BaseException, line: str) -> None:
     """A line under an error's traceback (Python 3.11's notes) saying what Stoker gave the
     code that raised it."""
@@ -184,6 +193,8 @@ class Task:
                 except TaskError:
                     raise  # (not one number: so on the whole set too)
                 except Exception as e:  # noqa: BLE001
+                    if _collective_failed(e):  # its sync over the ranks met a lost peer:
+                        raise  # the run names that rank, not the metric
                     log.warning("task.metrics.%s: %s.compute() failed on the first training "
                                 "batch (%s: %s); validation computes it over the whole set",
                                 name, type(metric).__name__, type(e).__name__,

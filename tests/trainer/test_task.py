@@ -382,3 +382,20 @@ def test_a_metric_whose_compute_fails_on_one_batch_only_warns_at_the_first_step(
     assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
                       "batch (ZeroDivisionError: float division by zero); validation computes "
                       "it over the whole set"]
+
+
+def test_a_metric_trial_whose_sync_meets_a_lost_peer_raises_it_not_a_metric_warning(caplog):
+    """Under torchrun a rank that crashed made rank 0's trial compute() fail in gloo: it was
+    said as the metric's failure (and the run went on) before the lost peer's line."""
+    class Syncing(torch.nn.Module):
+        def update(self, preds, target):
+            pass
+
+        def compute(self):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                               "Connection closed by peer [127.0.0.1]:5555")
+
+    task = Classification(metrics={"acc": Syncing()})
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        task.check_metrics(torch.zeros(2, 3), (None, torch.tensor([0, 1])))
+    assert not [r for r in caplog.records if "on the first training" in r.getMessage()]
