@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import (checkpoint, components, distributed, ending, rundir, schedules, speed,
                      startup)
-from trainer.cli import fail, wants_traceback
+from trainer.cli import USER_ERRORS, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
@@ -302,11 +302,13 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     outputs = None
     start = time.perf_counter()
     loop = None
+    ours = False  # the run dir is this run's to write (its checks passed)
     try:
         startup.same_settings_everywhere(cfg, spec.device)  # (the first collective of the run)
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
                           env)
+            ours = env.is_main
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env, saving=t.save_checkpoint and not t.fast_dev_run) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
@@ -337,7 +339,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
-        if outputs is not None and outputs.writing:
+        if (outputs is not None and outputs.writing) or (
+                ours and isinstance(e, Exception) and not isinstance(e, USER_ERRORS)
+                and not (run_dir / rundir.STATUS).exists()):
+            # before the first step, a crash (a refusal is said on the console, and leaves no
+            # dir behind) into a dir with no run's record: a new one
             ending.record_failure(run_dir, e)
         raise
     finally:

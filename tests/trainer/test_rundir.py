@@ -388,3 +388,20 @@ def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_asi
     again = train(make_cfg("trainer.max_epochs=2", *best, "trainer.resume=auto",
                            run_dir=run_dir))
     assert again["complete"] and again["steps"] == 46  # the new timeline's, not step 69
+
+
+def test_a_fresh_run_that_crashes_at_its_first_batch_says_so_in_status_json(make_cfg,
+                                                                            tmp_path):
+    """The README's status.json records how a run ended: one that crashed before its first
+    step left train.log alone. Its dir (new: no run's record there) gets the status; a dir
+    with a run's record keeps it (the resume test above)."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg(*QUICK, "data.dataset._target_=tests.helpers.FailingOnRankDigits",
+                       "+data.dataset.fail_rank=0", "data.placement=host",
+                       "data.num_workers=0", run_dir=run_dir))
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["exit_code"]) == ("failed", 1)
+    assert status["error"] == "RuntimeError: injected failure on rank None"
+    assert not (run_dir / "config.yaml").exists()  # (the run's files come with its first step)
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4  # the fixed run goes on
