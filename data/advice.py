@@ -187,7 +187,9 @@ def _sample_fix(sample: SampleCost, n: int, wait_frac: float, batch_size: int,
                 "one: storage, a network, a lock?): " + (
                     "workers overlap such waits without competing for the cores, so raise "
                     f"data.num_workers from {n} to about {more} (scripts/tune_loader.py "
-                    f"measures), or pay the wait once: {pay}" if more > n else
+                    f"--workers {n} {more} measures; PyTorch's warning that suggests no more "
+                    f"workers than cores is for workers that compute), or pay the wait once: "
+                    f"{pay}" if more > n else
                     f"{n} workers overlap such waits already; pay the wait once: {pay}"))
     made = f"making a batch costs {_duration(sample.cpu_s * batch_size)} of CPU here"
     if pairs:

@@ -100,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"{time.perf_counter() - start:.1f}s")
     if a.val_fraction > 0:
         print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "
-              "data.dataset.size=64 model=cnn")
+              f"data.dataset.size={min(64, a.size)} model=cnn")  # (never an upscale)
     else:  # data=image_folder reads <root>/val too
         print(f"train/ alone (--val-fraction 0): name {a.out}/train in a data.train_dataset "
               "node (README: Bring your own), as data=image_folder needs val/ too")

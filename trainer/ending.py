@@ -92,8 +92,20 @@ def end_sweep(e: BaseException) -> NoReturn:
     import traceback
 
     traceback.print_exception(e)
-    sys.stderr.flush()
+    say_sweep_stopped()
     raise SystemExit(exit_code(e))
+
+
+def say_sweep_stopped() -> None:
+    """One line from rank 0: which job stopped the sweep, and how to run on from there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if distributed.detect().is_main:
+        h = HydraConfig.get()
+        print(f"stoker: the sweep stopped at job {h.job.num}; the jobs after it were not run "
+              f"(once fixed, the same command with trainer.resume=auto hydra.sweep.dir="
+              f"{h.sweep.dir} "
+              "keeps the finished ones)", file=sys.stderr, flush=True)
 
 
 def record_failure(run_dir: Path, e: BaseException) -> None:

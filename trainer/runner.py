@@ -56,6 +56,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             if ending.stops_sweep():
                 ending.end_sweep(e)
             raise
+        if ending.stops_sweep():
+            ending.say_sweep_stopped()
         if isinstance(e, PeerLost):
             ending.end_without_peer(e)
         # (a launch the variables cannot describe, a rank that could not join: each says it)

@@ -70,13 +70,16 @@ def cfg(**kw) -> DataConfig:
     (dict(), dict(workers=2, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",
      "making a sample mostly waits (2.0 ms a sample, 95% of it neither on a CPU nor queued for "
      "one: storage, a network, a lock?): workers overlap such waits without competing for the "
-     "cores, so raise data.num_workers from 2 to about 4 (scripts/tune_loader.py measures), or "
-     "pay the wait once: data.cache=memory (or shm, disk) if the samples fit"),
+     "cores, so raise data.num_workers from 2 to about 4 (scripts/tune_loader.py --workers 2 4 "
+     "measures; PyTorch's warning that suggests no more workers than cores is for workers that "
+     "compute), or pay the wait once: data.cache=memory (or shm, disk) if the samples fit"),
     (dict(), dict(workers=32, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",  # (at the cap)
      "32 workers overlap such waits already; pay the wait once: data.cache=memory"),
     (dict(), dict(workers=0, sample=SampleCost(2e-3, 3e-5, 1.9e-3), pairs=False), "cpu",
-     "raise data.num_workers from 0 to about 2 (scripts/tune_loader.py measures), or pay the "
-     "wait once: fetch what __getitem__ reads ahead of the run, to local storage"),
+     "raise data.num_workers from 0 to about 2 (scripts/tune_loader.py --workers 0 2 "
+     "measures;"),
+    (dict(), dict(workers=0, sample=SampleCost(2e-3, 3e-5, 1.9e-3), pairs=False), "cpu",
+     "or pay the wait once: fetch what __getitem__ reads ahead of the run, to local storage"),
     (dict(), dict(workers=2, sample=SampleCost(2e-3, 2e-3, 0.0)), "cpu",
      "raise data.num_workers from 2 to 4 (the CPU cores"),  # computing: as before
     (dict(), dict(workers=2, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32), "cpu",

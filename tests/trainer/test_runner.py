@@ -483,6 +483,8 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
     proc = run_cli(["-m", "optim.lr=1e-3,-1,3e-3", "trainer.max_steps=2",
                     "trainer.progress_bar=false"], cwd=tmp_path)
     assert proc.returncode == 2
+    assert "stoker: the sweep stopped at job 1; the jobs after it were not run (once fixed, " \
+        "the same command with trainer.resume=auto hydra.sweep.dir=multirun/" in proc.stderr
     [sweep] = (tmp_path / "multirun").glob("*/*")
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # 2 never ran
     assert json.loads((sweep / "0" / "status.json").read_text())["status"] == "completed"
@@ -503,6 +505,7 @@ def test_a_sweep_job_that_crashes_stops_the_sweep_with_its_traceback(tmp_path):
     assert proc.returncode == 1
     assert "RuntimeError: injected failure on rank None" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("stoker: the sweep stopped at job 0")
     [sweep] = (tmp_path / "multirun").glob("*/*")
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # 1 never ran
     status = json.loads((sweep / "0" / "status.json").read_text())
