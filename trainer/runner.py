@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import (checkpoint, components, distributed, ending, rundir, schedules, speed,
                      startup)
-from trainer.cli import USER_ERRORS, fail, wants_traceback
+from trainer.cli import fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
@@ -342,10 +342,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         return summary
     except BaseException as e:
         if (outputs is not None and outputs.writing) or (
-                ours and isinstance(e, Exception) and not isinstance(e, USER_ERRORS)
+                ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
                 and not (run_dir / rundir.STATUS).exists()):
-            # before the first step, a crash (a refusal is said on the console, and leaves no
-            # dir behind) into a dir with no run's record: a new one
+            # before the first step, a crash (what is said in one line is said on the
+            # console, and leaves no dir behind) into a dir with no run's record: a new one
             ending.record_failure(run_dir, e)
         raise
     finally:
