@@ -18,14 +18,16 @@
 # Lightning: 3 repeats did not fit in 330 s), overhead_cnn ~50 s a repeat, bench_images
 # (--repeats 1 --epochs 2) ~2 min, strategies 92 s, speed 149 s a repeat; suite not tried
 # there since 2026-11-22 (a call of its own; it needs pytest-xdist and execnet wheels).
-# A session has 15 minutes of device time, the machine's start (a minute or two) and idle
-# waits included, and a call at most 10: one full call and a short one. In order, one row
-# per lent session, the first unrun row first:
-#   1. gpu_tests bench_gpu (~8 min, timeout_s 560) | overhead_cnn (~2.5 min)
-#   2. runs (~4 min) | bench_overhead (~6 min)
-#   3. loader checkpoint strategies bench_images (~6 min) | speed (~5 min)
-# gpu_tests and bench_gpu carry the targets (data-wait, copy bandwidth, precision,
-# MFU) and the CUDA code changed since the last GPU session, so they come first.
+# Seen on one H200, 2026-11-26 (16 cores, torch 2.11): gpu_tests 62 s (21 tests), bench_gpu
+# 276 s (--repeats 2), overhead_cnn 96 s, runs 149 s, checkpoint 21 s, loader 97 s (with
+# bench_handoff); the machine's start about 30 s. A session has 15 minutes of device time,
+# start and idle waits included, a call at most 10, and a machine is given back 30 s after a
+# call ends: chain the calls at once. Run 2026-11-26: gpu_tests bench_gpu | overhead_cnn runs
+# | checkpoint loader. Next, one row per lent session, the first unrun row first:
+#   1. bench_overhead (~6 min, timeout_s 450) | bench_images strategies (~4 min)
+#   2. speed (~5 min) | gpu_tests bench_gpu (again, after CUDA changes)
+# bench_overhead (the tiny step's 0.98 target) and the benchmarks not run since their code
+# changed come first.
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
