@@ -61,7 +61,7 @@ def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
             return None
         w1, c1, q1 = time.perf_counter(), time.thread_time(), _queued_s()
         wall, cpu, count = wall + w1 - w0, cpu + c1 - c0, count + 1
-        queued = None if q0 is None or queued is None else queued + q1 - q0
+        queued = None if None in (q0, q1, queued) else queued + q1 - q0
         if w1 - start > budget_s and (count >= 2 or w1 - w0 > budget_s):
             break  # (two for a steadier figure, unless one alone took the budget)
     if not count:

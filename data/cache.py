@@ -122,7 +122,7 @@ def _nothing_read(n: int) -> ConfigError:
 
 def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     pairs = list(_pairs(dataset, num_workers))
-    if not pairs or sum(len(y) for _, y in pairs) == 0:
+    if sum(len(y) for _, y in pairs) == 0:
         raise _nothing_read(len(dataset))
     xs, ys = zip(*pairs)
     return TensorDataset(torch.cat(xs), torch.cat(ys))

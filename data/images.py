@@ -125,27 +125,30 @@ def find_images(folder: Path, classes: Sequence[str],
 def _say_left_out(folder: Path, loose: list, others: list, looped: list,
                   dangling: list) -> None:
     """One warning for each kind of entry a listing of `folder` left out."""
-    def some(paths: list, noun: str) -> str:
+    def some(paths: list, noun: str) -> Tuple[str, str]:
+        """"N noun(s)", and up to three of `paths` relative to `folder`."""
         return (f"{len(paths)} {noun}{'' if len(paths) == 1 else 's'}",
                 ", ".join(os.path.relpath(p, folder) for p in paths[:3]))
+
     if others:
-        log.warning("data: %s under %s/<class>/ not %s, left out (e.g. %s)",
-                    some(others, "file")[0], folder, "/".join(e[1:] for e in IMAGE_EXTENSIONS),
-                    some(others, "file")[1])
+        what, e_g = some(others, "file")
+        log.warning("data: %s under %s/<class>/ not %s, left out (e.g. %s)", what, folder,
+                    "/".join(e[1:] for e in IMAGE_EXTENSIONS), e_g)
     if loose:  # a class is a folder: a file beside them has none
+        what, e_g = some([folder / name for name in loose], "file")
         log.warning("data: %s directly under %s, in no class folder, left out (e.g. %s): move "
-                    "them into their class's folder", some(loose, "file")[0], folder,
-                    ", ".join(loose[:3]))
+                    "them into their class's folder", what, folder, e_g)
     if looped:
+        what, e_g = some(looped, "linked folder")
         log.warning("data: %s under %s/<class>/ lead%s back into the data (a loop, another "
                     "class's folder or the other split), left out: their images would be "
-                    "listed twice, under the wrong class or in both splits (e.g. %s)",
-                    some(looped, "linked folder")[0], folder, "s" if len(looped) == 1 else "",
-                    some(looped, "linked folder")[1])
+                    "listed twice, under the wrong class or in both splits (e.g. %s)", what,
+                    folder, "s" if len(looped) == 1 else "", e_g)
     if dangling:
+        what, e_g = some(dangling, "link")
         log.warning("data: %s under %s/<class>/ lead%s nowhere (an unmounted share? a moved "
-                    "folder?), left out (e.g. %s)", some(dangling, "link")[0], folder,
-                    "s" if len(dangling) == 1 else "", some(dangling, "link")[1])
+                    "folder?), left out (e.g. %s)", what, folder,
+                    "s" if len(dangling) == 1 else "", e_g)
 
 
 def _walk_class(top: Path, homes: dict, fences: set, name: str, left: dict):
@@ -156,7 +159,7 @@ def _walk_class(top: Path, homes: dict, fences: set, name: str, left: dict):
     nowhere (left["dangling"]). `homes`: each class folder's real path -> its class. A folder
     that cannot be listed is an error naming it, not a class that silently lost its images."""
     others, looped, dangling = left["others"], left["looped"], left["dangling"]
-    home = next(path for path, owner in homes.items() if owner == name)
+    home = os.path.realpath(top)  # (its key in `homes`)
     seen = {home}
 
     def refuse(e: OSError) -> None:

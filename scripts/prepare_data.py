@@ -28,12 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from torch.utils.data import IterableDataset  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
-from data.shards import write_shards  # noqa: E402
+from data.shards import ShardStream, write_shards  # noqa: E402
 from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.config import ConfigError, cpu_workers  # noqa: E402
@@ -120,7 +119,7 @@ def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:
     for split, dataset in zip(("train", "val"), build_datasets(cfg)):
         if dataset is None:  # a train_dataset without a val_dataset
             continue
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        if isinstance(dataset, ShardStream):  # (the one stream build_datasets lets through)
             raise ConfigError(f"data: {type(dataset).__name__} is streamed (data=shards is "
                               "packed already); prepare_data.py reads a dataset by index: an "
                               "image folder, digits, synthetic or one of your own")

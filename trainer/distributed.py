@@ -210,15 +210,15 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
     kwargs = {}
     if env.launcher == "slurm":
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        # torchrun shares its rendezvous store with the workers and keeps it across
-        # --max-restarts; the group's keys from the previous attempt would then hand the new
-        # ranks stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
-        kwargs["store"] = None  # (made below, where its failure is said as the group's)
+    # torchrun shares its rendezvous store with the workers and keeps it across
+    # --max-restarts; the group's keys from the previous attempt would then hand the new ranks
+    # stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
+    agent_store = env.launcher != "slurm" and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if backend == "nccl":
         timeout += datetime.timedelta(seconds=NCCL_GRACE_S)
-    try:
-        if "store" in kwargs:
+    try:  # (the store's failure too is said as the group's)
+        if agent_store:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   env.world_size, is_master=False, timeout=timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

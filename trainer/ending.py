@@ -56,16 +56,20 @@ def in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def launcher() -> str:
+    """The `_target_` of Hydra's launcher for this launch ("" outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    return str(OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or "")
+
+
 def stops_sweep() -> bool:
     """Whether this is a job of a sweep that Hydra's basic launcher runs here, one job after
     another in this process (a launcher such as submitit's runs each job as a job of its
     own, and carries its exception back as it is)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not in_sweep():
-        return False
-    target = OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or ""
-    return "basic_launcher" in str(target)
+    return in_sweep() and "basic_launcher" in launcher()
 
 
 def sweep_job_failed(e: BaseException) -> None:

@@ -269,7 +269,6 @@ def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wai
                         batch_size=d.batch_size)
 
 
-
 def collate_for(dataset, collate):
     """The collate a loader of `dataset` uses: the dataset's own (an image folder's leaves
     out the files it skipped), with `collate` (data.collate_fn, built) given the samples

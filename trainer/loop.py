@@ -493,7 +493,6 @@ class Loop:
         model.eval()
         start = time.perf_counter()
         sums = self._evaluate_batches(model)
-        sums[3] = len(skipped_files(self.val_feed))
         loss_sum, count, samples, files = distributed.all_reduce_sum(sums).tolist()
         if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
             line = ("no validation sample was read: every one was skipped as unreadable "
@@ -520,12 +519,12 @@ class Loop:
         return values
 
     def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:
-        """(loss sum, count, samples, 0) over this rank's validation shard; metrics updated
-        on the way."""
+        """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
+        validation shard; metrics updated on the way."""
         task = self.task
         for metric in task.metrics.values():
             metric.reset()
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # (and skipped files)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         samples = 0
         for batch in self.val_feed.take(self.val_limit):
             samples += batch_size(batch)  # (shapes only)
@@ -537,5 +536,5 @@ class Loop:
             if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
                 task.update_metrics(map_tensors(output, torch.clone) if self.replays else output,
                                     batch)
-        sums[2] = samples
+        sums[2], sums[3] = samples, len(skipped_files(self.val_feed))
         return sums

@@ -136,13 +136,7 @@ def _deterministic(mode: bool, compiling: bool) -> None:
 def _check_launcher() -> None:
     """A sweep launcher of Hydra's (hydra/launcher=slurm) launches sweeps (-m) only: a run
     without -m would train here, where its user meant to submit it."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
-        return
-    target = str(OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or "")
-    if "submitit" in target:
+    if not ending.in_sweep() and "submitit" in ending.launcher():
         raise ConfigError("hydra/launcher=slurm: submits sweeps (-m) only, and this command "
                           "would train here; add -m to submit it as a job (one job for one "
                           "setting), or leave the launcher out")
@@ -151,12 +145,11 @@ def _check_launcher() -> None:
 def _empty_hydra_dir() -> Optional[str]:
     """The Hydra key naming this launch's output dir when it was given empty, else None."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return None
     h = HydraConfig.get()
-    key, value = (("hydra.sweep.dir", h.sweep.dir) if h.mode == RunMode.MULTIRUN
+    key, value = (("hydra.sweep.dir", h.sweep.dir) if ending.in_sweep()
                   else ("hydra.run.dir", h.run.dir))
     return key if not str(value or "").strip() else None
 

@@ -281,34 +281,39 @@ def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cfg, tmp_path):
+def images(tmp_path, unreadable: str = "", junk: bytes = b""):
+    """A 2-class image folder of 40 files (32 train, 8 val) whose `unreadable` split's files
+    all hold `junk`."""
     from scripts.make_images import write_images
 
     root = tmp_path / "images"
     write_images(root, count=40, size=16, classes=2)
-    for path in (root / "train").rglob("*.jpg"):
-        path.write_bytes(b"not a jpeg")
+    for path in (root / unreadable).rglob("*.jpg") if unreadable else ():
+        path.write_bytes(junk)
+    return root
+
+
+def on_images(make_cfg, root, *overrides):
+    """A CNN on the image folder at `root`, read in this process, 2 steps an epoch."""
+    return make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
+                    "model=cnn", "data.num_workers=0", "data.batch_size=16", *overrides)
+
+
+def test_a_run_whose_every_training_file_is_unreadable_fails_in_one_line(make_cfg, tmp_path):
+    root = images(tmp_path, "train", b"not a jpeg")
     with pytest.raises(ConfigError, match=r"^data: no training sample was read in 2 optimizer "
                                           r"steps: every one of them was skipped as unreadable "
                                           r"\(32 files, data.dataset.on_error=skip\)"):
-        train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
-                       "model=cnn", "data.num_workers=0", "data.batch_size=16"))
+        train(on_images(make_cfg, root))
 
 
 def test_a_run_whose_every_validation_file_is_unreadable_fails_in_one_line(make_cfg, tmp_path):
     """It "completed" with val_loss nan and val_acc nan."""
-    from scripts.make_images import write_images
-
-    root = tmp_path / "images"
-    write_images(root, count=40, size=16, classes=2)
-    for path in (root / "val").rglob("*.jpg"):
-        path.write_bytes(b"")
+    root = images(tmp_path, "val")
     with pytest.raises(ConfigError, match=r"^data: no validation sample was read: every one was "
                                           r"skipped as unreadable \(8 files, data.dataset."
                                           r"on_error=skip\); check the validation files"):
-        train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
-                       "model=cnn", "data.num_workers=0", "data.batch_size=16",
-                       "trainer.max_epochs=1"))
+        train(on_images(make_cfg, root, "trainer.max_epochs=1"))
 
 
 def test_a_later_validation_that_reads_nothing_warns_and_the_run_goes_on(make_cfg, tmp_path,
@@ -316,10 +321,8 @@ def test_a_later_validation_that_reads_nothing_warns_and_the_run_goes_on(make_cf
     """A passing outage of the validation storage after validations that read: a warning,
     not the end of a long run (nan values for that validation)."""
     from data.images import ImageFolder
-    from scripts.make_images import write_images
 
-    root = tmp_path / "images"
-    write_images(root, count=40, size=16, classes=2)
+    root = images(tmp_path)
     real, calls = ImageFolder._read, []
 
     def flaky(self, i, out):  # the second validation's reads all fail
@@ -332,9 +335,7 @@ def test_a_later_validation_that_reads_nothing_warns_and_the_run_goes_on(make_cf
 
     monkeypatch.setattr(ImageFolder, "_read", flaky)
     with caplog.at_level(logging.WARNING, logger="stoker"):
-        s = train(make_cfg("data=image_folder", f"data.dataset.root={root}",
-                           "data.dataset.size=8", "model=cnn", "data.num_workers=0",
-                           "data.batch_size=16", "trainer.max_epochs=3"))
+        s = train(on_images(make_cfg, root, "trainer.max_epochs=3"))
     assert s["epochs"] == 3 and len(calls) == 24
     said = [r.getMessage() for r in caplog.records if "validation at step" in r.getMessage()]
     assert said == ["data: validation at step 4: no validation sample was read: every one was "
