@@ -150,27 +150,38 @@ class ShardStream:
             k = int(np.searchsorted(edges, p, side="right")) - 1
             shard, offset = order[k], p - int(edges[k])
             take = min(self.counts[shard] - offset, stop - pos)
-            yield from self._read(self.urls[shard], offset, take)
+            yield from self._read(self.urls[shard], offset, take, self.counts[shard])
             pos += take
 
-    def _read(self, url: str, skip: int, take: int) -> Iterator[Dict]:
+    def _read(self, url: str, skip: int, take: int, count: int) -> Iterator[Dict]:
+        """Samples [skip, skip + take) of the shard at `url`, which its index says holds
+        `count`. A read that reaches the shard's end by its index looks one sample further:
+        a shard holding more than its index says (written again after the index) fails in
+        one line rather than training on part of it unsaid."""
         from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
         samples = group_by_keys(tar_file_expander(url_opener([{"url": url}])))
-        got = 0
+        got, more = 0, False
         try:
             for i, sample in enumerate(samples):
                 if i < skip:
                     continue
+                if got == take:  # (only reached when the read ends at the shard's end)
+                    more = True
+                    break
                 yield sample
                 got += 1
-                if got == take:
+                if got == take and skip + take < count:
                     return
         except (tarfile.TarError, OSError, ValueError) as e:  # damaged, cut short, missing
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"data: shard {url} cannot be read ({type(e).__name__}: "
                               f"{reason}); write it again (scripts/prepare_data.py --format "
                               "shards) or remove it from its index.json") from None
+        if more:
+            raise ConfigError(f"data: shard {url} holds more samples than the {count} its "
+                              "index says (written after its index.json?); write the set again "
+                              "(scripts/prepare_data.py --format shards) or correct its count")
         if got < take:
             raise ConfigError(f"data: shard {url} ended after {skip + got} samples; its "
                               f"index says {skip + take} or more (a truncated shard?)")

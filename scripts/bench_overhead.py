@@ -24,15 +24,18 @@ for `tiny` also `plain_indexed` (a hand-written loop indexing batches from tenso
 and `stoker_device` (`data.placement=device`, its counterpart), and `lightning` when installed
 (PyTorch Lightning; `pip install lightning -c .venv/constraints.txt` keeps the CPU torch).
 
-`lockstep_host` and `lockstep_device` (tiny) run Stoker and its plain counterpart in one process,
-one step each in turn (a callback takes the plain step after each of Stoker's): every step's
-time is paired with the other's a millisecond away, so the shared machine's drifts, seconds
-long, fall on both. On a 2-core shared VM the fresh-process pairs of the same code spread
-0.55-1.6 in one run, the lockstep pairs 0.95-0.97: this is the measure that resolves a few
-percent there. (Both loops' caches are colder than alone: steps are slower than in the other
-rows, the ratio is what to read.) `lockstep_null` calibrates them: two plain loops (DataLoader
-path) in the same alternation, the first in Stoker's place, so its `vs_plain` is what the
-harness itself reads for identical work (its bias and resolution).
+`lockstep_host` (both workloads) and `lockstep_device` (tiny) run Stoker and its plain
+counterpart in one process, one step each in turn (a callback takes the plain step after each
+of Stoker's): every step's time is paired with the other's a millisecond away, so the shared
+machine's drifts, seconds long, fall on both. On a 2-core shared VM the fresh-process pairs of
+the same code spread 0.55-1.6 in one run, the lockstep pairs 0.95-0.97: this is the measure
+that resolves a few percent there. On a GPU each paired step ends in a synchronize, so the
+host's work is not hidden behind queued steps (a stricter reading than the free-running rows);
+the fresh-process CNN pairs there spread 0.91-1.25 over three repeats (an H200, 2026-11-26).
+(Both loops' caches are colder than alone: steps are slower than in the other rows, the ratio
+is what to read.) `lockstep_null` calibrates them: two plain loops (DataLoader path) in the
+same alternation, the first in Stoker's place, so its `vs_plain` is what the harness itself
+reads for identical work (its bias and resolution).
 
 Every run is a fresh process; runners alternate within each repeat (and their order flips
 every other repeat). Each process times its steps after the first `--warmup` (start-up,
@@ -74,7 +77,7 @@ STARTUP_COLUMNS = ["command", "wall_s", "best_s", "runs"]
 COUNTERPART = {"stoker": "plain", "lightning": "plain", "stoker_device": "plain_indexed"}
 RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightning",
                     "lockstep_host", "lockstep_device", "lockstep_null"],
-           "cnn": ["plain", "stoker", "lightning"]}
+           "cnn": ["plain", "stoker", "lightning", "lockstep_host", "lockstep_null"]}
 LR = 1e-3
 SEED = 42  # train.py's seed: the initial weights and the epochs' order
 

@@ -252,7 +252,7 @@ def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
     assert [p.endswith("zz.jpg") for p in folder.skipped()] == [True]
 
 
-@pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "short index"])
+@pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "short index", "long shard"])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, workers):
     """Read in the training process or in a loader worker: one line naming the shard, not
@@ -271,9 +271,9 @@ def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, work
         victim.write_bytes(b"\x17" * 4096)
     elif damage == "missing":
         victim.unlink()
-    else:  # the index promises more samples than the shard holds
+    else:  # the index promises more samples than the shard holds, or fewer
         index = json.loads((root / "train" / "index.json").read_text())
-        index["shards"][1]["samples"] = 50
+        index["shards"][1]["samples"] = 50 if damage == "short index" else 7
         (root / "train" / "index.json").write_text(json.dumps(index))
     ld = loader(root, workers=workers, shuffle=False)
     with pytest.raises(ConfigError) as info:
@@ -281,4 +281,7 @@ def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, work
     message = str(info.value)
     assert "\n" not in message and "shard-000001.tar" in message, message
     assert message.startswith("data: shard "), message
+    if damage == "long shard":  # said as what it is, not as a shard that cannot be read
+        assert "holds more samples than the 7 its index says" in message
+        assert "cannot be read" not in message, message
     shutil.rmtree(root)

@@ -33,8 +33,10 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
         assert row["best_step_us"] <= row["step_us"] * 1.0001  # the fastest stretch
         # the same initial weights, order and steps as the counterpart: the same final weights
         assert row["weights_diff"] < 1e-6 and "did not take the steps" not in proc.stdout
-    for runner in ("lockstep_host", "lockstep_device", "lockstep_null"):  # in one process
-        row = rows[("tiny", runner)]
+    for workload, runner in [("tiny", "lockstep_host"), ("tiny", "lockstep_device"),
+                             ("tiny", "lockstep_null"), ("cnn", "lockstep_host"),
+                             ("cnn", "lockstep_null")]:  # in one process
+        row = rows[(workload, runner)]
         assert row["runs"] == 1 and row["counterpart"] == (
             "a second plain loop in the same process" if runner == "lockstep_null"
             else "plain steps in the same process")
