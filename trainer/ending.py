@@ -19,10 +19,10 @@ from trainer import checkpoint, distributed, rundir
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
-from trainer.feeds import feed_advice
+from trainer.feeds import feed_advice, skipped_files
 from trainer.liveness import PeerLost
 from trainer.logging import RunLogger
-from trainer.loop import Loop, NonFiniteLoss, skipped_files
+from trainer.loop import Loop, NonFiniteLoss
 from trainer.resilience import Checkpointing, Preempted
 
 log = logging.getLogger("stoker")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -326,3 +326,14 @@ def _one_batch(loader, batch_size: int) -> bool:
         return len(loader.sampler) <= batch_size
     except TypeError:  # a stream's sampler has no length
         return False
+
+
+def skipped_files(*feeds) -> List[str]:
+    """The files these feeds' datasets skipped as unreadable (image folders and shards with
+    on_error=skip), in the training process and its loader workers."""
+    files: List[str] = []
+    for feed in feeds:
+        skipped = getattr(getattr(feed, "source", None), "skipped", None)
+        if callable(skipped):
+            files += skipped()
+    return files

@@ -14,66 +14,26 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
 
 from data.prefetch import DevicePrefetcher, map_tensors
-from data.sampler import epoch_batches, limit_left
+from data.sampler import limit_left
 from trainer import checkpoint, devicewait, distributed
 from trainer.config import ConfigError, Precision, TrainerConfig
+from trainer.feeds import skipped_files
 from trainer.ledger import Ledger, counted, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
+from trainer.progress import FitState, Window, epoch_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
-from trainer.task import Count, Task, batch_size, describe
-
-
-@dataclass
-class FitState:
-    """Progress that a checkpoint must carry: the current epoch (= epochs completed),
-    optimizer steps taken, and global samples of the current epoch already consumed."""
-
-    epoch: int = 0
-    step: int = 0
-    position: int = 0
-    validated_step: int = -1  # the step of the last validation (a run complete at its end)
-
-
-@dataclass
-class Window:
-    """Host-side sums over one logging window (the loss sum is on the device, in the loop's
-    Ledger); read with one sync at a logging boundary."""
-
-    count: Count = 0  # units the loss averages over (samples or tokens)
-    samples: int = 0
-    steps: int = 0  # optimizer steps in the window: the same on every rank
-    wait_s: float = 0.0
-    paused_s: float = 0.0  # validation and epoch-end checkpoints inside the window: not its time
-    start: float = field(default_factory=time.perf_counter)
-
-
-def window_plan(num_samples: int, batch_size: int, drop_last: bool, limit: Optional[int],
-                accumulate: int) -> List[int]:
-    """Micro-batches of each optimizer step (window) of one epoch on one rank."""
-    batches = epoch_batches(num_samples, batch_size, drop_last, limit)
-    return [min(accumulate, batches - start) for start in range(0, batches, accumulate)]
-
-
-def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> List[int]:
-    """`window_plan` for this rank's shard of `loader` in one epoch."""
-    return window_plan(len(loader.sampler), loader.batch_size, loader.drop_last, limit,
-                       accumulate)
-
-
-def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
-    return len(epoch_plan(loader, limit, accumulate))
+from trainer.task import Task, batch_size, forward_error
 
 
 class NonFiniteLoss(RuntimeError):
@@ -109,17 +69,6 @@ def _callback_keys(callbacks: Sequence[Callback]) -> List[str]:
         keys.append(name if name not in seen else f"{name}.{seen[name]}")
         seen[name] = seen.get(name, 0) + 1
     return keys
-
-
-def skipped_files(*feeds) -> List[str]:
-    """The files these feeds' datasets skipped as unreadable (image folders and shards with
-    on_error=skip), in the training process and its loader workers."""
-    files: List[str] = []
-    for feed in feeds:
-        skipped = getattr(getattr(feed, "source", None), "skipped", None)
-        if callable(skipped):
-            files += skipped()
-    return files
 
 
 class Loop:
@@ -388,41 +337,14 @@ class Loop:
         try:
             output = self.task.forward(self.model, batch)
         except RuntimeError as e:
-            error = self._forward_error(e, batch)
+            error = forward_error(e, batch, unwrap(self.model), first=not self._forwarded,
+                                  input_shape=self.input_shape,
+                                  find_unused=self.cfg.ddp.find_unused_parameters)
             if error is e:
                 raise
             raise error from None
         self._forwarded = True
         return output
-
-    def _forward_error(self, e: RuntimeError, batch) -> Exception:
-        """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
-        mistakes it can name (a first batch the model cannot take, unused DDP parameters)."""
-        if not self._forwarded and any(w in str(e) for w in ("shape", "size", "dtype")):
-            # the first batch of the run: inputs that do not fit the model are a
-            # configuration mismatch (data.input_shape, the model's arguments), not a crash
-            model = unwrap(self.model)
-            params = {p.dtype for p in model.parameters() if p.is_floating_point()}
-            floats = {t.dtype for t in checkpoint.tensors_in(batch)
-                      if t.is_floating_point()} - params
-            fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
-                   f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
-                   "make the dataset return tensors of the model's dtype (numpy arrays are "
-                   "float64: torch.as_tensor(x, dtype=torch.float32))"
-                   if "dtype" in str(e) and floats and len(params) == 1 else
-                   f"check data.input_shape="
-                   f"{None if self.input_shape is None else list(self.input_shape)} and the "
-                   "model's arguments")
-            return ConfigError(
-                f"model: {type(model).__name__} cannot take the first batch "
-                f"({describe(batch)}): {str(e).splitlines()[0]}; {fix}")
-        unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
-        if unused and not self.cfg.ddp.find_unused_parameters:
-            return ConfigError(
-                "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
-                "got no gradient in a step (unused outputs or branches), which DDP cannot "
-                "reduce; set trainer.ddp.find_unused_parameters=true")
-        return e
 
     def _optimizer_step(self, factor, want_norm: bool) -> Optional[torch.Tensor]:
         if factor is not None:  # see window_factor

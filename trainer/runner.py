@@ -29,7 +29,8 @@ from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
-from trainer.loop import Callback, FitState, Loop, NonFiniteLoss, steps_per_epoch
+from trainer.loop import Callback, Loop, NonFiniteLoss
+from trainer.progress import FitState, steps_per_epoch
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
 from trainer.rundir import RunDirLock

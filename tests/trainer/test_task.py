@@ -399,3 +399,30 @@ def test_a_metric_trial_whose_sync_meets_a_lost_peer_raises_it_not_a_metric_warn
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         task.check_metrics(torch.zeros(2, 3), (None, torch.tensor([0, 1])))
     assert not [r for r in caplog.records if "on the first training" in r.getMessage()]
+
+
+def test_forward_error_names_a_first_batch_the_model_cannot_take_and_nothing_later():
+    from trainer.task import forward_error
+
+    model = torch.nn.Linear(4, 2)
+    batch = (torch.zeros(3, 5), torch.zeros(3, dtype=torch.int64))
+    shape = RuntimeError("mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2)\nmore")
+    error = forward_error(shape, batch, model, first=True, input_shape=[5], find_unused=False)
+    assert isinstance(error, ConfigError) and "\n" not in str(error)
+    assert str(error).startswith("model: Linear cannot take the first batch (tuple(tensor(3, "
+                                 "5) float32"), str(error)
+    assert str(error).endswith("check data.input_shape=[5] and the model's arguments")
+    # float64 inputs (numpy's default) for float32 weights: the dtype, not the shape, is named
+    doubles = (torch.zeros(3, 4, dtype=torch.float64), batch[1])
+    dtype = RuntimeError("mat1 and mat2 must have the same dtype, but got Double and Float")
+    error = forward_error(dtype, doubles, model, first=True, input_shape=None, find_unused=False)
+    assert "the batch holds float64 inputs and the model's parameters are float32" in str(error)
+    # a later batch's error is the error itself: the first one fitted
+    assert forward_error(shape, batch, model, first=False, input_shape=[5],
+                         find_unused=False) is shape
+    unused = RuntimeError("Expected to have finished reduction in the prior iteration ... "
+                          "find_unused_parameters=True ...")
+    error = forward_error(unused, batch, model, first=False, input_shape=None, find_unused=False)
+    assert str(error).startswith("trainer.ddp.find_unused_parameters=false: some of the model")
+    assert forward_error(unused, batch, model, first=False, input_shape=None,
+                         find_unused=True) is unused
