@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
+from trainer import stamp
 from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
@@ -180,6 +181,7 @@ def _one_line_errors(main: Callable[[], None]) -> None:
             reap_children()
             raise
         # submitit's SLURM executor, built by hydra/launcher=slurm, on a machine without SLURM
+        stamp.nothing_launched()  # (the sweep dir Hydra made goes at exit)
         fail(ConfigError("hydra/launcher=slurm: this machine has no SLURM (no srun on the "
                          "PATH); submit from a cluster's login node, or leave the launcher out "
                          "to run the sweep here"))

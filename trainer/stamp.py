@@ -22,6 +22,7 @@ def process_start(pid: int) -> float:
 
 
 _claimed: Dict[Tuple[str, str], str] = {}  # (parent, stamp) -> the run dir named for it
+_made: List[str] = []  # the run dirs this process made (removed at exit when left empty)
 
 
 def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
@@ -41,6 +42,7 @@ def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
     path, ours = (base, True) if shared else _claim(base)
     if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
         atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
+        _made.append(path)
     _claimed[(parent, stamp)] = path
     return path
 
@@ -62,6 +64,20 @@ def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
         except OSError:
             break
     return base, False  # (every name taken: the run dir lock then refuses in one line)
+
+
+def nothing_launched(records: Tuple[str, ...] = ("multirun.yaml",)) -> None:
+    """A sweep refused before its first job (hydra/launcher=slurm without SLURM): Hydra's
+    record of it goes from the dirs this process made, where nothing else is, so that the
+    exit removes them as it removes any dir a refused launch made."""
+    for path in _made:
+        try:
+            names = os.listdir(path)
+            if names and set(names) <= set(records):
+                for name in names:
+                    os.remove(os.path.join(path, name))
+        except OSError:
+            continue
 
 
 def _remove_empty(folders: List[str]) -> None:

@@ -81,6 +81,7 @@ def test_the_slurm_launcher_on_a_machine_without_slurm_is_one_line(tmp_path):
     assert proc.stderr.strip() == (
         "stoker: error: hydra/launcher=slurm: this machine has no SLURM (no srun on the PATH); "
         "submit from a cluster's login node, or leave the launcher out to run the sweep here")
+    assert not list(tmp_path.iterdir())  # no sweep dir left behind by a sweep that never ran
 
 
 def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_path):
