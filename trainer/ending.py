@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.loader import LoaderStalled
-from trainer import checkpoint, distributed, rundir
+from trainer import checkpoint, distributed, rundir, stamp
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
@@ -117,6 +117,37 @@ def record_failure(run_dir: Path, e: BaseException) -> None:
     rundir.write_status(run_dir, exit_code(e), status_error(e),
                         word=("exited: SystemExit raised during the run"
                               if type(e) is SystemExit else None))
+
+
+def refused_before_first_step(run_dir: Path, e: BaseException) -> None:
+    """A one-line error before the run's first optimizer step (a first batch the model or the
+    task refuses), after train.log's first lines: on the console it is said, and in the log
+    too, so that the log does not end mid-start without a reason; a dated dir this launch made
+    and nothing else wrote into goes at exit, its log with it, as a launch refused earlier
+    leaves none. Rank 0 (the others log to no file)."""
+    log_file = os.path.abspath(run_dir / "train.log")
+    root = logging.getLogger()
+    handlers = [h for h in root.handlers if isinstance(h, logging.FileHandler)
+                and os.path.abspath(h.baseFilename) == log_file]
+    if not handlers or not os.path.exists(log_file):
+        return
+    try:
+        alone = set(os.listdir(run_dir)) <= {"train.log", rundir.LOCK}  # (released next)
+    except OSError:
+        return
+    if alone and stamp.made_here(str(run_dir)):
+        for handler in handlers:
+            root.removeHandler(handler)
+            handler.close()
+        try:
+            os.remove(log_file)
+        except OSError:
+            pass
+        return
+    record = logging.LogRecord("stoker", logging.ERROR, __file__, 0,
+                               "stopped before the first step: %s", (describe(e),), None)
+    for handler in handlers:
+        handler.handle(record)
 
 
 def status_error(e: BaseException) -> str:

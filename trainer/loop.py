@@ -254,11 +254,24 @@ class Loop:
         if not self.model.training:  # (a walk over every module: ~0.1 ms an epoch otherwise)
             self.model.train()
         windows, per_batch = self._start_epoch(epoch)
-        window = self.window  # logging windows run on across epochs: one row per N steps
         planned = sum(windows)
         bar = self.logger.progress(planned, f"epoch {epoch}")
         batches = self.train_feed.take(planned)  # nothing loaded past the plan
         epoch_start = time.perf_counter()
+        try:  # an error mid-epoch clears the bar's line too: its one line starts a line
+            complete = self._epoch_steps(epoch, windows, batches, per_batch, bar)
+        finally:
+            bar.close()
+        if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
+            torch.cuda.synchronize(self.device)  # validation's (once an epoch)
+        self.run_train_s += time.perf_counter() - epoch_start
+        return complete
+
+    def _epoch_steps(self, epoch: int, windows: List[int], batches, per_batch: int,
+                     bar) -> bool:
+        """The optimizer steps of `windows` (micro-batches each) over `batches`; False if
+        max_steps stopped them before the last."""
+        window = self.window  # logging windows run on across epochs: one row per N steps
         complete = True
         # the step's own work is a tiny step's overhead: names looked up once an epoch
         loader_batch, alone, state = self.train_feed.loader.batch_size, self.world == 1, self.state
@@ -307,10 +320,6 @@ class Loop:
             if max_steps > 0 and state.step >= max_steps:
                 complete = w == len(windows) - 1
                 break
-        bar.close()
-        if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
-            torch.cuda.synchronize(self.device)  # validation's (once an epoch)
-        self.run_train_s += time.perf_counter() - epoch_start
         return complete
 
     def _forward_backward(self, batch, weight) -> torch.Tensor:

@@ -341,6 +341,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             # before the first step, a crash (what is said in one line is said on the
             # console, and leaves no dir behind) into a dir with no run's record: a new one
             ending.record_failure(run_dir, e)
+        elif ours and isinstance(e, ending.ONE_LINE):  # (the dir's checks passed)
+            ending.refused_before_first_step(run_dir, e)
         raise
     finally:
         if loop is not None:  # the loaders' workers, also after an error

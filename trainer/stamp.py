@@ -66,6 +66,12 @@ def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
     return base, False  # (every name taken: the run dir lock then refuses in one line)
 
 
+def made_here(path: str) -> bool:
+    """Whether `path` is a run dir this process made (a dated one it claimed), which its exit
+    removes when nothing is left in it."""
+    return os.path.abspath(path) in {os.path.abspath(p) for p in _made}
+
+
 def nothing_launched(records: Tuple[str, ...] = ("multirun.yaml",)) -> None:
     """A sweep refused before its first job (hydra/launcher=slurm without SLURM): Hydra's
     record of it goes from the dirs this process made, where nothing else is, so that the

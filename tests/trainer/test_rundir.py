@@ -298,19 +298,25 @@ def test_status_names_how_the_run_ended(tmp_path, code, word):
                                     if code == 75 else None)
 
 
-@pytest.mark.parametrize("bad", ["data.num_workers=-1",  # refused before the lock
-                                 "model._target_=nope.Model"])  # after it, building
-def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_path, bad):
+@pytest.mark.parametrize("bad,said", [
+    ("data.num_workers=-1", "data.num_workers=-1"),  # refused before the lock
+    ("model._target_=nope.Model", "model._target_=nope.Model"),  # after it, building
+    ("data.input_shape=[32]", "model: MLP cannot take the first batch")])  # after train.log
+def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_path, bad, said):
     proc = run_cli([bad], cwd=tmp_path)  # the default dated dir under outputs/
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"stoker: error: {bad}")
-    assert list(tmp_path.iterdir()) == []
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"stoker: error: {said}")
+    assert list(tmp_path.iterdir()) == []  # (its train.log's first lines went with it)
     mine, runs = tmp_path / "mine", tmp_path / "runs"
     mine.mkdir()
     runs.mkdir()
     assert run_cli([bad, f"hydra.run.dir={mine}"], cwd=tmp_path).returncode == 2
     assert run_cli([bad, f"hydra.run.dir={runs / 'a'}"], cwd=tmp_path).returncode == 2
     assert mine.is_dir() and runs.is_dir()  # dirs the user made are theirs
+    if (mine / "train.log").exists():  # a log that was begun says why it ends there
+        last = (mine / "train.log").read_text().strip().splitlines()[-1]
+        assert f"[ERROR] stopped before the first step: {said}" in last, last
+    assert bad != "data.input_shape=[32]" or (mine / "train.log").exists()
 
 
 def test_the_resume_overrides_are_the_launchs_own(tmp_path):
