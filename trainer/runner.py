@@ -57,13 +57,17 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             if ending.stops_sweep():
                 ending.end_sweep(e)
             raise
-        if ending.stops_sweep():
-            ending.say_sweep_stopped()
+        stops = ending.stops_sweep()
         if isinstance(e, PeerLost):
+            if stops:  # (before: the process ends at once after its own line)
+                ending.say_sweep_stopped()
             ending.end_without_peer(e)
-        # (a launch the variables cannot describe, a rank that could not join: each says it)
-        fail(e, code=ending.exit_code(e),
-             any_rank=isinstance(e, (distributed.LaunchError, distributed.JoinFailed)))
+        try:  # (a launch the variables cannot describe, a rank that could not join: each says it)
+            fail(e, code=ending.exit_code(e),
+                 any_rank=isinstance(e, (distributed.LaunchError, distributed.JoinFailed)))
+        finally:
+            if stops:  # the last line: which job stopped the sweep, how to run on
+                ending.say_sweep_stopped()
     except BaseException as e:
         ending.sweep_job_failed(e)
         if isinstance(e, Exception) and ending.stops_sweep():

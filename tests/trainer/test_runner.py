@@ -484,8 +484,11 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
     proc = run_cli(["-m", "optim.lr=1e-3,-1,3e-3", "trainer.max_steps=2",
                     "trainer.progress_bar=false"], cwd=tmp_path)
     assert proc.returncode == 2
-    assert "stoker: the sweep stopped at job 1; the jobs after it were not run (once fixed, " \
-        "the same command with trainer.resume=auto hydra.sweep.dir=multirun/" in proc.stderr
+    error, last = proc.stderr.strip().splitlines()[-2:]  # the job's error, then the sweep's
+    assert error.startswith("stoker: error: optim.lr=-1: torch.optim.AdamW refused it"), error
+    assert last.startswith("stoker: the sweep stopped at job 1; the jobs after it were not run "
+                           "(once fixed, the same command with trainer.resume=auto "
+                           "hydra.sweep.dir=multirun/"), last
     [sweep] = (tmp_path / "multirun").glob("*/*")
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # 2 never ran
     assert json.loads((sweep / "0" / "status.json").read_text())["status"] == "completed"
