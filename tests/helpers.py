@@ -345,6 +345,14 @@ class Float64Digits(DigitsDataset):
         return x.double(), y
 
 
+class TripleDigits(DigitsDataset):
+    """Digits with a third item per sample, (x, y, weight): more than (inputs, target)."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, y, torch.tensor(1.0)
+
+
 class Sentences(DigitsDataset):
     """Samples that are strings: the default collate makes a batch a list of strings."""
 

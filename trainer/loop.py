@@ -333,6 +333,7 @@ class Loop:
                 output = self._forward(batch)
                 loss = self.task.loss(output, batch)
         if not self._loss_checked:
+            self.task.check_batch(batch)
             self.task.check_loss(loss)
             self.task.check_metrics(output, batch)
             self._loss_checked = True

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from data.prefetch import each_tensor
+from trainer import distributed
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -105,6 +106,7 @@ class Task:
     """
 
     name = "task"
+    whole_batch = False  # the model is given the whole batch (task=model_loss), not split's
     _call_checked = False  # the first call of the model was checked (`call`)
 
     def __init__(self, metrics: Optional[Mapping[str, Any]] = None,
@@ -303,6 +305,28 @@ class Task:
                              f"a tensor, or an output with a '{self.output_key}' tensor "
                              "(task.output_key)")
         return found
+
+    def check_batch(self, batch: Any) -> None:
+        """The first training batch, looked at once: a sequence of more items than (inputs,
+        target), under a task whose every step reads only those two (the built-in ones bar
+        model_loss, which passes the model the whole batch), warns that the rest is not
+        used, rather than leaving a (x, weight, y) batch to train on its weights unsaid."""
+        if not isinstance(batch, (list, tuple)) or len(batch) <= 2 or \
+                isinstance(batch[0], str) or not self._reads_two_items():
+            return
+        if distributed.detect().is_main:  # every rank sees the same batches
+            log.warning("task %s: the batches hold %d items; the first two are taken as "
+                        "(inputs, target) and the rest (%d more) is not used (a dict batch names "
+                        "its entries, task=model_loss passes them all to the model, and a task "
+                        "of your own reads what it needs: README \"Bring your own\")",
+                        self.name, len(batch), len(batch) - 2)
+
+    def _reads_two_items(self) -> bool:
+        """Whether this task's steps read a batch through `split` alone: each of its methods
+        that sees the batch is a built-in one (trainer/task.py, trainer/tasks.py)."""
+        return not self.whole_batch and all(
+            getattr(type(self), m).__module__ in ("trainer.task", "trainer.tasks")
+            for m in ("split", "forward", "count", "loss", "metric_inputs"))
 
     def check_loss(self, loss: Any) -> None:
         """The first training loss, checked once: what backward needs, said in one line

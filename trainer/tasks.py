@@ -242,6 +242,7 @@ class ModelLoss(Task):
     """
 
     name = "model_loss"
+    whole_batch = True
 
     def __init__(self, count: str = "samples", ignore_index: int = -100,
                  shift_labels: Union[bool, str] = "auto", **kwargs):

@@ -426,3 +426,38 @@ def test_forward_error_names_a_first_batch_the_model_cannot_take_and_nothing_lat
     assert str(error).startswith("trainer.ddp.find_unused_parameters=false: some of the model")
     assert forward_error(unused, batch, model, first=False, input_shape=None,
                          find_unused=True) is unused
+
+
+TRIPLES = ["data=custom", "+data.dataset._target_=tests.helpers.TripleDigits",
+           "data.input_shape=[1,8,8]", "data.num_classes=10", "trainer.max_steps=2",
+           "trainer.save_checkpoint=false", "trainer.progress_bar=false"]
+
+
+def test_a_batch_of_more_than_inputs_and_target_is_said_once_where_the_rest_is_unused(
+        make_cfg, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        train(make_cfg(*TRIPLES, run_dir=tmp_path / "a"))
+    said = [r.getMessage() for r in caplog.records if "items" in r.getMessage()]
+    assert said == ["task classification: the batches hold 3 items; the first two are taken "
+                    "as (inputs, target) and the rest (1 more) is not used (a dict batch names its "
+                    "entries, task=model_loss passes them all to the model, and a task of your "
+                    "own reads what it needs: README \"Bring your own\")"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker"):  # (inputs, target): nothing said
+        train(make_cfg(*TRIPLES[2:], run_dir=tmp_path / "b"))
+    assert not [r for r in caplog.records if "items" in r.getMessage()]
+
+
+def test_only_a_task_reading_two_items_warns_of_the_rest():
+    class Weighted(Classification):
+        def loss(self, output, batch):
+            x, y, w = batch
+            return (F.cross_entropy(output, y, reduction="none") * w).mean()
+
+    assert Classification()._reads_two_items()
+    assert not Weighted()._reads_two_items()  # its loss reads the weights
+    from trainer.tasks import ModelLoss
+
+    assert not ModelLoss()._reads_two_items()  # the model gets the whole batch
