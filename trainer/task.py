@@ -369,6 +369,11 @@ def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
     """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
     mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
     found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
+    if first and "'indices'" in str(e) and "Long" in str(e):  # an embedding given floats
+        return ConfigError(
+            f"model: {type(model).__name__} cannot take the first batch ({describe(batch)}): "
+            f"{str(e).splitlines()[0]}; token ids must be integers: make the dataset return "
+            "int64 tensors (torch.as_tensor(ids, dtype=torch.long))")
     if first and any(w in str(e) for w in ("shape", "size", "dtype")):
         # the first batch of the run: inputs that do not fit the model are a
         # configuration mismatch (data.input_shape, the model's arguments), not a crash

@@ -417,6 +417,17 @@ def test_forward_error_names_a_first_batch_the_model_cannot_take_and_nothing_lat
     dtype = RuntimeError("mat1 and mat2 must have the same dtype, but got Double and Float")
     error = forward_error(dtype, doubles, model, first=True, input_shape=None, find_unused=False)
     assert "the batch holds float64 inputs and the model's parameters are float32" in str(error)
+    # float token ids for an embedding: integers are what it takes
+    embed = torch.nn.Embedding(8, 2)
+    try:
+        embed(torch.zeros(3, 4))
+    except RuntimeError as e:
+        error = forward_error(e, (torch.zeros(3, 4), batch[1]), embed, first=True,
+                              input_shape=None, find_unused=False)
+    assert str(error).startswith("model: Embedding cannot take the first batch (tuple(tensor(3, "
+                                 "4) float32"), str(error)
+    assert str(error).endswith("token ids must be integers: make the dataset return int64 "
+                               "tensors (torch.as_tensor(ids, dtype=torch.long))")
     # a later batch's error is the error itself: the first one fitted
     assert forward_error(shape, batch, model, first=False, input_shape=[5],
                          find_unused=False) is shape
