@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, rundir
+from trainer import checkpoint, distributed, ending, rundir
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
@@ -39,8 +39,9 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     file it resumed from."""
     found = checkpoint.find_resume(resume, run_dir)
     if found is None:
+        key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
         return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
-                     ": a fresh start (the run to continue is named by hydra.run.dir)"]
+                     f": a fresh start (the run to continue is named by {key})"]
                     if resume == "auto" else []), None
     path, state, skipped = found
     # damaged newer checkpoints, skipped for an older one that loads

@@ -116,8 +116,8 @@ def test_a_complete_run_resumed_again_leaves_its_files_and_trains_on_when_extend
     args = ("sched=constant", "trainer.checkpoint.every_n_steps=23")
     with caplog.at_level(logging.INFO, logger="stoker"):
         first = train(make_cfg("trainer.max_epochs=1", "trainer.resume=auto", *args))
-    assert f"trainer.resume=auto: no checkpoint in {run / 'checkpoints'}: a fresh start" \
-        in caplog.text
+    assert f"trainer.resume=auto: no checkpoint in {run / 'checkpoints'}: a fresh start (the " \
+        "run to continue is named by hydra.run.dir)" in caplog.text
     files = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
              and p.suffix in (".json", ".jsonl", ".pt", ".yaml")}
     with caplog.at_level(logging.INFO, logger="stoker"):
@@ -496,6 +496,13 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
         "status": "failed: configuration, data or checkpoint", "exit_code": 2,
         "error": "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate: -1",
         "when": ANY, "job": None, "from": None}
+
+
+def test_a_sweep_job_resumed_with_nothing_to_resume_names_the_sweeps_dir_key(tmp_path):
+    proc = run_cli(["-m", "trainer.resume=auto", "trainer.max_steps=1",
+                    "trainer.progress_bar=false", "trainer.limit_val_batches=1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "a fresh start (the run to continue is named by hydra.sweep.dir)" in proc.stdout
 
 
 CRASHING = ["data.dataset._target_=tests.helpers.FailingOnRankDigits", "data.num_workers=0",
