@@ -46,6 +46,10 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         if not components.accepts(target, "split"):
             raise ConfigError(f"data.dataset: {d.dataset._target_} takes no split argument; "
                               "give data.train_dataset and data.val_dataset instead")
+        if "split" in d.dataset:  # (instantiate's split=... would replace it unsaid)
+            raise ConfigError(f"data.dataset.split={d.dataset.split}: data.dataset is built "
+                              "twice, with split=train and split=val; leave the key out, or "
+                              "give data.train_dataset and data.val_dataset")
         sets = [components.build(d.dataset, "data.dataset", split=s,
                                  hint="; data=custom starts from no dataset keys")
                 for s in ("train", "val")]

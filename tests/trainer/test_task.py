@@ -182,6 +182,9 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["data=custom", "+data.dataset._target_=torch.utils.data.TensorDataset"],
      "data.dataset: torch.utils.data.TensorDataset takes no split argument; give "
      "data.train_dataset and data.val_dataset instead"),
+    (["+data.dataset.split=train"],
+     "data.dataset.split=train: data.dataset is built twice, with split=train and split=val; "
+     "leave the key out, or give data.train_dataset and data.val_dataset"),
     (["trainer.checkpoint.monitor=val_f1"],
      "trainer.checkpoint.monitor=val_f1: must be null or a logged validation key: val_loss, "
      "val_acc"),
