@@ -189,6 +189,8 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     best = checkpointing.best_record()
     if best is not None and t.save_checkpoint:
         summary["best"] = best
+    if checkpointing.mode is not None:  # what a sweep's table ranks its jobs by
+        summary["monitor"] = {"key": t.checkpoint.monitor, "mode": checkpointing.mode}
     skipped = skipped_files(loop.train_feed, loop.val_feed)
     if skipped:
         distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."

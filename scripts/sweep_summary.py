@@ -1,0 +1,37 @@
+"""A sweep's jobs side by side, for a sweep dir (trainer/sweep.py): its table, and sweep.json.
+
+    python scripts/sweep_summary.py multirun/2026-11-26/11-30-42
+    python scripts/sweep_summary.py multirun/2026-11-26/11-30-42 --no-write   # print only
+
+A sweep that ran every job prints this itself at its end; this is for one that was stopped,
+resumed, or submitted to SLURM (hydra/launcher=slurm) and looked at later. Jobs that did not
+finish show their status (failed, preempted, running, not started) and no results.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchlib import run_main  # noqa: E402
+from trainer.sweep import SUMMARY, jobs_of, summarise, table, write  # noqa: E402
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sweep_dir", type=Path, help="a sweep's dir (hydra.sweep.dir)")
+    p.add_argument("--no-write", action="store_true", help=f"print only, no {SUMMARY}")
+    a = p.parse_args(argv)
+    if not a.sweep_dir.is_dir():
+        p.error(f"{a.sweep_dir}: not a folder (a sweep's dir: multirun/<date>/<time>)")
+    if not jobs_of(a.sweep_dir):
+        p.error(f"{a.sweep_dir}: no job dirs (0, 1, ...) in it: not a sweep's dir")
+    print(table(summarise(a.sweep_dir) if a.no_write else write(a.sweep_dir)))
+
+
+if __name__ == "__main__":
+    run_main(main)

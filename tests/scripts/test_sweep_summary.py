@@ -1,0 +1,37 @@
+"""scripts/sweep_summary.py: the table of a sweep dir looked at later, and its usage errors."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, usage_error
+from tests.trainer.test_sweep import job
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def test_a_stopped_sweeps_table_and_its_record(tmp_path, capsys):
+    import sweep_summary
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1"], "completed", {"steps": 4, "val_loss": 0.5})
+    job(sweep, 1, ["optim.lr=-1"], "failed: configuration, data or checkpoint")
+    sweep_summary.main([str(sweep), "--no-write"])
+    assert not (sweep / "sweep.json").exists()
+    sweep_summary.main([str(sweep)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].split()[:3] == ["1", "-1", "failed:"]
+    assert out[-4].endswith("best by val_loss (min): job 0")
+    assert json.loads((sweep / "sweep.json").read_text())["best_job"] == 0
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p / "nope", "nope: not a folder (a sweep's dir: multirun/<date>/<time>)"),
+    (lambda p: p, "no job dirs (0, 1, ...) in it: not a sweep's dir"),
+])
+def test_a_folder_that_is_no_sweep_is_a_usage_error(tmp_path, capsys, make, needle):
+    import sweep_summary
+
+    assert needle in usage_error(capsys, sweep_summary.main, [str(make(tmp_path))])

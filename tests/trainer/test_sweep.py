@@ -1,0 +1,74 @@
+"""trainer/sweep.py: a sweep's jobs side by side, from the files each job left."""
+from __future__ import annotations
+
+import json
+
+from tests.helpers import run_cli
+from trainer.sweep import best_job, jobs_of, summarise, table, varying
+
+
+def job(sweep, num, overrides, status=None, summary=None):
+    """A job dir as a run leaves it: its overrides, status.json and summary.json."""
+    d = sweep / str(num)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if status:
+        (d / "status.json").write_text(json.dumps({"status": status}))
+    if summary is not None:
+        (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_rows_show_what_differs_how_each_job_ended_and_the_best(tmp_path):
+    sweep = tmp_path / "sweep"
+    common = ["trainer.max_steps=2", "seed=1"]
+    job(sweep, 0, ["optim.lr=0.1", *common, "+model.hidden=[8]"], "completed",
+        {"steps": 2, "val_loss": 0.9, "val_acc": 0.7, "run_samples_per_s": 1234.5})
+    job(sweep, 1, ["optim.lr=0.01", *common], "completed",
+        {"steps": 2, "val_loss": 0.4, "val_acc": 0.6, "run_samples_per_s": 99.0})
+    job(sweep, 2, ["optim.lr=0.001", *common], "failed")  # refused: no summary
+    job(sweep, 10, ["optim.lr=1.0", *common], "completed",  # (in job order, not by name)
+        {"steps": 2, "val_loss": float("nan"), "val_acc": 0.1})
+    (sweep / "multirun.yaml").write_text("{}")  # not a job
+    assert [j["job"] for j in jobs_of(sweep)] == [0, 1, 2, 10]
+    assert varying(jobs_of(sweep)) == ["optim.lr", "+model.hidden"]
+    assert best_job(jobs_of(sweep)) == (1, "val_loss", "min")  # NaN and failed jobs left out
+    record = summarise(sweep)
+    assert record["jobs"][0]["overrides"] == {"optim.lr": "0.1", "+model.hidden": "[8]"}
+    assert record["jobs"][2]["status"] == "failed" and record["jobs"][2]["val_loss"] is None
+    lines = table(record).splitlines()
+    assert lines[0] == f"sweep: 4 jobs in {sweep}; best by val_loss (min): job 1"
+    assert lines[1].split() == ["job", "optim.lr", "+model.hidden", "status", "steps",
+                                "train_loss", "val_acc", "val_loss", "samples/s"]
+    assert lines[2].split() == ["0", "0.1", "[8]", "completed", "2", "-", "0.7", "0.9", "1234"]
+    assert lines[4].split() == ["2", "0.001", "-", "failed", "-", "-", "-", "-", "-"]
+
+
+def test_the_best_follows_the_monitored_key_and_its_mode(tmp_path):
+    sweep = tmp_path / "sweep"
+    monitor = {"key": "val_acc", "mode": "max"}
+    job(sweep, 0, ["optim.lr=0.1"], "completed", {"val_loss": 0.9, "val_acc": 0.7,
+                                                  "monitor": monitor})
+    job(sweep, 1, ["optim.lr=0.01"], "completed", {"val_loss": 0.4, "val_acc": 0.6,
+                                                   "monitor": monitor})
+    job(sweep, 2, ["optim.lr=0.5"], "running")
+    assert best_job(jobs_of(sweep)) == (0, "val_acc", "max")
+    job(tmp_path / "none", 0, ["optim.lr=0.1"], "failed")
+    assert table(summarise(tmp_path / "none")).splitlines()[0].endswith(
+        "best by val_loss (min): none (no completed job logged it)")
+
+
+def test_a_sweep_that_ran_every_job_prints_its_table_and_writes_sweep_json(tmp_path):
+    proc = run_cli(["-m", "optim.lr=1e-3,3e-3", "trainer.max_steps=2", "trainer.max_epochs=1",
+                    "trainer.limit_val_batches=1", "trainer.progress_bar=false",
+                    "trainer.checkpoint.monitor=val_acc"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    record = json.loads((sweep / "sweep.json").read_text())
+    assert [(r["job"], r["overrides"], r["status"], r["steps"]) for r in record["jobs"]] == [
+        (0, {"optim.lr": "0.001"}, "completed", 2), (1, {"optim.lr": "0.003"}, "completed", 2)]
+    assert (record["monitor"], record["mode"]) == ("val_acc", "max")
+    best = max(record["jobs"], key=lambda r: r["val_acc"])["job"]
+    out = proc.stdout.splitlines()
+    at = out.index(next(line for line in out if line.startswith("sweep: 2 jobs in ")))
+    assert out[at].endswith(f"best by val_acc (max): job {best}")
+    assert out[at + 1].split()[:3] == ["job", "optim.lr", "status"] and len(out) == at + 4
