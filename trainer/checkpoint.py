@@ -14,6 +14,7 @@ Layout: `checkpoints/step-NNNNNNNN.pt` (the newest `keep_last`), `last.pt` and `
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -137,10 +138,22 @@ def _verify(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: damaged (checksum mismatch in {bad})")
 
 
+_STEP_FILE = re.compile(r"step-(\d+)\.pt")
+
+
+def step_files(folder: Path) -> List[Path]:
+    """The periodic checkpoints in `folder`, oldest first by their step (a number, not the
+    name: past 8 digits the names no longer sort): `step-<digits>.pt` only, so that a file of
+    the user's beside them (`step-00000046-keep.pt`) is neither counted nor removed."""
+    found = [(int(m.group(1)), p) for p in Path(folder).glob("step-*.pt")
+             for m in [_STEP_FILE.fullmatch(p.name)] if m]
+    return [p for _, p in sorted(found)]
+
+
 def candidates(run_dir: Path) -> List[Path]:
     """This run's checkpoints, newest first: last.pt, then step-*.pt by step."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    steps = sorted(folder.glob("step-*.pt"), key=lambda p: p.name, reverse=True)
+    steps = step_files(folder)[::-1]
     last = folder / LAST
     return ([last] if last.is_file() else []) + steps
 
@@ -153,9 +166,9 @@ def in_run_dir(path: Path, run_dir: Path) -> bool:
 def _step_of(path: Path, steps: List[Path]) -> float:
     """The step a checkpoint holds: from its name (step-NNNNNNNN.pt), the step file it is a
     link of, or the file; a file that does not load counts as the newest."""
-    if path.name.startswith("step-"):
-        number = path.stem.split("-", 1)[1]
-        return int(number) if number.isdigit() else -1  # (not one the run wrote)
+    match = _STEP_FILE.fullmatch(path.name)
+    if match:
+        return int(match.group(1))
     for other in steps:
         if os.path.samefile(path, other):
             return _step_of(other, [])
@@ -170,7 +183,7 @@ def abandoned(run_dir: Path, resumed: Path, step: int) -> List[Path]:
     states saved after it (step files, and last.pt and best.pt where they hold one), which
     belong to the timeline it rolls back."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    steps = sorted(folder.glob("step-*.pt"))
+    steps = step_files(folder)
     later = [p for p in steps if _step_of(p, []) > step]
     if not later:
         return []
@@ -381,7 +394,7 @@ class Checkpointer:
         _link_over(path, self.folder / LAST)
         if best:
             _link_over(path, self.folder / BEST)
-        for old in sorted(self.folder.glob("step-*.pt"))[:-self.keep_last]:
+        for old in step_files(self.folder)[:-self.keep_last]:
             _unlink_quietly(str(old))  # only after the new one is complete
 
     def wait(self) -> None:

@@ -182,6 +182,24 @@ def test_checkpointer_keeps_the_last_k_and_links_last_and_best(tmp_path):
     assert checkpoint.load(folder / "best.pt")["step"] == 2  # outlives its step file
 
 
+def test_retention_goes_by_step_number_and_leaves_the_users_own_files(tmp_path):
+    """Past step 99,999,999 the names (8 digits, padded) no longer sort as the steps do; and
+    a file of the user's named like a checkpoint is neither counted nor removed."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    mine = [folder / "step-00000046-keep.pt", folder / "step-manual.pt"]
+    for path in mine:
+        path.write_bytes(b"the user's")
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
+    for step in (99_999_998, 99_999_999, 100_000_000, 100_000_001):
+        saver.save({"model": {}, "step": step}, step)
+    assert [p.name for p in checkpoint.step_files(folder)] == [
+        "step-100000000.pt", "step-100000001.pt"]  # the newest two, by number
+    assert all(p.read_bytes() == b"the user's" for p in mine)
+    assert checkpoint.candidates(tmp_path) == [folder / "last.pt", folder / "step-100000001.pt",
+                                               folder / "step-100000000.pt"]
+
+
 def test_async_save_copies_first_and_writes_in_the_background(tmp_path):
     saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=True, enabled=True)
     w = torch.zeros(1000)
