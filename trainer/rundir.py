@@ -30,7 +30,8 @@ LOCK = ".stoker.lock"
 # may be in it before the checks; .hydra/ aside: Hydra writes it before them where
 # hydra.output_subdir is set)
 OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "status.json")
-RECORDS = ("config.yaml", "status.json")  # an attempt's own: no result in them
+HYDRA_RECORD = ".hydra/"  # Hydra's record of a launch before this one (another app's, say)
+RECORDS = ("config.yaml", "status.json", HYDRA_RECORD)  # an attempt's own: no result in them
 
 
 def job_id(environ=os.environ) -> Optional[str]:
@@ -133,7 +134,8 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run recorded (a folder of the user's own: no status.json of a run)."""
     run_dir = Path(run_dir)
     found = checkpoint.candidates(run_dir)
-    outputs = [name for name in OUTPUTS if _written(run_dir / name)]
+    outputs = [name for name in OUTPUTS if _written(run_dir / name)] + (
+        [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
     status = _status(run_dir)
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
@@ -185,6 +187,17 @@ def _failed(status: Optional[Dict[str, Any]]) -> bool:
     """Whether `status` records an attempt that failed."""
     return status is not None and status["status"].startswith(("failed", "exited", "stopped")) \
         and isinstance(status["exit_code"], int) and not isinstance(status["exit_code"], bool)
+
+
+def _earlier_hydra_record(run_dir: Path) -> bool:
+    """Whether `run_dir/.hydra/config.yaml` was written before this process started: Hydra's
+    record of an earlier launch (of this app, or of another Hydra app whose outputs the dir
+    holds), not the one Hydra writes for this launch where hydra.output_subdir is set."""
+    try:
+        written = (run_dir / ".hydra" / "config.yaml").stat().st_mtime
+        return written < stamp.process_start(os.getpid()) - 1.0
+    except OSError:  # (none; or no /proc to tell: not judged)
+        return False
 
 
 def _written(path: Path) -> bool:

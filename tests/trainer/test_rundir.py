@@ -87,6 +87,28 @@ def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(
     assert snapshot(run_dir) == {name: b"mine: true\n"}
 
 
+def test_another_launchs_hydra_record_is_refused_and_this_launchs_is_not(make_cfg, tmp_path):
+    """A dir another Hydra app wrote (its .hydra/ record, its train.log): a fresh run would
+    write its record over that one. Hydra's record of this very launch (hydra.output_subdir
+    set, written before the checks) is no reason to refuse."""
+    import os
+    import time
+
+    run_dir = tmp_path / "their-app"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("theirs: true\n")
+    (run_dir / "train.log").write_text("their log\n")
+    an_hour_ago = time.time() - 3600
+    os.utime(run_dir / ".hydra" / "config.yaml", (an_hour_ago, an_hour_ago))
+    with pytest.raises(CheckpointError, match=rf"^run dir {run_dir} holds \.hydra/, files a run "
+                                              r"writes \(not a run's: no status.json of one\)"):
+        train(make_cfg(*QUICK, run_dir=run_dir))
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == "theirs: true\n"
+    assert (run_dir / "train.log").read_text() == "their log\n"
+    proc = run_cli([*QUICK, "hydra.output_subdir=.hydra", f"hydra.run.dir={tmp_path / 'own'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_resume_auto(tmp_path):
     """Its status.json says it was running (written with its first files): a run's record, so
     `trainer.resume=auto` starts it over, and a fresh run is told to continue it."""
