@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -291,6 +292,9 @@ class RunSpec:
         return [self.device]
 
 
+WEEK_S = 604800  # the longest timeout taken: longer ones overflow the C types they reach
+
+
 def _check(ok: bool, key: str, value: Any, valid: str) -> None:
     if not ok:  # the value as an override writes it: null, true, false
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) \
@@ -313,7 +317,8 @@ def _check_ranges(cfg: DictConfig) -> None:
     _check(d.augment.crop_padding >= 0, "data.augment.crop_padding", d.augment.crop_padding,
            "must be >= 0 pixels (0: off)")
     _check(d.prefetch_factor >= 1, "data.prefetch_factor", d.prefetch_factor, "must be >= 1")
-    _check(d.timeout >= 0, "data.timeout", d.timeout, "must be >= 0 seconds")
+    _check(0 <= d.timeout <= WEEK_S, "data.timeout", d.timeout,
+           f"must be from 0 to {WEEK_S} seconds (a week; 0: wait forever)")
     _check(d.multiprocessing_context in MP_CONTEXTS, "data.multiprocessing_context",
            d.multiprocessing_context, "must be null, fork, spawn or forkserver")
     _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory, shm, disk or lru")
@@ -361,11 +366,20 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in ("every_n_steps", "every_n_epochs"):
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
     _check(c.keep_last >= 1, "trainer.checkpoint.keep_last", c.keep_last, "must be >= 1")
-    _check(c.timeout_s > 0, "trainer.checkpoint.timeout_s", c.timeout_s, "must be > 0 seconds")
+    _check(0 < c.timeout_s <= WEEK_S, "trainer.checkpoint.timeout_s", c.timeout_s,
+           f"must be > 0 and at most {WEEK_S} seconds (a week)")
     _check(_flag(c.async_save) is not None, "trainer.checkpoint.async_save", c.async_save,
            "must be auto, true or false")
     _check(c.mode in (None, "max", "min"), "trainer.checkpoint.mode", c.mode,
            "must be max, min or null (the metric's own direction)")
+    _check(c.mode is None or c.monitor is not None, "trainer.checkpoint.mode", c.mode,
+           "is the direction of trainer.checkpoint.monitor, which is not set; set the key to "
+           "monitor (trainer.checkpoint.monitor=val_acc) or leave mode null")
+    _check(-2**63 <= cfg.seed < 2**63, "seed", cfg.seed,
+           "must be an integer that fits 64 bits (-2**63 to 2**63 - 1)")
+    lr = cfg.optim.get("lr") if isinstance(cfg.get("optim"), DictConfig) else None
+    _check(not isinstance(lr, float) or math.isfinite(lr), "optim.lr", lr,
+           "must be a finite number")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
     _check(d.num_classes is None or d.num_classes >= 2, "data.num_classes", d.num_classes,
@@ -508,8 +522,8 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
            "set one of them back")
     _check_speed(cfg, strategy)
     _check_graphs_and_accumulation(cfg, device)
-    _check(cfg.trainer.ddp.timeout_s > 0, "trainer.ddp.timeout_s", cfg.trainer.ddp.timeout_s,
-           "must be > 0 seconds")
+    _check(0 < cfg.trainer.ddp.timeout_s <= WEEK_S, "trainer.ddp.timeout_s",
+           cfg.trainer.ddp.timeout_s, f"must be > 0 and at most {WEEK_S} seconds (a week)")
     # Under dp the one process's batch is split across GPUs, so it still counts once.
     global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
     return RunSpec(device=device, strategy=strategy, precision=prec, world_size=world_size,

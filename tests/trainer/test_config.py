@@ -53,6 +53,15 @@ def test_schema_rejects_at_compose_time(make_cfg, override, key):
     ("data.normalize_mean=0.5", "data.normalize_mean=0.5: must be null or a list of numbers"),
     ("data.multiprocessing_context=thread", "data.multiprocessing_context=thread"),
     ("data.timeout=-1", "data.timeout=-1"),
+    # beyond a week the C types the timeouts reach overflow (a traceback before)
+    ("data.timeout=inf", "data.timeout=inf: must be from 0 to 604800 seconds (a week; 0: wait"),
+    ("data.timeout=1e12", "data.timeout=1000000000000.0: must be from 0 to 604800 seconds"),
+    ("trainer.ddp.timeout_s=inf", "trainer.ddp.timeout_s=inf: must be > 0 and at most 604800"),
+    ("trainer.checkpoint.timeout_s=1e30", "trainer.checkpoint.timeout_s=1e+30: must be > 0 and"),
+    ("seed=99999999999999999999", "seed=99999999999999999999: must be an integer that fits 64"),
+    ("optim.lr=inf", "optim.lr=inf: must be a finite number"),
+    ("trainer.checkpoint.mode=max", "trainer.checkpoint.mode=max: is the direction of "
+                                    "trainer.checkpoint.monitor, which is not set"),
     ("trainer.precision=fp16", "trainer.precision=fp16: needs CUDA"),
     ("trainer.accelerator=cuda", "trainer.accelerator=cuda: CUDA is not available"),
     ("trainer.strategy=ddp", "trainer.strategy=ddp: needs a torchrun or SLURM launch"),
