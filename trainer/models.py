@@ -56,6 +56,16 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, checkpointed: bool)
     return x
 
 
+def _widths(name: str, value, what: str, example: str) -> list:
+    """`value` as a list of sizes >= 1, else a ValueError naming the argument (model.NAME)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name}={value}: must be a list of sizes, e.g. {name}={example}")
+    sizes = list(value)
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes):
+        raise ValueError(f"{name}={sizes}: every {what} must be an integer >= 1")
+    return sizes
+
+
 class MLP(nn.Module):
     """Flattens the input and applies Linear-ReLU blocks, then a linear classifier."""
 
@@ -65,9 +75,7 @@ class MLP(nn.Module):
         super().__init__()
         self.checkpointed = activation_checkpointing
         self.blocks = nn.ModuleList()
-        if any(not isinstance(h, int) or isinstance(h, bool) or h < 1 for h in hidden):
-            raise ValueError(f"MLP hidden={list(hidden)}: every layer width must be an "
-                             "integer >= 1")
+        hidden = _widths("hidden", hidden, "layer width", "[128, 128]")
         width = math.prod(input_shape)
         for h in hidden:
             layers: list[nn.Module] = [nn.Linear(width, h), nn.ReLU()]
@@ -93,6 +101,7 @@ class SmallCNN(nn.Module):
         super().__init__()
         if len(input_shape) != 3:
             raise ValueError(f"SmallCNN needs input_shape [C, H, W], got {list(input_shape)}")
+        channels = _widths("channels", channels, "stage's channels", "[32, 64]")
         self.checkpointed = activation_checkpointing
         self.stages = nn.ModuleList()
         c_in = input_shape[0]

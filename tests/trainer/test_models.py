@@ -128,10 +128,15 @@ def test_a_fresh_transformer_starts_near_a_uniform_guess():
 def test_reference_models_refuse_sizes_of_zero():
     import pytest
 
-    from trainer.models import MLP, Transformer
+    from trainer.models import MLP, SmallCNN, Transformer
 
-    with pytest.raises(ValueError, match=r"MLP hidden=\[64, 0\]: every layer width must be an "
+    with pytest.raises(ValueError, match=r"^hidden=\[64, 0\]: every layer width must be an "
                                          r"integer >= 1"):
         MLP([1, 8, 8], 10, hidden=[64, 0])
+    with pytest.raises(ValueError, match=r"^hidden=5: must be a list of sizes, e.g. "
+                                         r"hidden=\[128, 128\]"):
+        MLP([1, 8, 8], 10, hidden=5)  # (was: 'int' object is not iterable)
+    with pytest.raises(ValueError, match=r"^channels=8: must be a list of sizes"):
+        SmallCNN([3, 8, 8], 10, channels=8)
     with pytest.raises(ValueError, match="Transformer dim=0, layers=2, heads=4: each must be"):
         Transformer([16], 10, dim=0)
