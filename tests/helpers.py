@@ -496,12 +496,15 @@ class RankSizedDigits(torch.utils.data.Dataset):
 
 class FaultyMLP(MLP):
     """An MLP whose `at`-th training forward, on rank `rank` of a torchrun job, hangs (sleeps
-    in the main thread: its heartbeat thread beats on) or kills its own process."""
+    in the main thread: its heartbeat thread beats on), kills its own process, or fails with
+    a one-line error of that rank's own (`refuse`); `init`: its construction fails so."""
 
     def __init__(self, *args, rank: int = 1, at: int = 5, how: str = "hang",
                  hang_s: float = 3600, **kwargs):
         super().__init__(*args, **kwargs)
         self.armed = int(os.environ.get("RANK", "0")) == rank
+        if self.armed and how == "init":
+            raise ValueError(f"width 7 is not for rank {rank}")
         self.at, self.how, self.hang_s, self.calls = at, how, hang_s, 0
 
     def forward(self, x):
@@ -510,6 +513,10 @@ class FaultyMLP(MLP):
             if self.calls == self.at:
                 if self.how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.how == "refuse":
+                    from trainer.config import ConfigError
+
+                    raise ConfigError(f"data: a sample rank {os.environ['RANK']} cannot use")
                 time.sleep(self.hang_s)
         return super().forward(x)
 

@@ -103,8 +103,7 @@ class Heartbeat:
                 return PeerLost(f"rank {self.rank} waited more than {key}={timeout_s:g} s "
                                 f"{where}: {self._slowest()}; stopped, stuck or gone")
             if _CLOSED.search(str(error)):
-                return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}; its "
-                                "own error, if it had one, is in its output")
+                return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}")
         except Exception:  # noqa: BLE001  (the store went with the job: say what is known)
             return None
         return None
@@ -131,10 +130,66 @@ class Heartbeat:
         then = self.beats()
         gone = [r for r in range(self.world_size) if r != self.rank
                 and (r not in then or then[r]["time"] == first.get(r, {}).get("time"))]
+        errors = peer_errors(self.rank, self.world_size)
         if not gone:
-            return "a peer's process ended (which one, its heartbeat does not tell)"
+            return _said(errors) or ("a peer's process ended (which one, its heartbeat does "
+                                     "not tell); its own error, if it had one, is in its output")
+        line = errors.get(gone[0])
         return (f"rank {gone[0]}'s process ended"
-                + (f", and that of ranks {gone[1:]}" if len(gone) > 1 else ""))
+                + (f", and that of ranks {gone[1:]}" if len(gone) > 1 else "")
+                + (f", on its error: {line}" if line else
+                   "; its own error, if it had one, is in its output"))
+
+
+ERROR_KEY = "stoker/error/{}"  # a rank's one-line error, in the job's store
+
+
+def record_error(rank: int, line: str) -> None:
+    """Leaves this rank's one-line error in the job's store, for the peer that reports losing
+    it: of a job's ranks only rank 0 says its line on the console (they mostly meet the same
+    one), so an error of another rank's own (its dataset, its data) would be said nowhere."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(ERROR_KEY.format(rank), line)
+    except Exception:  # noqa: BLE001  (the store went with the job: the line is lost)
+        pass
+
+
+def peer_errors(rank: int, world_size: int) -> Dict[int, str]:
+    """The one-line errors the other ranks left in the store (`record_error`)."""
+    store, found = _store(), {}
+    if store is None:
+        return found
+    for r in range(world_size):
+        key = ERROR_KEY.format(r)
+        try:
+            if r != rank and store.check([key]):
+                found[r] = store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            continue
+    return found
+
+
+def _said(errors: Dict[int, str]) -> str:
+    """The first peer error as "rank N stopped on its error: ...", or ""."""
+    if not errors:
+        return ""
+    r = min(errors)
+    return f"rank {r} stopped on its error: {errors[r]}"
+
+
+def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Optional[PeerLost]:
+    """A one-line PeerLost for a collective outside the training loop (building the run,
+    restoring it) whose peer closed its connection, naming the peer's own error where it left
+    one; None for any other error (and for one said already)."""
+    if world_size <= 1 or isinstance(error, (PeerLost, LoaderStalled)) or \
+            not isinstance(error, RuntimeError) or not _CLOSED.search(str(error)):
+        return None
+    said = _said(peer_errors(rank, world_size))
+    return PeerLost(f"rank {rank} lost a peer {where}: " + (
+        said or "a peer's process ended; its own error, if it had one, is in its output"))
 
 
 def _store():

@@ -21,9 +21,9 @@ from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import (checkpoint, components, distributed, ending, rundir, schedules, speed,
-                     startup)
-from trainer.cli import fail, wants_traceback
+from trainer import (checkpoint, components, distributed, ending, liveness, rundir, schedules,
+                     speed, startup)
+from trainer.cli import describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
@@ -109,7 +109,12 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         cfg.trainer.save_checkpoint = False
     with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s,
                                    ddp=spec.strategy == Strategy.ddp):
-        return _train(cfg, env, spec, callbacks)
+        try:
+            return _train(cfg, env, spec, callbacks)
+        except ending.ONE_LINE as e:
+            if env.world_size > 1:  # (rank 0 says its own; a peer's reaches rank 0's report)
+                liveness.record_error(env.rank, describe(e))
+            raise
 
 
 def seed_everything(seed: int) -> None:
@@ -339,6 +344,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
+        # a collective before the loop whose peer ended: named, with the peer's own error
+        lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
+                                if outputs is None else f"at step {loop.state.step}")
+        e = lost or e
         if (outputs is not None and outputs.writing) or (
                 ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
                 and not (run_dir / rundir.STATUS).exists()):
@@ -347,6 +356,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             ending.record_failure(run_dir, e)
         elif ours and isinstance(e, ending.ONE_LINE):  # (the dir's checks passed)
             ending.refused_before_first_step(run_dir, e)
+        if lost is not None:
+            raise lost from None
         raise
     finally:
         if loop is not None:  # the loaders' workers, also after an error

@@ -85,6 +85,27 @@ def test_a_killed_rank_is_named_by_its_peer_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
 
 
+@pytest.mark.parametrize("how,where,said", [
+    ("init", "before the first step", "rank 1 stopped on its error: tests.helpers.FaultyMLP: "
+                                      "width 7 is not for rank 1"),
+    ("refuse", "in a collective at step", "rank 1's process ended, on its error: data: a "
+                                          "sample rank 1 cannot use")])
+def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, how, where, said):
+    """Only rank 0 says a one-line error (the ranks mostly meet the same one): an error of
+    rank 1's own, in building its model or mid-run, reaches the console through rank 0's
+    report of the lost peer, not a gloo traceback or 'is in its output'."""
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=60",
+                        "model._target_=tests.helpers.FaultyMLP", "+model.rank=1",
+                        "+model.at=5", f"+model.how={how}", "data.num_workers=0",
+                        "trainer.progress_bar=false"], cwd=ROOT, timeout=150)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"stoker: error: rank 0 lost a peer {where}"), lines[0]
+    assert said in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
+
+
 def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
     """Rank `rank` of two gloo ranks: rank 0 (the writer) comes to the barrier `late` seconds
     after rank 1 when `late` > 0; rank 1 never comes (a stopped peer) when `late` < 0."""
