@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import re
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
 import weakref
@@ -180,6 +181,42 @@ class LoaderStalled(RuntimeError):
     """No batch came from the loader's workers within data.timeout seconds."""
 
 
+class LoaderWorkerDied(RuntimeError):
+    """A loader worker's process ended mid-epoch: killed (the out-of-memory killer), crashed
+    in native code, or exited from the dataset's own code."""
+
+
+_WORKER_ENDED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
+                           r"(is killed by signal: (.*?)\.?\s*$|exited unexpectedly"
+                           r"(?: with exit code (-?\d+))?)")
+
+
+def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
+    """PyTorch's words for a worker whose process ended, as one line that says what the
+    usual cause is and where to look."""
+    m = _WORKER_ENDED.search(text.splitlines()[0] if text else "")
+    if m is None:
+        return None
+    pid, signal_name, code = m.group(1).strip(), m.group(3), m.group(4)
+    if code is not None:
+        what = (f"exited with code {code} (sys.exit or os._exit in the dataset's code?); "
+                "data.num_workers=0 runs it in the training process, where its traceback shows")
+    elif signal_name and signal_name.lower() != "killed":
+        what = (f"was killed by signal {signal_name} (a crash in native code the dataset "
+                "calls, a decoder's say); data.num_workers=0 runs it in the training process, "
+                "where it shows")
+    elif signal_name:
+        what = ("was killed (SIGKILL: the out-of-memory killer, usually; fewer "
+                "data.num_workers, a smaller data.prefetch_factor or data.batch_size take less "
+                "memory)")
+    else:  # (PyTorch does not always tell how)
+        what = ("ended unexpectedly: killed (the out-of-memory killer, usually: fewer "
+                "data.num_workers, a smaller data.prefetch_factor or data.batch_size take less "
+                "memory), or crashed in native code the dataset calls (data.num_workers=0 runs "
+                "it in the training process, where that shows)")
+    return LoaderWorkerDied(f"data: loader worker (pid {pid}) {what}")
+
+
 def loader_error(e: BaseException) -> BaseException:
     """One line for what goes wrong inside a DataLoader, else `e` itself: a ConfigError for
     samples the default collate cannot batch (types it does not know, tensors of different
@@ -192,6 +229,9 @@ def loader_error(e: BaseException) -> BaseException:
         return LoaderStalled(f"data: {str(e).rstrip('.')} (data.timeout) waiting for a batch "
                              "from a loader worker: stuck or stopped; raise data.timeout if "
                              "single batches are that slow")
+    ended = _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
+    if ended is not None:
+        return ended
     last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]
     if isinstance(e, ConfigError) and "Original Traceback" in str(e):
         # raised in a worker (an unreadable file, say): the DataLoader re-raised it with the

@@ -353,6 +353,21 @@ class TripleDigits(DigitsDataset):
         return x, y, torch.tensor(1.0)
 
 
+class DyingWorkerDigits(DigitsDataset):
+    """Digits whose loader worker ends its own process at its `at`-th sample, by `signal`
+    (KILL as the out-of-memory killer does, SEGV as a crash in native code)."""
+
+    def __init__(self, split: str = "train", at: int = 100, signal: str = "KILL", **kw):
+        super().__init__(split, **kw)
+        self.at, self.signal, self.seen = at, signal, 0
+
+    def __getitem__(self, i):
+        self.seen += 1
+        if self.seen == self.at and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.signal}"))
+        return super().__getitem__(i)
+
+
 class Sentences(DigitsDataset):
     """Samples that are strings: the default collate makes a batch a list of strings."""
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -119,3 +121,39 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sig", ["KILL", "SEGV"])
+def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, sig):
+    """The training process's DataLoader tells only that the worker ended: the line names
+    both usual causes (PyTorch's signal or exit code, where it tells one, is named instead;
+    the unit test below)."""
+    from tests.helpers import run_cli
+
+    proc = run_cli(["data.dataset._target_=tests.helpers.DyingWorkerDigits",
+                    f"+data.dataset.signal={sig}", "data.placement=host", "data.num_workers=1",
+                    "trainer.max_epochs=1", "trainer.progress_bar=false",
+                    f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1].strip(" \x00")  # (after PyTorch's SEGV line)
+    assert re.match(r"stoker: error: data: loader worker \(pid \d+\) ended unexpectedly: "
+                    r"killed \(the out-of-memory killer, usually", last), last
+    assert "crashed in native code the dataset calls" in last
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("text,said", [
+    ("DataLoader worker (pid 77) is killed by signal: Killed. ",
+     "data: loader worker (pid 77) was killed (SIGKILL: the out-of-memory killer, usually"),
+    ("DataLoader worker (pid 78) is killed by signal: Segmentation fault. ",
+     "data: loader worker (pid 78) was killed by signal Segmentation fault (a crash in native"),
+    ("DataLoader worker (pid 79) exited unexpectedly with exit code 3. Details are lost due to "
+     "multiprocessing.", "data: loader worker (pid 79) exited with code 3 (sys.exit or os._exit"),
+])
+def test_what_pytorch_says_of_an_ended_worker_is_one_line(text, said):
+    from data.loader import LoaderWorkerDied, loader_error
+
+    error = loader_error(RuntimeError(text))
+    assert isinstance(error, LoaderWorkerDied) and str(error).startswith(said), str(error)
+    other = RuntimeError("something else")
+    assert loader_error(other) is other
