@@ -31,7 +31,7 @@ from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
+from trainer.config import ConfigError, resolve  # noqa: E402
 from trainer.feeds import build_datasets, collate_for  # noqa: E402
 from trainer.task import batch_size  # noqa: E402
 
@@ -47,15 +47,20 @@ def throughput(dataset, data_cfg, device: torch.device, batches: int) -> Dict[st
     start = time.perf_counter()
     first_batch = next(it)
     first = time.perf_counter() - start
-    start, samples = time.perf_counter(), 0
+    start, samples, timed = time.perf_counter(), 0, 0
     for _, batch in zip(range(batches), it):
         samples += batch_size(batch)  # any batch: (inputs, target), a dict, a dataclass...
+        timed += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     if samples == 0 and batch_size(first_batch) == 0:
         raise ConfigError("data: no sample was read in the batches timed (every file "
                           "unreadable? the warnings above name them)")
+    if timed == 0:  # (a rate of 0 samples/s would be recommended as the best)
+        raise ConfigError(f"data.batch_size={data_cfg.batch_size}: an epoch of the "
+                          f"{len(dataset)} samples is one batch, and the first batch (the "
+                          "workers' start) is not timed; use a smaller data.batch_size")
     return {"samples_per_s": samples / elapsed if samples else 0.0, "first_batch_s": first}
 
 
@@ -87,6 +92,7 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             p.error(f"{override}: tune_loader sweeps {key} itself; give {swept[key]} instead")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=unused", *a.overrides])
+    resolve(cfg)  # the checks train.py makes (a batch size of 0, data=custom with no dataset)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dataset = build_datasets(cfg)[0]
     pins = [False, True] if device.type == "cuda" else [False]

@@ -55,15 +55,22 @@ def test_a_users_dict_samples_from_the_working_directory(tmp_path):
     assert row["samples_per_s"] > 0 and "best:" in proc.stdout
 
 
-def test_a_wrong_setting_is_one_line(capsys):
+@pytest.mark.parametrize("override,said", [
+    ("data.dataset._target_=nowhere.Dataset",
+     "data.dataset._target_=nowhere.Dataset: no module named 'nowhere'"),
+    ("data=custom", "data.train_dataset=null: no dataset: set data.dataset"),  # (a TypeError)
+    ("data.batch_size=0", "data.batch_size=0: must be >= 1"),  # as train.py says it
+    # one batch an epoch: nothing timed after the first (0 samples/s was recommended)
+    ("data.batch_size=5000", "data.batch_size=5000: an epoch of the 1438 samples is one batch"),
+])
+def test_a_wrong_setting_is_one_line(capsys, tmp_path, override, said):
     from scripts.tune_loader import main
 
     with pytest.raises(SystemExit) as e:
-        main(["data.dataset._target_=nowhere.Dataset", "--workers", "0"])
+        main([override, "--workers", "0", "--out", str(tmp_path / "t.json")])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("stoker: error: data.dataset._target_=nowhere.Dataset: no module named "
-                          "'nowhere'") and "\n" not in err
+    assert err.startswith(f"stoker: error: {said}") and "\n" not in err, err
 
 
 def test_an_image_folder_is_timed_through_its_own_collate(tmp_path, capsys):
