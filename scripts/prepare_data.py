@@ -35,7 +35,7 @@ from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import ShardStream, write_shards  # noqa: E402
 from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
-from trainer.config import ConfigError, cpu_workers  # noqa: E402
+from trainer.config import ConfigError, cpu_workers, resolve  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
 
@@ -75,6 +75,7 @@ def prepare(argv: Optional[List[str]] = None) -> dict:
     refusal = out_refusal(out, cfg, a.overwrite)
     if refusal:
         p.error(f"--out {a.out}: {refusal}")
+    resolve(cfg)  # the checks train.py makes (data=custom with no dataset: nothing to write)
     # written beside --out and moved there complete: a failure leaves --out as it was
     with staged(out) as stage:
         try:

@@ -208,10 +208,11 @@ def test_a_write_error_names_the_out_folder_not_the_staging_one(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("what", ["shards", "unreadable"])
+@pytest.mark.parametrize("what", ["shards", "unreadable", "none"])
 def test_a_source_it_cannot_pack_is_one_line_and_leaves_no_folder(tmp_path, capsys, what):
-    """Streamed shards (a worker's TypeError traceback) and a folder of which no file reads
-    (a ValueError traceback) are refused in one line; --out never appears."""
+    """Streamed shards (a worker's TypeError traceback), a folder of which no file reads
+    (a ValueError traceback) and no dataset at all (data=custom: a meta.json of no splits,
+    "use it" printed) are refused in one line; --out never appears."""
     from data.shards import write_shards
     from scripts import prepare_data
     from scripts.make_images import write_images
@@ -221,13 +222,16 @@ def test_a_source_it_cannot_pack_is_one_line_and_leaves_no_folder(tmp_path, caps
         for split in ("train", "val"):
             write_shards([(torch.zeros(3), 0)] * 4, src / split, samples_per_shard=2)
         args, fragment = ["data=shards"], "ShardStream is streamed"
+    elif what == "none":
+        args, fragment = ["data=custom"], "data.train_dataset=null: no dataset"
     else:
         write_images(src, count=8, size=16, classes=2)
         for f in src.rglob("*.jpg"):
             f.write_bytes(b"")
         args, fragment = ["data=image_folder"], "nothing to cache or pack: none of the"
     with pytest.raises(SystemExit) as e:
-        prepare_data.main(["--out", str(tmp_path / "out"), *args, f"data.dataset.root={src}"])
+        prepare_data.main(["--out", str(tmp_path / "out"), *args]
+                          + ([f"data.dataset.root={src}"] if what != "none" else []))
     err = capsys.readouterr().err
     assert e.value.code == 2 and fragment in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
