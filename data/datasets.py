@@ -68,6 +68,10 @@ class DigitsDataset(TensorDataset):
         images, target = load_digits_arrays()
         order = np.random.default_rng(split_seed).permutation(len(target))
         n_val = int(round(len(order) * val_fraction))
+        if not 0 < n_val < len(order):  # (rounded: 0.9999 of 1797 leaves no training sample)
+            raise ValueError(f"val_fraction={val_fraction}: leaves "
+                             f"{'no validation' if n_val == 0 else 'no training'} sample of "
+                             f"the {len(order)}")
         idx = order[-n_val:] if split == "val" else order[:-n_val]
         x = torch.from_numpy(images[idx].astype(np.float32) / 16.0).unsqueeze(1).contiguous()
         super().__init__(x, torch.from_numpy(target[idx]))

@@ -220,6 +220,9 @@ def find_resume(resume: Optional[str], run_dir: Path
         return None
     if resume != "auto":
         path = Path(resume)
+        if not str(resume).strip():  # (Path("") is the working directory)
+            raise CheckpointError("trainer.resume='': is empty (give a path to a .pt file, "
+                                  "auto, or null)")
         if not path.is_file():
             what = "a directory, not a checkpoint file" if path.is_dir() else \
                 "no such checkpoint file"

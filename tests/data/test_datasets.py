@@ -25,6 +25,11 @@ def test_bad_split_and_fraction():
         DigitsDataset("test")
     with pytest.raises(ValueError, match="val_fraction"):
         DigitsDataset("train", val_fraction=1.5)
+    with pytest.raises(ValueError, match=r"^val_fraction=0.9999: leaves no training sample of "
+                                         r"the 1797"):
+        DigitsDataset("train", val_fraction=0.9999)  # (rounded: "has no samples" before)
+    with pytest.raises(ValueError, match=r"^val_fraction=0.0001: leaves no validation sample"):
+        DigitsDataset("val", val_fraction=0.0001)
 
 
 def test_synthetic_is_a_pure_function_of_index():

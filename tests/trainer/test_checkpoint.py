@@ -132,6 +132,8 @@ def test_find_resume(tmp_path):
     assert checkpoint.find_resume(str(step), tmp_path)[0] == step
     with pytest.raises(CheckpointError, match="trainer.resume=/nope.pt"):
         checkpoint.find_resume("/nope.pt", tmp_path)
+    with pytest.raises(CheckpointError, match=r"^trainer.resume='': is empty \(give a path"):
+        checkpoint.find_resume("", tmp_path)  # (not "a directory": the working one)
 
 
 def test_auto_resume_falls_back_past_damaged_files(tmp_path):
