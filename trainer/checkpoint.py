@@ -74,9 +74,11 @@ def save(state: Dict[str, Any], path: Path) -> Path:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _unlink_quietly(tmp)
+        kept = any(p.suffix == ".pt" for p in path.parent.iterdir())  # (the tmp file is gone)
         raise CheckpointWriteError(f"checkpoint {path}: the write failed "
-                                   f"({_write_cause(e, path)}); the previous checkpoints are "
-                                   "kept") from None
+                                   f"({_write_cause(e, path)}); " + (
+                                       "the previous checkpoints are kept" if kept else
+                                       "no checkpoint was written before it")) from None
     except BaseException:
         _unlink_quietly(tmp)
         raise

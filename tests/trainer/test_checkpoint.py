@@ -30,9 +30,13 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(checkpoint.CheckpointWriteError,
                        match=r"last.pt: the write failed \(No space left on device\); the previous"):
         checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
+    with pytest.raises(checkpoint.CheckpointWriteError,  # the first: nothing to keep
+                       match=r"step-1.pt: the write failed \(No space left on device\); no "
+                             r"checkpoint was written before it$"):
+        checkpoint.save({"model": {}, "step": 1}, tmp_path / "new" / "step-1.pt")
     monkeypatch.undo()
     assert checkpoint.load(path)["step"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "new"]
 
 
 def test_a_full_disk_under_torch_s_own_message_is_named(tmp_path, monkeypatch):
