@@ -48,7 +48,7 @@ def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(0),
                         collate_fn=getattr(dataset, "collate_fn", None))
-    for batch in readable(iter(loader)):  # a worker's error in one line, not its traceback
+    for batch in readable(iter(loader), workers=num_workers > 0):  # a worker's error in one line
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise ConfigError("data.cache and scripts/prepare_data.py need a dataset of "

@@ -191,6 +191,12 @@ _WORKER_ENDED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
                            r"(?: with exit code (-?\d+))?)")
 
 
+_ENDED = ("killed (the out-of-memory killer, usually: fewer data.num_workers, a smaller "
+          "data.prefetch_factor or data.batch_size take less memory), or crashed in native "
+          "code the dataset calls (data.num_workers=0 runs it in the training process, where "
+          "that shows)")
+
+
 def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
     """PyTorch's words for a worker whose process ended, as one line that says what the
     usual cause is and where to look."""
@@ -210,10 +216,7 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
                 "data.num_workers, a smaller data.prefetch_factor or data.batch_size take less "
                 "memory)")
     else:  # (PyTorch does not always tell how)
-        what = ("ended unexpectedly: killed (the out-of-memory killer, usually: fewer "
-                "data.num_workers, a smaller data.prefetch_factor or data.batch_size take less "
-                "memory), or crashed in native code the dataset calls (data.num_workers=0 runs "
-                "it in the training process, where that shows)")
+        what = f"ended unexpectedly: {_ENDED}"
     return LoaderWorkerDied(f"data: loader worker (pid {pid}) {what}")
 
 
@@ -252,10 +255,11 @@ def loader_error(e: BaseException) -> BaseException:
                        "them, or set data.collate_fn (to pad variable-length samples, say)")
 
 
-def readable(batches: Iterator[Any]) -> Iterator[Any]:
+def readable(batches: Iterator[Any], workers: bool = False) -> Iterator[Any]:
     """`batches`, with what `loader_error` knows turned into one line (a sample the default
     collate cannot batch, a stalled worker, a worker's data error such as an unreadable
-    file); other errors pass as they are."""
+    file); other errors pass as they are. `workers`: the batches come from loader workers,
+    so a connection that breaks while one is received is that worker's process ending."""
     try:
         yield from batches  # delegated in C: nothing per batch on the training thread
     except (TypeError, RuntimeError, KeyError, ConfigError) as e:
@@ -263,3 +267,8 @@ def readable(batches: Iterator[Any]) -> Iterator[Any]:
         if error is e:
             raise
         raise error from None
+    except (ConnectionError, EOFError) as e:
+        if not workers:  # (the dataset's own connection, in this process)
+            raise
+        raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
+                               f"was received ({type(e).__name__}: {e}): {_ENDED}") from None

@@ -415,7 +415,7 @@ def _records(dataset, order: List[int], num_workers: int) -> Iterator[Dict[str, 
 
     if isinstance(dataset, ImageFolder):  # its files' bytes, checked by decoding them once
         checked = DataLoader(_Checked(dataset, order), batch_size=None, num_workers=num_workers)
-        for i, ok in zip(order, readable(iter(checked))):
+        for i, ok in zip(order, readable(iter(checked), workers=num_workers > 0)):
             if not ok:  # on_error=skip: warned and counted by the folder; left out
                 continue
             path, label = dataset.samples[i]

@@ -157,3 +157,19 @@ def test_what_pytorch_says_of_an_ended_worker_is_one_line(text, said):
     assert isinstance(error, LoaderWorkerDied) and str(error).startswith(said), str(error)
     other = RuntimeError("something else")
     assert loader_error(other) is other
+
+
+def test_a_broken_connection_to_a_worker_is_its_end_and_a_datasets_own_is_not():
+    """A worker that dies while its batch is received can break the connection first
+    ([Errno 104] Connection reset by peer, said as if the disk or network failed)."""
+    from data.loader import LoaderWorkerDied, readable
+
+    def batches():
+        yield 1
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(LoaderWorkerDied, match=r"^data: the connection to a loader worker broke "
+                                               r"while a batch was received \(ConnectionReset"):
+        list(readable(batches(), workers=True))
+    with pytest.raises(ConnectionResetError):  # no workers: the dataset's own, as it is
+        list(readable(batches()))
