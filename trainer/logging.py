@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -65,7 +65,10 @@ class RunLogger:
         # a validation before `step` ended before the checkpoint; one at `step` is in it only
         # if the checkpoint says so (else it is run again)
         val_last = step if validated_step >= step else step - 1
-        dropped = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": val_last})
+        dropped, damaged = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": val_last})
+        if damaged:  # (not rows of a later step: said apart)
+            self.warning("metrics.jsonl: %d lines before its last were not whole JSON rows "
+                         "(damaged) and were dropped", damaged)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
             self._tb = EventFile(run_dir / "tensorboard", purge_after=step)
@@ -114,27 +117,33 @@ class RunLogger:
             self._jsonl = None
 
 
-def _trim_rows(path: Path, last: Dict[str, int]) -> int:
+def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int]:
     """Rewrites the JSON-lines file `path` (atomically) without the rows whose step is past
-    `last[split]`, nor lines a kill cut short; returns how many went."""
+    `last[split]`, nor lines that are not whole rows; returns how many went of the first
+    (the last line, which a kill cut short, among them) and of the second before the last."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        return 0
+        return 0, 0
 
-    def keep(line: str) -> bool:
+    def row_of(line: str) -> Optional[dict]:
         try:
             row = json.loads(line)
-            return row["step"] <= last.get(row["split"], row["step"])
-        except (ValueError, KeyError, TypeError):
-            return False
+        except ValueError:
+            return None
+        whole = isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and \
+            isinstance(row.get("split"), str)
+        return row if whole else None
 
-    kept = [line for line in lines if keep(line)]
+    rows = [row_of(line) for line in lines]
+    kept = [line for line, row in zip(lines, rows)
+            if row is not None and row["step"] <= last.get(row["split"], row["step"])]
+    damaged = sum(row is None for row in rows[:-1])
     if len(kept) < len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
-    return len(lines) - len(kept)
+    return len(lines) - len(kept) - damaged, damaged
 
 
 class EventFile:

@@ -88,6 +88,26 @@ def test_a_resumed_logger_drops_the_rows_past_its_step_from_both_records(tmp_pat
     assert scalars["val/loss"] == [(4, 14.0)]
 
 
+def test_a_damaged_line_before_the_last_is_said_apart_from_the_rows_trained_again(tmp_path,
+                                                                                  caplog):
+    import logging
+
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        [json.dumps({"split": "train", "step": 1}) + "\n", "{\"split\": \"tr\x00\x00\n",
+         json.dumps({"split": "train", "step": 2}) + "\n",
+         json.dumps({"split": "train", "step": 3}) + "\n"]))
+    logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False, progress_bar=False)
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        assert logger.open(step=2) == 1  # step 3, trained again; not the damaged line
+    logger.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "metrics.jsonl: 1 lines before its last were not whole JSON rows (damaged) and were "
+        "dropped"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert steps == [1, 2]
+
+
 def test_a_logger_rewrites_nothing_when_no_row_is_past_its_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"split": "train", "step": 0, "loss": 1}\n')
     logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False, progress_bar=False)
