@@ -130,7 +130,9 @@ def refused_before_first_step(run_dir: Path, e: BaseException) -> None:
     root = logging.getLogger()
     handlers = [h for h in root.handlers if isinstance(h, logging.FileHandler)
                 and os.path.abspath(h.baseFilename) == log_file]
-    if not handlers or not os.path.exists(log_file):
+    # (opened at its first line, delay=true: none yet, this launch wrote nothing there, as a
+    # refused resume into another run's dir must not)
+    if not any(h.stream is not None for h in handlers) or not os.path.exists(log_file):
         return
     try:
         alone = set(os.listdir(run_dir)) <= {"train.log", rundir.LOCK}  # (released next)
