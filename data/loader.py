@@ -187,7 +187,7 @@ class LoaderWorkerDied(RuntimeError):
 
 
 _WORKER_ENDED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
-                           r"(is killed by signal: (.*?)\.?\s*$|exited unexpectedly"
+                           r"(is killed by signal: ([^.]*)|exited unexpectedly"
                            r"(?: with exit code (-?\d+))?)")
 
 
@@ -207,6 +207,10 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
     if code is not None:
         what = (f"exited with code {code} (sys.exit or os._exit in the dataset's code?); "
                 "data.num_workers=0 runs it in the training process, where its traceback shows")
+    elif signal_name and signal_name.lower().startswith("bus"):
+        what = (f"was killed by signal {signal_name} (shared memory, /dev/shm, ran out, "
+                "usually: a larger /dev/shm (docker --shm-size), fewer data.num_workers or a "
+                "smaller data.prefetch_factor)")
     elif signal_name and signal_name.lower() != "killed":
         what = (f"was killed by signal {signal_name} (a crash in native code the dataset "
                 "calls, a decoder's say); data.num_workers=0 runs it in the training process, "

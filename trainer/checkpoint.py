@@ -74,7 +74,10 @@ def save(state: Dict[str, Any], path: Path) -> Path:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _unlink_quietly(tmp)
-        kept = any(p.suffix == ".pt" for p in path.parent.iterdir())  # (the tmp file is gone)
+        try:  # (the tmp file is gone)
+            kept = any(p.suffix == ".pt" for p in path.parent.iterdir())
+        except OSError:  # the folder went too (a deleted dir, a stale NFS handle)
+            kept = False
         raise CheckpointWriteError(f"checkpoint {path}: the write failed "
                                    f"({_write_cause(e, path)}); " + (
                                        "the previous checkpoints are kept" if kept else

@@ -82,10 +82,19 @@ def sweep_job_failed(e: BaseException) -> None:
 
     if not in_sweep() or not distributed.detect().is_main:
         return
-    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
     if not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
     record_failure(job_dir, e)
+    overrides = job_dir / ".hydra" / "overrides.yaml"  # (what the sweep's table shows of it)
+    if not overrides.exists():
+        try:
+            overrides.parent.mkdir(exist_ok=True)
+            overrides.write_text(OmegaConf.to_yaml(OmegaConf.create(
+                list(hydra_cfg.overrides.task))))
+        except OSError:
+            pass
 
 
 def end_sweep(e: BaseException) -> NoReturn:

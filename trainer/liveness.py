@@ -158,9 +158,12 @@ def record_error(rank: int, line: str) -> None:
 
 
 def peer_errors(rank: int, world_size: int) -> Dict[int, str]:
-    """The one-line errors the other ranks left in the store (`record_error`)."""
+    """The one-line errors the other ranks left in the store (`record_error`). Where the store
+    lives in rank 0's process (a SLURM launch: not torchrun's agent), the other ranks do not
+    ask it: rank 0 may be the one gone, and a client of a store that is gone prints pages of
+    C++ warnings before it fails."""
     store, found = _store(), {}
-    if store is None:
+    if store is None or (rank != 0 and not _agent_store()):
         return found
     for r in range(world_size):
         key = ERROR_KEY.format(r)
@@ -190,6 +193,14 @@ def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Opt
     said = _said(peer_errors(rank, world_size))
     return PeerLost(f"rank {rank} lost a peer {where}: " + (
         said or "a peer's process ended; its own error, if it had one, is in its output"))
+
+
+def _agent_store() -> bool:
+    """Whether the job's store is torchrun's agent's, which outlives every rank."""
+    import os
+
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and \
+        distributed.detect().launcher != "slurm"
 
 
 def _store():

@@ -193,11 +193,18 @@ def _earlier_hydra_record(run_dir: Path) -> bool:
     """Whether `run_dir/.hydra/config.yaml` was written before this process started: Hydra's
     record of an earlier launch (of this app, or of another Hydra app whose outputs the dir
     holds), not the one Hydra writes for this launch where hydra.output_subdir is set."""
+    record = run_dir / ".hydra" / "config.yaml"
     try:
-        written = (run_dir / ".hydra" / "config.yaml").stat().st_mtime
-        return written < stamp.process_start(os.getpid()) - 1.0
+        if record.stat().st_mtime >= stamp.process_start(os.getpid()) - 1.0:
+            return False
     except OSError:  # (none; or no /proc to tell: not judged)
         return False
+    try:  # a launch of ours refused before its first step, with hydra.output_subdir set: its
+        # record is all it left (a run's would have a status.json), and it is no one's output
+        cfg = OmegaConf.load(record)
+        return not (isinstance(cfg, DictConfig) and "trainer" in cfg and "run_dir" in cfg)
+    except Exception:  # noqa: BLE001  (not YAML: not ours)
+        return True
 
 
 def _written(path: Path) -> bool:

@@ -112,7 +112,9 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         try:
             return _train(cfg, env, spec, callbacks)
         except ending.ONE_LINE as e:
-            if env.world_size > 1:  # (rank 0 says its own; a peer's reaches rank 0's report)
+            # (rank 0 says its own; a peer's own reaches rank 0's report of losing it: not a
+            # loss of its own, which another survivor would pass off as the lost rank's error)
+            if env.world_size > 1 and not isinstance(e, PeerLost):
                 liveness.record_error(env.rank, describe(e))
             raise
 
@@ -348,11 +350,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
                                 if outputs is None else f"at step {loop.state.step}")
         e = lost or e
-        if (outputs is not None and outputs.writing) or (
+        if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
                 ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
                 and not (run_dir / rundir.STATUS).exists()):
-            # before the first step, a crash (what is said in one line is said on the
-            # console, and leaves no dir behind) into a dir with no run's record: a new one
+            # before the first step, a crash or a lost peer (what is said in one line is said
+            # on the console, and leaves no dir behind) into a dir with no run's record
             ending.record_failure(run_dir, e)
         elif ours and isinstance(e, ending.ONE_LINE):  # (the dir's checks passed)
             ending.refused_before_first_step(run_dir, e)

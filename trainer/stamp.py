@@ -39,10 +39,12 @@ def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
         return _claimed[(parent, stamp)]
     base = os.path.join(parent, stamp)
     missing = [d for d in Path(base).parents if not d.is_dir()]  # innermost first
+    existed = os.path.isdir(base)  # (a shared stamp's dir: an earlier attempt's, if so)
     path, ours = (base, True) if shared else _claim(base)
     if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
         atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
-        _made.append(path)
+        if not (shared and existed):  # a restarted job's dir holds its first attempt's log
+            _made.append(path)
     _claimed[(parent, stamp)] = path
     return path
 

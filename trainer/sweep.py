@@ -44,14 +44,21 @@ def _overrides(job_dir: Path) -> List[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
+def _job_key(path: Path) -> Tuple[int, int, str]:
+    """Job order: numbered dirs (hydra.sweep.subdir's default) by number, then by name."""
+    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+
+
 def jobs_of(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """One record per job dir (named by its number) under `sweep_dir`, in job order."""
+    """One record per job dir under `sweep_dir` (a dir holding a run's status.json or Hydra's
+    record: any hydra.sweep.subdir), in job order; a job is named by its dir."""
     jobs = []
-    numbered = sorted((int(p.name), p) for p in sweep_dir.iterdir()
-                      if p.is_dir() and p.name.isdigit())
-    for num, job_dir in numbered:
+    found = [p for p in sweep_dir.iterdir() if p.is_dir() and
+             ((p / "status.json").is_file() or (p / ".hydra").is_dir() or p.name.isdigit())]
+    for job_dir in sorted(found, key=_job_key):
         status = _read_json(job_dir / "status.json") or {}
-        jobs.append({"job": num, "dir": str(job_dir), "overrides": _overrides(job_dir),
+        jobs.append({"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
+                     "dir": str(job_dir), "overrides": _overrides(job_dir),
                      "status": status.get("status", "not started"),
                      "summary": _read_json(job_dir / "summary.json") or {}})
     return jobs
@@ -62,13 +69,18 @@ def _given(job: Dict[str, Any]) -> Dict[str, str]:
     return dict(o.split("=", 1) if "=" in o else (o, "") for o in job["overrides"])
 
 
+# how a sweep was launched or resumed, not what its jobs compare
+_NOT_COMPARED = ("trainer.resume", "hydra.", "+hydra.")
+
+
 def varying(jobs: List[Dict[str, Any]]) -> List[str]:
-    """The override keys whose values are not the same in every job, in first-seen order
-    (all of them for a sweep of one job)."""
-    given = [_given(job) for job in jobs]
-    order = list(dict.fromkeys(key for g in given for key in g))
+    """The override keys whose values are not the same in every job whose overrides are known,
+    in first-seen order (all of them for a sweep of one job)."""
+    given = [_given(job) for job in jobs if job["overrides"]]
+    order = [key for key in dict.fromkeys(key for g in given for key in g)
+             if not key.lstrip("+~").startswith(_NOT_COMPARED)]
     keys = [key for key in order if len({g.get(key) for g in given}) > 1]
-    return keys if keys or len(jobs) != 1 else order
+    return keys if keys or len(given) != 1 else order
 
 
 def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[int], str, str]:
@@ -151,7 +163,7 @@ class SweepSummary(Callback):
         if not detect().is_main:
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.is_dir():
+        if not sweep_dir.is_dir() or not jobs_of(sweep_dir):
             return
         try:
             record = write(sweep_dir)

@@ -147,6 +147,9 @@ def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, 
      "data: loader worker (pid 77) was killed (SIGKILL: the out-of-memory killer, usually"),
     ("DataLoader worker (pid 78) is killed by signal: Segmentation fault. ",
      "data: loader worker (pid 78) was killed by signal Segmentation fault (a crash in native"),
+    ("DataLoader worker (pid 80) is killed by signal: Bus error. It is possible that dataloader's "
+     "workers are out of shared memory.", "data: loader worker (pid 80) was killed by signal Bus "
+                                          "error (shared memory, /dev/shm, ran out, usually"),
     ("DataLoader worker (pid 79) exited unexpectedly with exit code 3. Details are lost due to "
      "multiprocessing.", "data: loader worker (pid 79) exited with code 3 (sys.exit or os._exit"),
 ])

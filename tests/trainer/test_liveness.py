@@ -85,25 +85,34 @@ def test_a_killed_rank_is_named_by_its_peer_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
 
 
-@pytest.mark.parametrize("how,where,said", [
-    ("init", "before the first step", "rank 1 stopped on its error: tests.helpers.FaultyMLP: "
-                                      "width 7 is not for rank 1"),
-    ("refuse", "in a collective at step", "rank 1's process ended, on its error: data: a "
-                                          "sample rank 1 cannot use")])
-def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, how, where, said):
+@pytest.mark.parametrize("ranks,how,where,said", [
+    (2, "init", "before the first step", "rank 1 stopped on its error: tests.helpers.FaultyMLP: "
+                                         "width 7 is not for rank 1"),
+    (2, "refuse", "in a collective at step", "rank 1's process ended, on its error: data: a "
+                                             "sample rank 1 cannot use"),
+    # rank 1 loses rank 2 too: its own loss is not taken for an error of rank 1's
+    (3, "init", "before the first step", "rank 2 stopped on its error: tests.helpers.FaultyMLP: "
+                                         "width 7 is not for rank 2")])
+def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, ranks, how, where, said):
     """Only rank 0 says a one-line error (the ranks mostly meet the same one): an error of
-    rank 1's own, in building its model or mid-run, reaches the console through rank 0's
-    report of the lost peer, not a gloo traceback or 'is in its output'."""
-    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=60",
-                        "model._target_=tests.helpers.FaultyMLP", "+model.rank=1",
-                        "+model.at=5", f"+model.how={how}", "data.num_workers=0",
-                        "trainer.progress_bar=false"], cwd=ROOT, timeout=150)
+    another rank's own, in building its model or mid-run, reaches the console through rank 0's
+    report of the lost peer, not a gloo traceback or 'is in its output'; and status.json."""
+    import json
+
+    run_dir = tmp_path / "run"
+    proc = torchrun(ranks, [f"hydra.run.dir={run_dir}", "trainer.ddp.timeout_s=60",
+                            "model._target_=tests.helpers.FaultyMLP", f"+model.rank={ranks - 1}",
+                            "+model.at=5", f"+model.how={how}", "data.num_workers=0",
+                            "trainer.progress_bar=false"], cwd=ROOT, timeout=150)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"stoker: error: rank 0 lost a peer {where}"), lines[0]
-    assert said in lines[0], lines[0]
+    # every survivor says its loss (rank 0 may be the one lost): one line each
+    assert len(lines) == ranks - 1, proc.stderr[-3000:]
+    assert any(ln.startswith(f"stoker: error: rank 0 lost a peer {where}") for ln in lines)
+    assert all(said in ln for ln in lines), lines
     assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and said in status["error"], status
 
 
 def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:

@@ -107,6 +107,15 @@ def test_another_launchs_hydra_record_is_refused_and_this_launchs_is_not(make_cf
     assert (run_dir / "train.log").read_text() == "their log\n"
     proc = run_cli([*QUICK, "hydra.output_subdir=.hydra", f"hydra.run.dir={tmp_path / 'own'}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # a launch of ours refused with hydra.output_subdir set left its record alone: the
+    # corrected command runs there
+    refused = tmp_path / "refused"
+    proc = run_cli([*QUICK, "hydra.output_subdir=.hydra", "optim.lr=inf",
+                    f"hydra.run.dir={refused}"])
+    assert proc.returncode == 2 and (refused / ".hydra" / "config.yaml").is_file()
+    os.utime(refused / ".hydra" / "config.yaml", (an_hour_ago, an_hour_ago))
+    proc = run_cli([*QUICK, f"hydra.run.dir={refused}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_resume_auto(tmp_path):

@@ -492,6 +492,8 @@ def test_a_sweep_job_refused_at_start_leaves_its_status_and_stops_the_sweep(tmp_
     [sweep] = (tmp_path / "multirun").glob("*/*")
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # 2 never ran
     assert json.loads((sweep / "0" / "status.json").read_text())["status"] == "completed"
+    # what the sweep's table shows of the refused job: its overrides
+    assert "optim.lr=-1" in (sweep / "1" / ".hydra" / "overrides.yaml").read_text()
     assert json.loads((sweep / "1" / "status.json").read_text()) == {
         "status": "failed: configuration, data or checkpoint", "exit_code": 2,
         "error": "optim.lr=-1: torch.optim.AdamW refused it: Invalid learning rate: -1",

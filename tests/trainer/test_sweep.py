@@ -43,6 +43,36 @@ def test_rows_show_what_differs_how_each_job_ended_and_the_best(tmp_path):
     assert lines[4].split() == ["2", "0.001", "-", "failed", "-", "-", "-", "-", "-"]
 
 
+def test_jobs_of_any_subdir_name_and_only_compared_overrides_vary(tmp_path):
+    """hydra.sweep.subdir=lr_${optim.lr}: its dirs are the jobs; a job whose overrides are not
+    known (a dir a job never wrote into) makes no column; how the sweep was resumed is none."""
+    sweep = tmp_path / "sweep"
+    job(sweep, "lr_0.1", ["optim.lr=0.1", "seed=1", "trainer.resume=auto",
+                          "hydra.sweep.dir=x"], "completed", {"val_loss": 0.5})
+    job(sweep, "lr_0.01", ["optim.lr=0.01", "seed=1"], "completed", {"val_loss": 0.4})
+    (sweep / "lr_1").mkdir()  # nothing in it: not a job
+    (sweep / ".submitit").mkdir()
+    (sweep / "lr_0.5").mkdir()
+    (sweep / "lr_0.5" / "status.json").write_text(json.dumps({"status": "failed"}))
+    jobs = jobs_of(sweep)
+    assert [j["job"] for j in jobs] == ["lr_0.01", "lr_0.1", "lr_0.5"]
+    assert varying(jobs) == ["optim.lr"]
+    assert best_job(jobs)[0] == "lr_0.01"
+
+
+
+def test_a_sweep_dir_without_jobs_gets_no_table_and_no_record(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from trainer.sweep import SweepSummary
+
+    (tmp_path / "empty" / ".submitit").mkdir(parents=True)
+    assert jobs_of(tmp_path / "empty") == []
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {
+        "dir": str(tmp_path / "empty")}}}))
+    assert capsys.readouterr().out == "" and not (tmp_path / "empty" / "sweep.json").exists()
+
+
 def test_the_best_follows_the_monitored_key_and_its_mode(tmp_path):
     sweep = tmp_path / "sweep"
     monitor = {"key": "val_acc", "mode": "max"}
