@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import logging
 import os
 import random
@@ -325,7 +324,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             # the run's files come once its first optimizer step succeeded (or before the
             # first metrics row, whichever is first): a resume the first batch refuses (a
             # task that does not fit the data) leaves the run dir as it was
-            outputs = _FirstStepOutputs(cfg, env, run_dir, logger, loop, checkpointing)
+            outputs = startup.FirstStepOutputs(cfg, env, run_dir, logger, loop, checkpointing)
             loop.callbacks.insert(0, outputs)
             logger.before_first_write = outputs.open
             heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
@@ -368,53 +367,3 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 loop.val_feed.close()
         logger.close()
         lock.release()
-
-
-class _FirstStepOutputs(Callback):
-    """Opens the run's files (`_open_outputs`) once: after the first optimizer step, or at
-    the logger's first write if that comes first (the same step's metrics row). `writing`:
-    from then on, the run dir holds this run's files (rank 0)."""
-
-    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                 loop: Loop, checkpointing: Checkpointing):
-        self.args = (cfg, env, run_dir, logger, loop.train_feed)
-        self.checkpointing = checkpointing
-        self.logger = logger
-        # where the run starts: rows a killed attempt logged past it leave metrics.jsonl
-        self.step, self.validated_step = loop.state.step, loop.state.validated_step
-        self.opened = False
-
-    @property
-    def writing(self) -> bool:
-        return self.opened and self.logger.write
-
-    def open(self) -> None:
-        if not self.opened:
-            self.opened = True
-            _open_outputs(*self.args, self.step, self.validated_step)
-            if self.logger.write:
-                self.checkpointing.set_aside(self.step)
-
-    def after_step(self, loop) -> None:
-        self.open()
-
-
-def _open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                  train_feed, step: int, validated_step: int) -> None:
-    """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
-    record, the class names of a dataset that has them (`classes.json`: class i is the i-th
-    name), metrics.jsonl and TensorBoard."""
-    if not logger.write:
-        return
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    classes = getattr(getattr(train_feed, "source", None), "classes", None)
-    if classes is not None:
-        (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
-    rundir.record_hydra(run_dir, cfg)
-    resume = cfg.trainer.resume
-    rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)
-    dropped = logger.open(step, validated_step)
-    if dropped:
-        logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
-                    "resumed one) were dropped: those steps are trained again", dropped,
-                    step)

@@ -1,8 +1,9 @@
 """What a run settles before its first step: that every rank runs the same settings and data,
-that the optimizer steps the way the loop calls it, and which checkpoint it continues from,
-loaded into the built loop."""
+that the optimizer steps the way the loop calls it, which checkpoint it continues from,
+loaded into the built loop; and the run's files, opened once its first step succeeded."""
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from pathlib import Path
@@ -15,8 +16,9 @@ from trainer import checkpoint, distributed, ending, rundir
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
-from trainer.loop import Loop
-from trainer.resilience import changes_line, resume_changes, set_rng_state
+from trainer.logging import RunLogger
+from trainer.loop import Callback, Loop
+from trainer.resilience import Checkpointing, changes_line, resume_changes, set_rng_state
 from trainer.strategy import unwrap
 
 def resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
@@ -163,3 +165,53 @@ def same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
                 f"data: the ranks built {split} sets of different lengths ({int(lo)} to "
                 f"{int(hi)} samples); every rank must build the same dataset (one that reads "
                 "RANK, or files that differ between nodes?)")
+
+
+class FirstStepOutputs(Callback):
+    """Opens the run's files (`open_outputs`) once: after the first optimizer step, or at
+    the logger's first write if that comes first (the same step's metrics row). `writing`:
+    from then on, the run dir holds this run's files (rank 0)."""
+
+    def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
+                 loop: Loop, checkpointing: Checkpointing):
+        self.args = (cfg, env, run_dir, logger, loop.train_feed)
+        self.checkpointing = checkpointing
+        self.logger = logger
+        # where the run starts: rows a killed attempt logged past it leave metrics.jsonl
+        self.step, self.validated_step = loop.state.step, loop.state.validated_step
+        self.opened = False
+
+    @property
+    def writing(self) -> bool:
+        return self.opened and self.logger.write
+
+    def open(self) -> None:
+        if not self.opened:
+            self.opened = True
+            open_outputs(*self.args, self.step, self.validated_step)
+            if self.logger.write:
+                self.checkpointing.set_aside(self.step)
+
+    def after_step(self, loop) -> None:
+        self.open()
+
+
+def open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
+                  train_feed, step: int, validated_step: int) -> None:
+    """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
+    record, the class names of a dataset that has them (`classes.json`: class i is the i-th
+    name), metrics.jsonl and TensorBoard."""
+    if not logger.write:
+        return
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    classes = getattr(getattr(train_feed, "source", None), "classes", None)
+    if classes is not None:
+        (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
+    rundir.record_hydra(run_dir, cfg)
+    resume = cfg.trainer.resume
+    rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)
+    dropped = logger.open(step, validated_step)
+    if dropped:
+        logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
+                    "resumed one) were dropped: those steps are trained again", dropped,
+                    step)
