@@ -1,4 +1,5 @@
-"""fit / train_epoch / evaluate: the training loop, readable top to bottom.
+"""fit / train_epoch / evaluate: the training loop, readable top to bottom (its validation pass:
+trainer/validation.py).
 
 Conventions: a *step* is an optimizer step; a *micro-batch* is one loader batch. With
 `accumulate_grad_batches=k`, k micro-batches form a window. The loop never looks inside a batch:
@@ -22,12 +23,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
 
-from data.prefetch import DevicePrefetcher, map_tensors
+from data.prefetch import DevicePrefetcher
 from data.sampler import limit_left
-from trainer import checkpoint, devicewait, distributed
+from trainer import checkpoint, devicewait, distributed, validation
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
-from trainer.ledger import Ledger, counted, window_factor
+from trainer.ledger import Ledger, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
 from trainer.progress import FitState, Window, epoch_plan
@@ -412,61 +413,8 @@ class Loop:
                 f"the loss was not finite for {bad} optimizer steps in a row (up to step "
                 f"{self.state.step}, trainer.max_bad_steps={self.cfg.max_bad_steps}); stopped")
 
-    @torch.no_grad()
     def evaluate(self, epoch: int) -> Dict[str, float]:
         """The loss (a mean over every counted unit) and the task's metrics over the whole
-        validation set, exact on any world size; {} when there is no validation set."""
-        if self.val_feed is None:
-            self.state.validated_step = self.state.step
-            return {}
-        model = unwrap(self.model)  # no DDP collectives in evaluation
-        self.phase = "validating"
-        distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
-        model.eval()
-        start = time.perf_counter()
-        sums = self._evaluate_batches(model)
-        loss_sum, count, samples, files = distributed.all_reduce_sum(sums).tolist()
-        if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
-            line = ("no validation sample was read: every one was skipped as unreadable "
-                    f"({int(files)} files, data.dataset.on_error=skip)")
-            if not self.val_read:  # the run's first: the files, not a passing outage
-                raise ConfigError(f"data: {line}; check the validation files")
-            self.logger.warning("data: validation at step %d: %s", self.state.step, line)
-        self.val_read = self.val_read or samples > 0
-        values = {"val_loss": loss_sum / count if count else math.nan}
-        for name, metric in self.task.metrics.items():  # torchmetrics gathers every rank's state
-            values[f"val_{name}"] = self.task.compute_metric(name, metric) if count else math.nan
-        values.update(self.task.derived(values))
-        # what decides best.pt must be the same on every rank: a metric that does not sync
-        # its state would otherwise send ranks into different collectives
-        values = distributed.broadcast_object(values)
-        self.last_val = values
-        self.state.validated_step = self.state.step
-        self.run_val_s += time.perf_counter() - start
-        self.logger.metrics("val", self.state.step, {"epoch": max(epoch, 0), **values})
-        self.logger.info("epoch %d step %d: %s", max(epoch, 0), self.state.step,
-                         " ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        model.train()
-        self.phase = "training"  # (after validation's collectives: a wait there is named so)
-        return values
-
-    def _evaluate_batches(self, model: nn.Module) -> torch.Tensor:
-        """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
-        validation shard; metrics updated on the way."""
-        task = self.task
-        for metric in task.metrics.values():
-            metric.reset()
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        samples = 0
-        for batch in self.val_feed.take(self.val_limit):
-            samples += batch_size(batch)  # (shapes only)
-            with self.precision.autocast():
-                output = task.forward(model, batch)
-                count = task.count(batch)
-                sums[0] += counted(task.loss(output, batch), count)
-                sums[1] += count
-            if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
-                task.update_metrics(map_tensors(output, torch.clone) if self.replays else output,
-                                    batch)
-        sums[2], sums[3] = samples, len(skipped_files(self.val_feed))
-        return sums
+        validation set, exact on any world size; {} when there is no validation set
+        (trainer/validation.py)."""
+        return validation.evaluate(self, epoch)

@@ -189,29 +189,3 @@ def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
     assert summary["steps"] == again[0].steps == again[2].steps == 46
     saved = torch.load(Path(summary["checkpoint"]), weights_only=True)["callbacks"]
     assert saved == {"CountSteps": {"steps": 46}, "CountSteps.1": {"steps": 46}}
-
-
-def test_validations_collectives_are_in_its_phase_for_the_heartbeat(make_cfg, monkeypatch):
-    """A peer lost while ranks sum their validation losses is named as met in validation,
-    not in training; training resumes its phase afterwards."""
-    from trainer import distributed
-    from trainer.loop import Loop
-
-    phases, sum_ = [], distributed.all_reduce_sum
-    seen = {}
-
-    def all_reduce_sum(t):
-        if "loop" in seen:  # (not the metrics' trial on the first batch: a training step's)
-            phases.append(seen["loop"].phase)
-        return sum_(t)
-
-    evaluate = Loop.evaluate
-
-    def recording(self, epoch):
-        seen["loop"] = self
-        return evaluate(self, epoch)
-
-    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
-    monkeypatch.setattr(Loop, "evaluate", recording)
-    train(make_cfg("trainer.max_epochs=1"))
-    assert phases and set(phases) == {"validating"} and seen["loop"].phase == "training"

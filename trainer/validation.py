@@ -1,0 +1,83 @@
+"""The validation pass: the loss, a mean over every counted unit, and the task's metrics over
+the whole validation set, exact on any world size (each rank its shard, without padding; sums
+all-reduced, metrics synced by their own state), under the training loop's precision."""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Dict
+
+import torch
+from torch import nn
+
+from data.prefetch import map_tensors
+from trainer import distributed
+from trainer.config import ConfigError
+from trainer.feeds import skipped_files
+from trainer.ledger import counted
+from trainer.strategy import unwrap
+from trainer.task import batch_size
+
+if TYPE_CHECKING:
+    from trainer.loop import Loop
+
+
+@torch.no_grad()
+def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
+    """The loss (a mean over every counted unit) and the task's metrics over the whole
+    validation set, exact on any world size; {} when there is no validation set."""
+    if loop.val_feed is None:
+        loop.state.validated_step = loop.state.step
+        return {}
+    model = unwrap(loop.model)  # no DDP collectives in evaluation
+    loop.phase = "validating"
+    distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
+    model.eval()
+    start = time.perf_counter()
+    sums = _shard_sums(loop, model)
+    loss_sum, count, samples, files = distributed.all_reduce_sum(sums).tolist()
+    if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
+        line = ("no validation sample was read: every one was skipped as unreadable "
+                f"({int(files)} files, data.dataset.on_error=skip)")
+        if not loop.val_read:  # the run's first: the files, not a passing outage
+            raise ConfigError(f"data: {line}; check the validation files")
+        loop.logger.warning("data: validation at step %d: %s", loop.state.step, line)
+    loop.val_read = loop.val_read or samples > 0
+    values = {"val_loss": loss_sum / count if count else math.nan}
+    for name, metric in loop.task.metrics.items():  # torchmetrics gathers every rank's state
+        values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
+    values.update(loop.task.derived(values))
+    # what decides best.pt must be the same on every rank: a metric that does not sync
+    # its state would otherwise send ranks into different collectives
+    values = distributed.broadcast_object(values)
+    loop.last_val = values
+    loop.state.validated_step = loop.state.step
+    loop.run_val_s += time.perf_counter() - start
+    loop.logger.metrics("val", loop.state.step, {"epoch": max(epoch, 0), **values})
+    loop.logger.info("epoch %d step %d: %s", max(epoch, 0), loop.state.step,
+                     " ".join(f"{k} {v:.4f}" for k, v in values.items()))
+    model.train()
+    loop.phase = "training"  # (after validation's collectives: a wait there is named so)
+    return values
+
+
+def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
+    """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
+    validation shard; metrics updated on the way."""
+    task = loop.task
+    for metric in task.metrics.values():
+        metric.reset()
+    sums = torch.zeros(4, dtype=torch.float64, device=loop.device)
+    samples = 0
+    for batch in loop.val_feed.take(loop.val_limit):
+        samples += batch_size(batch)  # (shapes only)
+        with loop.precision.autocast():
+            output = task.forward(model, batch)
+            count = task.count(batch)
+            sums[0] += counted(task.loss(output, batch), count)
+            sums[1] += count
+        if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
+            task.update_metrics(map_tensors(output, torch.clone) if loop.replays else output,
+                                batch)
+    sums[2], sums[3] = samples, len(skipped_files(loop.val_feed))
+    return sums
