@@ -5,7 +5,8 @@
 
 A sweep that ran every job prints this itself at its end; this is for one that was stopped,
 resumed, or submitted to SLURM (hydra/launcher=slurm) and looked at later. Jobs that did not
-finish show their status (failed, preempted, running, not started) and no results.
+finish show their status (failed, preempted, running) and no results; jobs the sweep never
+started have no dir and are not listed.
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     a = p.parse_args(argv)
     if not a.sweep_dir.is_dir():
         p.error(f"{a.sweep_dir}: not a folder (a sweep's dir: multirun/<date>/<time>)")
+    if not (a.sweep_dir / "multirun.yaml").is_file():  # (Hydra writes it into every sweep's)
+        p.error(f"{a.sweep_dir}: not a sweep's dir (no multirun.yaml, which Hydra writes into "
+                "each; a sweep's dir is multirun/<date>/<time>)")
     if not jobs_of(a.sweep_dir):
-        p.error(f"{a.sweep_dir}: no job dirs (0, 1, ...) in it: not a sweep's dir")
+        p.error(f"{a.sweep_dir}: no job has started in this sweep yet")
     print(table(summarise(a.sweep_dir) if a.no_write else write(a.sweep_dir)))
 
 

@@ -87,12 +87,13 @@ def sweep_job_failed(e: BaseException) -> None:
     if not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
     record_failure(job_dir, e)
-    overrides = job_dir / ".hydra" / "overrides.yaml"  # (what the sweep's table shows of it)
-    if not overrides.exists():
+    record = job_dir / ".hydra"  # what the sweep's table shows of it: overrides, job number
+    if not (record / "overrides.yaml").exists():
         try:
-            overrides.parent.mkdir(exist_ok=True)
-            overrides.write_text(OmegaConf.to_yaml(OmegaConf.create(
+            record.mkdir(exist_ok=True)
+            (record / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(
                 list(hydra_cfg.overrides.task))))
+            (record / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}))
         except OSError:
             pass
 
@@ -116,10 +117,13 @@ def say_sweep_stopped() -> None:
 
     if distributed.detect().is_main:
         h = HydraConfig.get()
-        print(f"stoker: the sweep stopped at job {h.job.num}; the jobs after it were not run "
-              f"(once fixed, the same command with trainer.resume=auto hydra.sweep.dir="
-              f"{h.sweep.dir} "
-              "keeps the finished ones)", file=sys.stderr, flush=True)
+        print(f"stoker: the sweep stopped at job {h.job.num}"
+              + (f" ({h.runtime.output_dir})" if h.sweep.subdir != "${hydra.job.num}" and
+                 str(h.job.num) != Path(h.runtime.output_dir).name else "")
+              + "; the jobs after it were not run (once fixed, the same command with "
+              f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
+              + ("keeps the finished ones)" if h.job.num else "runs them all)"),
+              file=sys.stderr, flush=True)
 
 
 def record_failure(run_dir: Path, e: BaseException) -> None:

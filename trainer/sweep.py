@@ -44,23 +44,43 @@ def _overrides(job_dir: Path) -> List[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-def _job_key(path: Path) -> Tuple[int, int, str]:
-    """Job order: numbered dirs (hydra.sweep.subdir's default) by number, then by name."""
-    return (0, int(path.name), "") if path.name.isdigit() else (1, 0, path.name)
+def _job_num(job_dir: Path) -> Optional[int]:
+    """The job's number as Hydra counted it (`.hydra/hydra.yaml`), where recorded."""
+    try:
+        num = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml").hydra.job.num
+        return int(num)
+    except Exception:  # noqa: BLE001  (not recorded: a job dir that holds nothing yet)
+        return None
+
+
+def _job_dirs(sweep_dir: Path, depth: int = 3) -> List[Path]:
+    """The dirs under `sweep_dir` (to `depth` levels: hydra.sweep.subdir may nest, as
+    runs/${hydra.job.num} does) that hold a run's status.json or Hydra's record of a job."""
+    found, level = [], [sweep_dir]
+    for _ in range(depth):
+        level = [p for d in level for p in sorted(d.iterdir())
+                 if p.is_dir() and not p.name.startswith(".") and p.name != "checkpoints"]
+        found += [p for p in level
+                  if (p / "status.json").is_file() or (p / ".hydra" / "overrides.yaml").is_file()]
+        level = [p for p in level if p not in found]
+    return found
 
 
 def jobs_of(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """One record per job dir under `sweep_dir` (a dir holding a run's status.json or Hydra's
-    record: any hydra.sweep.subdir), in job order; a job is named by its dir."""
+    """One record per job dir under `sweep_dir` (any hydra.sweep.subdir), in the order Hydra
+    launched them; a job is named by its dir (its number, with the default subdir). Jobs
+    the sweep never started have no dir: they are not listed."""
     jobs = []
-    found = [p for p in sweep_dir.iterdir() if p.is_dir() and
-             ((p / "status.json").is_file() or (p / ".hydra").is_dir() or p.name.isdigit())]
-    for job_dir in sorted(found, key=_job_key):
+    for job_dir in _job_dirs(sweep_dir):
         status = _read_json(job_dir / "status.json") or {}
-        jobs.append({"job": int(job_dir.name) if job_dir.name.isdigit() else job_dir.name,
+        name = str(job_dir.relative_to(sweep_dir))
+        num = _job_num(job_dir)
+        jobs.append({"job": int(name) if name.isdigit() else name,
+                     "num": num if num is not None else (int(name) if name.isdigit() else None),
                      "dir": str(job_dir), "overrides": _overrides(job_dir),
                      "status": status.get("status", "not started"),
                      "summary": _read_json(job_dir / "summary.json") or {}})
+    jobs.sort(key=lambda j: (j["num"] is None, j["num"] or 0, str(j["job"])))
     return jobs
 
 
@@ -83,22 +103,31 @@ def varying(jobs: List[Dict[str, Any]]) -> List[str]:
     return keys if keys or len(given) != 1 else order
 
 
-def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[int], str, str]:
-    """(the best job's number or None, the key, max|min): by the monitored key each job's
-    summary names (trainer.checkpoint.monitor and its mode), else val_loss, lowest."""
+def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:
+    """(the best job's name or None, the key, max|min): by the monitored key the first job's
+    summary names (trainer.checkpoint.monitor and its mode), else val_loss, lowest; of jobs
+    that tie, the first launched."""
     key, mode = "val_loss", "min"
     for job in jobs:
         monitor = job["summary"].get("monitor")
         if isinstance(monitor, dict) and monitor.get("key") and monitor.get("mode"):
             key, mode = monitor["key"], monitor["mode"]
             break
-    scored = [(job["summary"][key], job["job"]) for job in jobs
-              if job["status"] == "completed" and isinstance(job["summary"].get(key), (int, float))
-              and math.isfinite(job["summary"][key])]
+    scored = [(value, job["job"]) for job in jobs if job["status"] == "completed"
+              for value in [_score(job["summary"], key)] if value is not None]
     if not scored:
         return None, key, mode
     _, num = (max if mode == "max" else min)(scored, key=lambda s: s[0])
     return num, key, mode
+
+
+def _score(summary: Dict[str, Any], key: str) -> Optional[float]:
+    """What a job is ranked by: the value its best.pt holds where it kept one for `key`
+    (the best over its validations), else its last validation's; None if not finite."""
+    best = summary.get("best")
+    value = best.get("value") if isinstance(best, dict) and best.get("monitor") == key \
+        else summary.get(key)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def summarise(sweep_dir: Path) -> Dict[str, Any]:
@@ -108,12 +137,22 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
     best, key, mode = best_job(jobs)
     results = list(RESULTS) + sorted({k for j in jobs for k in j["summary"]
                                       if k.startswith("val_")}) + [RATE]
+    # where the jobs kept a best.pt by the key, its value (the best over the validations,
+    # which ranks them) beside the last validation's
+    kept = any(isinstance(j["summary"].get("best"), dict)
+               and j["summary"]["best"].get("monitor") == key for j in jobs)
+    if kept:
+        results.insert(len(RESULTS), f"best_{key}")
     rows = []
     for job in jobs:
         given = _given(job)
+        values = {k: job["summary"].get(k) for k in results}
+        if kept:
+            best_record = job["summary"].get("best")
+            values[f"best_{key}"] = best_record.get("value") if isinstance(best_record, dict) \
+                else None
         rows.append({"job": job["job"], "overrides": {k: given.get(k) for k in keys},
-                     "status": job["status"], "dir": job["dir"],
-                     **{k: job["summary"].get(k) for k in results}})
+                     "status": job["status"], "dir": job["dir"], **values})
     return {"sweep_dir": str(sweep_dir), "monitor": key, "mode": mode, "best_job": best,
             "varying": keys, "results": results, "jobs": rows}
 
@@ -138,9 +177,11 @@ def table(record: Dict[str, Any]) -> str:
              for cells in (head, *rows)]
     jobs = record["jobs"]
     best = record["best_job"]
-    title = (f"sweep: {len(jobs)} jobs in {record['sweep_dir']}; best by {record['monitor']} "
-             f"({record['mode']}): " + (f"job {best}" if best is not None else
-                                         "none (no completed job logged it)"))
+    title = (f"sweep: {len(jobs)} job{'s' if len(jobs) != 1 else ''} in "
+             f"{record['sweep_dir']}; best by {record['monitor']} ({record['mode']}"
+             + (", best.pt's" if f"best_{record['monitor']}" in record["results"] else "")
+             + "): " + (f"job {best}" if best is not None else
+                        "none (no completed job logged it)"))
     return "\n".join([title, *lines])
 
 

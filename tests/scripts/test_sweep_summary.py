@@ -17,6 +17,7 @@ def test_a_stopped_sweeps_table_and_its_record(tmp_path, capsys):
 
     sweep = tmp_path / "sweep"
     job(sweep, 0, ["optim.lr=0.1"], "completed", {"steps": 4, "val_loss": 0.5})
+    (sweep / "multirun.yaml").write_text("{}\n")
     job(sweep, 1, ["optim.lr=-1"], "failed: configuration, data or checkpoint")
     sweep_summary.main([str(sweep), "--no-write"])
     assert not (sweep / "sweep.json").exists()
@@ -27,9 +28,21 @@ def test_a_stopped_sweeps_table_and_its_record(tmp_path, capsys):
     assert json.loads((sweep / "sweep.json").read_text())["best_job"] == 0
 
 
+def runs_folder(p):
+    """outputs/<date>: runs, not a sweep (its table would list them as jobs)."""
+    job(p / "outputs", "11-00-00", ["optim.lr=0.1"], "completed", {"val_loss": 0.5})
+    return p / "outputs"
+
+
+def started_nothing(p):
+    (p / "multirun.yaml").write_text("{}\n")
+    return p
+
+
 @pytest.mark.parametrize("make,needle", [
     (lambda p: p / "nope", "nope: not a folder (a sweep's dir: multirun/<date>/<time>)"),
-    (lambda p: p, "no job dirs (0, 1, ...) in it: not a sweep's dir"),
+    (runs_folder, "outputs: not a sweep's dir (no multirun.yaml, which Hydra writes into each"),
+    (started_nothing, ": no job has started in this sweep yet"),
 ])
 def test_a_folder_that_is_no_sweep_is_a_usage_error(tmp_path, capsys, make, needle):
     import sweep_summary

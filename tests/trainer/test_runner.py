@@ -518,7 +518,9 @@ def test_a_sweep_job_that_crashes_stops_the_sweep_with_its_traceback(tmp_path):
     assert proc.returncode == 1
     assert "RuntimeError: injected failure on rank None" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("stoker: the sweep stopped at job 0")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker: the sweep stopped at job 0; the jobs after it were not run")
+    assert last.endswith("runs them all)"), last  # (no finished job to keep)
     [sweep] = (tmp_path / "multirun").glob("*/*")
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # 1 never ran
     status = json.loads((sweep / "0" / "status.json").read_text())

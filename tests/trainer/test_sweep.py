@@ -73,6 +73,32 @@ def test_a_sweep_dir_without_jobs_gets_no_table_and_no_record(tmp_path, capsys):
     assert capsys.readouterr().out == "" and not (tmp_path / "empty" / "sweep.json").exists()
 
 
+def test_a_jobs_best_checkpoint_ranks_it_where_it_kept_one(tmp_path):
+    """Job 0 ends higher, job 1 peaked higher (its best.pt): the best checkpoint is job 1's."""
+    sweep = tmp_path / "sweep"
+    monitor = {"key": "val_acc", "mode": "max"}
+    job(sweep, 0, ["optim.lr=0.1"], "completed",
+        {"val_acc": 0.97, "monitor": monitor, "best": {"monitor": "val_acc", "value": 0.972}})
+    job(sweep, 1, ["optim.lr=0.01"], "completed",
+        {"val_acc": 0.96, "monitor": monitor, "best": {"monitor": "val_acc", "value": 0.978}})
+    record = summarise(sweep)
+    assert record["best_job"] == 1 and [r["best_val_acc"] for r in record["jobs"]] == [0.972,
+                                                                                       0.978]
+    lines = table(record).splitlines()
+    assert lines[0].endswith("best by val_acc (max, best.pt's): job 1")
+    assert "best_val_acc" in lines[1].split()
+
+
+def test_nested_subdirs_are_jobs_in_launch_order(tmp_path):
+    """hydra.sweep.subdir=runs/${...}: the job dirs are a level down; the order is Hydra's
+    job number (`.hydra/hydra.yaml`), not the dirs' names."""
+    sweep = tmp_path / "sweep"
+    for num, name in [(0, "runs/lr0.001"), (1, "runs/lr-1")]:
+        job(sweep, name, [f"optim.lr={name[7:]}"], "completed", {"val_loss": 1.0 - num})
+        (sweep / name / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  job:\n    num: {num}\n")
+    assert [j["job"] for j in jobs_of(sweep)] == ["runs/lr0.001", "runs/lr-1"]
+
+
 def test_the_best_follows_the_monitored_key_and_its_mode(tmp_path):
     sweep = tmp_path / "sweep"
     monitor = {"key": "val_acc", "mode": "max"}
