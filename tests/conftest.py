@@ -2,6 +2,7 @@
 tmp run dir. Shared helpers live in tests/helpers.py; import them from there."""
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from tests.helpers import compose_cfg
+
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
+# ignored and passes that on to every process it starts, whose Ctrl-C then does nothing: the
+# tests of Ctrl-C need Python's own handler here and the default in the processes they start.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
