@@ -202,6 +202,13 @@ NCCL_GRACE_S = 60.0
 _TIMEOUT: Optional[datetime.timedelta] = None  # trainer.ddp.timeout_s of the joined group
 
 
+def agent_store(env: DistEnv) -> bool:
+    """Whether the job's store is torchrun's agent's (shared with the workers, outliving every
+    rank), not one a rank hosts (SLURM's: rank 0's process)."""
+    return env.launcher != "slurm" and \
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
     global _TIMEOUT
     if device.type == "cuda":
@@ -210,15 +217,13 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
     kwargs = {}
     if env.launcher == "slurm":
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
-    # torchrun shares its rendezvous store with the workers and keeps it across
-    # --max-restarts; the group's keys from the previous attempt would then hand the new ranks
-    # stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
-    agent_store = env.launcher != "slurm" and \
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if backend == "nccl":
         timeout += datetime.timedelta(seconds=NCCL_GRACE_S)
     try:  # (the store's failure too is said as the group's)
-        if agent_store:
+        # torchrun shares its rendezvous store with the workers and keeps it across
+        # --max-restarts; the group's keys from the previous attempt would then hand the new
+        # ranks stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
+        if agent_store(env):
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   env.world_size, is_master=False, timeout=timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

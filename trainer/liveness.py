@@ -163,7 +163,7 @@ def peer_errors(rank: int, world_size: int) -> Dict[int, str]:
     ask it: rank 0 may be the one gone, and a client of a store that is gone prints pages of
     C++ warnings before it fails."""
     store, found = _store(), {}
-    if store is None or (rank != 0 and not _agent_store()):
+    if store is None or (rank != 0 and not distributed.agent_store(distributed.detect())):
         return found
     for r in range(world_size):
         key = ERROR_KEY.format(r)
@@ -193,14 +193,6 @@ def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Opt
     said = _said(peer_errors(rank, world_size))
     return PeerLost(f"rank {rank} lost a peer {where}: " + (
         said or "a peer's process ended; its own error, if it had one, is in its output"))
-
-
-def _agent_store() -> bool:
-    """Whether the job's store is torchrun's agent's, which outlives every rank."""
-    import os
-
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and \
-        distributed.detect().launcher != "slurm"
 
 
 def _store():
