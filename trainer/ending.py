@@ -82,18 +82,13 @@ def sweep_job_failed(e: BaseException) -> None:
 
     if not in_sweep() or not distributed.detect().is_main:
         return
-    hydra_cfg = HydraConfig.get()
-    job_dir = Path(hydra_cfg.runtime.output_dir)
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
     if not job_dir.is_dir() or (job_dir / rundir.STATUS).exists():
         return
     record_failure(job_dir, e)
-    record = job_dir / ".hydra"  # what the sweep's table shows of it: overrides, job number
-    if not (record / "overrides.yaml").exists():
-        try:
-            record.mkdir(exist_ok=True)
-            (record / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(
-                list(hydra_cfg.overrides.task))))
-            (record / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    if not (job_dir / ".hydra" / "overrides.yaml").exists():
+        try:  # what the sweep's table shows of it: its overrides, its job number
+            rundir.record_hydra(job_dir, None)
         except OSError:
             pass
 

@@ -223,10 +223,11 @@ def _dir_key() -> str:
     return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
 
 
-def record_hydra(run_dir: Path, cfg: DictConfig) -> None:
+def record_hydra(run_dir: Path, cfg: Optional[DictConfig]) -> None:
     """Hydra's record of the run (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`),
     written by rank 0 once the run dir is known to be this run's (Hydra's own writing of it,
-    before any check, is turned off in conf/train.yaml)."""
+    before any check, is turned off in conf/train.yaml); without `cfg` (a sweep job refused
+    before it was built: what the sweep's table shows of it) no config.yaml."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -234,7 +235,8 @@ def record_hydra(run_dir: Path, cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     folder = Path(run_dir) / ".hydra"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if cfg is not None:
+        (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (folder / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}))
     (folder / "overrides.yaml").write_text(
         OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
