@@ -30,8 +30,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from data.prefetch import each_tensor
 from trainer import distributed
+from trainer.checkpoint import tensors_in
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -369,29 +369,27 @@ def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
     """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
     mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
     found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
-    if first and "'indices'" in str(e) and "Long" in str(e):  # an embedding given floats
-        return ConfigError(
-            f"model: {type(model).__name__} cannot take the first batch ({describe(batch)}): "
-            f"{str(e).splitlines()[0]}; token ids must be integers: make the dataset return "
-            "int64 tensors (torch.as_tensor(ids, dtype=torch.long))")
-    if first and any(w in str(e) for w in ("shape", "size", "dtype")):
+    text = str(e)
+    embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
+    if first and (embedding or any(w in text for w in ("shape", "size", "dtype"))):
         # the first batch of the run: inputs that do not fit the model are a
         # configuration mismatch (data.input_shape, the model's arguments), not a crash
         params = {p.dtype for p in model.parameters() if p.is_floating_point()}
-        found: list = []
-        each_tensor(batch, found.append)
-        floats = {t.dtype for t in found if t.is_floating_point()} - params
-        fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
-               f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
-               "make the dataset return tensors of the model's dtype (numpy arrays are "
-               "float64: torch.as_tensor(x, dtype=torch.float32))"
-               if "dtype" in str(e) and floats and len(params) == 1 else
-               f"check data.input_shape={None if input_shape is None else list(input_shape)} "
-               "and the model's arguments")
-        return ConfigError(
-            f"model: {type(model).__name__} cannot take the first batch "
-            f"({describe(batch)}): {str(e).splitlines()[0]}; {fix}")
-    unused = "find_unused_parameters" in str(e) or "did not receive grad" in str(e)
+        floats = {t.dtype for t in tensors_in(batch) if t.is_floating_point()} - params
+        if embedding:
+            fix = ("token ids must be integers: make the dataset return int64 tensors "
+                   "(torch.as_tensor(ids, dtype=torch.long))")
+        elif "dtype" in text and floats and len(params) == 1:
+            fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
+                   f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
+                   "make the dataset return tensors of the model's dtype (numpy arrays are "
+                   "float64: torch.as_tensor(x, dtype=torch.float32))")
+        else:
+            fix = (f"check data.input_shape={None if input_shape is None else list(input_shape)}"
+                   " and the model's arguments")
+        return ConfigError(f"model: {type(model).__name__} cannot take the first batch "
+                           f"({describe(batch)}): {text.splitlines()[0]}; {fix}")
+    unused = "find_unused_parameters" in text or "did not receive grad" in text
     if unused and not find_unused:
         return ConfigError(
             "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
