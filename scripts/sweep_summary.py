@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import run_main  # noqa: E402
-from trainer.sweep import SUMMARY, jobs_of, summarise, table, write  # noqa: E402
+from trainer.sweep import SUMMARY, summarise, table, write  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -32,9 +32,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not (a.sweep_dir / "multirun.yaml").is_file():  # (Hydra writes it into every sweep's)
         p.error(f"{a.sweep_dir}: not a sweep's dir (no multirun.yaml, which Hydra writes into "
                 "each; a sweep's dir is multirun/<date>/<time>)")
-    if not jobs_of(a.sweep_dir):
+    record = summarise(a.sweep_dir)
+    if not record["jobs"]:
         p.error(f"{a.sweep_dir}: no job has started in this sweep yet")
-    print(table(summarise(a.sweep_dir) if a.no_write else write(a.sweep_dir)))
+    if not a.no_write:
+        write(a.sweep_dir, record)
+    print(table(record))
 
 
 if __name__ == "__main__":

@@ -74,9 +74,10 @@ def jobs_of(sweep_dir: Path) -> List[Dict[str, Any]]:
     for job_dir in _job_dirs(sweep_dir):
         status = _read_json(job_dir / "status.json") or {}
         name = str(job_dir.relative_to(sweep_dir))
+        numbered = int(name) if name.isdigit() else None  # (hydra.sweep.subdir's default)
         num = _job_num(job_dir)
-        jobs.append({"job": int(name) if name.isdigit() else name,
-                     "num": num if num is not None else (int(name) if name.isdigit() else None),
+        jobs.append({"job": name if numbered is None else numbered,
+                     "num": numbered if num is None else num,
                      "dir": str(job_dir), "overrides": _overrides(job_dir),
                      "status": status.get("status", "not started"),
                      "summary": _read_json(job_dir / "summary.json") or {}})
@@ -121,12 +122,18 @@ def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:
     return num, key, mode
 
 
-def _score(summary: Dict[str, Any], key: str) -> Optional[float]:
-    """What a job is ranked by: the value its best.pt holds where it kept one for `key`
-    (the best over its validations), else its last validation's; None if not finite."""
+def _kept_best(summary: Dict[str, Any], key: str) -> Optional[Any]:
+    """The value a job's best.pt holds for `key` (the best over its validations), where it
+    kept one by that key; else None."""
     best = summary.get("best")
-    value = best.get("value") if isinstance(best, dict) and best.get("monitor") == key \
-        else summary.get(key)
+    return best.get("value") if isinstance(best, dict) and best.get("monitor") == key else None
+
+
+def _score(summary: Dict[str, Any], key: str) -> Optional[float]:
+    """What a job is ranked by: its best.pt's value for `key` where it kept one, else its
+    last validation's; None if not finite."""
+    value = _kept_best(summary, key)
+    value = summary.get(key) if value is None else value
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
@@ -139,8 +146,7 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
                                       if k.startswith("val_")}) + [RATE]
     # where the jobs kept a best.pt by the key, its value (the best over the validations,
     # which ranks them) beside the last validation's
-    kept = any(isinstance(j["summary"].get("best"), dict)
-               and j["summary"]["best"].get("monitor") == key for j in jobs)
+    kept = any(_kept_best(j["summary"], key) is not None for j in jobs)
     if kept:
         results.insert(len(RESULTS), f"best_{key}")
     rows = []
@@ -148,9 +154,7 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
         given = _given(job)
         values = {k: job["summary"].get(k) for k in results}
         if kept:
-            best_record = job["summary"].get("best")
-            values[f"best_{key}"] = best_record.get("value") if isinstance(best_record, dict) \
-                else None
+            values[f"best_{key}"] = _kept_best(job["summary"], key)
         rows.append({"job": job["job"], "overrides": {k: given.get(k) for k in keys},
                      "status": job["status"], "dir": job["dir"], **values})
     return {"sweep_dir": str(sweep_dir), "monitor": key, "mode": mode, "best_job": best,
@@ -185,13 +189,11 @@ def table(record: Dict[str, Any]) -> str:
     return "\n".join([title, *lines])
 
 
-def write(sweep_dir: Path) -> Dict[str, Any]:
-    """Writes `<sweep_dir>/sweep.json` (whole or not at all) and returns its record."""
-    record = summarise(sweep_dir)
+def write(sweep_dir: Path, record: Dict[str, Any]) -> None:
+    """Writes `record` (`summarise`) to `<sweep_dir>/sweep.json`, whole or not at all."""
     tmp = sweep_dir / f".{SUMMARY}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, sweep_dir / SUMMARY)
-    return record
 
 
 class SweepSummary(Callback):
@@ -204,10 +206,13 @@ class SweepSummary(Callback):
         if not detect().is_main:
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        if not sweep_dir.is_dir() or not jobs_of(sweep_dir):
+        if not sweep_dir.is_dir():
+            return
+        record = summarise(sweep_dir)
+        if not record["jobs"]:
             return
         try:
-            record = write(sweep_dir)
+            write(sweep_dir, record)
         except OSError as e:  # a full disk or a read-only dir: the jobs' own files stand
             print(f"stoker: warning: {sweep_dir / SUMMARY} not written ({e.strerror or e})",
                   flush=True)
