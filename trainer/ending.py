@@ -113,8 +113,8 @@ def say_sweep_stopped() -> None:
     if distributed.detect().is_main:
         h = HydraConfig.get()
         print(f"stoker: the sweep stopped at job {h.job.num}"
-              + (f" ({h.runtime.output_dir})" if h.sweep.subdir != "${hydra.job.num}" and
-                 str(h.job.num) != Path(h.runtime.output_dir).name else "")
+              + (f" ({h.runtime.output_dir})"  # a hydra.sweep.subdir of one's own
+                 if str(h.job.num) != Path(h.runtime.output_dir).name else "")
               + "; the jobs after it were not run (once fixed, the same command with "
               f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
               + ("keeps the finished ones)" if h.job.num else "runs them all)"),

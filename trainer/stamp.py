@@ -22,7 +22,7 @@ def process_start(pid: int) -> float:
 
 
 _claimed: Dict[Tuple[str, str], str] = {}  # (parent, stamp) -> the run dir named for it
-_made: List[str] = []  # the run dirs this process made (removed at exit when left empty)
+_made: List[str] = []  # the run dirs this process made, absolute (removed at exit if empty)
 
 
 def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
@@ -44,7 +44,7 @@ def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
     if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
         atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
         if not (shared and existed):  # a restarted job's dir holds its first attempt's log
-            _made.append(path)
+            _made.append(os.path.abspath(path))
     _claimed[(parent, stamp)] = path
     return path
 
@@ -71,7 +71,7 @@ def _claim(base: str, tries: int = 1000) -> Tuple[str, bool]:
 def made_here(path: str) -> bool:
     """Whether `path` is a run dir this process made (a dated one it claimed), which its exit
     removes when nothing is left in it."""
-    return os.path.abspath(path) in {os.path.abspath(p) for p in _made}
+    return os.path.abspath(path) in _made
 
 
 def nothing_launched(records: Tuple[str, ...] = ("multirun.yaml",)) -> None:
