@@ -191,8 +191,9 @@ _WORKER_ENDED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
                            r"(?: with exit code (-?\d+))?)")
 
 
-_ENDED = ("killed (the out-of-memory killer, usually: fewer data.num_workers, a smaller "
-          "data.prefetch_factor or data.batch_size take less memory), or crashed in native "
+_LESS_MEMORY = ("fewer data.num_workers, a smaller data.prefetch_factor or data.batch_size "
+                "take less memory")
+_ENDED = (f"killed (the out-of-memory killer, usually: {_LESS_MEMORY}), or crashed in native "
           "code the dataset calls (data.num_workers=0 runs it in the training process, where "
           "that shows)")
 
@@ -216,9 +217,7 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
                 "calls, a decoder's say); data.num_workers=0 runs it in the training process, "
                 "where it shows")
     elif signal_name:
-        what = ("was killed (SIGKILL: the out-of-memory killer, usually; fewer "
-                "data.num_workers, a smaller data.prefetch_factor or data.batch_size take less "
-                "memory)")
+        what = f"was killed (SIGKILL: the out-of-memory killer, usually; {_LESS_MEMORY})"
     else:  # (PyTorch does not always tell how)
         what = f"ended unexpectedly: {_ENDED}"
     return LoaderWorkerDied(f"data: loader worker (pid {pid}) {what}")

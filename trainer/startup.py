@@ -21,6 +21,7 @@ from trainer.loop import Callback, Loop
 from trainer.resilience import Checkpointing, changes_line, resume_changes, set_rng_state
 from trainer.strategy import unwrap
 
+
 def resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """trainer.resume, except that a job torchrun restarted continues its own run (the run
     dir's status.json names this job) from the dir's newest checkpoint: a path given for the
@@ -197,7 +198,7 @@ class FirstStepOutputs(Callback):
 
 
 def open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger,
-                  train_feed, step: int, validated_step: int) -> None:
+                 train_feed, step: int, validated_step: int) -> None:
     """The run's files, from rank 0, once every check passed: the resolved config, Hydra's
     record, the class names of a dataset that has them (`classes.json`: class i is the i-th
     name), metrics.jsonl and TensorBoard."""
