@@ -34,8 +34,9 @@ from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import ShardStream, write_shards  # noqa: E402
 from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
+from trainer.checks import resolve  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
-from trainer.config import ConfigError, cpu_workers, resolve  # noqa: E402
+from trainer.config import ConfigError, cpu_workers  # noqa: E402
 from trainer.feeds import build_datasets  # noqa: E402
 
 

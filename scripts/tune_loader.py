@@ -29,9 +29,10 @@ from benchlib import (at_least, check_out, default_out, machine, publish,  # noq
                       run_main, table)
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
+from trainer.checks import resolve  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
-from trainer.config import ConfigError, resolve  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
 from trainer.feeds import build_datasets, collate_for  # noqa: E402
 from trainer.task import batch_size  # noqa: E402
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from tests.helpers import CONF, make_memmap_root
 from trainer import schedules
 from trainer.components import build
-from trainer.config import resolve
+from trainer.checks import resolve
 
 GROUPS = ["data", "model", "task", "optim", "sched", "trainer", "debug", "experiment"]
 # files starting with "_" are bases the options include, not options

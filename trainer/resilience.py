@@ -197,7 +197,7 @@ class Preemption:
 
 class Checkpointing(Callback):
     """Decides when the loop saves: every N steps, every N epochs, on preemption, at the
-    end; tracks best.pt (`monitor` in the checked `mode`, see config.monitor_mode); never
+    end; tracks best.pt (`monitor` in the checked `mode`, see checks.monitor_mode); never
     saves a state whose recent losses were not finite."""
 
     def __init__(self, cfg: DictConfig, env: DistEnv, run_dir: Path, logger, enabled: bool,

@@ -22,8 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import (checkpoint, components, distributed, ending, liveness, rundir, schedules,
                      speed, startup)
+from trainer.checks import monitor_mode, resolve
 from trainer.cli import describe, fail, wants_traceback
-from trainer.config import ConfigError, RunSpec, Strategy, monitor_mode, resolve
+from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost

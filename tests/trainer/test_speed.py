@@ -7,7 +7,8 @@ import torch
 from tests.helpers import ROOT, summary_of, torchrun
 from tests.helpers import final_weights as weights
 from trainer import speed
-from trainer.config import CompileConfig, ConfigError, Strategy, _check_speed, resolve
+from trainer.checks import _check_speed, resolve
+from trainer.config import CompileConfig, ConfigError, Strategy
 from trainer.models import SmallCNN
 from trainer.runner import train
 

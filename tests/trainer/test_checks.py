@@ -1,0 +1,176 @@
+"""resolve() checks what the schema cannot: ranges, keys that only work together, and what
+needs the environment; each problem is one line naming the key."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.checks import _check_graphs_and_accumulation, monitor_mode, resolve
+from trainer.config import ConfigError, Precision, Strategy
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("data.batch_size=0", "data.batch_size=0: must be >= 1"),
+    ("data.eval_batch_size=0", "data.eval_batch_size=0"),
+    ("data.num_workers=-1", "data.num_workers=-1: must be auto or an integer >= 0"),
+    ("data.num_workers=abc", "data.num_workers=abc: must be auto or an integer >= 0"),
+    ("data.placement=gpu", "data.placement=gpu: must be auto, host or device"),
+    ("data.device_budget_mb=-1", "data.device_budget_mb=-1"),
+    ("data.augment.crop_padding=-4", "data.augment.crop_padding=-4"),
+    # checked before the checks that read it (a TypeError, or a crop_padding blamed)
+    ("data.input_shape=8", "data.input_shape=8: must be null or a non-empty list of sizes"),
+    ("data.input_shape=[1,a,8]", "data.input_shape=[1, 'a', 8]: must be null or a non-empty"),
+    ("data.input_shape=[1,0,8]", "data.input_shape=[1, 0, 8]: must be null or a non-empty"),
+    ("trainer.checkpoint.async_save=maybe", "trainer.checkpoint.async_save=maybe: must be auto"),
+    ("data.prefetch_factor=0", "data.prefetch_factor=0"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),
+    ("trainer.grad_clip=0", "trainer.grad_clip=0"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0"),
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
+    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0"),
+    ("trainer.overfit_batches=-2", "trainer.overfit_batches=-2"),
+    ("data.num_classes=1", "data.num_classes=1"),
+    ("trainer.checkpoint.keep_last=0", "trainer.checkpoint.keep_last=0"),
+    ("trainer.checkpoint.every_n_steps=-1", "trainer.checkpoint.every_n_steps=-1"),
+    ("trainer.checkpoint.mode=up", "trainer.checkpoint.mode=up"),
+    ("trainer.max_bad_steps=-1", "trainer.max_bad_steps=-1"),
+    ("data.cache=tape", "data.cache=tape: must be none, memory, shm, disk or lru"),
+    ("data.cache_mb=0", "data.cache_mb=0.0: must be > 0 MB"),
+    ("data.normalize_mean=0.5", "data.normalize_mean=0.5: must be null or a list of numbers"),
+    ("data.multiprocessing_context=thread", "data.multiprocessing_context=thread"),
+    ("data.timeout=-1", "data.timeout=-1"),
+    # beyond a week the C types the timeouts reach overflow (a traceback before)
+    ("data.timeout=inf", "data.timeout=inf: must be from 0 to 604800 seconds (a week; 0: wait"),
+    ("data.timeout=1e12", "data.timeout=1000000000000.0: must be from 0 to 604800 seconds"),
+    ("trainer.ddp.timeout_s=inf", "trainer.ddp.timeout_s=inf: must be > 0 and at most 604800"),
+    ("trainer.checkpoint.timeout_s=1e30", "trainer.checkpoint.timeout_s=1e+30: must be > 0 and"),
+    ("seed=99999999999999999999", "seed=99999999999999999999: must be an integer that fits 64"),
+    ("optim.lr=inf", "optim.lr=inf: must be a finite number"),
+    ("trainer.checkpoint.mode=max", "trainer.checkpoint.mode=max: is the direction of "
+                                    "trainer.checkpoint.monitor, which is not set"),
+    ("trainer.precision=fp16", "trainer.precision=fp16: needs CUDA"),
+    ("trainer.accelerator=cuda", "trainer.accelerator=cuda: CUDA is not available"),
+    ("trainer.strategy=ddp", "trainer.strategy=ddp: needs a torchrun or SLURM launch"),
+    ("trainer.strategy=dp", "trainer.strategy=dp: DataParallel needs CUDA"),
+])
+def test_semantic_checks_name_the_key(make_cfg, override, fragment):
+    with pytest.raises(ConfigError) as info:
+        resolve(make_cfg(override))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_global_batch_is_per_rank_x_accumulation_x_world(make_cfg):
+    cfg = make_cfg("data.batch_size=16", "trainer.accumulate_grad_batches=3")
+    spec = resolve(cfg, world_size=4, launched=True)
+    assert spec.global_batch == 16 * 3 * 4
+    assert spec.strategy == Strategy.ddp
+    assert resolve(cfg).strategy == Strategy.single
+
+
+def test_strategy_conflicts_with_world_size(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.strategy=single"):
+        resolve(make_cfg("trainer.strategy=single"), world_size=2, launched=True)
+
+
+def test_enum_values(make_cfg):
+    cfg = make_cfg("trainer.precision=bf16")
+    assert cfg.trainer.precision == Precision.bf16
+    assert resolve(cfg).precision == Precision.bf16
+
+
+def test_dp_refuses_a_multi_rank_job(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.strategy=dp: DataParallel is one process"):
+        resolve(make_cfg("trainer.strategy=dp"), world_size=2, launched=True)
+
+
+def test_sync_batchnorm_needs_cuda(make_cfg):
+    with pytest.raises(ConfigError, match="trainer.ddp.sync_batchnorm"):
+        resolve(make_cfg("trainer.ddp.sync_batchnorm=true"), world_size=2, launched=True)
+
+
+def test_static_graph_refuses_accumulation_under_ddp(make_cfg):
+    cfg = make_cfg("trainer.ddp.static_graph=true", "trainer.accumulate_grad_batches=2")
+    with pytest.raises(ConfigError, match="trainer.ddp.static_graph=true: cannot be combined"):
+        resolve(cfg, world_size=2, launched=True)
+    resolve(make_cfg("trainer.ddp.static_graph=true"), world_size=2, launched=True)
+
+
+@pytest.mark.parametrize("override", ["+data.num_worker=8", "+trainer.max_epoch=3",
+                                      "+trainer.checkpoint.every_n_step=5", "+sed=1"])
+def test_adding_a_misspelt_schema_key_is_refused(make_cfg, override):
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=.*not a key of .*valid keys: "):
+        resolve(make_cfg(override))
+
+
+def test_monitor_must_be_a_logged_key_with_a_fitting_mode(make_cfg):
+    logged = {"val_loss": False, "val_acc": True, "val_score": None}
+    assert monitor_mode(make_cfg(), logged) is None
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_acc"), logged) == "max"
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_loss"), logged) == "min"
+    assert monitor_mode(make_cfg("trainer.checkpoint.monitor=val_score",
+                                 "trainer.checkpoint.mode=min"), logged) == "min"
+    for overrides, fragment in [
+            (["trainer.checkpoint.monitor=loss"],
+             "trainer.checkpoint.monitor=loss: must be null or a logged validation key: "
+             "val_loss, val_acc, val_score"),
+            (["trainer.checkpoint.monitor=val_loss", "trainer.checkpoint.mode=max"],
+             "trainer.checkpoint.mode=max: val_loss is better when lower; use min"),
+            (["trainer.checkpoint.monitor=val_score"], "does not say which direction")]:
+        with pytest.raises(ConfigError) as info:
+            monitor_mode(make_cfg(*overrides), logged)
+        assert fragment in str(info.value)
+
+
+def test_fused_sgd_with_momentum_is_refused_under_fp16(make_cfg):
+    """torch's fused SGD keeps the uninitialised momentum of a first step the GradScaler
+    skipped; without momentum, or with bf16 (no scaler), it stands."""
+    with pytest.raises(ConfigError, match=r"^optim\.fused=true: with SGD's momentum under fp16 "
+                                          r"keeps the momentum of a first step"):
+        resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=fp16"))
+    resolve(make_cfg("optim=sgd", "optim.fused=true", "trainer.precision=bf16"))
+    with pytest.raises(ConfigError, match=r"^trainer\.precision=fp16: needs CUDA"):  # not SGD's
+        resolve(make_cfg("optim=sgd", "optim.fused=true", "optim.momentum=0",
+                         "optim.nesterov=false", "trainer.precision=fp16"))
+
+
+@pytest.mark.parametrize("name,package", [("tvm", "tvm"), ("openxla", "torch_xla")])
+def test_a_compile_backend_whose_package_is_missing_is_refused(make_cfg, name, package):
+    """torch lists them, then fails at the first step with an ImportError traceback."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(ConfigError, match=rf"^trainer.compile.backend={name}: needs the "
+                                          rf"{package} package, which is not installed here"):
+        resolve(make_cfg("trainer.compile.enabled=true", f"trainer.compile.backend={name}"))
+
+
+@pytest.mark.parametrize("args,key,instead", [
+    (["trainer.compile.mode=reduce-overhead"], "trainer.compile.mode=reduce-overhead",
+     "trainer.compile.mode=max-autotune-no-cudagraphs"),
+    (["trainer.compile.mode=max-autotune"], "trainer.compile.mode=max-autotune",
+     "trainer.compile.mode=max-autotune-no-cudagraphs"),
+    (["trainer.compile.backend=cudagraphs"], "trainer.compile.backend=cudagraphs",
+     "trainer.compile.backend=inductor"),  # (the backend replays graphs in any mode)
+])
+def test_cuda_graphs_and_accumulation_are_refused_together_on_cuda(make_cfg, args, key,
+                                                                   instead):
+    """The next replay writes over the gradients accumulated so far (pytorch/pytorch#169545);
+    on CPU no graph is replayed, and without accumulation nothing is accumulated."""
+    cuda = torch.device("cuda", 0)  # (a device object: no GPU needed to make one)
+    cfg = make_cfg("trainer.compile.enabled=true", "trainer.accumulate_grad_batches=2", *args)
+    with pytest.raises(ConfigError, match=rf"^{key}: replays CUDA graphs, whose next replay "
+                                          r"overwrites the gradients accumulated so far, so it "
+                                          r"cannot be combined with trainer.accumulate_grad_"
+                                          rf"batches=2; use {instead}"):
+        _check_graphs_and_accumulation(cfg, cuda)
+    _check_graphs_and_accumulation(cfg, torch.device("cpu"))
+    for ok in (make_cfg("trainer.compile.enabled=true", *args),
+               make_cfg("trainer.compile.enabled=false", "trainer.accumulate_grad_batches=2",
+                        *args),
+               make_cfg("trainer.compile.enabled=true", "trainer.accumulate_grad_batches=2",
+                        *args, instead)):  # what the line says to use is taken
+        _check_graphs_and_accumulation(ok, cuda)
