@@ -328,36 +328,12 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             outputs = startup.FirstStepOutputs(cfg, env, run_dir, logger, loop, checkpointing)
             loop.callbacks.insert(0, outputs)
             logger.before_first_write = outputs.open
-            heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
-            with heartbeat:
-                try:
-                    summary = loop.fit()
-                    ending.save_final(loop, checkpointing, run_dir, t.max_bad_steps)
-                except NonFiniteLoss as e:  # which state is left to resume from
-                    checkpointing.finish()
-                    raise NonFiniteLoss(f"{e}; {ending.last_good(run_dir)}") from None
-                except RuntimeError as e:  # a collective that timed out: name the rank
-                    lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
-                    if lost is None:
-                        raise
-                    # (its line says it all: not the backend's text)
-                    raise PeerLost(f"{lost}; {ending.last_good(run_dir)}") from None
+            summary = _fit(cfg, env, run_dir, loop, checkpointing)
         summary.update(wall_s=time.perf_counter() - start)
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
-        # a collective before the loop whose peer ended: named, with the peer's own error
-        lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
-                                if outputs is None else f"at step {loop.state.step}")
-        e = lost or e
-        if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
-                ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
-                and not (run_dir / rundir.STATUS).exists()):
-            # before the first step, a crash or a lost peer (what is said in one line is said
-            # on the console, and leaves no dir behind) into a dir with no run's record
-            ending.record_failure(run_dir, e)
-        elif ours and isinstance(e, ending.ONE_LINE):  # (the dir's checks passed)
-            ending.refused_before_first_step(run_dir, e)
+        lost = _record_failure(e, env, run_dir, loop, outputs, ours)
         if lost is not None:
             raise lost from None
         raise
@@ -368,3 +344,45 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 loop.val_feed.close()
         logger.close()
         lock.release()
+
+
+def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
+         checkpointing: Checkpointing) -> Dict[str, Any]:
+    """`loop.fit()` and the final save, watched by the heartbeat. A non-finite stop, or a
+    collective that timed out on a lost peer, is re-raised in one line that says which state
+    is left to resume from (and, for the peer, which rank stopped)."""
+    heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
+    with heartbeat:
+        try:
+            summary = loop.fit()
+            ending.save_final(loop, checkpointing, run_dir, cfg.trainer.max_bad_steps)
+            return summary
+        except NonFiniteLoss as e:
+            checkpointing.finish()
+            raise NonFiniteLoss(f"{e}; {ending.last_good(run_dir)}") from None
+        except RuntimeError as e:
+            lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
+            if lost is None:
+                raise
+            # (its line says it all: not the backend's text)
+            raise PeerLost(f"{lost}; {ending.last_good(run_dir)}") from None
+
+
+def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optional[Loop],
+                    outputs: Optional[startup.FirstStepOutputs],
+                    ours: bool) -> Optional[PeerLost]:
+    """Leaves a failed run's record where the run dir should keep one; `ours`: the dir's
+    checks passed, so it is this run's to write. Returns the error that names a lost peer (with
+    its own error) when `e` was a collective whose peer ended, to be raised instead of `e`."""
+    lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
+                            if outputs is None else f"at step {loop.state.step}")
+    e = lost or e
+    if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
+            ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
+            and not (run_dir / rundir.STATUS).exists()):
+        # before the first step, a crash or a lost peer (what is said in one line is said
+        # on the console, and leaves no dir behind) into a dir with no run's record
+        ending.record_failure(run_dir, e)
+    elif ours and isinstance(e, ending.ONE_LINE):
+        ending.refused_before_first_step(run_dir, e)
+    return lost
