@@ -64,7 +64,8 @@ from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
 from data.loader import build_loader  # noqa: E402
 from data.prefetch import DevicePrefetcher, InputTransform  # noqa: E402
-from data.shards import ShardStream, write_shards  # noqa: E402
+from data.shards import ShardStream  # noqa: E402
+from data.shardwriter import write_shards  # noqa: E402
 from make_images import write_images  # noqa: E402
 from trainer.config import DataConfig  # noqa: E402
 from trainer.feeds import placement  # noqa: E402

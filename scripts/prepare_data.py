@@ -32,7 +32,8 @@ from omegaconf import OmegaConf  # noqa: E402
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
-from data.shards import ShardStream, write_shards  # noqa: E402
+from data.shards import ShardStream  # noqa: E402
+from data.shardwriter import write_shards  # noqa: E402
 from scripts.staging import Terminated, refusal, sigterm_raises, staged  # noqa: E402
 from trainer.checks import resolve  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402

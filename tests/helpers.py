@@ -60,6 +60,12 @@ def params_of(model: torch.nn.Module) -> List[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def numbered(n):
+    """n samples, sample i being (tensor [i, i], i): each says which it is."""
+    ids = torch.arange(n)
+    return torch.utils.data.TensorDataset(torch.stack([ids, ids], 1).float(), ids)
+
+
 def make_memmap_root(root: Path, n: int = 40, shape=(3, 8, 8), classes: int = 4,
                      dtype: str = "float32") -> Path:
     """A small prepared dataset (as scripts/prepare_data.py writes it) under `root`."""

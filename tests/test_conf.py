@@ -37,7 +37,7 @@ def test_option_composes_and_instantiates(make_cfg, tmp_path, group, option):
         overrides += [f"data.dataset.root={tmp_path / 'images'}", "data.dataset.size=16"]
     if option == "shards":
         from data.images import ImageFolder
-        from data.shards import write_shards
+        from data.shardwriter import write_shards
         from scripts.make_images import write_images
 
         write_images(tmp_path / "images", count=12, size=20, classes=3)

@@ -6,17 +6,12 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from data.loader import build_loader
-from data.shards import ShardStream, turn_order, worker_blocks, write_shards
+from data.shards import ShardStream, turn_order, worker_blocks
+from data.shardwriter import write_shards
+from tests.helpers import numbered
 from trainer.config import DataConfig
-
-
-def numbered(n):
-    """Sample i is (tensor [i, i], i): every sample says which it is."""
-    ids = torch.arange(n)
-    return TensorDataset(torch.stack([ids, ids], 1).float(), ids)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +38,6 @@ def ids_of(batches):
 def epoch(ld, e):
     ld.sampler.set_epoch(e)
     return [b for b in ld]
-
-
-def test_write_shards_index_lists_every_sample_in_a_shuffled_order(shards):
-    index = json.loads((shards / "train" / "index.json").read_text())
-    assert index["kind"] == "npy" and index["input_shape"] == [2]
-    assert [s["samples"] for s in index["shards"]] == [10] * 10 + [3]
-    stream = ShardStream("train", str(shards))
-    raw = list(stream.samples_in(list(range(11)), 0, 103))
-    ids = [int(stream.decode(s)[1]) for s in raw]
-    assert sorted(ids) == list(range(103)) and ids != list(range(103))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -234,22 +219,6 @@ def test_an_index_that_is_not_a_shard_index_is_one_line_naming_it(tmp_path, inde
     with pytest.raises(ValueError, match=rf"^data.dataset.root={tmp_path}: train/index.json: "
                                          rf"{fragment}"):
         ShardStream("train", str(tmp_path))
-
-
-def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
-    from data.images import ImageError, ImageFolder
-    from scripts.make_images import write_images
-
-    write_images(tmp_path / "im", count=6, size=16, classes=2, val_fraction=0.0)
-    (tmp_path / "im" / "train" / "class_00" / "zz.jpg").write_bytes(b"broken")
-    with pytest.raises(ImageError, match="zz.jpg"):
-        write_shards(ImageFolder("train", str(tmp_path / "im"), size=8, on_error="fail"),
-                     tmp_path / "a")
-    assert not (tmp_path / "a" / "index.json").exists()
-    folder = ImageFolder("train", str(tmp_path / "im"), size=8)
-    index = write_shards(folder, tmp_path / "b", num_workers=2)
-    assert sum(s["samples"] for s in index["shards"]) == 6
-    assert [p.endswith("zz.jpg") for p in folder.skipped()] == [True]
 
 
 @pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "short index", "long shard"])

@@ -213,7 +213,7 @@ def test_a_source_it_cannot_pack_is_one_line_and_leaves_no_folder(tmp_path, caps
     """Streamed shards (a worker's TypeError traceback), a folder of which no file reads
     (a ValueError traceback) and no dataset at all (data=custom: a meta.json of no splits,
     "use it" printed) are refused in one line; --out never appears."""
-    from data.shards import write_shards
+    from data.shardwriter import write_shards
     from scripts import prepare_data
     from scripts.make_images import write_images
 
