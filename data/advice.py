@@ -70,105 +70,140 @@ def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
     return SampleCost(wall / count, cpu / count, blocked)
 
 
-def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *, workers: int,
-                 cores: int, in_memory: bool, placement: str = "host",
-                 why_not_device: Optional[str] = None, streamed: bool = False,
-                 mapped: bool = False, uint8_images: bool = False,
-                 gpu_idle: bool = False, pairs: bool = True, whole_set: bool = False,
-                 converted: bool = False, sample: Optional[SampleCost] = None,
-                 batch_size: int = 1) -> str:
+class Feed(NamedTuple):
+    """What a training feed is, as `stall_advice` reads it (its keyword arguments)."""
+    workers: int
+    cores: int
+    in_memory: bool
+    placement: str = "host"
+    why_not_device: Optional[str] = None
+    streamed: bool = False
+    mapped: bool = False
+    uint8_images: bool = False
+    pairs: bool = True
+    whole_set: bool = False
+    converted: bool = False
+    sample: Optional[SampleCost] = None
+    batch_size: int = 1
+
+
+def stall_advice(cfg: DataConfig, device: torch.device, wait_frac: float, *,
+                 gpu_idle: bool = False, **feed: Any) -> str:
     """One line of concrete advice for a run whose steps waited `wait_frac` of their time
     (`gpu_idle`: the share of time the GPU stood idle for data, trainer/devicewait.py).
 
-    `workers`: the training loader's workers (auto resolved); `cores`: the CPU cores this rank
-    may use (the node's, shared among its ranks); `in_memory`: the samples are rows of tensors
-    already in memory; `mapped`: rows of memory-mapped arrays (data=memmap, data.cache=shm or
-    disk) read by loader workers; `uint8_images`: the samples are uint8 images already (an
-    image folder); `placement`: where the training batches were formed. The
-    advice follows what the case shows (`why_not_device`: why the data could not be kept on
-    the device): tensors in memory need no loader at all; more workers than cores only
-    compete for them; fewer leave cores idle; with one worker per core the loader is CPU-bound
-    and only less work per sample helps (a deeper prefetch queue does not: it hides bursts,
-    not a steady shortfall). `pairs`: a sample is an (input, target) pair, which data.cache
-    can hold; `whole_set`: one batch holds the rank's whole training set already;
-    `converted`: the prefetcher turns each batch into normalised floats (uint8 samples) or
-    augments it, in the wait. `sample`: what making one sample took in this process
-    (`sample_cost`; None where unknown), which tells a sample that waits (storage, a network,
-    a sleep: more workers than cores help) and one cheap to make (`batch_size` of them cost
-    less than a worker's hand-over) from one the CPU is busy with.
+    The feed, as keywords (`Feed`): `workers`: the training loader's workers (auto resolved);
+    `cores`: the CPU cores this rank may use (the node's, shared among its ranks);
+    `in_memory`: the samples are rows of tensors already in memory; `mapped`: rows of
+    memory-mapped arrays (data=memmap, data.cache=shm or disk) read by loader workers;
+    `uint8_images`: the samples are uint8 images already (an image folder); `placement`:
+    where the training batches were formed. The advice follows what the case shows
+    (`why_not_device`: why the data could not be kept on the device): tensors in memory need
+    no loader at all; more workers than cores only compete for them; fewer leave cores idle;
+    with one worker per core the loader is CPU-bound and only less work per sample helps (a
+    deeper prefetch queue does not: it hides bursts, not a steady shortfall). `pairs`: a
+    sample is an (input, target) pair, which data.cache can hold; `whole_set`: one batch holds
+    the rank's whole training set already; `converted`: the prefetcher turns each batch into
+    normalised floats (uint8 samples) or augments it, in the wait. `sample`: what making one
+    sample took in this process (`sample_cost`; None where unknown), which tells a sample that
+    waits (storage, a network, a sleep: more workers than cores help) and one cheap to make
+    (`batch_size` of them cost less than a worker's hand-over) from one the CPU is busy with.
     """
-    pct = f"{100 * wait_frac:.0f}%"
-    n = workers
-    on = f"{count_of(n, 'worker')} on {count_of(cores, 'core')}"
-    bigger = ("data.batch_size holds the whole training set already" if whole_set
-              else "raise data.batch_size")
-    if placement == "device" and converted and device.type == "cpu":
-        fix = ("the batches are formed on the device already; the wait is their conversion to "
-               "normalised floats (and augmentation), which on a CPU is compute like the step "
-               "itself: neither workers nor a larger batch hide it (a GPU does it in "
-               "microseconds)")
-    elif placement == "device":
-        fix = ("the batches are formed on the device already: the wait is the indexing itself; "
-               + bigger)
-    elif in_memory and why_not_device is None:
-        fix = ("the samples are tensors in memory: set data.placement=device (or auto) to batch "
-               "them by indexing on the training device" + (
-                   f", or data.num_workers=0 ({_copiers(n)} them)"
-                   if n else ""))
-    elif in_memory and n:
-        fix = (f"the samples are tensors in memory, which cannot stay on the device "
-               f"({why_not_device}): set data.num_workers=0 ({_copiers(n)} them)")
-    elif mapped and (why_not_device is None or "data.device_budget_mb" in why_not_device):
-        fix = ("the samples are rows of memory-mapped arrays, read by loader workers" + (
-            f" because {why_not_device}: raise data.device_budget_mb above their size, and "
-            "data.placement=auto batches them by indexing on the training device"
-            if why_not_device else ": set data.placement=auto (or device) to batch them by "
-            "indexing on the training device"))
-    elif sample is not None and cfg.cache == "none" and not streamed and (
-            sample.waits() or sample.cpu_s * batch_size < CHEAP_BATCH_S):
-        fix = _sample_fix(sample, n, wait_frac, batch_size, pairs)
-    elif n > cores:
-        fix = (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
-               f"workers compete for them; lower it to {cores} (or auto)")
-    elif n < cores:
-        fix = (f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has; "
-               "scripts/tune_loader.py with your overrides measures which is faster, since a "
-               "cheap sample can cost more to hand over from a worker than to make"
-               + ("; on a CPU the workers share the cores with the training itself, so compare "
-                  "whole runs too)" if device.type == "cpu" else ")"))
-    elif not cfg.persistent_workers:
-        fix = "set data.persistent_workers=true (workers restart every epoch)"
-    elif device.type == "cuda" and not cfg.pin_memory:
-        fix = "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
-    elif device.type == "cuda" and not cfg.device_prefetch:
-        fix = "enable data.device_prefetch=true (copy the next batch during the step)"
-    elif streamed:
-        fix = (f"the loader is CPU-bound: {on} cannot decode the "
-               "streamed shards faster; pack data that fits locally once (scripts/"
-               "prepare_data.py --format npy, data=memmap), or store smaller images")
-    elif mapped:
-        fix = (f"the loader is CPU-bound reading memory-mapped arrays: {on} cannot batch "
-               f"them faster; {bigger}, or store smaller samples (uint8, a lower resolution)")
-    elif cfg.cache != "none":
-        fix = (f"the loader is CPU-bound reading data.cache={cfg.cache}: {on} cannot batch it "
-               "faster; data.cache=memory keeps it in this process (and, with data.placement="
-               "auto, on the device) if it fits" + ("" if whole_set else ", else raise "
-                                                    "data.batch_size"))
-    elif not pairs:  # data.cache and prepare_data.py take (input, target) pairs only
-        fix = (f"the loader is CPU-bound: {on} cannot prepare samples faster; if making a "
-               "sample is cheap (indexing tensors), handing it over from a worker costs more: "
-               "compare data.num_workers=0 (scripts/tune_loader.py measures both); else pay "
-               "per-sample work once: compute what the dataset's __getitem__ computes "
-               "(decoding, tokenizing) ahead of the run and load the results")
-    else:
-        fix = (f"the loader is CPU-bound: {on} cannot decode faster; pay "
-               "per-sample work once (data.cache=memory or shm if the decoded data fits in "
-               "memory, else data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
-                   f"; or store the images smaller: {_stored_size(cfg)}" if uint8_images else
-                   "; if samples are images, ship uint8 and augment on the device "
-                   "(data.augment)"))
+    f = Feed(**feed)
+    s = f.sample
+    fix = _placement_fix(f, device)
+    if fix is None and s is not None and cfg.cache == "none" and not f.streamed and (
+            s.waits() or s.cpu_s * f.batch_size < CHEAP_BATCH_S):
+        fix = _sample_fix(s, f.workers, wait_frac, f.batch_size, f.pairs)
+    fix = fix or _loader_fix(f, cfg, device) or _cpu_bound_fix(f, cfg)
     what = "the GPU stood idle for data" if gpu_idle else "steps waited for data"
-    return f"{what} {pct} of the time: {fix}"
+    return f"{what} {100 * wait_frac:.0f}% of the time: {fix}"
+
+
+def _bigger(f: Feed) -> str:
+    return ("data.batch_size holds the whole training set already" if f.whole_set
+            else "raise data.batch_size")
+
+
+def _placement_fix(f: Feed, device: torch.device) -> Optional[str]:
+    """The advice where the data's kind says it (on the device already, tensors in memory,
+    memory-mapped arrays that could be); None for the loaders' cases."""
+    n, why_not = f.workers, f.why_not_device
+    if f.placement == "device" and f.converted and device.type == "cpu":
+        return ("the batches are formed on the device already; the wait is their conversion to "
+                "normalised floats (and augmentation), which on a CPU is compute like the step "
+                "itself: neither workers nor a larger batch hide it (a GPU does it in "
+                "microseconds)")
+    if f.placement == "device":
+        return ("the batches are formed on the device already: the wait is the indexing "
+                "itself; " + _bigger(f))
+    if f.in_memory and why_not is None:
+        return ("the samples are tensors in memory: set data.placement=device (or auto) to "
+                "batch them by indexing on the training device" + (
+                    f", or data.num_workers=0 ({_copiers(n)} them)" if n else ""))
+    if f.in_memory and n:
+        return (f"the samples are tensors in memory, which cannot stay on the device "
+                f"({why_not}): set data.num_workers=0 ({_copiers(n)} them)")
+    if f.mapped and (why_not is None or "data.device_budget_mb" in why_not):
+        return ("the samples are rows of memory-mapped arrays, read by loader workers" + (
+            f" because {why_not}: raise data.device_budget_mb above their size, and "
+            "data.placement=auto batches them by indexing on the training device"
+            if why_not else ": set data.placement=auto (or device) to batch them by "
+            "indexing on the training device"))
+    return None
+
+
+def _loader_fix(f: Feed, cfg: DataConfig, device: torch.device) -> Optional[str]:
+    """The advice where a loader setting is off (workers against cores, workers restarted,
+    no pinned memory or no side-stream copies on CUDA); None where the loader is set well."""
+    n, cores = f.workers, f.cores
+    if n > cores:
+        return (f"data.num_workers={n} is more than the {cores} CPU cores this rank has: the "
+                f"workers compete for them; lower it to {cores} (or auto)")
+    if n < cores:
+        return (f"raise data.num_workers from {n} to {cores} (the CPU cores this rank has; "
+                "scripts/tune_loader.py with your overrides measures which is faster, since a "
+                "cheap sample can cost more to hand over from a worker than to make"
+                + ("; on a CPU the workers share the cores with the training itself, so "
+                   "compare whole runs too)" if device.type == "cpu" else ")"))
+    if not cfg.persistent_workers:
+        return "set data.persistent_workers=true (workers restart every epoch)"
+    if device.type == "cuda" and not cfg.pin_memory:
+        return "enable data.pin_memory=true (page-locked buffers for asynchronous copies)"
+    if device.type == "cuda" and not cfg.device_prefetch:
+        return "enable data.device_prefetch=true (copy the next batch during the step)"
+    return None
+
+
+def _cpu_bound_fix(f: Feed, cfg: DataConfig) -> str:
+    """The advice for a loader with one worker per core that still cannot keep up: less
+    work per sample, in the way the data's kind allows."""
+    on = f"{count_of(f.workers, 'worker')} on {count_of(f.cores, 'core')}"
+    if f.streamed:
+        return (f"the loader is CPU-bound: {on} cannot decode the streamed shards faster; pack "
+                "data that fits locally once (scripts/prepare_data.py --format npy, "
+                "data=memmap), or store smaller images")
+    if f.mapped:
+        return (f"the loader is CPU-bound reading memory-mapped arrays: {on} cannot batch "
+                f"them faster; {_bigger(f)}, or store smaller samples (uint8, a lower "
+                "resolution)")
+    if cfg.cache != "none":
+        return (f"the loader is CPU-bound reading data.cache={cfg.cache}: {on} cannot batch "
+                "it faster; data.cache=memory keeps it in this process (and, with "
+                "data.placement=auto, on the device) if it fits" + (
+                    "" if f.whole_set else ", else raise data.batch_size"))
+    if not f.pairs:  # data.cache and prepare_data.py take (input, target) pairs only
+        return (f"the loader is CPU-bound: {on} cannot prepare samples faster; if making a "
+                "sample is cheap (indexing tensors), handing it over from a worker costs "
+                "more: compare data.num_workers=0 (scripts/tune_loader.py measures both); else "
+                "pay per-sample work once: compute what the dataset's __getitem__ computes "
+                "(decoding, tokenizing) ahead of the run and load the results")
+    return (f"the loader is CPU-bound: {on} cannot decode faster; pay per-sample work once "
+            "(data.cache=memory or shm if the decoded data fits in memory, else "
+            "data.cache=disk, or scripts/prepare_data.py and data=memmap)" + (
+                f"; or store the images smaller: {_stored_size(cfg)}" if f.uint8_images else
+                "; if samples are images, ship uint8 and augment on the device "
+                "(data.augment)"))
 
 
 def _sample_fix(sample: SampleCost, n: int, wait_frac: float, batch_size: int,
