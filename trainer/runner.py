@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -226,18 +226,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
-    per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
-    n_rank = len(train_loader.sampler)
-    if per_epoch == 0:
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
-                          f"with {n_rank} training samples on this rank "
-                          f"(data.drop_last={cfg.data.drop_last})")
-    too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
-                f"samples on this rank: every epoch is one batch of {n_rank}"]
-               if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
-    total = per_epoch * cfg.trainer.max_epochs
-    if cfg.trainer.max_steps > 0:
-        total = min(total, cfg.trainer.max_steps)
+    total, too_big = _total_steps(cfg, train_loader, train_limit)
     scheduler = components.call(schedules.build, "sched", cfg.sched,
                                 components.build(cfg.sched, "sched"), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
@@ -275,6 +264,25 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing
+
+
+def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
+                 ) -> Tuple[int, List[str]]:
+    """The run's optimizer steps (what the schedule spans), and a warning when the batch is
+    larger than the rank's training set; ConfigError when an epoch has no optimizer step."""
+    per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
+    n_rank = len(train_loader.sampler)
+    if per_epoch == 0:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
+                          f"with {n_rank} training samples on this rank "
+                          f"(data.drop_last={cfg.data.drop_last})")
+    too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
+                f"samples on this rank: every epoch is one batch of {n_rank}"]
+               if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
+    total = per_epoch * cfg.trainer.max_epochs
+    if cfg.trainer.max_steps > 0:
+        total = min(total, cfg.trainer.max_steps)
+    return total, too_big
 
 
 class ProfilerSteps(Callback):

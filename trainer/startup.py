@@ -7,7 +7,7 @@ import json
 import os
 import zlib
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -57,22 +57,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
-    # a sanity bound: the position counts whole global batches (an epoch's last one may pass
-    # the dataset's end: 23 x 64 = 1472 for 1438 samples), and a checkpoint at an epoch's last
-    # step is saved before it resets to 0
-    n = len(loop.train_feed.loader.dataset)
-    old_batch = ((state.get("config") or {}).get("data") or {}).get("batch_size") \
-        or cfg.data.batch_size
-    if loop.state.position > n + int(old_batch) * old_world:
-        raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
-                              f"into epoch {loop.state.epoch}, is past the end of this run's "
-                              f"{n} training samples (another dataset?)")
-    had = state.get("train_samples")
-    if had is not None and had != n:  # (the sampler's order is a function of the length)
-        warnings.append(f"checkpoint {path}: its run had {had} training samples, this one has "
-                        f"{n}: epoch {loop.state.epoch} goes on {loop.state.position} samples "
-                        "in, over another order of them (some may come twice in it, or not "
-                        "at all); later epochs are whole")
+    warnings += _check_position(cfg, state, path, loop, old_world)
     if not checkpoint.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and
@@ -96,6 +81,28 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
     return warnings, lines, path
+
+
+def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Loop,
+                    old_world: int) -> List[str]:
+    """CheckpointError for a restored position past the end of this run's training set (the
+    checkpoint's data was another); a warning when its run had another number of samples."""
+    # a sanity bound: the position counts whole global batches (an epoch's last one may pass
+    # the dataset's end: 23 x 64 = 1472 for 1438 samples), and a checkpoint at an epoch's last
+    # step is saved before it resets to 0
+    n = len(loop.train_feed.loader.dataset)
+    old_batch = ((state.get("config") or {}).get("data") or {}).get("batch_size") \
+        or cfg.data.batch_size
+    if loop.state.position > n + int(old_batch) * old_world:
+        raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
+                              f"into epoch {loop.state.epoch}, is past the end of this run's "
+                              f"{n} training samples (another dataset?)")
+    had = state.get("train_samples")
+    if had is None or had == n:  # (the sampler's order is a function of the length)
+        return []
+    return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: epoch "
+            f"{loop.state.epoch} goes on {loop.state.position} samples in, over another order "
+            "of them (some may come twice in it, or not at all); later epochs are whole"]
 
 
 def check_optimizer_step(optimizer) -> None:
