@@ -263,9 +263,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(json.dumps(child(a.child, a.root, json.loads(a.spec))))
         return {}
     check_out(p, a.out)
-    w, b = a.workers, a.batch
-    spec = {"workers": w, "batch": b, "epochs": a.epochs, "compute_s": a.compute_ms / 1000,
-            "size": a.size}
+    spec = {"workers": a.workers, "batch": a.batch, "epochs": a.epochs,
+            "compute_s": a.compute_ms / 1000, "size": a.size}
     runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="stoker-images-") as tmp:
         tmp = Path(tmp)
@@ -273,6 +272,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for rep in range(a.repeats):
             for name in (CONFIGS if rep % 2 == 0 else CONFIGS[::-1]):
                 runs[name].append(in_subprocess(name, tmp, spec))
+    result = summarise(a, spec, runs, one_off)
+    report(result)
+    return publish(a.out, result)
+
+
+def summarise(a: argparse.Namespace, spec: Dict[str, Any],
+              runs: Dict[str, List[Dict[str, Any]]], one_off: Dict[str, float]) -> Dict[str, Any]:
+    """The result: a row per configuration (medians over its runs) and (c)'s ratios to the
+    bounds, over the medians and paired within each repeat."""
+    w, b = a.workers, a.batch
     rows = []
     for name in CONFIGS:
         times = [r["epoch_s"] for r in runs[name]]
@@ -299,32 +308,38 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     paired = [(run["epoch_s"], max(compute, one["epoch_s"] / w), max(compute, both["epoch_s"]))
               for run, one, both in zip(runs["c_workers_uint8"], runs["decode_1_process"],
                                         runs["decode_W_processes"])]
-    result = {"machine": machine(), "count": a.count, "image_size": a.image_size,
-              "device_transform_cpu_ms_per_batch": on_cpu, "repeats": a.repeats,
-              "size": a.size, "batch": b, "workers": w, "compute_ms": a.compute_ms,
-              "decode_s_per_epoch": decode_one, "bound_s": bound,
-              "decode_parallel_s_per_epoch": decode_w, "decode_scaling": decode_one / decode_w,
-              "machine_bound_s": machine_bound,
-              "targets": {"c_vs_bound_max": 1.15, "d_vs_b_min": 5.0},
-              "c_vs_bound": c["vs_bound"], "c_vs_machine_bound": c["vs_machine"],
-              "c_vs_bound_paired": median([e / bnd for e, bnd, _ in paired]),
-              "c_vs_machine_bound_paired": median([e / m for e, _, m in paired]),
-              "c_vs_plain_dataloader": c["epoch_s"] / by["c_plain_dataloader"]["epoch_s"],
-              "d_vs_b": by["d_memmap"]["vs_b"], "results": rows}
-    print(table(rows, COLUMNS))
+    return {"machine": machine(), "count": a.count, "image_size": a.image_size,
+            "device_transform_cpu_ms_per_batch": on_cpu, "repeats": a.repeats,
+            "size": a.size, "batch": b, "workers": w, "compute_ms": a.compute_ms,
+            "compute_s_per_epoch": compute, "decode_s_per_epoch": decode_one, "bound_s": bound,
+            "decode_parallel_s_per_epoch": decode_w, "decode_scaling": decode_one / decode_w,
+            "machine_bound_s": machine_bound,
+            "targets": {"c_vs_bound_max": 1.15, "d_vs_b_min": 5.0},
+            "c_vs_bound": c["vs_bound"], "c_vs_machine_bound": c["vs_machine"],
+            "c_vs_bound_paired": median([e / bnd for e, bnd, _ in paired]),
+            "c_vs_machine_bound_paired": median([e / m for e, _, m in paired]),
+            "c_vs_plain_dataloader": c["epoch_s"] / by["c_plain_dataloader"]["epoch_s"],
+            "d_vs_b": by["d_memmap"]["vs_b"], "results": rows}
+
+
+def report(r: Dict[str, Any]) -> None:
+    """The table and the lines that read it against the bounds."""
+    w, decode_one = r["workers"], r["decode_s_per_epoch"]
+    decode_w = r["decode_parallel_s_per_epoch"]
+    print(table(r["results"], COLUMNS))
     print(f"decode cost {decode_one:.2f} s per epoch in one process; bound max(compute "
-          f"{compute:.2f} s, decode / {w} workers {decode_one / w:.2f} s) = {bound:.2f} s")
+          f"{r['compute_s_per_epoch']:.2f} s, decode / {w} workers {decode_one / w:.2f} s) = "
+          f"{r['bound_s']:.2f} s")
     print(f"{w} processes decode the set in {decode_w:.2f} s ({decode_one / decode_w:.2f}x one "
-          f"process): machine bound max(compute, that) = {machine_bound:.2f} s")
+          f"process): machine bound max(compute, that) = {r['machine_bound_s']:.2f} s")
+    on_cpu = r["device_transform_cpu_ms_per_batch"]
     if on_cpu is not None:
         print(f"no GPU: the device-side uint8 conversion of (c)-(f) is left to the fixed wait "
               f"that stands for the device (on this CPU it takes {on_cpu:.1f} ms a batch)")
-    print(f"(c) vs bound {result['c_vs_bound']:.2f} (target <= 1.15), vs the machine's bound "
-          f"{result['c_vs_machine_bound']:.2f}; paired within each repeat (median): "
-          f"{result['c_vs_bound_paired']:.2f} and {result['c_vs_machine_bound_paired']:.2f}; "
-          f"(d) vs (b) "
-          f"{result['d_vs_b']:.1f}x (target >= 5)")
-    return publish(a.out, result)
+    print(f"(c) vs bound {r['c_vs_bound']:.2f} (target <= 1.15), vs the machine's bound "
+          f"{r['c_vs_machine_bound']:.2f}; paired within each repeat (median): "
+          f"{r['c_vs_bound_paired']:.2f} and {r['c_vs_machine_bound_paired']:.2f}; (d) vs (b) "
+          f"{r['d_vs_b']:.1f}x (target >= 5)")
 
 
 def cached(mode: str, folder: ImageFolder, tmp: Path, w: int, b: int, device: torch.device,
