@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import (at_least, check_out, default_out, machine, median, publish,  # noqa: E402
-                      run_child, run_main, table)
+                      run_main, table)
+from processes import run_child  # noqa: E402
 
 COLUMNS = ["collate", "samples_per_s", "vs_default", "main_cpu_us_per_batch", "runs"]
 COLLATES = ("pooled", "default")

@@ -58,7 +58,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from bench_loader import run_epochs  # noqa: E402
 from benchlib import (at_least, check_out, default_out, machine, median,  # noqa: E402
-                      number_at_least, publish, run_child, run_main, table)
+                      number_at_least, publish, run_main, table)
 from data import cache  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.images import ImageFolder  # noqa: E402
@@ -67,6 +67,7 @@ from data.prefetch import DevicePrefetcher, InputTransform  # noqa: E402
 from data.shards import ShardStream  # noqa: E402
 from data.shardwriter import write_shards  # noqa: E402
 from make_images import write_images  # noqa: E402
+from processes import run_child  # noqa: E402
 from trainer.config import DataConfig  # noqa: E402
 from trainer.feeds import placement  # noqa: E402
 

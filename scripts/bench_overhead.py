@@ -68,7 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import (at_least, check_out, default_out, machine, median,  # noqa: E402
-                      publish, run_child, run_main, table, write_partial)
+                      publish, run_main, table, write_partial)
+from processes import run_child  # noqa: E402
 
 COLUMNS = ["workload", "runner", "samples_per_s", "step_us", "cpu_us", "best_step_us",
            "overhead_us", "vs_plain", "vs_plain_whole_run", "weights_diff", "runs", "skipped"]

@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts: argument types, the --out check, atomic JSON,
-tables, the machine description, and child processes that end with the script.
+tables, the machine description, train.py runs, and the scripts' entry point (child
+processes that end with the script: scripts/processes.py).
 
 A script's entry is `run_main(main)`: a Ctrl-C, a SIGTERM, a child's failure or an OS error
 (a full disk) is one line on stderr and an exit code (130, 143, the child's, 1), never a
@@ -14,23 +15,16 @@ import json
 import math
 import os
 import platform
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence
+
+from processes import ChildFailed, Stopped, run_child, sigterm_raises
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-# How long a signalled child may take to end before its session is killed: train.py stops at
-# its next step. Under 10 s: run_on_gpu.sh's `timeout -k 10` kills a script 10 s after its
-# SIGTERM, and a child in a session of its own would outlive a script killed first.
-GRACE_S = 8.0
 
 
 def at_least(low: int):
@@ -296,181 +290,6 @@ def run_train(args: List[str], run_dir: Path, nproc: int = 1,
     return json.loads((run_dir / "summary.json").read_text())
 
 
-class Stopped(BaseException):
-    """A SIGTERM, raised where the script is (as a Ctrl-C raises KeyboardInterrupt) so that
-    temporary folders are removed and children ended on the way out. A BaseException: no
-    `except Exception` swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.code = signum, 128 + signum
-
-
-_STOPPED_AT: Optional[float] = None  # when the first SIGTERM came
-AGAIN_AFTER_S = 1.0
-
-
-def _raise_stopped(signum, frame) -> None:
-    """Raises Stopped, once for one stop: GNU `timeout` (as run_on_gpu.sh uses it) sends
-    SIGTERM to the script, then to its process group, microseconds apart; the second would
-    cut short the grace the first gives the children. A SIGTERM a second or more later is a
-    second request: it raises again (no more waiting)."""
-    global _STOPPED_AT
-    now = time.monotonic()
-    if _STOPPED_AT is not None and now - _STOPPED_AT < AGAIN_AFTER_S:
-        return
-    _STOPPED_AT = _STOPPED_AT or now
-    raise Stopped(signum)
-
-
-_ERROR_LINE = re.compile(r"^\S+: error: ")  # stoker's own, or a script's argparse line
-
-
-class ChildFailed(RuntimeError):
-    """A child process (a train.py run, a script's measurement in a fresh process) that
-    failed: `code` its exit status (None: it timed out), `output` what it printed."""
-
-    def __init__(self, what: str, code: Optional[int], output: str = ""):
-        self.what, self.code, self.output = what, code, output
-        super().__init__(self.line() or self.summary())
-
-    def summary(self) -> str:
-        return (f"{self.what} failed (exit {self.code})" if self.code is not None
-                else f"{self.what} timed out")
-
-    def line(self) -> Optional[str]:
-        """The child's own one-line error (`stoker: error: ...`), if it said one."""
-        return next((ln.strip() for ln in self.output.splitlines()
-                     if _ERROR_LINE.match(ln.strip())), None)
-
-    def exit_code(self) -> int:
-        """The script's exit code: the child's, or 1 when it died of a signal or timed out."""
-        return self.code if self.code and self.code > 0 else 1
-
-
-def _processes() -> Dict[int, Tuple[str, int, int]]:
-    """The processes /proc lists: pid -> (state, parent pid, session); {} where it cannot."""
-    table = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:  # ended meanwhile
-                continue
-            state, ppid, _pgrp, session = stat[stat.rindex(")") + 2:].split()[:4]
-            table[int(name)] = (state, int(ppid), int(session))
-    return table
-
-
-def _session(sid: int) -> List[int]:
-    """The live processes of session `sid` (a child started in a session of its own and all
-    it started that stayed in it), read from /proc; [] where there is none."""
-    return [pid for pid, (state, _, session) in _processes().items()
-            if session == sid and state != "Z"]
-
-
-def descendants(pid: int) -> List[int]:
-    """The processes below `pid` by parent id, from /proc: torchrun (torch >= 2.x) starts each
-    rank in a session of its own, outside the child's. Read before killing `pid`, whose
-    orphans would be handed to init."""
-    parents = {p: ppid for p, (_, ppid, _) in _processes().items()}
-    found, frontier = [], {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier}
-        found += frontier
-    return found
-
-
-def kill_session(sid: int, seen: Sequence[int] = ()) -> None:
-    """Kills what is left of the child's session, every process below the child (read first:
-    once the child is gone, its orphans' parent is init) and those in `seen` (below it before
-    it was signalled), and of its process group where /proc cannot say."""
-    below = [*descendants(sid), *seen]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(sid, signal.SIGKILL)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    for _ in range(20):  # again, for a process forked while the others were being killed
-        left = _session(sid)
-        if not left:
-            return
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-
-
-def _end(proc: subprocess.Popen, sig: int) -> None:
-    """Passes `sig` on to the child, lets it end for up to GRACE_S, then kills whatever is
-    left of its session (torchrun, its ranks, their loader workers).
-
-    The signal goes to the child alone first: train.py stops at the next step and closes
-    its loader workers, torchrun passes it to its ranks. Sent to the whole group at once, a
-    rank's loader workers died of the SIGTERM before the rank could stop them, and the rank
-    failed on their deaths, leaving their temporary files behind."""
-    below = descendants(proc.pid)  # (a child that dies at once orphans them to init)
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(sig)
-    try:
-        proc.wait(timeout=GRACE_S)
-    except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
-        pass
-    kill_session(proc.pid, below)
-    with contextlib.suppress(BaseException):
-        proc.wait(timeout=10)
-
-
-def _drain(pipe, lines: List[str]) -> None:
-    with pipe:
-        lines.extend(pipe)
-
-
-def run_child(cmd: List[str], what: str, timeout: Optional[float] = None,
-              cwd: Path = ROOT, env: Optional[Dict[str, str]] = None) -> str:
-    """Runs `cmd` to its end in a session (process group) of its own and returns its stdout.
-
-    A Ctrl-C or SIGTERM reaching this process (or the timeout: SIGTERM) is passed to the
-    child, whose session gets GRACE_S to end before what is left of it is killed; the
-    interruption then goes on (KeyboardInterrupt, Stopped; ChildFailed for the timeout).
-    Raises ChildFailed when the child exits non-zero. Nothing of its session outlives the
-    call. (Its output is read by threads, so a process it left holding the pipes cannot
-    hold the call.)
-    """
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out: List[str] = []
-    err: List[str] = []
-    readers = [threading.Thread(target=_drain, args=(pipe, lines), daemon=True)
-               for pipe, lines in ((proc.stdout, out), (proc.stderr, err))]
-    try:  # (from the child's start: a signal while the readers start ends it too)
-        for reader in readers:
-            reader.start()
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end(proc, signal.SIGTERM)
-        raise ChildFailed(f"{what}, given {timeout:g} s,", None) from None
-    except KeyboardInterrupt:
-        _end(proc, signal.SIGINT)
-        raise
-    except Stopped as e:
-        _end(proc, e.signum)
-        raise
-    except BaseException:
-        _end(proc, signal.SIGTERM)
-        raise
-    finally:
-        kill_session(proc.pid)  # a process the child left behind (none, usually)
-        for reader in readers:
-            if reader.ident is not None:  # (started)
-                reader.join(timeout=10)
-    if proc.returncode != 0:
-        raise ChildFailed(what, proc.returncode, "".join(err) or "".join(out))
-    return "".join(out)
-
-
 def _left() -> str:
     """What an interrupted run leaves: its results so far, if it wrote any."""
     if not _PARTIALS:
@@ -484,18 +303,14 @@ def run_main(main: Callable[[], Any]) -> None:
     A Ctrl-C (exit 130), a SIGTERM (143), a child's failure (its own one-line error, or its
     last lines, and its exit code) and an OS error such as a full disk (exit 1) are said on
     stderr without a traceback; STOKER_TRACEBACK=1 keeps the traceback."""
-    global _STOPPED_AT
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     _PARTIALS.clear()  # (one run a process; a test runs several)
-    _STOPPED_AT = None
     try:
-        main()
+        with sigterm_raises():
+            main()
     except (KeyboardInterrupt, Stopped, ChildFailed, OSError) as e:
         if os.environ.get("STOKER_TRACEBACK") == "1":
             raise
         raise SystemExit(_say(e)) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _say(e: BaseException) -> int:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers train_schema)
 from data.datasets import DigitsDataset
-from scripts.benchlib import kill_session
+from scripts.processes import kill_session
 from trainer.models import MLP
 from trainer.task import Task
 from trainer.tasks import Classification

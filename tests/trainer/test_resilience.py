@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.benchlib import descendants
+from scripts.processes import descendants
 from tests.helpers import ROOT, kill_tree
 from trainer import checkpoint
 
