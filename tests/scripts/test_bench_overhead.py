@@ -110,29 +110,3 @@ def test_a_ctrl_c_leaves_the_good_result_and_the_repeats_so_far_beside_it(tmp_pa
     partial = json.loads(side.read_text())
     assert partial["partial"] is True
     assert {r["runs"] for r in partial["results"] if r["runner"] in kinds} == {1}
-
-
-def test_the_hand_written_runners_compute_as_the_trainer_does_on_cuda(monkeypatch):
-    """On CUDA train.py turns on TF32 and cuDNN autotuning by default; a plain runner that did
-    not would make its ratios measure other kernels, not the loop."""
-    import bench_overhead as bench
-    import torch
-
-    from trainer.speed import backend_flags
-
-    def flags():
-        return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
-                torch.backends.cudnn.benchmark)
-
-    before = flags()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    try:
-        backend_flags(False, False, False)
-        bench._trainers_math()
-        plain = flags()
-        backend_flags(False, False, False)
-        backend_flags(True, True, False)  # the defaults: trainer.tf32, trainer.cudnn_benchmark
-        assert plain == flags() == ("high", True, True)
-    finally:
-        torch.set_float32_matmul_precision(before[0])
-        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before[1:]
