@@ -128,16 +128,51 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
-def _await(done: Path, failed: Path, what: str) -> None:
+class WriterGone(RuntimeError):
+    """The local rank writing a node's shared cache ended, or never began, while the other
+    ranks waited for it (one line: its own error is in its output)."""
+
+
+WRITER = "writer-{}.json"  # who writes a node's cache now (`owner`), beside a disk cache
+
+
+def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
+                  ) -> Optional[bool]:
+    """Whether the writer that `record` names is alive: None while no writer of this launch
+    (the same job and attempt as `me`, this process's `owner`) has recorded itself there; a
+    record of an earlier launch (one killed mid-write) is not this launch's writer."""
+    try:
+        who = json.loads(record.read_text())
+    except (OSError, ValueError):  # not there yet, or being written
+        return None
+    if not isinstance(who, dict) or me is None or \
+            (who.get("job"), who.get("attempt")) != (me.get("job"), me.get("attempt")):
+        return None
+    return alive(who)
+
+
+def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
+           None, start_s: float = 0.0) -> None:
     """Blocks until another process wrote `done` (or `failed`: then raises its message).
 
     Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
     than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
-    A writer that dies without a word ends the job through torchrun's agent."""
+    `writer()` says whether the writing process is alive (None: it has not begun): one that
+    ended without a word, or that has not begun within `start_s` seconds (0: no limit; it does
+    the same work as this rank until then), raises WriterGone, so that no rank waits on for a
+    writer that is gone (a launch without torchrun's agent would never end it)."""
     start = last = time.monotonic()
     while not done.exists():
         if failed.exists():
             raise ConfigError(f"{what}: local rank 0 failed to write it: {failed.read_text()}")
+        state = writer()
+        if state is False and not done.exists() and not failed.exists():
+            raise WriterGone(f"{what}: local rank 0, which was writing it, ended before it "
+                             "finished; its own error, if it had one, is in its output")
+        if state is None and start_s and time.monotonic() - start > start_s:
+            raise WriterGone(f"{what}: local rank 0 did not begin writing it within "
+                             f"{start_s:g} s (trainer.ddp.timeout_s); its own error, if it had "
+                             "one, is in its output")
         if time.monotonic() - last > 60:
             last = time.monotonic()
             log.info("waiting for local rank 0 to write %s (%.0f s)", what, last - start)
@@ -154,7 +189,8 @@ def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path
 
 
 def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
-            wait: Callable[[], None], owner: Optional[dict]) -> MemmapDataset:
+            wait: Callable[[], None], owner: Optional[dict], alive: Callable[[dict], bool],
+            start_s: float) -> MemmapDataset:
     """One copy per node in /dev/shm: local rank 0 writes it while the other ranks wait."""
     root = SHM_ROOT / f"stoker-{key}"
     done, failed = root / "train" / "y.npy", root / "failed.txt"  # y.npy: renamed in last
@@ -164,12 +200,26 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
         # the owner first: a later run reclaims the folder once this process is gone, even
         # after a SIGKILL that skips the atexit clean-up below
         (root / OWNER).write_text(json.dumps(owner or {}))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        atexit.register(_remove_shm, root, failed)
         _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
     else:
-        _await(done, failed, f"data.cache=shm in {root}")
+        _await(done, failed, f"data.cache=shm in {root}",
+               lambda: _writer_state(root / OWNER, owner, alive), start_s)
     wait()
     return MemmapDataset("train", str(root))
+
+
+def _remove_shm(root: Path, failed: Path) -> None:
+    """The node's copy, at exit. After a failed write only the arrays go: the error's line
+    and the owner stay for the ranks still waiting to read it (the folder is reclaimed with
+    the other dead runs' once the owner is gone, reclaim_shm)."""
+    if not failed.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for path in root.iterdir():
+        if path.name not in (OWNER, failed.name):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
+                missing_ok=True)
 
 
 def _reclaim_tmp(cache_dir: Path) -> None:
@@ -187,12 +237,14 @@ def _reclaim_tmp(cache_dir: Path) -> None:
 
 
 def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_rank: int,
-             num_workers: int, wait: Callable[[], None]) -> MemmapDataset:
+             num_workers: int, wait: Callable[[], None], owner: Optional[dict],
+             alive: Callable[[dict], bool], start_s: float) -> MemmapDataset:
     """`cache_dir/<key>/`, written once and kept: local rank 0 of each node writes it unless it
     is there, into a folder of its own renamed into place when complete (a node that loses the
     race on a shared file system drops its copy); the other ranks wait for it."""
     root = cache_dir / key
     done, failed = root / "done.json", cache_dir / f"{key}.failed-{socket.gethostname()}"
+    writer = cache_dir / f"{key}.{WRITER.format(socket.gethostname())}"
     reused = False
     if local_rank == 0 and not done.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -200,6 +252,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         failed.unlink(missing_ok=True)
         tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
+        writer.write_text(json.dumps(owner or {}))
         try:
             _write_marked(dataset, tmp / "train", num_workers, failed)
             skipped = getattr(dataset, "skipped", None)  # unreadable files, left out
@@ -213,11 +266,13 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             log.info("data.cache=disk: wrote %s in %.1f s", root, time.perf_counter() - start)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # ours alone
+            writer.unlink(missing_ok=True)
     elif local_rank == 0:
         log.info("data.cache=disk: reusing %s", root)
         reused = True
     else:
-        _await(done, failed, f"data.cache=disk in {root}")
+        _await(done, failed, f"data.cache=disk in {root}",
+               lambda: _writer_state(writer, owner, alive), start_s)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it
@@ -296,14 +351,23 @@ def cache_key(tag: str, dataset: Dataset) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+FAILED_KEEP_S = 3600.0  # how long a failed write's line waits for the ranks that read it
+
+
 def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Path]:
     """Removes the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
-    returns them. Folders without an owner record are left alone."""
+    returns them. Folders without an owner record are left alone, and so is the line of a
+    failed write (a few bytes) for FAILED_KEEP_S: its job's other ranks may still be on their
+    way to read it (another job on the node starting meanwhile would otherwise take it)."""
     gone = []
     for folder in root.glob("stoker-*"):
         try:
             who = json.loads((folder / OWNER).read_text())
+            failed_at = (folder / "failed.txt").stat().st_mtime \
+                if (folder / "failed.txt").exists() else None
         except (OSError, ValueError):
+            continue
+        if failed_at is not None and time.time() - failed_at < FAILED_KEEP_S:
             continue
         if not alive(who):
             shutil.rmtree(folder, ignore_errors=True)
@@ -314,14 +378,17 @@ def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Pa
 def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
                   num_workers: int = 0, wait: Callable[[], None] = lambda: None,
                   owner: Optional[dict] = None, cache_dir: str = "data_cache/auto",
-                  cache_mb: float = 1024.0) -> Dataset:
+                  cache_mb: float = 1024.0, alive: Callable[[dict], bool] = lambda who: True,
+                  start_s: float = 0.0) -> Dataset:
     """`dataset` as `data.cache` says (module doc): unchanged ("none"), "memory", "shm",
     "disk" or "lru".
 
     `tag` names the cached data, the same on every rank of a job (the trainer uses its run
     dir, the data config and the split; for "disk" the data config and split only, so that
     later runs find it); `wait` blocks until every rank got there (the job's barrier), so no
-    rank reads a shared cache before local rank 0 wrote it.
+    rank reads a shared cache before local rank 0 wrote it. The ranks that wait for local
+    rank 0's shm or disk copy stop (WriterGone) when the writer `owner` records (who this
+    process is: its launch) is gone by `alive`, or has not begun within `start_s` seconds.
     """
     if mode == "none":
         return dataset
@@ -331,5 +398,6 @@ def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,
         return LRUCache(dataset, int(cache_mb * 2**20))
     key = cache_key(tag, dataset)
     if mode == "disk":
-        return _on_disk(dataset, Path(cache_dir), key, tag, local_rank, num_workers, wait)
-    return _in_shm(dataset, key, local_rank, num_workers, wait, owner)
+        return _on_disk(dataset, Path(cache_dir), key, tag, local_rank, num_workers, wait,
+                        owner, alive, start_s)
+    return _in_shm(dataset, key, local_rank, num_workers, wait, owner, alive, start_s)

@@ -66,6 +66,22 @@ def numbered(n):
     return torch.utils.data.TensorDataset(torch.stack([ids, ids], 1).float(), ids)
 
 
+class KilledWhileCaching(torch.utils.data.Dataset):
+    """32 blank 1x8x8 samples; in SLURM task 0's process (its node's cache writer) the sixth
+    kills the process, as the out-of-memory killer would in the middle of the write."""
+
+    def __init__(self, split: str = "train"):
+        self.split = split
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        if i == 5 and self.split == "train" and os.environ.get("SLURM_PROCID") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(1, 8, 8), i % 10
+
+
 def make_memmap_root(root: Path, n: int = 40, shape=(3, 8, 8), classes: int = 4,
                      dtype: str = "float32") -> Path:
     """A small prepared dataset (as scripts/prepare_data.py writes it) under `root`."""
@@ -109,6 +125,32 @@ def launch(cmd, cwd, timeout=180, env=None):
            "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def slurm_tasks(tmp_path, ntasks, args, timeout=180):
+    """`ntasks` train.py processes launched as srun launches them (no torchrun: rank 0's
+    process holds the job's store), in `tmp_path`; their exit codes and outputs. Every task
+    is killed if they have not all ended within `timeout` seconds."""
+    port = free_port()
+    procs = []
+    for rank in range(ntasks):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("HYDRA_", "STOKER_", "RANK", "WORLD_SIZE"))}
+        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
+                   SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_JOB_ID="4242",
+                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # (one that ended is reaped: its pid may be another's now)
+                kill_tree(p)
+    return [p.returncode for p in procs], outs
 
 
 def torchrun(nproc, args, cwd, timeout=180, multirun=False):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.helpers import QUIET, ROOT, TORCHRUN, compose_cfg, free_port, summary_of, torchrun
+from tests.helpers import (QUIET, ROOT, TORCHRUN, compose_cfg, free_port, slurm_tasks,
+                           summary_of, torchrun)
 from trainer.runner import train
 
 pytestmark = pytest.mark.slow
@@ -116,22 +116,6 @@ def test_multi_node_form_on_one_machine(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     run = tmp_path / "outputs" / "rdzv-stoker-test"  # named by the rendezvous id
     assert summary_of(run)["world_size"] == 2
-
-
-def slurm_tasks(tmp_path, ntasks, args, timeout=180):
-    port = free_port()
-    procs = []
-    for rank in range(ntasks):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("HYDRA_", "STOKER_", "RANK", "WORLD_SIZE"))}
-        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(ntasks),
-                   SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_JOB_ID="4242",
-                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    return [p.returncode for p in procs], outs
 
 
 def test_srun_style_slurm_launch_without_torchrun(tmp_path):

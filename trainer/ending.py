@@ -14,6 +14,7 @@ from typing import Any, Dict, NoReturn, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
 from trainer import checkpoint, distributed, rundir, stamp
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
@@ -32,7 +33,7 @@ STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a
 
 # failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
 ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, JoinFailed, LoaderStalled, LoaderWorkerDied,
-            OSError)
+            WriterGone, OSError)
 
 
 def end_without_peer(e: PeerLost) -> NoReturn:

@@ -178,7 +178,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
         num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
-        owner=rundir.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb)
+        owner=rundir.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb,
+        alive=rundir.owner_alive, start_s=cfg.trainer.ddp.timeout_s)
         for ds, split in zip(sources, ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None

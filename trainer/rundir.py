@@ -51,9 +51,19 @@ def _start_time(pid: int) -> Optional[float]:
 
 
 def owner() -> Dict[str, Any]:
-    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id."""
+    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id and
+    the job's attempt (torchrun's or SLURM's restart count)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-            "job": job_id(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "job": job_id(), "attempt": attempt(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def attempt(environ=os.environ) -> int:
+    """Which attempt of its job this process belongs to: 0, then one more per restart."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def owner_alive(who: Dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.cache import WriterGone
 from trainer import (checkpoint, components, distributed, ending, liveness, rundir, schedules,
                      speed, startup)
 from trainer.checks import monitor_mode, resolve
@@ -62,9 +63,10 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
             if stops:  # (before: the process ends at once after its own line)
                 ending.say_sweep_stopped()
             ending.end_without_peer(e)
-        try:  # (a launch the variables cannot describe, a rank that could not join: each says it)
-            fail(e, code=ending.exit_code(e),
-                 any_rank=isinstance(e, (distributed.LaunchError, distributed.JoinFailed)))
+        try:  # (a launch the variables cannot describe, a rank that could not join, or that
+            # lost the writer of its node's cache, which may be rank 0: each says it)
+            fail(e, code=ending.exit_code(e), any_rank=isinstance(
+                e, (distributed.LaunchError, distributed.JoinFailed, WriterGone)))
         finally:
             if stops:  # the last line: which job stopped the sweep, how to run on
                 ending.say_sweep_stopped()

@@ -257,3 +257,68 @@ def test_every_rank_refuses_a_damaged_cache_alike_after_the_barrier(tmp_path):
             cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path),
                                 local_rank=rank, wait=lambda: barrier.append(rank))
     assert barrier == [1, 0]  # both passed the barrier before refusing
+
+
+def _record(tmp_path, pid, job="TORCHELASTIC_RUN_ID=r1", attempt=0):
+    path = tmp_path / "owner.json"
+    path.write_text(json.dumps({"host": "h", "pid": pid, "job": job, "attempt": attempt}))
+    return path
+
+
+def test_a_waiting_rank_stops_when_the_writer_of_its_launch_is_gone(tmp_path):
+    """Without torchrun's agent (a SLURM launch) nothing else would end a rank that waits for
+    a writer that died: it stops in one line, at once for a writer it saw, after the
+    collective timeout for one that never began. An earlier launch's record (a writer killed
+    mid-write, not yet reclaimed) is not this launch's writer."""
+    me = {"job": "TORCHELASTIC_RUN_ID=r1", "attempt": 0}
+    done, failed = tmp_path / "done.json", tmp_path / "failed.txt"
+    record = _record(tmp_path, 1234)
+    assert cache._writer_state(record, me, lambda who: True) is True
+    with pytest.raises(cache.WriterGone, match=r"^the cache: local rank 0, which was writing "
+                                               r"it, ended before it finished; its own error"):
+        cache._await(done, failed, "the cache",
+                     lambda: cache._writer_state(record, me, lambda who: who["pid"] != 1234))
+    for stale in (_record(tmp_path, 1234, attempt=1), _record(tmp_path, 1234, job="other")):
+        assert cache._writer_state(stale, me, lambda who: False) is None
+    with pytest.raises(cache.WriterGone, match=r"did not begin writing it within 0.3 s "
+                                               r"\(trainer.ddp.timeout_s\)"):
+        cache._await(done, failed, "the cache",
+                     lambda: cache._writer_state(tmp_path / "none.json", me, lambda w: True),
+                     start_s=0.3)
+    import threading
+
+    record = _record(tmp_path, 1234)  # a live writer is waited for, past start_s
+    threading.Timer(0.5, done.write_text, args=("{}",)).start()
+    cache._await(done, failed, "the cache",
+                 lambda: cache._writer_state(record, me, lambda who: True), start_s=0.1)
+
+
+def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, monkeypatch):
+    """The writer's exit removes the node's copy, but not the one line the other ranks are
+    polling for (they would wait on for a writer that is gone); a later run reclaims it."""
+    from trainer import rundir
+
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            raise ValueError("bad sample")
+
+    monkeypatch.setattr(cache, "SHM_ROOT", tmp_path)
+    me = rundir.owner()
+    cleanups = []
+    monkeypatch.setattr(cache.atexit, "register", lambda *a: cleanups.append(a))
+    with pytest.raises(ValueError):
+        cache.cache_dataset(Broken(), "shm", tag="t", owner=me)
+    (root,) = tmp_path.iterdir()
+    (func, *args), = cleanups
+    func(*args)  # the writer's exit
+    assert sorted(p.name for p in root.iterdir()) == ["failed.txt", cache.OWNER]
+    with pytest.raises(ConfigError, match=r"local rank 0 failed to write it: .*bad sample"):
+        cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, owner=me,
+                            alive=rundir.owner_alive)
+    # another run on the node leaves it to the ranks on their way to read it, for a while
+    assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [] and root.exists()
+    monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)
+    assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [root]

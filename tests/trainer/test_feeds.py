@@ -417,3 +417,26 @@ def test_a_num_classes_other_than_the_folders_is_refused(make_cfg, tmp_path):
                                           r"\(class_00, class_01, class_02\); leave the key out"):
         train(make_cfg("data=image_folder", f"data.dataset.root={folder}", "data.num_classes=5",
                        "data.dataset.size=8", "model=cnn"))
+
+
+@pytest.mark.parametrize("cache", ["shm", "disk"])
+def test_ranks_waiting_for_a_cache_writer_that_was_killed_stop_in_one_line(tmp_path, cache):
+    """An srun launch has no torchrun agent to end the other ranks when local rank 0 dies
+    while it writes the node's copy: they see its process gone and stop, each saying so
+    (rank 0, which would speak for them, is the one gone)."""
+    from data.cache import reclaim_shm
+    from tests.helpers import slurm_tasks
+    from trainer import rundir
+
+    codes, outs = slurm_tasks(tmp_path, 2, [
+        "data=custom", "+data.dataset._target_=tests.helpers.KilledWhileCaching",
+        "data.input_shape=[1,8,8]", "data.num_classes=10", f"data.cache={cache}",
+        f"data.cache_dir={tmp_path / 'cache'}", "trainer.ddp.timeout_s=120",
+        "trainer.max_steps=2"], timeout=100)
+    reclaim_shm(rundir.owner_alive)  # the killed writer's copy (a later run's job)
+    assert codes[0] == -9 and codes[1] == 1, outs
+    line = [ln for ln in outs[1].splitlines() if ln.startswith("stoker: error:")]
+    assert len(line) == 1 and f"data.cache={cache} in " in line[0] and line[0].endswith(
+        "local rank 0, which was writing it, ended before it finished; its own error, if it "
+        "had one, is in its output"), outs[1][-2000:]
+    assert "Traceback" not in outs[1]
