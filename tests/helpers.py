@@ -557,6 +557,19 @@ class RankSizedDigits(torch.utils.data.Dataset):
         return self.digits[i]
 
 
+class ArrayStateMLP(MLP):
+    """An MLP whose extra state (nn.Module.get_extra_state) is a numpy array: a safe load
+    (torch.load with weights_only=True) refuses it."""
+
+    def get_extra_state(self):
+        import numpy as np
+
+        return {"mean": np.arange(3.0)}
+
+    def set_extra_state(self, state) -> None:
+        self.extra = state
+
+
 class FaultyMLP(MLP):
     """An MLP whose `at`-th training forward, on rank `rank` of a torchrun job, hangs (sleeps
     in the main thread: its heartbeat thread beats on), kills its own process, or fails with

@@ -13,7 +13,10 @@ Layout: `checkpoints/step-NNNNNNNN.pt` (the newest `keep_last`), `last.pt` and `
 """
 from __future__ import annotations
 
+import collections
+import io
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -114,6 +117,51 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+# what torch.load(weights_only=True) takes back besides tensors (and dicts, lists, tuples, sets)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype,
+          torch.device)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
+def check_loadable(state: Dict[str, Any]) -> None:
+    """CheckpointError (one line naming where) when `state` holds an object that a safe load
+    (torch.load with weights_only=True, as `load` reads) refuses: such a checkpoint could be
+    written at every save and never resumed. Only the state's structure is pickled to find
+    out (its tensors left out), so the check costs little beside the save."""
+    skeleton = map_tensors(state, lambda t: None)
+    try:
+        buffer = io.BytesIO()
+        torch.save(skeleton, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+        return
+    except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError) as e:
+        found = _foreign(skeleton, "")
+        named = _GLOBAL.search(str(e))
+        what = (f"a {type(found[1]).__module__}.{type(found[1]).__qualname__}" if found else
+                named.group(1) if named else _ANSI.sub("", str(e)).splitlines()[0][:160])
+        where = f"state{found[0]}" if found else "the state"
+    raise CheckpointError(f"checkpoint: {where} holds {what}, which a checkpoint cannot load "
+                          "back (torch.load with weights_only=True refuses what could run "
+                          "code); keep tensors, numbers, strings, lists and dicts there (an "
+                          "array: torch.from_numpy), or allow the type with "
+                          "torch.serialization.add_safe_globals")
+
+
+def _foreign(obj: Any, where: str) -> Optional[Tuple[str, Any]]:
+    """The first object inside `obj` that is not plain data (`_PLAIN`, in dicts, lists,
+    tuples and sets), with where it is (`['model']['net._extra_state']`); None if none."""
+    if type(obj) in (dict, list, tuple, set) or isinstance(obj, collections.OrderedDict):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            found = _foreign(value, f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    return None if isinstance(obj, _PLAIN) else (where, obj)
+
+
 def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]:
     """Reads a checkpoint written by `save`; CheckpointError if missing, truncated or foreign."""
     path = Path(path)
@@ -123,6 +171,15 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     try:
         # weights_only: a checkpoint is data, never code to run
         state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = _GLOBAL.search(str(e))
+        if named is None:
+            raise CheckpointError(f"checkpoint {path}: unreadable (UnpicklingError: "
+                                  f"{_ANSI.sub('', str(e)).splitlines()[0]})") from e
+        raise CheckpointError(f"checkpoint {path}: holds {named.group(1)}, which a safe load "
+                              "(torch.load with weights_only=True) refuses as code that could "
+                              "run; allow it with torch.serialization.add_safe_globals if you "
+                              "trust the file") from None
     except Exception as e:  # torch raises many types for a damaged zip/pickle
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
@@ -381,6 +438,7 @@ class Checkpointer:
         self.last_saved_step = step
         if not self.enabled:
             return path
+        check_loadable(state)  # (before anything is written: no checkpoint that cannot resume)
         self.wait()
         if not (self.async_save if async_save is None else async_save):
             self._write(state, path, best)

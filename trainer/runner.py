@@ -242,6 +242,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 callbacks=[*([ProfilerSteps(prof)] if cfg.trainer.profile else []),
                            checkpointing, *callbacks],
                 input_shape=cfg.data.input_shape)
+    if cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run:  # (not an epoch later)
+        checkpoint.check_loadable(loop.state_dict())
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
     warnings, lines, resumed = startup.restore(cfg, env, run_dir, loop, resume, spec.gpus)

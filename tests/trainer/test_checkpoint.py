@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,3 +284,52 @@ def test_a_resumed_optimizers_step_counts_are_where_its_implementation_keeps_the
                    for s in fused.state.values())
     finally:
         torch.set_default_dtype(default)
+
+
+def test_a_state_a_safe_load_would_refuse_is_named_before_it_is_saved(tmp_path):
+    """Written, it could never be resumed: every save would succeed and every resume fail."""
+    import numpy as np
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1,
+             "callbacks": {"Mine": {"seen": {1, 2}, "shape": torch.Size([2]), "name": "x"}}}
+    checkpoint.check_loadable(state)  # tensors and plain data: taken back
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
+    for bad, where, what in [
+            (np.arange(3.0), "state['callbacks']['Mine']['stats'][0]", "a numpy.ndarray"),
+            (lambda: 1, "state['callbacks']['Mine']['stats'][0]", "a builtins.function")]:
+        state["callbacks"]["Mine"]["stats"] = [bad]
+        with pytest.raises(CheckpointError) as info:
+            saver.save(state, step=2)
+        assert str(info.value).startswith(
+            f"checkpoint: {where} holds {what}, which a checkpoint cannot load back"), info.value
+        assert "\n" not in str(info.value)
+    assert not (tmp_path / checkpoint.CHECKPOINT_DIR).exists()  # nothing written
+
+
+def test_a_file_holding_what_a_safe_load_refuses_is_named_so_not_damaged(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "x.pt"
+    torch.save({"format_version": 1, "model": {"mean": np.arange(3.0)}}, path)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(path)
+    text = str(info.value)
+    assert text.startswith(f"checkpoint {path}: holds numpy.") and "safe load" in text
+    assert "unreadable" not in text and "\x1b" not in text and "\n" not in text
+
+
+def test_a_model_whose_extra_state_cannot_be_loaded_back_is_refused_before_training(make_cfg):
+    from tests.helpers import ArrayStateMLP  # noqa: F401  (the model named below)
+    from trainer.runner import train
+
+    cfg = make_cfg("model._target_=tests.helpers.ArrayStateMLP")
+    with pytest.raises(CheckpointError, match=r"^checkpoint: state\['model'\]\['_extra_state'\]"
+                                              r"\['mean'\] holds a numpy.ndarray"):
+        train(cfg)
+    assert not (Path(cfg.run_dir) / checkpoint.CHECKPOINT_DIR).exists()
+    train(make_cfg("model._target_=tests.helpers.ArrayStateMLP",
+                   "trainer.save_checkpoint=false", "trainer.max_steps=1"))  # nothing saved
