@@ -223,6 +223,13 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
     return LoaderWorkerDied(f"data: loader worker (pid {pid}) {what}")
 
 
+def worker_died(e: BaseException) -> Optional[LoaderWorkerDied]:
+    """The one line for PyTorch's error for a loader worker whose process ended, or None. Its
+    SIGCHLD handler raises that error wherever the training thread is (inside the model's
+    forward, say), not only where batches are read."""
+    return _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
+
+
 def loader_error(e: BaseException) -> BaseException:
     """One line for what goes wrong inside a DataLoader, else `e` itself: a ConfigError for
     samples the default collate cannot batch (types it does not know, tensors of different
@@ -235,7 +242,7 @@ def loader_error(e: BaseException) -> BaseException:
         return LoaderStalled(f"data: {str(e).rstrip('.')} (data.timeout) waiting for a batch "
                              "from a loader worker: stuck or stopped; raise data.timeout if "
                              "single batches are that slow")
-    ended = _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
+    ended = worker_died(e)
     if ended is not None:
         return ended
     last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]

@@ -27,7 +27,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from benchlib import (at_least, check_out, default_out, machine, publish,  # noqa: E402
                       run_main, table)
-from data.loader import build_loader  # noqa: E402
+from data.loader import (LoaderStalled, LoaderWorkerDied, build_loader,  # noqa: E402
+                         worker_died)
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.checks import resolve  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
@@ -72,6 +73,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         return tune(argv)
     except USER_ERRORS as e:
         fail(e)
+    except (LoaderStalled, LoaderWorkerDied) as e:  # the loader's own faults: exit 1
+        fail(e, code=1)
+    except RuntimeError as e:  # a worker's death, met wherever the timing thread was
+        died = worker_died(e)
+        if died is None:
+            raise
+        fail(died, code=1)
 
 
 def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:

@@ -66,6 +66,23 @@ def numbered(n):
     return torch.utils.data.TensorDataset(torch.stack([ids, ids], 1).float(), ids)
 
 
+class KilledInWorker(torch.utils.data.Dataset):
+    """Digits whose sample 40, made in a loader worker, kills the worker's process (as the
+    out-of-memory killer would): PyTorch's SIGCHLD handler then raises wherever the training
+    thread is, the model's forward included."""
+
+    def __init__(self, split: str = "train"):
+        self.digits = DigitsDataset(split)
+
+    def __len__(self) -> int:
+        return len(self.digits)
+
+    def __getitem__(self, i: int):
+        if i == 40 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.digits[i]
+
+
 class KilledWhileCaching(torch.utils.data.Dataset):
     """32 blank 1x8x8 samples; in SLURM task 0's process (its node's cache writer) the sixth
     kills the process, as the out-of-memory killer would in the middle of the write."""

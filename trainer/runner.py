@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import WriterGone
+from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, rundir, schedules,
                      speed, startup)
 from trainer.checks import monitor_mode, resolve
@@ -345,9 +346,10 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
-        lost = _record_failure(e, env, run_dir, loop, outputs, ours)
-        if lost is not None:
-            raise lost from None
+        died = worker_died(e)  # (said in one line wherever the training thread met it)
+        lost = _record_failure(died or e, env, run_dir, loop, outputs, ours)
+        if lost is not None or died is not None:
+            raise (lost or died) from None
         raise
     finally:
         if loop is not None:  # the loaders' workers, also after an error

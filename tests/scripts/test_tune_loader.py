@@ -105,3 +105,17 @@ def test_bad_arguments_are_usage_errors(capsys, args, needle):
     from scripts.tune_loader import main
 
     assert needle in usage_error(capsys, main, args)
+
+
+def test_a_loader_worker_killed_while_timing_is_one_line(tmp_path):
+    """The loader's own fault, not the user's setting: one line and exit 1, wherever the
+    timing thread met PyTorch's report of the worker's death."""
+    out = tmp_path / "tune.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/tune_loader.py", "--workers", "1", "--batches", "4",
+         "--out", str(out), "data=custom", "+data.dataset._target_=tests.helpers.KilledInWorker",
+         "data.input_shape=[1,8,8]", "data.num_classes=10", "data.shuffle=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)  # (sample 40: the first batch)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().startswith("stoker: error: data: loader worker (pid ")
+    assert not out.exists()

@@ -590,3 +590,20 @@ def test_the_slurm_launcher_without_a_sweep_is_refused_not_run_here(tmp_path):
         "train here; add -m to submit it as a job (one job for one setting), or leave the "
         "launcher out")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_loader_worker_killed_mid_step_is_one_line_wherever_the_step_was(tmp_path):
+    """PyTorch's SIGCHLD handler raises a worker's death inside whatever the training thread
+    runs (often the model's forward, which was then blamed on the data and the model): the
+    run says the worker's one line, exit 1, its traceback gone."""
+    from tests.helpers import run_cli
+
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "data=custom",
+                    "+data.dataset._target_=tests.helpers.KilledInWorker",
+                    "data.input_shape=[1,8,8]", "data.num_classes=10", "data.num_workers=1",
+                    "data.placement=host", "trainer.max_epochs=2", "trainer.progress_bar=false"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "fit together" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "stoker: error: data: loader worker (pid "), proc.stderr[-1000:]
+    assert "was killed (SIGKILL: the out-of-memory killer, usually" in proc.stderr
