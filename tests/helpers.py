@@ -549,6 +549,38 @@ class DetachedLoss(Classification):
         return super().loss(output.detach(), batch)
 
 
+class ZeroCount(Classification):
+    """A task whose count says its loss averages over no units."""
+
+    def count(self, batch):
+        return 0
+
+
+class WordCount(Classification):
+    """A task whose count is not a number."""
+
+    def count(self, batch):
+        return "many"
+
+
+class ListDerived(Classification):
+    """A task whose derived values are a list, not names and numbers."""
+
+    def derived(self, values):
+        return [1, 2]
+
+
+class NoMetricPair(Classification):
+    """A task whose metric_inputs forgot to return."""
+
+    def metric_inputs(self, output, batch):
+        return None
+
+
+class NoLoss(Task):
+    """A task of one's own that defines no loss."""
+
+
 class ExitingMLP(MLP):
     """A model whose third forward calls sys.exit(0), as a user's debugging line might."""
 

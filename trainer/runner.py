@@ -194,6 +194,10 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={cfg.task._target_}: builds a {type(task).__name__}; "
                           "a task must subclass trainer.task.Task")
+    if type(task).loss is Task.loss:  # (the base's raises NotImplementedError at step 1)
+        raise ConfigError(f"task._target_={cfg.task._target_}: {type(task).__name__} defines "
+                          "no loss(output, batch); a task computes its loss (README \"A task "
+                          "and a metric of your own\")")
     task.setup(model)  # the user's own module, not a wrapper of it
     model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
                                 cfg.trainer.compile)

@@ -168,12 +168,31 @@ class Task:
         """Values computed from the validation results (e.g. perplexity from the loss)."""
         return {}
 
+    def derived_values(self, values: Dict[str, float]) -> Dict[str, float]:
+        """`derived(values)`, checked: a mapping of names to numbers, in one line if not."""
+        found = self.derived(values)
+        if not isinstance(found, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float, torch.Tensor))
+                and not isinstance(v, bool) for k, v in found.items()):
+            raise self.error(f"{type(self).__name__}.derived(values) returned no mapping of "
+                             "names to numbers", found,
+                             expected="a dict such as {'val_ppl': 12.3}")
+        return dict(found)
+
     def update_metrics(self, output: Any, batch: Any) -> None:
         """Feeds every metric this batch's `metric_inputs`; a metric that refuses them is one
         line naming it."""
-        preds, target = self.metric_inputs(output, batch)
+        preds, target = self._metric_pair(output, batch)
         for name, metric in self.metrics.items():
             self._update(name, metric, preds, target)
+
+    def _metric_pair(self, output: Any, batch: Any) -> Tuple[Any, Any]:
+        pair = self.metric_inputs(output, batch)
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise self.error(f"{type(self).__name__}.metric_inputs(output, batch) returned no "
+                             "(preds, target) pair", pair,
+                             expected="a tuple (preds, target) for the metrics' update")
+        return pair[0], pair[1]
 
     def check_metrics(self, output: Any, batch: Any) -> None:
         """Every metric tried once, on the first training batch (a copy of it, whose state is
@@ -183,7 +202,7 @@ class Task:
         if not self.metrics:
             return
         with torch.no_grad():
-            preds, target = self.metric_inputs(output, batch)
+            preds, target = self._metric_pair(output, batch)
             preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
             for name, metric in self.metrics.items():
                 try:
@@ -267,7 +286,7 @@ class Task:
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
             # inside the model: its traceback stays, with what it was given
             if not isinstance(e, torch.OutOfMemoryError):
-                _note(e, f"stoker: task {self.name}: the model's first forward failed, given "
+                _note(e, f"stoker: task {self.label}: the model's first forward failed, given "
                          f"{describe(got)}: do the data (data=...) and the model (model=...) "
                          "fit together?")
             raise
@@ -328,6 +347,18 @@ class Task:
             getattr(type(self), m).__module__ in ("trainer.task", "trainer.tasks")
             for m in ("split", "forward", "count", "loss", "metric_inputs"))
 
+    def check_count(self, count: Any) -> None:
+        """The first training batch's count, checked once: an int >= 1 or a one-element
+        tensor, said in one line instead of a TypeError inside the loop, or a run that
+        trains on no units (a count of 0 weighs every loss by nothing)."""
+        if isinstance(count, torch.Tensor) and count.numel() == 1 or \
+                type(count) is int and count >= 1:
+            return
+        shown = describe(count) if isinstance(count, torch.Tensor) else repr(count)[:60]
+        raise TaskError(f"task {self.label}: {type(self).__name__}.count(batch) returned "
+                        f"{shown}; expected the units its loss averages over: an int >= 1 "
+                        "(the batch's samples) or a one-element tensor (valid tokens)")
+
     def check_loss(self, loss: Any) -> None:
         """The first training loss, checked once: what backward needs, said in one line
         instead of autograd's traceback."""
@@ -343,8 +374,13 @@ class Task:
                              fix="compute it from the model's output (not detached, not "
                              "under torch.no_grad)")
 
+    @property
+    def label(self) -> str:
+        """How messages name the task: its config name, or a task of one's own by its class."""
+        return type(self).__name__ if self.name == Task.name else self.name
+
     def error(self, what: str, got: Any, expected: str = "", fix: str = "") -> TaskError:
-        text = f"task {self.name}: {what}: got {describe(got)}"
+        text = f"task {self.label}: {what}: got {describe(got)}"
         return TaskError(text + (f"; expected {expected}" if expected else "")
                          + (f"; {fix}" if fix else ""))
 

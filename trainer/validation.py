@@ -46,7 +46,7 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     values = {"val_loss": loss_sum / count if count else math.nan}
     for name, metric in loop.task.metrics.items():  # torchmetrics gathers every rank's state
         values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
-    values.update(loop.task.derived(values))
+    values.update(loop.task.derived_values(values))
     # what decides best.pt must be the same on every rank: a metric that does not sync
     # its state would otherwise send ranks into different collectives
     values = distributed.broadcast_object(values)

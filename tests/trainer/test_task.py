@@ -260,6 +260,22 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["task._target_=tests.helpers.DetachedLoss"],
      "task classification: DetachedLoss.loss(output, batch) returned a loss that does not "
      "depend on the model's parameters: got tensor() float32"),
+    # the task's other methods, each in one line (a TypeError deep in the loop, a run on no
+    # units, a NotImplementedError before)
+    (["task._target_=tests.helpers.ZeroCount"],
+     "task classification: ZeroCount.count(batch) returned 0; expected the units its loss "
+     "averages over: an int >= 1 (the batch's samples) or a one-element tensor"),
+    (["task._target_=tests.helpers.WordCount"],
+     "task classification: WordCount.count(batch) returned 'many'; expected"),
+    (["task._target_=tests.helpers.ListDerived"],
+     "task classification: ListDerived.derived(values) returned no mapping of names to "
+     "numbers: got list(int, int); expected a dict such as {'val_ppl': 12.3}"),
+    (["task._target_=tests.helpers.NoMetricPair"],
+     "task classification: NoMetricPair.metric_inputs(output, batch) returned no (preds, "
+     "target) pair: got NoneType"),
+    (["task=model_loss", "task._target_=tests.helpers.NoLoss", "~task.count", "~task.ignore_index",
+      "~task.shift_labels"],
+     "task._target_=tests.helpers.NoLoss: NoLoss defines no loss(output, batch)"),
 ])
 def test_user_mistakes_fail_before_training_with_one_line(make_cfg, args, fragment):
     with pytest.raises(ConfigError) as info:
