@@ -418,6 +418,14 @@ class TripleDigits(DigitsDataset):
         return x, y, torch.tensor(1.0)
 
 
+class NamedLabelDigits(DigitsDataset):
+    """Digits labelled by name ("digit 3"), not by number."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, f"digit {y}"
+
+
 class DyingWorkerDigits(DigitsDataset):
     """Digits whose loader worker ends its own process at its `at`-th sample, by `signal`
     (KILL as the out-of-memory killer does, SEGV as a crash in native code)."""

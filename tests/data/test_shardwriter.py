@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from data.shards import ShardStream
 from data.shardwriter import write_shards
@@ -36,3 +37,16 @@ def test_packing_an_image_folder_checks_each_file_under_its_policy(tmp_path):
     index = write_shards(folder, tmp_path / "b", num_workers=2)
     assert sum(s["samples"] for s in index["shards"]) == 6
     assert [p.endswith("zz.jpg") for p in folder.skipped()] == [True]
+
+
+@pytest.mark.parametrize("sample", [{"x": torch.zeros(2), "labels": 0},
+                                    (torch.zeros(2), "cat"), (torch.zeros(2), 0, 1.0)])
+def test_samples_that_are_not_input_target_pairs_are_refused_before_an_index(tmp_path,
+                                                                             sample):
+    """A dict, a string label or a third item: the ConfigError that writing arrays raises
+    (data.cache's check), not a traceback of unpacking them; no index is written."""
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"need a dataset of \(input, target\) tensor pairs"):
+        write_shards([sample] * 4, tmp_path / "train")
+    assert not (tmp_path / "train" / "index.json").exists()

@@ -235,3 +235,30 @@ def test_a_source_it_cannot_pack_is_one_line_and_leaves_no_folder(tmp_path, caps
     err = capsys.readouterr().err
     assert e.value.code == 2 and fragment in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["npy", "shards"])
+@pytest.mark.parametrize("dataset", ["DictDigits", "NamedLabelDigits", "TripleDigits"])
+def test_samples_that_are_not_input_target_pairs_are_one_line_in_either_format(
+        tmp_path, monkeypatch, capsys, fmt, dataset):
+    """Dict samples, string labels and a third item are refused in the same one line whether
+    written as arrays or as shards (not a traceback from the shard writer), exit 2, and an
+    --out this script wrote before is left as it was under --overwrite."""
+    from scripts import prepare_data
+
+    out = tmp_path / "packed"
+    (out / "train").mkdir(parents=True)
+    (out / "meta.json").write_text('{"source": {}, "splits": {"train": 1}}')
+    (out / "train" / "x.npy").write_text("the earlier one")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--format", fmt, "--out", "packed", "--overwrite", "data=custom",
+                           "data.input_shape=[1,8,8]", "data.num_classes=10",
+                           f"+data.dataset._target_=tests.helpers.{dataset}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines() == [
+        "stoker: error: data.cache and scripts/prepare_data.py need a dataset of (input, "
+        "target) tensor pairs; use data.cache=none for other samples"], err
+    assert (out / "train" / "x.npy").read_text() == "the earlier one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no staging folder
+
