@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data.datasets import DigitsDataset, MemmapDataset
-from tests.helpers import ROOT, compose_cfg
+from tests.helpers import ROOT, compose_cfg, usage_error
 from trainer.runner import train
 
 
@@ -262,3 +262,19 @@ def test_samples_that_are_not_input_target_pairs_are_one_line_in_either_format(
     assert (out / "train" / "x.npy").read_text() == "the earlier one"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no staging folder
 
+
+@pytest.mark.parametrize("out", ["notes.txt/packed", "notes.txt/a/packed"])
+def test_an_out_under_a_file_is_a_usage_error_naming_the_file(tmp_path, monkeypatch, capsys,
+                                                              out):
+    """Made only once the data is read, it failed then as an OS error, exit 1; refused at
+    the start instead, as an --out that is a file is."""
+    from scripts import prepare_data
+
+    (tmp_path / "notes.txt").write_text("the user's")
+    monkeypatch.chdir(tmp_path)
+    err = usage_error(capsys, prepare_data.main, ["--out", out])
+    assert err.strip().splitlines()[-1].endswith(
+        f": error: --out {out}: is under {tmp_path.resolve() / 'notes.txt'}, a file, not a "
+        "folder; give a folder to write"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
