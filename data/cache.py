@@ -42,7 +42,10 @@ SHM_ROOT = Path("/dev/shm")
 OWNER = "owner.json"  # who wrote a /dev/shm cache: see reclaim_shm
 
 
-def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
+def pair_batches(dataset: Dataset, num_workers: int, batch_size: int = 256):
+    """The dataset's samples as batches of (inputs, targets) tensors, for writing as arrays or
+    shards; any other sample (dicts, string labels, a third item) is one ConfigError saying
+    what its batches hold."""
     # its own generator: materialising data must not draw from the global RNG; the dataset's
     # own collate (an image folder's leaves out the files it skipped)
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
@@ -52,9 +55,18 @@ def _pairs(dataset: Dataset, num_workers: int, batch_size: int = 256):
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
             raise ConfigError("data.cache and scripts/prepare_data.py need a dataset of "
-                              "(input, target) tensor pairs; use data.cache=none for other "
-                              "samples")
+                              "(input, target) tensor pairs, not samples that batch to "
+                              f"{_held(batch)}; use data.cache=none for other samples")
         yield batch
+
+
+def _held(batch: Any) -> str:
+    """What a batch holds, briefly: `dict(image, label)`, `list(Tensor, Tensor, list)`."""
+    if isinstance(batch, dict):
+        return "dict(" + ", ".join(map(str, batch)) + ")"
+    if isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__}(" + ", ".join(type(v).__name__ for v in batch) + ")"
+    return type(batch).__name__
 
 
 def write_arrays(dataset: Dataset, folder: Path, num_workers: int = 0) -> Tuple[int, ...]:
@@ -75,7 +87,7 @@ def _write_arrays(dataset: Dataset, folder: Path, num_workers: int) -> Tuple[int
     n = len(dataset)
     x_out = y_out = None
     row = 0
-    for x, y in _pairs(dataset, num_workers):
+    for x, y in pair_batches(dataset, num_workers):
         if x_out is None:
             x_out = _open_reserved(folder / "x.npy.tmp", x.numpy().dtype, (n, *x.shape[1:]))
             y_out = _open_reserved(folder / "y.npy.tmp", y.numpy().dtype, (n, *y.shape[1:]))
@@ -121,7 +133,7 @@ def _nothing_read(n: int) -> ConfigError:
 
 
 def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
-    pairs = list(_pairs(dataset, num_workers))
+    pairs = list(pair_batches(dataset, num_workers))
     if sum(len(y) for _, y in pairs) == 0:
         raise _nothing_read(len(dataset))
     xs, ys = zip(*pairs)

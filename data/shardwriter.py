@@ -68,13 +68,13 @@ def _records(dataset, order: List[int], num_workers: int) -> Iterator[Dict[str, 
         return
     from torch.utils.data import Subset
 
-    from data.cache import _pairs  # the batches --format npy writes, checked the same way
+    from data.cache import pair_batches  # (data.cache imports the loader: late)
 
     subset = Subset(dataset, order)
     subset.collate_fn = getattr(dataset, "collate_fn", None)  # (a Subset does not pass it on)
     # anything but (input, target) tensor pairs (dicts, string labels, a third item) is the
     # one-line ConfigError that --format npy gives, not a traceback from unpacking it here
-    for x, y in _pairs(subset, num_workers):
+    for x, y in pair_batches(subset, num_workers):
         for xi, yi in zip(x.numpy(), y.numpy()):
             xb, yb = io.BytesIO(), io.BytesIO()
             np.save(xb, xi)

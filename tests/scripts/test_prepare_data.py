@@ -238,9 +238,11 @@ def test_a_source_it_cannot_pack_is_one_line_and_leaves_no_folder(tmp_path, caps
 
 
 @pytest.mark.parametrize("fmt", ["npy", "shards"])
-@pytest.mark.parametrize("dataset", ["DictDigits", "NamedLabelDigits", "TripleDigits"])
+@pytest.mark.parametrize("dataset,held", [("DictDigits", "dict(image, label, name)"),
+                                          ("NamedLabelDigits", "list(Tensor, tuple)"),
+                                          ("TripleDigits", "list(Tensor, Tensor, Tensor)")])
 def test_samples_that_are_not_input_target_pairs_are_one_line_in_either_format(
-        tmp_path, monkeypatch, capsys, fmt, dataset):
+        tmp_path, monkeypatch, capsys, fmt, dataset, held):
     """Dict samples, string labels and a third item are refused in the same one line whether
     written as arrays or as shards (not a traceback from the shard writer), exit 2, and an
     --out this script wrote before is left as it was under --overwrite."""
@@ -258,7 +260,8 @@ def test_samples_that_are_not_input_target_pairs_are_one_line_in_either_format(
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.strip().splitlines() == [
         "stoker: error: data.cache and scripts/prepare_data.py need a dataset of (input, "
-        "target) tensor pairs; use data.cache=none for other samples"], err
+        f"target) tensor pairs, not samples that batch to {held}; use data.cache=none for "
+        "other samples"], err
     assert (out / "train" / "x.npy").read_text() == "the earlier one"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no staging folder
 
