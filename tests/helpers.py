@@ -614,6 +614,15 @@ class RankSizedDigits(torch.utils.data.Dataset):
         return self.digits[i]
 
 
+class RankShapedMLP(MLP):
+    """An MLP whose hidden width depends on the torchrun rank: ranks 0 and 1 build parameters
+    of different sizes, which DDP finds as it wraps the model."""
+
+    def __init__(self, input_shape, num_classes, hidden=(32,), **kwargs):
+        width = hidden[0] + int(os.environ.get("RANK", "0"))
+        super().__init__(input_shape, num_classes, hidden=[width], **kwargs)
+
+
 class ArrayStateMLP(MLP):
     """An MLP whose extra state (nn.Module.get_extra_state) is a numpy array: a safe load
     (torch.load with weights_only=True) refuses it."""

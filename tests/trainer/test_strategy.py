@@ -71,3 +71,19 @@ def test_data_parallel_wraps_on_cuda():
     wrapped = wrap(nn.Linear(2, 2), Strategy.dp, torch.device("cuda", 0), DDPConfig())
     assert isinstance(wrapped, nn.DataParallel)
     assert wrapped(torch.randn(4, 2, device="cuda")).shape == (4, 2)
+
+
+def test_ranks_that_build_different_models_are_one_line_not_ddps_traceback(tmp_path):
+    """DDP compares the ranks' parameters as it wraps the model; the rank that finds them
+    different says why in one line, through rank 0's report of losing it."""
+    from tests.helpers import ROOT, torchrun
+
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+                        "data.num_workers=0", "trainer.ddp.timeout_s=60",
+                        "model._target_=tests.helpers.RankShapedMLP"], cwd=ROOT, timeout=150)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert lines and all("model: the ranks built different models (" in ln and
+                         "build the same model on every rank" in ln for ln in lines), \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
