@@ -401,7 +401,8 @@ def __getattr__(name: str) -> Any:
 
 
 def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
-                  input_shape: Optional[Any], find_unused: bool) -> Exception:
+                  input_shape: Optional[Any], find_unused: bool,
+                  which: str = "the first batch") -> Exception:
     """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
     mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
     found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
@@ -423,7 +424,7 @@ def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
         else:
             fix = (f"check data.input_shape={None if input_shape is None else list(input_shape)}"
                    " and the model's arguments")
-        return ConfigError(f"model: {type(model).__name__} cannot take the first batch "
+        return ConfigError(f"model: {type(model).__name__} cannot take {which} "
                            f"({describe(batch)}): {text.splitlines()[0]}; {fix}")
     unused = "find_unused_parameters" in text or "did not receive grad" in text
     if unused and not find_unused:

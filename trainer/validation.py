@@ -16,7 +16,7 @@ from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.task import batch_size
+from trainer.task import batch_size, forward_error
 
 if TYPE_CHECKING:
     from trainer.loop import Loop
@@ -61,6 +61,20 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     return values
 
 
+def _forward(loop: "Loop", model: nn.Module, batch, first: bool):
+    """The task's forward of a validation batch; on the run's `first` one, validation data the
+    model cannot take (another dtype or shape than the training data's) is one line, as the
+    first training batch's is."""
+    try:
+        return loop.task.forward(model, batch)
+    except RuntimeError as e:
+        error = forward_error(e, batch, model, first, loop.input_shape, find_unused=True,
+                              which="the first validation batch")
+        if error is e:
+            raise
+        raise error from None
+
+
 def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
     """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
     validation shard; metrics updated on the way."""
@@ -70,10 +84,13 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
     sums = torch.zeros(4, dtype=torch.float64, device=loop.device)
     samples = 0
     for batch in loop.val_feed.take(loop.val_limit):
+        first = not loop.val_read and samples == 0  # the run's first validation batch
         samples += batch_size(batch)  # (shapes only)
         with loop.precision.autocast():
-            output = task.forward(model, batch)
+            output = _forward(loop, model, batch, first)
             count = task.count(batch)
+            if first:
+                task.check_count(count)
             sums[0] += counted(task.loss(output, batch), count)
             sums[1] += count
         if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
