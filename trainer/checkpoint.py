@@ -385,7 +385,13 @@ def _link_over(src: Path, dst: Path) -> None:
         os.link(src, tmp)
     except OSError:  # a filesystem without hard links
         shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    try:
+        os.replace(tmp, dst)
+    except OSError as e:
+        _unlink_quietly(str(tmp))
+        in_the_way = "a folder is in the way" if dst.is_dir() else e.strerror or str(e)
+        raise CheckpointWriteError(f"checkpoint {dst}: cannot point it at {src.name} "
+                                   f"({in_the_way}); {src} was written") from None
 
 
 def tensors_in(obj: Any) -> List[torch.Tensor]:

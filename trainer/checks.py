@@ -115,6 +115,10 @@ def _check_trainer(cfg: DictConfig) -> None:
            "must be a finite number")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
+    _check(not (t.overfit_batches and t.limit_train_batches is not None),
+           "trainer.limit_train_batches", t.limit_train_batches,
+           f"cannot be combined with trainer.overfit_batches={t.overfit_batches}, which sets the "
+           "batches of every epoch itself; set one of them")
 
 
 def _check_datasets(d: DictConfig) -> None:
@@ -269,6 +273,9 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]]) -> Opti
     c = cfg.trainer.checkpoint
     if c.monitor is None:
         return None
+    _check(bool(directions), "trainer.checkpoint.monitor", c.monitor,
+           "nothing is validated in this run (no validation set: data.val_dataset is null), so "
+           "there is no value to monitor; set it to null, or give a validation set")
     _check(c.monitor in directions, "trainer.checkpoint.monitor", c.monitor,
            "must be null or a logged validation key: " + ", ".join(directions))
     higher = directions[c.monitor]

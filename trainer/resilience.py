@@ -271,7 +271,10 @@ class Checkpointing(Callback):
             return True
         if not loop.losses_finite():  # agreed: no rank goes into capture's gather alone
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
-                             "finite; the last good checkpoint stays", loop.state.step)
+                             "finite; %s", loop.state.step,
+                             "the last good checkpoint stays" if self.saver.last_saved_step
+                             is not None or checkpoint.candidates(self.run_dir)
+                             else "no checkpoint was saved before it")
             return False
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()

@@ -209,7 +209,7 @@ class Task:
                     trial = copy.deepcopy(metric)
                 except Exception:  # noqa: BLE001  (a metric that cannot be copied: validation
                     continue  # tries it)
-                self._update(name, trial, preds, target)
+                self._update(name, trial, preds, target, trial=True)
                 try:
                     self.compute_metric(name, trial)
                 except TaskError:
@@ -222,10 +222,23 @@ class Task:
                                 name, type(metric).__name__, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
 
-    def _update(self, name: str, metric: Any, preds: Any, target: Any) -> None:
+    def _update(self, name: str, metric: Any, preds: Any, target: Any,
+                trial: bool = False) -> None:
+        """`metric.update`: inputs it refuses at first are one line (the task and the metric,
+        or the data, do not fit); a failure after it took validation inputs is its own code's,
+        whose traceback stays. `trial`: the first training batch's check, which counts for
+        neither."""
+        took = self.__dict__.setdefault("_took", set())  # (metrics that took inputs once)
         try:
             metric.update(preds, target)
+            if not trial:
+                took.add(name)
         except (ValueError, TypeError, RuntimeError) as e:
+            if name in took:
+                _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() "
+                         f"failed, given {describe((preds, target))}, after it had taken "
+                         "such inputs")
+                raise
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
@@ -311,14 +324,15 @@ class Task:
                                                 "its loss"))
 
     def predictions(self, output: Any) -> torch.Tensor:
-        """The prediction tensor inside a model output (a tensor, `.logits`, ["logits"], [0])."""
+        """The prediction tensor inside a model output (a tensor, `.logits`, ["logits"], or a
+        sequence's first tensor of one dimension or more: (loss, logits) gives the logits)."""
         if isinstance(output, torch.Tensor):
             return output
         found = getattr(output, self.output_key, None)
         if found is None and isinstance(output, Mapping):
             found = output.get(self.output_key)
-        if found is None and isinstance(output, (list, tuple)) and output:
-            found = output[0]
+        if found is None and isinstance(output, (list, tuple)):
+            found = next((t for t in output if isinstance(t, torch.Tensor) and t.dim()), None)
         if not isinstance(found, torch.Tensor):
             raise self.error("a model output it cannot read", output,
                              f"a tensor, or an output with a '{self.output_key}' tensor "

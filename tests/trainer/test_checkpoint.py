@@ -333,3 +333,13 @@ def test_a_model_whose_extra_state_cannot_be_loaded_back_is_refused_before_train
     assert not (Path(cfg.run_dir) / checkpoint.CHECKPOINT_DIR).exists()
     train(make_cfg("model._target_=tests.helpers.ArrayStateMLP",
                    "trainer.save_checkpoint=false", "trainer.max_steps=1"))  # nothing saved
+
+
+def test_a_folder_in_the_way_of_last_pt_is_one_line_and_leaves_no_link_behind(tmp_path):
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
+    (saver.folder / checkpoint.LAST).mkdir(parents=True)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"checkpoint .*last\.pt: cannot point it at step-00000003\.pt \(a "
+                             r"folder is in the way\); .*step-00000003\.pt was written"):
+        saver.save({"model": {}, "step": 3}, step=3)
+    assert sorted(p.name for p in saver.folder.iterdir()) == ["last.pt", "step-00000003.pt"]

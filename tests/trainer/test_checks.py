@@ -174,3 +174,12 @@ def test_cuda_graphs_and_accumulation_are_refused_together_on_cuda(make_cfg, arg
                make_cfg("trainer.compile.enabled=true", "trainer.accumulate_grad_batches=2",
                         *args, instead)):  # what the line says to use is taken
         _check_graphs_and_accumulation(ok, cuda)
+
+
+def test_keys_that_decide_the_same_thing_or_need_a_validation_set(make_cfg):
+    with pytest.raises(ConfigError, match=r"^trainer\.limit_train_batches=2: cannot be combined "
+                                          r"with trainer\.overfit_batches=4"):
+        resolve(make_cfg("trainer.overfit_batches=4", "trainer.limit_train_batches=2"))
+    with pytest.raises(ConfigError, match=r"^trainer\.checkpoint\.monitor=val_acc: nothing is "
+                                          r"validated in this run \(no validation set"):
+        monitor_mode(make_cfg("trainer.checkpoint.monitor=val_acc"), {})  # no val set: no keys

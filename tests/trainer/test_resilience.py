@@ -425,3 +425,20 @@ def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capf
     preemption = Preemption(DistEnv(), saving=saving)
     preemption._handle(signal.SIGINT, None)
     assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
+
+
+def test_a_refused_save_with_no_checkpoint_before_it_says_so(make_cfg, caplog):
+    """trainer.max_bad_steps=0 trains on through non-finite losses; a save they refuse does
+    not speak of a last good checkpoint the run never wrote."""
+    import logging
+
+    from trainer.runner import train
+
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        try:
+            train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=0",
+                           "trainer.max_bad_steps=0", "trainer.max_steps=3"))
+        except Exception:  # noqa: BLE001  (how the run ends is another test's)
+            pass
+    said = [r.getMessage() for r in caplog.records if "not saving a checkpoint" in r.getMessage()]
+    assert said and all(s.endswith("no checkpoint was saved before it") for s in said), said

@@ -491,3 +491,45 @@ def test_only_a_task_reading_two_items_warns_of_the_rest():
     from trainer.tasks import ModelLoss
 
     assert not ModelLoss()._reads_two_items()  # the model gets the whole batch
+
+
+def test_a_sequence_output_gives_its_first_tensor_of_a_dimension_or_more():
+    """A model returning (loss, logits) was read as predicting its scalar loss, and the
+    message then blamed the targets."""
+    from trainer.task import Task
+
+    logits = torch.randn(4, 3)
+    assert Task().predictions((torch.tensor(0.5), logits)) is logits
+    assert Task().predictions([logits, torch.randn(4)]) is logits
+
+
+def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
+    """Refused at first: the task and the metric do not fit (one line); failing later, on
+    inputs of the same kind: a bug in the metric's own code, whose traceback is the help."""
+    from trainer.task import Task, TaskError
+
+    class Later:
+        def __init__(self):
+            self.calls = 0
+
+        def update(self, preds, target):
+            self.calls += 1
+            if self.calls > 2:  # (the trial's and the first validation batch's are taken)
+                raise RuntimeError("boom in the metric")
+
+        def compute(self):
+            return 1.0
+
+    class Never(Later):
+        def update(self, preds, target):
+            raise ValueError("wrong shapes")
+
+    task = Task(metrics={"later": Later(), "never": Never()})
+    x = torch.randn(4, 3)
+    with pytest.raises(TaskError, match=r"^task\.metrics\.never: Never refused the task's"):
+        task._update("never", task.metrics["never"], x, x)
+    task._update("later", task.metrics["later"], x, x, trial=True)  # the first training batch's
+    task._update("later", task.metrics["later"], x, x)
+    with pytest.raises(RuntimeError, match="boom in the metric") as info:
+        task._update("later", task.metrics["later"], x, x)
+    assert not isinstance(info.value, TaskError)
