@@ -35,9 +35,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     record = summarise(a.sweep_dir)
     if not record["jobs"]:
         p.error(f"{a.sweep_dir}: no job has started in this sweep yet")
+    print(table(record), flush=True)
     if not a.no_write:
-        write(a.sweep_dir, record)
-    print(table(record))
+        try:
+            write(a.sweep_dir, record)
+        except OSError as e:  # (the table is out: only the file is missing)
+            print(f"{p.prog}: error: {e.filename} not written ({e.strerror or e}); the table "
+                  f"above is what it would hold (--no-write prints it only)", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -190,10 +190,22 @@ def table(record: Dict[str, Any]) -> str:
 
 
 def write(sweep_dir: Path, record: Dict[str, Any]) -> None:
-    """Writes `record` (`summarise`) to `<sweep_dir>/sweep.json`, whole or not at all."""
+    """Writes `record` (`summarise`) to `<sweep_dir>/sweep.json`, whole or not at all: where
+    it cannot (a full disk, a read-only dir, a folder of that name), no temporary file is left
+    and the OSError raised names `<sweep_dir>/sweep.json`."""
+    path = sweep_dir / SUMMARY
     tmp = sweep_dir / f".{SUMMARY}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, sweep_dir / SUMMARY)
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException as e:  # (a Ctrl-C mid-write too: the old sweep.json, or none, stays)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # (a folder of that name is no file of ours)
+        if isinstance(e, OSError):  # the file the user asked for, not our temporary one
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
 
 
 class SweepSummary(Callback):
@@ -211,10 +223,9 @@ class SweepSummary(Callback):
         record = summarise(sweep_dir)
         if not record["jobs"]:
             return
+        print(table(record), flush=True)
         try:
             write(sweep_dir, record)
         except OSError as e:  # a full disk or a read-only dir: the jobs' own files stand
-            print(f"stoker: warning: {sweep_dir / SUMMARY} not written ({e.strerror or e})",
-                  flush=True)
-            return
-        print(table(record), flush=True)
+            print(f"stoker: warning: {e.filename} not written ({e.strerror or e}); the table "
+                  "above is what it would hold", flush=True)

@@ -28,6 +28,24 @@ def test_a_stopped_sweeps_table_and_its_record(tmp_path, capsys):
     assert json.loads((sweep / "sweep.json").read_text())["best_job"] == 0
 
 
+def test_a_sweep_json_that_cannot_be_written_is_an_error_after_the_table(tmp_path, capsys):
+    import sweep_summary
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1"], "completed", {"steps": 4, "val_loss": 0.5})
+    (sweep / "multirun.yaml").write_text("{}\n")
+    (sweep / "sweep.json").mkdir()
+    with pytest.raises(SystemExit) as e:
+        sweep_summary.main([str(sweep)])
+    assert e.value.code == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].split()[:3] == ["0", "0.1", "completed"]
+    assert err.endswith(f": error: {sweep / 'sweep.json'} not written (Is a "
+                   "directory); the table above is what it would hold (--no-write prints it "
+                        "only)\n") and err.count("\n") == 1
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml", "sweep.json"]
+
+
 def runs_folder(p):
     """outputs/<date>: runs, not a sweep (its table would list them as jobs)."""
     job(p / "outputs", "11-00-00", ["optim.lr=0.1"], "completed", {"val_loss": 0.5})

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers import run_cli
 from trainer.sweep import best_job, jobs_of, summarise, table, varying
 
@@ -71,6 +73,27 @@ def test_a_sweep_dir_without_jobs_gets_no_table_and_no_record(tmp_path, capsys):
     SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {
         "dir": str(tmp_path / "empty")}}}))
     assert capsys.readouterr().out == "" and not (tmp_path / "empty" / "sweep.json").exists()
+
+
+def test_a_sweep_json_that_cannot_be_written_leaves_no_temporary_file(tmp_path, capsys):
+    """A folder where sweep.json goes: the error names sweep.json, no .tmp is left, and the
+    sweep's end still prints its table, with a warning after it."""
+    from omegaconf import OmegaConf
+
+    from trainer.sweep import SweepSummary, write
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1"], "completed", {"val_loss": 0.5})
+    (sweep / "sweep.json").mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        write(sweep, summarise(sweep))
+    assert e.value.filename == str(sweep / "sweep.json")
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("sweep: 1 job in ") and out[2].split()[:3] == ["0", "0.1", "completed"]
+    assert out[3] == (f"stoker: warning: {sweep / 'sweep.json'} not written (Is a directory); "
+                      "the table above is what it would hold")
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "sweep.json"]
 
 
 def test_a_jobs_best_checkpoint_ranks_it_where_it_kept_one(tmp_path):
