@@ -6,7 +6,9 @@
 A sweep that ran every job prints this itself at its end; this is for one that was stopped,
 resumed, or submitted to SLURM (hydra/launcher=slurm) and looked at later. Jobs that did not
 finish show their status (failed, preempted, running) and no results; jobs the sweep never
-started have no dir and are not listed.
+started have no dir and are not listed. A job marked running whose process (on this host) is
+gone shows as "stopped (process gone)"; a damaged status.json as "unreadable status.json" and a
+damaged summary.json as dashes, each with a warning line on stderr naming the file.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     record = summarise(a.sweep_dir)
     if not record["jobs"]:
         p.error(f"{a.sweep_dir}: no job has started in this sweep yet")
+    for line in record["warnings"]:
+        print(f"{p.prog}: warning: {line}", file=sys.stderr, flush=True)
     print(table(record), flush=True)
     if not a.no_write:
         try:

@@ -28,12 +28,63 @@ RESULTS = ("steps", "train_loss")
 RATE = "run_samples_per_s"
 
 
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+# a job's status where its status.json says nothing it can be judged by
+UNREADABLE = "unreadable status.json"
+# a job whose status.json says running while the process it names (on this host) is gone:
+# killed by SIGKILL or out of memory, where nothing could write how it ended
+GONE = "stopped (process gone)"
+
+
+def _read_json(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """(the JSON object in `path`, None); (None, None) where there is no such file; (None,
+    what is wrong) where it cannot be read or holds no JSON object (a write cut short)."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, e.strerror or str(e)
+    except ValueError:
+        return None, "not JSON"
+    return (value, None) if isinstance(value, dict) else (None, "not a JSON object")
+
+
+def _status(job_dir: Path, damaged: List[str]) -> str:
+    """The job's status as its status.json says it, `GONE` for a running job whose process
+    is gone, `UNREADABLE` for a damaged file (said in `damaged`)."""
+    path = job_dir / "status.json"
+    status, problem = _read_json(path)
+    if status is not None and not isinstance(status.get("status"), str):
+        problem = "no status in it"
+    if problem:
+        damaged.append(f"{path}: {problem}; its job shows as \"{UNREADABLE}\"")
+        return UNREADABLE
+    if status is None:
+        return "not started"
+    if status["status"] == "running" and _gone(status):
+        return GONE
+    return status["status"]
+
+
+def _gone(status: Dict[str, Any]) -> bool:
+    """Whether the process a running job's status.json names is certainly gone: on this host
+    and no such process (another host's processes cannot be looked at)."""
+    host, pid = status.get("host"), status.get("pid")
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    from trainer.rundir import owner_alive  # (torch comes with it: only where a job runs)
+
+    return not owner_alive({"host": host, "pid": pid})
+
+
+def _summary(job_dir: Path, damaged: List[str]) -> Dict[str, Any]:
+    """The job's summary.json ({} where there is none yet, or it is damaged: said in
+    `damaged`)."""
+    path = job_dir / "summary.json"
+    summary, problem = _read_json(path)
+    if problem:
+        damaged.append(f"{path}: {problem}; its job's results show as -")
+    return summary or {}
 
 
 def _overrides(job_dir: Path) -> List[str]:
@@ -69,18 +120,19 @@ def _job_dirs(sweep_dir: Path, depth: int = 3) -> List[Path]:
 def jobs_of(sweep_dir: Path) -> List[Dict[str, Any]]:
     """One record per job dir under `sweep_dir` (any hydra.sweep.subdir), in the order Hydra
     launched them; a job is named by its dir (its number, with the default subdir). Jobs
-    the sweep never started have no dir: they are not listed."""
+    the sweep never started have no dir: they are not listed. A record's `damaged` says,
+    one line a file, which of its status.json and summary.json could not be read."""
     jobs = []
     for job_dir in _job_dirs(sweep_dir):
-        status = _read_json(job_dir / "status.json") or {}
         name = str(job_dir.relative_to(sweep_dir))
         numbered = int(name) if name.isdigit() else None  # (hydra.sweep.subdir's default)
         num = _job_num(job_dir)
+        damaged: List[str] = []
         jobs.append({"job": name if numbered is None else numbered,
                      "num": numbered if num is None else num,
                      "dir": str(job_dir), "overrides": _overrides(job_dir),
-                     "status": status.get("status", "not started"),
-                     "summary": _read_json(job_dir / "summary.json") or {}})
+                     "status": _status(job_dir, damaged),
+                     "summary": _summary(job_dir, damaged), "damaged": damaged})
     jobs.sort(key=lambda j: (j["num"] is None, j["num"] or 0, str(j["job"])))
     return jobs
 
@@ -138,7 +190,8 @@ def _score(summary: Dict[str, Any], key: str) -> Optional[float]:
 
 
 def summarise(sweep_dir: Path) -> Dict[str, Any]:
-    """The sweep's record: its jobs (overrides that differ, status, results) and the best."""
+    """The sweep's record: its jobs (overrides that differ, status, results), the best, and
+    `warnings`: a line for each job's file that could not be read."""
     jobs = jobs_of(sweep_dir)
     keys = varying(jobs)
     best, key, mode = best_job(jobs)
@@ -158,7 +211,8 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
         rows.append({"job": job["job"], "overrides": {k: given.get(k) for k in keys},
                      "status": job["status"], "dir": job["dir"], **values})
     return {"sweep_dir": str(sweep_dir), "monitor": key, "mode": mode, "best_job": best,
-            "varying": keys, "results": results, "jobs": rows}
+            "varying": keys, "results": results, "jobs": rows,
+            "warnings": [line for job in jobs for line in job["damaged"]]}
 
 
 def _cell(value: Any) -> str:
@@ -223,6 +277,8 @@ class SweepSummary(Callback):
         record = summarise(sweep_dir)
         if not record["jobs"]:
             return
+        for line in record["warnings"]:
+            print(f"stoker: warning: {line}", flush=True)
         print(table(record), flush=True)
         try:
             write(sweep_dir, record)

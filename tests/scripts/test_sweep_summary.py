@@ -46,6 +46,21 @@ def test_a_sweep_json_that_cannot_be_written_is_an_error_after_the_table(tmp_pat
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml", "sweep.json"]
 
 
+def test_a_damaged_file_is_one_warning_line_on_stderr(tmp_path, capsys):
+    import sweep_summary
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1"], "completed", {"steps": 4, "val_loss": 0.5})
+    job(sweep, 1, ["optim.lr=0.2"])
+    (sweep / "1" / "status.json").write_text("{")
+    (sweep / "multirun.yaml").write_text("{}\n")
+    sweep_summary.main([str(sweep), "--no-write"])
+    out, err = capsys.readouterr()
+    assert err.endswith(f": warning: {sweep / '1' / 'status.json'}: not JSON; its job shows "
+                        "as \"unreadable status.json\"\n") and err.count("\n") == 1
+    assert out.splitlines()[-1].split()[:3] == ["1", "0.2", "unreadable"]
+
+
 def runs_folder(p):
     """outputs/<date>: runs, not a sweep (its table would list them as jobs)."""
     job(p / "outputs", "11-00-00", ["optim.lr=0.1"], "completed", {"val_loss": 0.5})

@@ -96,6 +96,43 @@ def test_a_sweep_json_that_cannot_be_written_leaves_no_temporary_file(tmp_path, 
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "sweep.json"]
 
 
+def test_damaged_files_and_a_running_job_whose_process_is_gone_are_shown_as_such(tmp_path):
+    """A status.json cut short is no "not started" job with results; a summary.json cut short
+    is said; a job marked running whose process on this host is gone (SIGKILL) is stopped,
+    one whose process lives, or runs on another host, is running."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()  # (reaped: its pid names no process)
+    here = socket.gethostname()
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1"], summary={"steps": 2, "val_loss": 0.4})
+    (sweep / "0" / "status.json").write_text('{"status": "compl')
+    job(sweep, 1, ["optim.lr=0.2"], "completed")
+    (sweep / "1" / "summary.json").write_text("")
+    for num, host, pid in [(2, here, gone.pid), (3, here, os.getpid()), (4, "elsewhere", gone.pid)]:
+        job(sweep, num, [f"optim.lr=0.{num + 1}"])
+        (sweep / str(num) / "status.json").write_text(json.dumps(
+            {"status": "running", "exit_code": None, "host": host, "pid": pid}))
+    job(sweep, 5, ["optim.lr=0.6"])
+    (sweep / "5" / "status.json").write_text("[]")
+    record = summarise(sweep)
+    assert [r["status"] for r in record["jobs"]] == [
+        "unreadable status.json", "completed", "stopped (process gone)", "running", "running",
+        "unreadable status.json"]
+    assert record["jobs"][0]["val_loss"] == 0.4 and record["best_job"] is None
+    assert record["warnings"] == [
+        f"{sweep / '0' / 'status.json'}: not JSON; its job shows as \"unreadable status.json\"",
+        f"{sweep / '1' / 'summary.json'}: not JSON; its job's results show as -",
+        f"{sweep / '5' / 'status.json'}: not a JSON object; its job shows as \"unreadable "
+        "status.json\""]
+    assert table(record).splitlines()[4].split()[:5] == ["2", "0.3", "stopped", "(process",
+                                                        "gone)"]
+
+
 def test_a_jobs_best_checkpoint_ranks_it_where_it_kept_one(tmp_path):
     """Job 0 ends higher, job 1 peaked higher (its best.pt): the best checkpoint is job 1's."""
     sweep = tmp_path / "sweep"
