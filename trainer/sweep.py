@@ -10,12 +10,19 @@ resumed, or submitted to SLURM and finished later.
 
 Each job's row comes from the files it left: `.hydra/overrides.yaml` (its overrides),
 `status.json` (how it ended) and `summary.json` (its results, written when it finished).
+
+Hydra writes `<sweep dir>/multirun.yaml` at every launch, before the first job: a relaunch
+into a sweep's dir that its first job refuses (another run's checkpoints: "nothing was
+changed") would replace the record of the sweep the dir holds. `SweepSummary` keeps a copy at
+the launch's start and puts it back at the exit of a launch that changed no job.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,6 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 SUMMARY = "sweep.json"
+RECORD = "multirun.yaml"  # Hydra's record of the sweep, which it writes at every launch
 # the results a row shows besides the validation keys, in this order
 RESULTS = ("steps", "train_loss")
 RATE = "run_samples_per_s"
@@ -262,13 +270,93 @@ def write(sweep_dir: Path, record: Dict[str, Any]) -> None:
         raise
 
 
+def _statuses(sweep_dir: Path) -> Dict[str, Optional[bytes]]:
+    """Each job dir's status.json as it is now: a job that did anything wrote it (from its
+    first step; a job refused in a dir without one writes one), a refused one left it as it
+    was."""
+    found: Dict[str, Optional[bytes]] = {}
+    for job_dir in _job_dirs(sweep_dir):
+        try:
+            found[str(job_dir)] = (job_dir / "status.json").read_bytes()
+        except OSError:
+            found[str(job_dir)] = None
+    return found
+
+
+def kept_record(sweep_dir: Path) -> Path:
+    """Where a launch keeps the sweep dir's multirun.yaml as it found it: a name of the launch
+    that every rank of it computes alike (trainer/stamp.py)."""
+    from trainer.stamp import run_stamp
+
+    launch = re.sub(r"[^\w.-]", "_", run_stamp(fmt="%Y%m%d-%H%M%S"))
+    return sweep_dir / f".{RECORD}.{launch}.kept"
+
+
+def keep_record(sweep_dir: Path, kept: Path) -> None:
+    """Copies the sweep dir's multirun.yaml, if any, to `kept` before Hydra writes this
+    launch's over it, unless `kept` is there. Under torchrun every rank runs the sweep, and
+    Hydra's sweeper in each writes the record right after this: the rank whose copy lands
+    first read the file before any rank wrote it, a later rank may have read a peer's."""
+    try:
+        data = (sweep_dir / RECORD).read_bytes()
+    except OSError:
+        return  # (a new sweep dir: nothing to keep)
+    tmp = sweep_dir / f".{RECORD}.{os.getpid()}.tmp"
+    try:
+        tmp.write_bytes(data)
+        os.link(tmp, kept)  # the whole file or none, never over an earlier rank's copy
+    except OSError:
+        pass  # a peer's copy is there (or the dir is read-only: so is Hydra's write)
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 class SweepSummary(Callback):
-    """Hydra's callback at the end of a sweep that ran every job: sweep.json and the table,
-    from rank 0 (every rank of a torchrun sweep runs the jobs alike)."""
+    """Hydra's callback around a sweep: at its end, when it ran every job, sweep.json and the
+    table, from rank 0 (every rank of a torchrun sweep runs the jobs alike); at the exit of
+    a launch that changed none of its jobs (refused at its first job, say), the sweep dir's
+    multirun.yaml as it was before Hydra wrote this launch's over it."""
+
+    def __init__(self) -> None:
+        self._ended = False
+        self._kept: Optional[Tuple[Path, Path, Dict[str, Optional[bytes]]]] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainer.distributed import detect
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        kept = kept_record(sweep_dir)
+        keep_record(sweep_dir, kept)
+        if detect().is_main and kept.is_file():
+            try:
+                self._kept = (sweep_dir, kept, _statuses(sweep_dir))
+            except OSError:
+                return
+            atexit.register(self.settle)
+
+    def settle(self) -> None:
+        """At the launch's exit (rank 0, which writes the jobs' files): the kept multirun.yaml
+        goes back in place where the launch did not reach its end and changed no job's
+        status.json, else it is dropped (Hydra's record of this launch stays)."""
+        if self._kept is None:
+            return
+        sweep_dir, kept, before = self._kept
+        self._kept = None
+        try:
+            if not self._ended and _statuses(sweep_dir) == before:
+                os.replace(kept, sweep_dir / RECORD)
+            else:
+                kept.unlink()
+        except OSError:
+            pass  # (the dir went, or turned read-only: the record there stays as it is)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from trainer.distributed import detect
 
+        self._ended = True
         if not detect().is_main:
             return
         sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -188,3 +188,61 @@ def test_a_sweep_that_ran_every_job_prints_its_table_and_writes_sweep_json(tmp_p
     at = out.index(next(line for line in out if line.startswith("sweep: 2 jobs in ")))
     assert out[at].endswith(f"best by val_acc (max): job {best}")
     assert out[at + 1].split()[:3] == ["job", "optim.lr", "status"] and len(out) == at + 4
+
+
+def test_a_relaunch_refused_at_its_first_job_leaves_the_sweeps_record(tmp_path):
+    """Another sweep into a sweep's dir, refused at job 0 (another run's checkpoints): Hydra
+    wrote its multirun.yaml over the sweep's before the job said "nothing was changed"; the
+    sweep's is put back. The same sweep with trainer.resume=auto runs, and its record stays."""
+    sweep = tmp_path / "sweep"
+    quick = ["trainer.max_steps=2", "trainer.max_epochs=1", "trainer.limit_val_batches=1",
+             "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}"]
+    first = run_cli(["-m", "model=mlp,cnn", *quick], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    record = (sweep / "multirun.yaml").read_bytes()
+    other = run_cli(["-m", "model=mlp", *quick], cwd=tmp_path)
+    assert other.returncode == 2 and "nothing was changed" in other.stderr, other.stderr
+    assert (sweep / "multirun.yaml").read_bytes() == record
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml", "sweep.json"]
+    again = run_cli(["-m", "model=mlp,cnn", *quick, "trainer.resume=auto"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "- trainer.resume=auto" in (sweep / "multirun.yaml").read_text()
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml", "sweep.json"]
+
+
+def test_the_record_kept_is_the_first_ranks_copy_and_goes_once_a_job_changed(tmp_path,
+                                                                            monkeypatch):
+    """Under torchrun each rank's Hydra writes multirun.yaml: rank 1 may write it before rank 0
+    looks. The copy rank 1 made first is what rank 0 puts back; a launch that changed a job's
+    status.json keeps its own record and leaves no copy."""
+    import atexit
+
+    from omegaconf import OmegaConf
+
+    from trainer.sweep import SweepSummary
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["model=mlp"], "completed")
+    (sweep / "multirun.yaml").write_text("the sweep's\n")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    # (two nodes: the launch is named by its rendezvous id, not by a clock)
+    for key, value in [("TORCHELASTIC_RUN_ID", "launch"), ("GROUP_WORLD_SIZE", "2"),
+                       ("WORLD_SIZE", "2"), ("RANK", "1")]:
+        monkeypatch.setenv(key, value)
+
+    def launch(changes_a_job):
+        monkeypatch.setenv("RANK", "1")
+        SweepSummary().on_multirun_start(config)
+        (sweep / "multirun.yaml").write_text("this launch's\n")  # rank 1's Hydra
+        monkeypatch.setenv("RANK", "0")
+        rank0 = SweepSummary()
+        rank0.on_multirun_start(config)
+        atexit.unregister(rank0.settle)
+        if changes_a_job:
+            (sweep / "0" / "status.json").write_text('{"status": "running"}')
+        rank0.settle()
+        return (sweep / "multirun.yaml").read_text()
+
+    assert launch(changes_a_job=False) == "the sweep's\n"
+    assert launch(changes_a_job=True) == "this launch's\n"
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
