@@ -32,7 +32,7 @@ from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, Loop, NonFiniteLoss
-from trainer.progress import FitState, steps_per_epoch
+from trainer.progress import FitState, epoch_plan
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
 from trainer.rundir import RunDirLock
@@ -279,7 +279,9 @@ def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
                  ) -> Tuple[int, List[str]]:
     """The run's optimizer steps (what the schedule spans), and a warning when the batch is
     larger than the rank's training set; ConfigError when an epoch has no optimizer step."""
-    per_epoch = steps_per_epoch(train_loader, train_limit, cfg.trainer.accumulate_grad_batches)
+    acc = cfg.trainer.accumulate_grad_batches
+    plan = epoch_plan(train_loader, train_limit, acc)
+    per_epoch = len(plan)
     n_rank = len(train_loader.sampler)
     if per_epoch == 0:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
@@ -288,6 +290,11 @@ def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
     too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
                 f"samples on this rank: every epoch is one batch of {n_rank}"]
                if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
+    if plan and max(plan) < acc:  # every window is a whole epoch: not the logged global batch
+        too_big.append(f"trainer.accumulate_grad_batches={acc} is more than the {max(plan)} "
+                       f"batches of an epoch on this rank: each optimizer step accumulates "
+                       f"{max(plan)}, a global batch of {max(plan)} x the per-rank batch x "
+                       "the world size, not the one the start-up line gives")
     total = per_epoch * cfg.trainer.max_epochs
     if cfg.trainer.max_steps > 0:
         total = min(total, cfg.trainer.max_steps)

@@ -607,3 +607,22 @@ def test_a_loader_worker_killed_mid_step_is_one_line_wherever_the_step_was(tmp_p
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "stoker: error: data: loader worker (pid "), proc.stderr[-1000:]
     assert "was killed (SIGKILL: the out-of-memory killer, usually" in proc.stderr
+
+
+def test_accumulation_beyond_an_epochs_batches_says_the_global_batch_it_takes(make_cfg, caplog,
+                                                                             tmp_path):
+    """Each window is then a whole (short) epoch: the start-up line's global batch is not
+    what a step averages over."""
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        train(make_cfg("trainer.accumulate_grad_batches=5", "trainer.limit_train_batches=3",
+                       "trainer.max_steps=1"))
+    said = [r.getMessage() for r in caplog.records if "accumulate_grad_batches=5" in
+            r.getMessage()]
+    assert said == ["trainer.accumulate_grad_batches=5 is more than the 3 batches of an epoch "
+                    "on this rank: each optimizer step accumulates 3, a global batch of 3 x "
+                    "the per-rank batch x the world size, not the one the start-up line gives"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker"):  # a short last window: no line
+        train(make_cfg("trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=3",
+                       "trainer.max_steps=1", run_dir=tmp_path / "short"))
+    assert not [r for r in caplog.records if "accumulate_grad_batches" in r.getMessage()]
