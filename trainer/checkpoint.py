@@ -121,6 +121,8 @@ def _unlink_quietly(path: str) -> None:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype,
           torch.device)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# the check's own serialiser, into memory: not the file writes `save` makes with torch.save
+_IN_MEMORY_SAVE = torch.save
 _GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
 
 
@@ -132,7 +134,7 @@ def check_loadable(state: Dict[str, Any]) -> None:
     skeleton = map_tensors(state, lambda t: None)
     try:
         buffer = io.BytesIO()
-        torch.save(skeleton, buffer)
+        _IN_MEMORY_SAVE(skeleton, buffer)
         buffer.seek(0)
         torch.load(buffer, weights_only=True)
         return

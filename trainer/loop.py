@@ -296,7 +296,7 @@ class Loop:
                 window.wait_s += perf() - t0  # the time the step stood waiting for data
                 count = task.count(batch)
                 if not self._loss_checked:  # the run's first batch: said in one line
-                    task.check_count(count)
+                    task.check_count(count, batch)
                 if size == 1 and alone and type(count) is int and count:
                     base = count  # the window is this batch (an epoch's short last one too):
                     # its mean loss, unweighted, as a plain loop steps (window_factor: None)

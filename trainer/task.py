@@ -361,12 +361,13 @@ class Task:
             getattr(type(self), m).__module__ in ("trainer.task", "trainer.tasks")
             for m in ("split", "forward", "count", "loss", "metric_inputs"))
 
-    def check_count(self, count: Any) -> None:
-        """The first training batch's count, checked once: an int >= 1 or a one-element
-        tensor, said in one line instead of a TypeError inside the loop, or a run that
-        trains on no units (a count of 0 weighs every loss by nothing)."""
+    def check_count(self, count: Any, batch: Any) -> None:
+        """The first batch's count, checked once: an int >= 1 (0 only for a batch of no
+        samples: every file in it skipped as unreadable) or a one-element tensor, said in one
+        line instead of a TypeError inside the loop, or a run that trains on no units (a count
+        of 0 weighs every loss by nothing)."""
         if isinstance(count, torch.Tensor) and count.numel() == 1 or \
-                type(count) is int and count >= 1:
+                type(count) is int and (count >= 1 or count == 0 and not batch_size(batch)):
             return
         shown = describe(count) if isinstance(count, torch.Tensor) else repr(count)[:60]
         raise TaskError(f"task {self.label}: {type(self).__name__}.count(batch) returned "

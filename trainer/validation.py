@@ -90,7 +90,7 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
             output = _forward(loop, model, batch, first)
             count = task.count(batch)
             if first:
-                task.check_count(count)
+                task.check_count(count, batch)
             sums[0] += counted(task.loss(output, batch), count)
             sums[1] += count
         if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
