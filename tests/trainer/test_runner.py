@@ -606,7 +606,9 @@ def test_a_loader_worker_killed_mid_step_is_one_line_wherever_the_step_was(tmp_p
     assert "Traceback" not in proc.stderr and "fit together" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "stoker: error: data: loader worker (pid "), proc.stderr[-1000:]
-    assert "was killed (SIGKILL: the out-of-memory killer, usually" in proc.stderr
+    # PyTorch names the signal, or (when the training thread met the broken pipe first)
+    # only that the worker ended: either way the usual cause is said
+    assert "the out-of-memory killer, usually" in proc.stderr
 
 
 def test_accumulation_beyond_an_epochs_batches_says_the_global_batch_it_takes(make_cfg, caplog,
