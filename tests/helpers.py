@@ -99,6 +99,18 @@ class KilledWhileCaching(torch.utils.data.Dataset):
         return torch.zeros(1, 8, 8), i % 10
 
 
+DROP = object()  # `whole(at, key=DROP)`: a training state without that key
+
+
+def whole(at: int, **changes) -> dict:
+    """A training state with every piece a resume needs (values a tiny run would have)."""
+    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "scheduler": {},
+             "epoch": 0, "step": at, "position": 0, "world_size": 1, "rng": [{}],
+             "config": {"seed": 0}}
+    state.update(changes)
+    return {k: v for k, v in state.items() if v is not DROP}
+
+
 def make_memmap_root(root: Path, n: int = 40, shape=(3, 8, 8), classes: int = 4,
                      dtype: str = "float32") -> Path:
     """A small prepared dataset (as scripts/prepare_data.py writes it) under `root`."""

@@ -202,7 +202,7 @@ def _verify(path: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: damaged (checksum mismatch in {bad})")
 
 
-_STEP_FILE = re.compile(r"step-(\d+)\.pt")
+STEP_FILE = re.compile(r"step-(\d+)\.pt")
 
 
 def step_files(folder: Path) -> List[Path]:
@@ -210,101 +210,8 @@ def step_files(folder: Path) -> List[Path]:
     name: past 8 digits the names no longer sort): `step-<digits>.pt` only, so that a file of
     the user's beside them (`step-00000046-keep.pt`) is neither counted nor removed."""
     found = [(int(m.group(1)), p) for p in Path(folder).glob("step-*.pt")
-             for m in [_STEP_FILE.fullmatch(p.name)] if m]
+             for m in [STEP_FILE.fullmatch(p.name)] if m]
     return [p for _, p in sorted(found)]
-
-
-def candidates(run_dir: Path) -> List[Path]:
-    """This run's checkpoints, newest first: last.pt, then step-*.pt by step."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    steps = step_files(folder)[::-1]
-    last = folder / LAST
-    return ([last] if last.is_file() else []) + steps
-
-
-def in_run_dir(path: Path, run_dir: Path) -> bool:
-    """Whether `path` is one of `run_dir`'s own checkpoints (not another run's state)."""
-    return Path(path).resolve().parent == (Path(run_dir) / CHECKPOINT_DIR).resolve()
-
-
-def _step_of(path: Path, steps: List[Path]) -> float:
-    """The step a checkpoint holds: from its name (step-NNNNNNNN.pt), the step file it is a
-    link of, or the file; a file that does not load counts as the newest."""
-    match = _STEP_FILE.fullmatch(path.name)
-    if match:
-        return int(match.group(1))
-    for other in steps:
-        if os.path.samefile(path, other):
-            return _step_of(other, [])
-    try:
-        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["step"])
-    except Exception:  # noqa: BLE001  (damaged: resume=auto would skip it anyway)
-        return float("inf")
-
-
-def abandoned(run_dir: Path, resumed: Path, step: int) -> List[Path]:
-    """What a resume from one of the run dir's own checkpoints, at `step`, leaves behind: the
-    states saved after it (step files, and last.pt and best.pt where they hold one), which
-    belong to the timeline it rolls back."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    steps = step_files(folder)
-    later = [p for p in steps if _step_of(p, []) > step]
-    if not later:
-        return []
-    links = [folder / name for name in (LAST, BEST) if (folder / name).is_file()
-             and not os.path.samefile(folder / name, resumed)]
-    return later + [p for p in links if _step_of(p, steps) > step]
-
-
-def set_aside(paths: List[Path], step: int) -> Optional[Path]:
-    """Moves `paths` (see `abandoned`) into `checkpoints/abandoned-after-step-NNNNNNNN/`, out of
-    the way of `trainer.resume=auto` and `keep_last` (which would have kept them, the newest
-    by name, over the new timeline's), and returns that folder; nothing is deleted."""
-    if not paths:
-        return None
-    base = paths[0].parent / f"abandoned-after-step-{step:08d}"
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    folder.mkdir()
-    for path in paths:
-        os.replace(path, folder / path.name)
-    return folder
-
-
-def find_resume(resume: Optional[str], run_dir: Path
-                ) -> Optional[Tuple[Path, Dict[str, Any], List[str]]]:
-    """The checkpoint to resume from, loaded, with the reasons newer ones were skipped:
-    null -> none; 'auto' -> the newest one in this run dir that loads (a damaged one is
-    skipped for the previous one; no checkpoint at all is a fresh start, but checkpoints none
-    of which loads are refused, files untouched); anything else -> that file, which must load.
-    """
-    if resume is None:
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if not str(resume).strip():  # (Path("") is the working directory)
-            raise CheckpointError("trainer.resume='': is empty (give a path to a .pt file, "
-                                  "auto, or null)")
-        if not path.is_file():
-            what = "a directory, not a checkpoint file" if path.is_dir() else \
-                "no such checkpoint file"
-            raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
-                                  "file, auto, or null)")
-        return path, resumable(load(path), path), []
-    found, skipped = candidates(run_dir), []
-    for path in found:
-        try:
-            return path, resumable(load(path), path), skipped
-        except CheckpointError as e:
-            skipped.append(str(e))
-    if found:
-        raise CheckpointError(
-            f"trainer.resume=auto: none of the {len(found)} checkpoints in "
-            f"{Path(run_dir) / CHECKPOINT_DIR} loads ({skipped[0]}); nothing was changed: "
-            "move them away to start over, or resume from a copy by path")
-    return None
 
 
 # what a training state must hold to be resumed as the same run, and what each must be

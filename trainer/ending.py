@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
-from trainer import checkpoint, distributed, rundir, stamp
+from trainer import checkpoint, distributed, resumefiles, rundir, stamp
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
@@ -240,7 +240,7 @@ def save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
 def last_good(run_dir: Path) -> str:
     """What a run stopped for losses that were not finite leaves to resume from (no checkpoint
     is saved with such a loss)."""
-    last = checkpoint.candidates(run_dir)
+    last = resumefiles.candidates(run_dir)
     return f"the last good checkpoint is {last[0]}" if last else "no checkpoint was saved"
 
 

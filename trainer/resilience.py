@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, rundir
+from trainer import checkpoint, distributed, resumefiles, rundir
 from trainer.distributed import DistEnv
 from trainer.liveness import writer_barrier
 from trainer.loop import Callback
@@ -226,7 +226,7 @@ class Checkpointing(Callback):
         self.abandoned: List[Path] = []  # checkpoints of a rolled-back timeline (roll_back)
 
     def roll_back(self, abandoned: List[Path]) -> None:
-        """The run resumed from an earlier step of its own: `abandoned` (checkpoint.abandoned)
+        """The run resumed from an earlier step of its own: `abandoned` (resumefiles.abandoned)
         goes aside at `set_aside`; without its best.pt, the first validation makes a new one."""
         self.abandoned = abandoned
         if any(p.name == checkpoint.BEST for p in abandoned):
@@ -234,7 +234,7 @@ class Checkpointing(Callback):
 
     def set_aside(self, step: int) -> None:
         """Rank 0, with the run's first files: moves the rolled-back checkpoints aside."""
-        folder = checkpoint.set_aside(self.abandoned, step)
+        folder = resumefiles.set_aside(self.abandoned, step)
         if folder is not None:
             self.logger.info(
                 "%s: resumed at step %d of this run, so the %d checkpoint files saved after it "
@@ -273,7 +273,7 @@ class Checkpointing(Callback):
             distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
                              "finite; %s", loop.state.step,
                              "the last good checkpoint stays" if self.saver.last_saved_step
-                             is not None or checkpoint.candidates(self.run_dir)
+                             is not None or resumefiles.candidates(self.run_dir)
                              else "no checkpoint was saved before it")
             return False
         phase, loop.phase = loop.phase, "checkpointing"

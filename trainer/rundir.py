@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, stamp
+from trainer import distributed, resumefiles, stamp
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
@@ -143,7 +143,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     (one run with trainer.save_checkpoint=false: its metrics would go), or over files that no
     run recorded (a folder of the user's own: no status.json of a run)."""
     run_dir = Path(run_dir)
-    found = checkpoint.candidates(run_dir)
+    found = resumefiles.candidates(run_dir)
     outputs = [name for name in OUTPUTS if _written(run_dir / name)] + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
     status = _status(run_dir)
@@ -169,7 +169,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
                 f"run writes, but no checkpoint to continue from nor a run's status.json; "
                 f"{where}")
         return  # an attempt killed before its first checkpoint: this run starts it over
-    if resume is not None and checkpoint.in_run_dir(Path(resume), run_dir):
+    if resume is not None and resumefiles.in_run_dir(Path(resume), run_dir):
         return
     what = f"checkpoints ({found[0].name}...)" if found else ", ".join(outputs)
     held = (f"holds another run's {what}: continue it with {again}, or {where}"
@@ -370,7 +370,7 @@ def write_status(run_dir: Path, code: int, error: str, word: Optional[str] = Non
     status = {"status": word or _STATUS_WORDS.get(code, "failed"), "exit_code": code,
               "error": error or None, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
               "job": job_id(), "from": earlier.get("from")}
-    if code in (75, 130, 138, 143) and checkpoint.candidates(run_dir):
+    if code in (75, 130, 138, 143) and resumefiles.candidates(run_dir):
         status["resume"] = resume_args(run_dir)
         sweep = sweep_resume_args()
         if sweep:

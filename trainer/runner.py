@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import WriterGone
 from data.loader import worker_died
-from trainer import (checkpoint, components, distributed, ending, liveness, rundir, schedules,
-                     speed, startup)
+from trainer import (checkpoint, components, distributed, ending, liveness, resumefiles,
+                     rundir, schedules, speed, startup)
 from trainer.checks import monitor_mode, resolve
 from trainer.cli import describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
@@ -252,10 +252,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
     warnings, lines, resumed = startup.restore(cfg, env, run_dir, loop, resume, spec.gpus)
-    if resumed is not None and checkpoint.in_run_dir(resumed, run_dir):
+    if resumed is not None and resumefiles.in_run_dir(resumed, run_dir):
         # an earlier step of this run: what it saved after that step is set aside with the
         # run's first files (every rank reads the same dir, so they agree on best.pt)
-        checkpointing.roll_back(checkpoint.abandoned(run_dir, resumed, loop.state.step))
+        checkpointing.roll_back(resumefiles.abandoned(run_dir, resumed, loop.state.step))
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, ending, rundir
+from trainer import checkpoint, distributed, ending, resumefiles, rundir
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
@@ -29,7 +29,7 @@ def resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     this job (the first attempt failed before its first step), it is as given."""
     resume = cfg.trainer.resume
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
-            rundir.this_jobs(run_dir) and checkpoint.candidates(run_dir):
+            rundir.this_jobs(run_dir) and resumefiles.candidates(run_dir):
         return "auto"
     return resume
 
@@ -40,7 +40,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     """Loads the checkpoint `resume` names into the built loop, if any; returns the warnings
     and the lines to log about it, which the caller logs once every check passed, and the
     file it resumed from."""
-    found = checkpoint.find_resume(resume, run_dir)
+    found = resumefiles.find_resume(resume, run_dir)
     if found is None:
         key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
         return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
@@ -58,7 +58,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
     warnings += _check_position(cfg, state, path, loop, old_world)
-    if not checkpoint.in_run_dir(path, run_dir):
+    if not resumefiles.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and
         # this run dir gets its own summary

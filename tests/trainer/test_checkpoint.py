@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import checkpoint
+from tests.helpers import DROP, whole
+from trainer import checkpoint, resumefiles
 from trainer.checkpoint import CheckpointError
 
 
@@ -116,43 +117,6 @@ def test_mismatched_model_lists_the_mismatches(tmp_path):
         checkpoint.check_model_state(nn.Linear(4, 3), {"model": small.state_dict()}, "x.pt")
 
 
-def whole(at: int, **changes) -> dict:
-    """A training state with every piece a resume needs (values a tiny run would have)."""
-    state = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "scheduler": {},
-             "epoch": 0, "step": at, "position": 0, "world_size": 1, "rng": [{}],
-             "config": {"seed": 0}}
-    state.update(changes)
-    return {k: v for k, v in state.items() if v is not DROP}
-
-
-DROP = object()
-
-
-def test_find_resume(tmp_path):
-    assert checkpoint.find_resume(None, tmp_path) is None
-    assert checkpoint.find_resume("auto", tmp_path) is None  # nothing yet: fresh start
-    step = checkpoint.save(whole(4), tmp_path / "checkpoints" / "step-00000004.pt")
-    path, state, skipped = checkpoint.find_resume("auto", tmp_path)
-    assert path == step and state["step"] == 4 and skipped == []
-    assert checkpoint.find_resume(str(step), tmp_path)[0] == step
-    with pytest.raises(CheckpointError, match="trainer.resume=/nope.pt"):
-        checkpoint.find_resume("/nope.pt", tmp_path)
-    with pytest.raises(CheckpointError, match=r"^trainer.resume='': is empty \(give a path"):
-        checkpoint.find_resume("", tmp_path)  # (not "a directory": the working one)
-
-
-def test_auto_resume_falls_back_past_damaged_files(tmp_path):
-    folder = tmp_path / "checkpoints"
-    good = checkpoint.save(whole(2), folder / "step-00000002.pt")
-    checkpoint.save(whole(4), folder / "step-00000004.pt")
-    (folder / "step-00000004.pt").write_bytes(b"truncated")
-    (folder / "last.pt").write_bytes(b"")
-    path, state, warnings = checkpoint.find_resume("auto", tmp_path)
-    assert path == good and state["step"] == 2
-    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
-    assert "last.pt" in warnings[0] and "step-00000004.pt" in warnings[1]
-
-
 @pytest.mark.parametrize("changes,reason", [
     (dict(format_version=99), "format_version 99, this version of Stoker reads 1"),
     (dict(rng=DROP), "incomplete, no 'rng' (a training state saved by Stoker holds it)"),
@@ -172,8 +136,8 @@ def test_a_checkpoint_that_is_not_a_whole_training_state_is_refused(tmp_path, ch
         bad.unlink()
         torch.save({**state, **changes}, bad)
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {bad}: {reason}")):
-        checkpoint.find_resume(str(bad), tmp_path)
-    path, _, skipped = checkpoint.find_resume("auto", tmp_path)
+        resumefiles.find_resume(str(bad), tmp_path)
+    path, _, skipped = resumefiles.find_resume("auto", tmp_path)
     assert path == good and len(skipped) == 1 and reason in skipped[0]
 
 
@@ -203,7 +167,7 @@ def test_retention_goes_by_step_number_and_leaves_the_users_own_files(tmp_path):
     assert [p.name for p in checkpoint.step_files(folder)] == [
         "step-100000000.pt", "step-100000001.pt"]  # the newest two, by number
     assert all(p.read_bytes() == b"the user's" for p in mine)
-    assert checkpoint.candidates(tmp_path) == [folder / "last.pt", folder / "step-100000001.pt",
+    assert resumefiles.candidates(tmp_path) == [folder / "last.pt", folder / "step-100000001.pt",
                                                folder / "step-100000000.pt"]
 
 
