@@ -34,7 +34,7 @@ from trainer.precision import MixedPrecision
 from trainer.progress import FitState, Window, epoch_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
-from trainer.task import Task, batch_size, forward_error
+from trainer.task import Task, batch_size, checked_forward
 
 
 class NonFiniteLoss(RuntimeError):
@@ -347,15 +347,8 @@ class Loop:
         return loss
 
     def _forward(self, batch) -> Any:
-        try:
-            output = self.task.forward(self.model, batch)
-        except RuntimeError as e:
-            error = forward_error(e, batch, unwrap(self.model), first=not self._forwarded,
-                                  input_shape=self.input_shape,
-                                  find_unused=self.cfg.ddp.find_unused_parameters)
-            if error is e:
-                raise
-            raise error from None
+        output = checked_forward(self.task, self.model, batch, not self._forwarded,
+                                 self.input_shape, self.cfg.ddp.find_unused_parameters)
         self._forwarded = True
         return output
 

@@ -415,6 +415,20 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
+                    input_shape: Optional[Any], find_unused: bool,
+                    which: str = "the first batch") -> Any:
+    """`task.forward(model, batch)`, a RuntimeError it raises said as `forward_error` says it
+    (`first`: the run's first such batch, named `which`)."""
+    try:
+        return task.forward(model, batch)
+    except RuntimeError as e:
+        error = forward_error(e, batch, unwrap(model), first, input_shape, find_unused, which)
+        if error is e:
+            raise
+        raise error from None
+
+
 def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
                   input_shape: Optional[Any], find_unused: bool,
                   which: str = "the first batch") -> Exception:

@@ -16,7 +16,7 @@ from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.task import batch_size, forward_error
+from trainer.task import batch_size, checked_forward
 
 if TYPE_CHECKING:
     from trainer.loop import Loop
@@ -61,20 +61,6 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     return values
 
 
-def _forward(loop: "Loop", model: nn.Module, batch, first: bool):
-    """The task's forward of a validation batch; on the run's `first` one, validation data the
-    model cannot take (another dtype or shape than the training data's) is one line, as the
-    first training batch's is."""
-    try:
-        return loop.task.forward(model, batch)
-    except RuntimeError as e:
-        error = forward_error(e, batch, model, first, loop.input_shape, find_unused=True,
-                              which="the first validation batch")
-        if error is e:
-            raise
-        raise error from None
-
-
 def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
     """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
     validation shard; metrics updated on the way."""
@@ -87,7 +73,10 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
         first = not loop.val_read and samples == 0  # the run's first validation batch
         samples += batch_size(batch)  # (shapes only)
         with loop.precision.autocast():
-            output = _forward(loop, model, batch, first)
+            # the run's first: data the model cannot take (only the validation split's dtype
+            # or shape differs from training's) is one line, as the first training batch's is
+            output = checked_forward(task, model, batch, first, loop.input_shape,
+                                     find_unused=True, which="the first validation batch")
             count = task.count(batch)
             if first:
                 task.check_count(count, batch)
