@@ -229,9 +229,10 @@ def _remove_shm(root: Path, failed: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
         return
     for path in root.iterdir():
-        if path.name not in (OWNER, failed.name):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
-                missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name not in (OWNER, failed.name):
+            path.unlink(missing_ok=True)
 
 
 def _reclaim_tmp(cache_dir: Path) -> None:

@@ -202,6 +202,16 @@ NCCL_GRACE_S = 60.0
 _TIMEOUT: Optional[datetime.timedelta] = None  # trainer.ddp.timeout_s of the joined group
 
 
+def attempt(environ=os.environ) -> int:
+    """Which attempt of its job this process belongs to: 0, then one more per restart
+    (torchrun's --max-restarts, SLURM's requeue)."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def agent_store(env: DistEnv) -> bool:
     """Whether the job's store is torchrun's agent's (shared with the workers, outliving every
     rank), not one a rank hosts (SLURM's: rank 0's process)."""
@@ -226,8 +236,7 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
         if agent_store(env):
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   env.world_size, is_master=False, timeout=timeout)
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt}", store)
+            kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt()}", store)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, **kwargs)
     except dist.DistError as e:  # a peer that never came, an address nobody listens on

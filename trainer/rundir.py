@@ -54,16 +54,8 @@ def owner() -> Dict[str, Any]:
     """Who this process is, for a lock or a node-shared cache: host, pid, start, job id and
     the job's attempt (torchrun's or SLURM's restart count)."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-            "job": job_id(), "attempt": attempt(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def attempt(environ=os.environ) -> int:
-    """Which attempt of its job this process belongs to: 0, then one more per restart."""
-    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        value = environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+            "job": job_id(), "attempt": distributed.attempt(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def owner_alive(who: Dict[str, Any]) -> bool:
