@@ -34,7 +34,8 @@ from trainer.precision import MixedPrecision
 from trainer.progress import FitState, Window, epoch_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
-from trainer.task import Task, batch_size, checked_forward
+from trainer.firstbatch import check_batch, check_count, check_loss, checked_forward
+from trainer.task import Task, batch_size
 
 
 class NonFiniteLoss(RuntimeError):
@@ -111,7 +112,7 @@ class Loop:
         self.callbacks = list(callbacks)
         self.phase = "training"  # training | validating | checkpointing: for the heartbeat
         self._forwarded = False  # no forward pass has succeeded yet
-        self._loss_checked = False  # the first training loss was checked (task.check_loss)
+        self._loss_checked = False  # the first training loss was checked (firstbatch.check_loss)
         self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
         # losses and the non-finite guard, kept on the device: no host sync per step
@@ -296,7 +297,7 @@ class Loop:
                 window.wait_s += perf() - t0  # the time the step stood waiting for data
                 count = task.count(batch)
                 if not self._loss_checked:  # the run's first batch: said in one line
-                    task.check_count(count, batch)
+                    check_count(task, count, batch)
                 if size == 1 and alone and type(count) is int and count:
                     base = count  # the window is this batch (an epoch's short last one too):
                     # its mean loss, unweighted, as a plain loop steps (window_factor: None)
@@ -336,8 +337,8 @@ class Loop:
                 output = self._forward(batch)
                 loss = self.task.loss(output, batch)
         if not self._loss_checked:
-            self.task.check_batch(batch)
-            self.task.check_loss(loss)
+            check_batch(self.task, batch)
+            check_loss(self.task, loss)
             self.task.check_metrics(output, batch)
             self._loss_checked = True
         output = None  # (held no longer than the graph holds it)

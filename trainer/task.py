@@ -30,8 +30,6 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from trainer import distributed
-from trainer.checkpoint import tensors_in
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -339,56 +337,6 @@ class Task:
                              "(task.output_key)")
         return found
 
-    def check_batch(self, batch: Any) -> None:
-        """The first training batch, looked at once: a sequence of more items than (inputs,
-        target), under a task whose every step reads only those two (the built-in ones bar
-        model_loss, which passes the model the whole batch), warns that the rest is not
-        used, rather than leaving a (x, weight, y) batch to train on its weights unsaid."""
-        if not isinstance(batch, (list, tuple)) or len(batch) <= 2 or \
-                isinstance(batch[0], str) or not self._reads_two_items():
-            return
-        if distributed.detect().is_main:  # every rank sees the same batches
-            log.warning("task %s: the batches hold %d items; the first two are taken as "
-                        "(inputs, target) and the rest (%d more) is not used (a dict batch names "
-                        "its entries, task=model_loss passes them all to the model, and a task "
-                        "of your own reads what it needs: README \"Bring your own\")",
-                        self.name, len(batch), len(batch) - 2)
-
-    def _reads_two_items(self) -> bool:
-        """Whether this task's steps read a batch through `split` alone: each of its methods
-        that sees the batch is a built-in one (trainer/task.py, trainer/tasks.py)."""
-        return not self.whole_batch and all(
-            getattr(type(self), m).__module__ in ("trainer.task", "trainer.tasks")
-            for m in ("split", "forward", "count", "loss", "metric_inputs"))
-
-    def check_count(self, count: Any, batch: Any) -> None:
-        """The first batch's count, checked once: an int >= 1 (0 only for a batch of no
-        samples: every file in it skipped as unreadable) or a one-element tensor, said in one
-        line instead of a TypeError inside the loop, or a run that trains on no units (a count
-        of 0 weighs every loss by nothing)."""
-        if isinstance(count, torch.Tensor) and count.numel() == 1 or \
-                type(count) is int and (count >= 1 or count == 0 and not batch_size(batch)):
-            return
-        shown = describe(count) if isinstance(count, torch.Tensor) else repr(count)[:60]
-        raise TaskError(f"task {self.label}: {type(self).__name__}.count(batch) returned "
-                        f"{shown}; expected the units its loss averages over: an int >= 1 "
-                        "(the batch's samples) or a one-element tensor (valid tokens)")
-
-    def check_loss(self, loss: Any) -> None:
-        """The first training loss, checked once: what backward needs, said in one line
-        instead of autograd's traceback."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 \
-                or not loss.is_floating_point():
-            raise self.error(f"{type(self).__name__}.loss(output, batch) returned no loss "
-                             "backward can start from", loss,
-                             expected="a 0-d floating tensor (the mean over the batch)",
-                             fix="reduce it, e.g. reduction='mean'")
-        if not loss.requires_grad:
-            raise self.error(f"{type(self).__name__}.loss(output, batch) returned a loss that "
-                             "does not depend on the model's parameters", loss,
-                             fix="compute it from the model's output (not detached, not "
-                             "under torch.no_grad)")
-
     @property
     def label(self) -> str:
         """How messages name the task: its config name, or a task of one's own by its class."""
@@ -413,52 +361,3 @@ def __getattr__(name: str) -> Any:
         from trainer import tasks
         return getattr(tasks, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
-                    input_shape: Optional[Any], find_unused: bool,
-                    which: str = "the first batch") -> Any:
-    """`task.forward(model, batch)`, a RuntimeError it raises said as `forward_error` says it
-    (`first`: the run's first such batch, named `which`)."""
-    try:
-        return task.forward(model, batch)
-    except RuntimeError as e:
-        error = forward_error(e, batch, unwrap(model), first, input_shape, find_unused, which)
-        if error is e:
-            raise
-        raise error from None
-
-
-def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
-                  input_shape: Optional[Any], find_unused: bool,
-                  which: str = "the first batch") -> Exception:
-    """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
-    mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
-    found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
-    text = str(e)
-    embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
-    if first and (embedding or any(w in text for w in ("shape", "size", "dtype"))):
-        # the first batch of the run: inputs that do not fit the model are a
-        # configuration mismatch (data.input_shape, the model's arguments), not a crash
-        params = {p.dtype for p in model.parameters() if p.is_floating_point()}
-        floats = {t.dtype for t in tensors_in(batch) if t.is_floating_point()} - params
-        if embedding:
-            fix = ("token ids must be integers: make the dataset return int64 tensors "
-                   "(torch.as_tensor(ids, dtype=torch.long))")
-        elif "dtype" in text and floats and len(params) == 1:
-            fix = (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
-                   f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
-                   "make the dataset return tensors of the model's dtype (numpy arrays are "
-                   "float64: torch.as_tensor(x, dtype=torch.float32))")
-        else:
-            fix = (f"check data.input_shape={None if input_shape is None else list(input_shape)}"
-                   " and the model's arguments")
-        return ConfigError(f"model: {type(model).__name__} cannot take {which} "
-                           f"({describe(batch)}): {text.splitlines()[0]}; {fix}")
-    unused = "find_unused_parameters" in text or "did not receive grad" in text
-    if unused and not find_unused:
-        return ConfigError(
-            "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
-            "got no gradient in a step (unused outputs or branches), which DDP cannot "
-            "reduce; set trainer.ddp.find_unused_parameters=true")
-    return e

@@ -16,7 +16,8 @@ from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.task import batch_size, checked_forward
+from trainer.firstbatch import check_count, checked_forward
+from trainer.task import batch_size
 
 if TYPE_CHECKING:
     from trainer.loop import Loop
@@ -79,7 +80,7 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
                                      find_unused=True, which="the first validation batch")
             count = task.count(batch)
             if first:
-                task.check_count(count, batch)
+                check_count(task, count, batch)
             sums[0] += counted(task.loss(output, batch), count)
             sums[1] += count
         if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)

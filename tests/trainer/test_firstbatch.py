@@ -1,0 +1,107 @@
+"""The run's first batch, looked at once (trainer/firstbatch.py): a batch the model cannot
+take, parameters DDP found unused, and a batch of more items than the task reads, each said in
+one line."""
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.config import ConfigError
+from trainer.firstbatch import check_count, check_loss, forward_error, reads_two_items
+from trainer.runner import train
+from trainer.task import TaskError
+from trainer.tasks import Classification, ModelLoss
+
+
+def test_forward_error_names_a_first_batch_the_model_cannot_take_and_nothing_later():
+    model = torch.nn.Linear(4, 2)
+    batch = (torch.zeros(3, 5), torch.zeros(3, dtype=torch.int64))
+    shape = RuntimeError("mat1 and mat2 shapes cannot be multiplied (3x5 and 4x2)\nmore")
+    error = forward_error(shape, batch, model, first=True, input_shape=[5], find_unused=False)
+    assert isinstance(error, ConfigError) and "\n" not in str(error)
+    assert str(error).startswith("model: Linear cannot take the first batch (tuple(tensor(3, "
+                                 "5) float32"), str(error)
+    assert str(error).endswith("check data.input_shape=[5] and the model's arguments")
+    # float64 inputs (numpy's default) for float32 weights: the dtype, not the shape, is named
+    doubles = (torch.zeros(3, 4, dtype=torch.float64), batch[1])
+    dtype = RuntimeError("mat1 and mat2 must have the same dtype, but got Double and Float")
+    error = forward_error(dtype, doubles, model, first=True, input_shape=None, find_unused=False)
+    assert "the batch holds float64 inputs and the model's parameters are float32" in str(error)
+    # float token ids for an embedding: integers are what it takes
+    embed = torch.nn.Embedding(8, 2)
+    try:
+        embed(torch.zeros(3, 4))
+    except RuntimeError as e:
+        error = forward_error(e, (torch.zeros(3, 4), batch[1]), embed, first=True,
+                              input_shape=None, find_unused=False)
+    assert str(error).startswith("model: Embedding cannot take the first batch (tuple(tensor(3, "
+                                 "4) float32"), str(error)
+    assert str(error).endswith("token ids must be integers: make the dataset return int64 "
+                               "tensors (torch.as_tensor(ids, dtype=torch.long))")
+    # a later batch's error is the error itself: the first one fitted
+    assert forward_error(shape, batch, model, first=False, input_shape=[5],
+                         find_unused=False) is shape
+    unused = RuntimeError("Expected to have finished reduction in the prior iteration ... "
+                          "find_unused_parameters=True ...")
+    error = forward_error(unused, batch, model, first=False, input_shape=None, find_unused=False)
+    assert str(error).startswith("trainer.ddp.find_unused_parameters=false: some of the model")
+    assert forward_error(unused, batch, model, first=False, input_shape=None,
+                         find_unused=True) is unused
+
+
+TRIPLES = ["data=custom", "+data.dataset._target_=tests.helpers.TripleDigits",
+           "data.input_shape=[1,8,8]", "data.num_classes=10", "trainer.max_steps=2",
+           "trainer.save_checkpoint=false", "trainer.progress_bar=false"]
+
+
+def test_a_batch_of_more_than_inputs_and_target_is_said_once_where_the_rest_is_unused(
+        make_cfg, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        train(make_cfg(*TRIPLES, run_dir=tmp_path / "a"))
+    said = [r.getMessage() for r in caplog.records if "items" in r.getMessage()]
+    assert said == ["task classification: the batches hold 3 items; the first two are taken "
+                    "as (inputs, target) and the rest (1 more) is not used (a dict batch names its "
+                    "entries, task=model_loss passes them all to the model, and a task of your "
+                    "own reads what it needs: README \"Bring your own\")"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker"):  # (inputs, target): nothing said
+        train(make_cfg(*TRIPLES[2:], run_dir=tmp_path / "b"))
+    assert not [r for r in caplog.records if "items" in r.getMessage()]
+
+
+def test_only_a_task_reading_two_items_warns_of_the_rest():
+    class Weighted(Classification):
+        def loss(self, output, batch):
+            x, y, w = batch
+            return (F.cross_entropy(output, y, reduction="none") * w).mean()
+
+    assert reads_two_items(Classification())
+    assert not reads_two_items(Weighted())  # its loss reads the weights
+    assert not reads_two_items(ModelLoss())  # the model gets the whole batch
+
+
+def test_a_count_is_an_int_of_one_or_more_or_a_one_element_tensor():
+    task, batch = Classification(), (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+    for fine in (4, 1, torch.tensor(7), torch.tensor([7])):
+        check_count(task, fine, batch)
+    check_count(task, 0, (torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)))  # no samples
+    for wrong, shown in ((0, "0"), (True, "True"), (4.0, "4.0"), (torch.ones(2), "tensor(2,)")):
+        with pytest.raises(TaskError, match=rf"^task classification: Classification\.count\("
+                                            rf"batch\) returned {re.escape(shown)}"):
+            check_count(task, wrong, batch)
+
+
+def test_a_loss_is_one_floating_number_that_depends_on_the_parameters():
+    task, w = Classification(), torch.ones(3, requires_grad=True)
+    check_loss(task, (w * 2).sum())
+    for wrong, said in ((w * 2, "no loss backward can start from: got tensor(3,) float32"),
+                        ((w > 0).sum(), "no loss backward can start from"),
+                        (1.5, "no loss backward can start from: got float"),
+                        (torch.tensor(1.5), "does not depend on the model's parameters")):
+        with pytest.raises(TaskError, match=r"^task classification: Classification\.loss") as e:
+            check_loss(task, wrong)
+        assert said in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,139 @@
+"""The run's first batch, looked at once: what it and the task's answers on it must be.
+
+A mistake in how the data, the model and the task fit together shows on the first batch. The
+loop and validation check that batch here and say such a mistake in one line naming what to
+change, instead of a traceback from inside autograd or the model, or a run that trains on
+nothing. Later batches run unchecked: the hot loop pays for none of this.
+
+- `checked_forward`: the forward pass, a RuntimeError on the first batch said as
+  `forward_error` says it (inputs of a shape or dtype the model cannot take);
+- `check_count`, `check_loss`: the task's count and loss are what the loop can weigh and
+  start backward from;
+- `check_batch`: a batch of more items than a two-item task reads warns that the rest is unused.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from trainer import distributed
+from trainer.checkpoint import tensors_in
+from trainer.config import ConfigError
+from trainer.strategy import unwrap
+from trainer.task import Task, TaskError, batch_size, describe
+
+log = logging.getLogger("stoker")
+
+# the modules whose methods read a batch as (inputs, target) alone
+BUILT_IN = ("trainer.task", "trainer.tasks")
+
+
+def check_batch(task: Task, batch: Any) -> None:
+    """A sequence of more items than (inputs, target), under a task whose every step reads
+    only those two (the built-in ones bar model_loss, which passes the model the whole batch),
+    warns that the rest is not used, rather than leaving a (x, weight, y) batch to train on its
+    weights unsaid."""
+    if not isinstance(batch, (list, tuple)) or len(batch) <= 2 or \
+            isinstance(batch[0], str) or not reads_two_items(task):
+        return
+    if distributed.detect().is_main:  # every rank sees the same batches
+        log.warning("task %s: the batches hold %d items; the first two are taken as "
+                    "(inputs, target) and the rest (%d more) is not used (a dict batch names "
+                    "its entries, task=model_loss passes them all to the model, and a task "
+                    "of your own reads what it needs: README \"Bring your own\")",
+                    task.name, len(batch), len(batch) - 2)
+
+
+def reads_two_items(task: Task) -> bool:
+    """Whether `task`'s steps read a batch through `split` alone: each of its methods that
+    sees the batch is a built-in one."""
+    return not task.whole_batch and all(
+        getattr(type(task), m).__module__ in BUILT_IN
+        for m in ("split", "forward", "count", "loss", "metric_inputs"))
+
+
+def check_count(task: Task, count: Any, batch: Any) -> None:
+    """The first batch's count: an int >= 1 (0 only for a batch of no samples: every file in it
+    skipped as unreadable) or a one-element tensor, said in one line instead of a TypeError
+    inside the loop, or a run that trains on no units (a count of 0 weighs every loss by
+    nothing)."""
+    if isinstance(count, torch.Tensor) and count.numel() == 1 or \
+            type(count) is int and (count >= 1 or count == 0 and not batch_size(batch)):
+        return
+    shown = describe(count) if isinstance(count, torch.Tensor) else repr(count)[:60]
+    raise TaskError(f"task {task.label}: {type(task).__name__}.count(batch) returned "
+                    f"{shown}; expected the units its loss averages over: an int >= 1 "
+                    "(the batch's samples) or a one-element tensor (valid tokens)")
+
+
+def check_loss(task: Task, loss: Any) -> None:
+    """The first training loss: what backward needs, said in one line instead of autograd's
+    traceback."""
+    name = type(task).__name__
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 \
+            or not loss.is_floating_point():
+        raise task.error(f"{name}.loss(output, batch) returned no loss backward can start "
+                         "from", loss, expected="a 0-d floating tensor (the mean over the batch)",
+                         fix="reduce it, e.g. reduction='mean'")
+    if not loss.requires_grad:
+        raise task.error(f"{name}.loss(output, batch) returned a loss that does not depend on "
+                         "the model's parameters", loss,
+                         fix="compute it from the model's output (not detached, not under "
+                         "torch.no_grad)")
+
+
+def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
+                    input_shape: Optional[Any], find_unused: bool,
+                    which: str = "the first batch") -> Any:
+    """`task.forward(model, batch)`, a RuntimeError it raises said as `forward_error` says it
+    (`first`: the run's first such batch, named `which`)."""
+    try:
+        return task.forward(model, batch)
+    except RuntimeError as e:
+        error = forward_error(e, batch, unwrap(model), first, input_shape, find_unused, which)
+        if error is e:
+            raise
+        raise error from None
+
+
+def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
+                  input_shape: Optional[Any], find_unused: bool,
+                  which: str = "the first batch") -> Exception:
+    """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
+    mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
+    found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
+    text = str(e)
+    embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
+    if first and (embedding or any(w in text for w in ("shape", "size", "dtype"))):
+        # the first batch of the run: inputs that do not fit the model are a
+        # configuration mismatch (data.input_shape, the model's arguments), not a crash
+        return ConfigError(f"model: {type(model).__name__} cannot take {which} "
+                           f"({describe(batch)}): {text.splitlines()[0]}; "
+                           + _input_fix(text, embedding, batch, model, input_shape))
+    unused = "find_unused_parameters" in text or "did not receive grad" in text
+    if unused and not find_unused:
+        return ConfigError(
+            "trainer.ddp.find_unused_parameters=false: some of the model's parameters "
+            "got no gradient in a step (unused outputs or branches), which DDP cannot "
+            "reduce; set trainer.ddp.find_unused_parameters=true")
+    return e
+
+
+def _input_fix(text: str, embedding: bool, batch: Any, model: nn.Module,
+               input_shape: Optional[Any]) -> str:
+    """What to change when the first batch does not fit the model (`text`: the error)."""
+    params = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    floats = {t.dtype for t in tensors_in(batch) if t.is_floating_point()} - params
+    if embedding:
+        return ("token ids must be integers: make the dataset return int64 tensors "
+                "(torch.as_tensor(ids, dtype=torch.long))")
+    if "dtype" in text and floats and len(params) == 1:
+        return (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
+                f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
+                "make the dataset return tensors of the model's dtype (numpy arrays are "
+                "float64: torch.as_tensor(x, dtype=torch.float32))")
+    return (f"check data.input_shape={None if input_shape is None else list(input_shape)}"
+            " and the model's arguments")
