@@ -290,6 +290,10 @@ def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
     too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
                 f"samples on this rank: every epoch is one batch of {n_rank}"]
                if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
+    overfit = cfg.trainer.overfit_batches
+    if overfit and overfit > sum(plan):  # (a limit above the epoch's batches is no surprise)
+        too_big.append(f"trainer.overfit_batches={overfit} is more than the {sum(plan)} "
+                       f"batches of an epoch on this rank: each epoch repeats those {sum(plan)}")
     if plan and max(plan) < acc:  # every window is a whole epoch: not the logged global batch
         too_big.append(f"trainer.accumulate_grad_batches={acc} is more than the {max(plan)} "
                        f"batches of an epoch on this rank: each optimizer step accumulates "

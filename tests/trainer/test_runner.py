@@ -86,6 +86,17 @@ def test_overfit_drives_the_loss_towards_zero(make_cfg, tmp_path):
     assert summary["train_loss"] < 0.01, summary
 
 
+def test_overfit_batches_beyond_the_epoch_are_said_once(make_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        summary = train(make_cfg("trainer.overfit_batches=40", "trainer.max_epochs=2",
+                                 "trainer.save_checkpoint=false"))
+    assert summary["steps"] == 46  # the whole epoch of 23 batches, twice
+    said = [r for r in caplog.records if "more than the" in r.getMessage()]
+    assert [r.getMessage() for r in said] == [
+        "trainer.overfit_batches=40 is more than the 23 batches of an epoch on this rank: each "
+        "epoch repeats those 23"] and said[0].levelno == logging.WARNING
+
+
 def test_profile_writes_a_trace(make_cfg, tmp_path):
     summary = train(make_cfg("debug=profile"))
     assert summary["steps"] == 10
