@@ -97,18 +97,7 @@ def out_refusal(out: Path, cfg, overwrite: bool) -> Optional[str]:
         root = OmegaConf.select(cfg, f"data.{key}.root", default=None)
         if root:
             reads.append((f"data.{key}.root={root}", Path(str(root)).expanduser().resolve()))
-    return (refusal(out, overwrite, _foreign, "meta.json and its splits", reads)
-            or _under_a_file(out))
-
-
-def _under_a_file(out: Path) -> Optional[str]:
-    """Why `out` cannot be made because the nearest existing path above it is a file (it
-    would fail only once the data is read, as an OS error), or None."""
-    for above in out.parents:
-        if above.exists():
-            return None if above.is_dir() else (f"is under {above}, a file, not a folder; "
-                                                "give a folder to write")
-    return None
+    return refusal(out, overwrite, _foreign, "meta.json and its splits", reads)
 
 
 def _foreign(out: Path) -> Optional[str]:

@@ -65,9 +65,9 @@ def refusal(out: Path, overwrite: bool, foreign: Callable[[Path], Optional[str]]
             reads: Sequence[Tuple[str, Path]] = ()) -> Optional[str]:
     """Why the folder `out` (resolved) must not be replaced whole, or None: it is the working
     directory or holds it, it overlaps a folder the script reads (`reads`: (its key, the
-    folder)), it is a file, or it is not empty and either `overwrite` is off or it holds an
-    entry the script did not write (`foreign(out)` names the first; `own` says what the
-    script writes)."""
+    folder)), it is a file or under one, or it is not empty and either `overwrite` is off or
+    it holds an entry the script did not write (`foreign(out)` names the first; `own` says
+    what the script writes)."""
     cwd = Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
         return "is the working directory or holds it; give a folder of its own"
@@ -76,6 +76,9 @@ def refusal(out: Path, overwrite: bool, foreign: Callable[[Path], Optional[str]]
             return f"overlaps {key}, which it reads; give a folder outside it"
     if out.exists() and not out.is_dir():
         return "is a file; give a folder to write"
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # (else an OS error once the data is read)
+        return f"is under {above}, a file, not a folder; give a folder to write"
     if not out.is_dir() or not any(out.iterdir()):
         return None
     if not overwrite:

@@ -41,6 +41,7 @@ def test_writes_train_and_val_per_class_and_replaces_only_its_own_folder(tmp_pat
     (["--out", ".", "--overwrite"], "--out .: is the working directory or holds it"),
     (["--out", "..", "--overwrite"], "--out ..: is the working directory or holds it"),
     (["--out", "f.txt"], "--out f.txt: is a file"),
+    (["--out", "f.txt/imgs"], "--out f.txt/imgs: is under {work}/f.txt, a file, not a folder"),
     (["--out", "x", "--size", "200000"], "8 <= --size <= 8192"),
     (["--out", "x", "--count", "3"], "--count >= --classes >= 1"),
     (["--out", "x", "--count", "40", "--classes", "10", "--val-fraction", "0.9"],
@@ -56,7 +57,7 @@ def test_bad_flags_are_refused_before_anything_is_written(tmp_path, monkeypatch,
     monkeypatch.chdir(work)
     with pytest.raises(SystemExit) as e:
         make_images.main(args)
-    assert e.value.code == 2 and fragment in capsys.readouterr().err
+    assert e.value.code == 2 and fragment.format(work=work.resolve()) in capsys.readouterr().err
     assert sorted(p.name for p in work.iterdir()) == ["f.txt"]
 
 
