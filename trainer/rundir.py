@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import distributed, resumefiles, stamp
+from trainer import distributed, resumefiles, stamp, sweep
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
@@ -135,6 +135,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     (one run with trainer.save_checkpoint=false: its metrics would go), or over files that no
     run recorded (a folder of the user's own: no status.json of a run)."""
     run_dir = Path(run_dir)
+    _check_not_a_sweep(run_dir)
     found = resumefiles.candidates(run_dir)
     outputs = [name for name in OUTPUTS if _written(run_dir / name)] + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
@@ -171,6 +172,20 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
         raise CheckpointError(f"run dir {run_dir} {held}")
     raise CheckpointError(f"trainer.resume={resume}: a new run from a checkpoint outside run "
                           f"dir {run_dir}, which {held}")
+
+
+def _check_not_a_sweep(run_dir: Path) -> None:
+    """One run (no `-m`) pointed at a sweep's dir is refused: it started beside the sweep's
+    jobs, its files mixed with theirs (with trainer.resume=auto, as a fresh start)."""
+    if _dir_key() == "hydra.sweep.dir" or not (run_dir / sweep.RECORD).is_file():
+        return
+    jobs = sorted((p.name for p in run_dir.iterdir() if (p / STATUS).is_file()),
+                  key=lambda name: (len(name), name))
+    held = f", jobs {', '.join(jobs[:3])}{'...' if len(jobs) > 3 else ''}" if jobs else ""
+    raise CheckpointError(
+        f"run dir {run_dir} is a sweep's dir ({sweep.RECORD}{held}), not one run's: continue a "
+        f"job with {_dir_key()}={run_dir}/<job>, or the sweep with its own -m command and "
+        f"trainer.resume=auto hydra.sweep.dir={run_dir}; nothing was changed")
 
 
 def _status(run_dir: Path) -> Optional[Dict[str, Any]]:

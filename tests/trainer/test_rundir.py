@@ -66,6 +66,27 @@ def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_p
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("resume", [[], ["trainer.resume=auto"]])
+def test_one_run_into_a_sweeps_dir_is_refused_with_nothing_written(tmp_path, resume):
+    """It started beside the sweep's jobs (with trainer.resume=auto: as a fresh start)."""
+    sweep = tmp_path / "sweep"
+    (sweep / "multirun.yaml").parent.mkdir()
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    for job in ("0", "1", "10", "2", "3"):
+        (sweep / job).mkdir()
+        (sweep / job / "status.json").write_text('{"status": "completed", "exit_code": 0}')
+    before = snapshot(sweep)
+    proc = run_cli([*QUICK, *resume, f"hydra.run.dir={sweep}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: run dir {sweep} is a sweep's dir (multirun.yaml, jobs 0, 1, 2...), "
+        f"not one run's: continue a job with hydra.run.dir={sweep}/<job>, or the sweep with "
+        f"its own -m command and trainer.resume=auto hydra.sweep.dir={sweep}; nothing was "
+        "changed")
+    assert snapshot(sweep) == before
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "10", "2", "3", "multirun.yaml"]
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
 def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(make_cfg,
                                                                                  tmp_path, name):
