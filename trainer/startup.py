@@ -47,6 +47,11 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      f": a fresh start (the run to continue is named by {key})"]
                     if resume == "auto" else []), None
     path, state, skipped = found
+    if cfg.trainer.fast_dev_run:  # (its one step is the run's first: resumed, it trained none)
+        raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr) trains a run's first step "
+                          f"alone and saves nothing, and trainer.resume={resume} would continue "
+                          f"{path} at step {state['step']}: nothing would be trained; drop "
+                          "trainer.resume or start in a new dir")
     # damaged newer checkpoints, skipped for an older one that loads
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)

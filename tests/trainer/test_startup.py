@@ -46,3 +46,21 @@ def test_a_torchrun_restart_continues_its_own_run_and_no_other(make_cfg, tmp_pat
     assert (status["job"], status["from"]) == ("TORCHELASTIC_RUN_ID=job-1", path)
     with pytest.raises(CheckpointError, match=rf"continue it with trainer.resume={path}, or "):
         rundir.check_fresh_start(run_dir, None)  # (auto would start from the seed)
+
+
+def test_a_fast_dev_run_with_a_checkpoint_to_resume_is_refused_and_without_one_trains(
+        make_cfg, tmp_path):
+    """Its one step is the run's first: resumed, it trained nothing and exited 0. Without a
+    checkpoint, trainer.resume=auto (which scripts/slurm/train.sbatch always adds) starts it."""
+    from trainer.runner import train
+
+    quick = ("trainer.max_steps=2", "trainer.progress_bar=false")
+    train(make_cfg(*quick, run_dir=tmp_path / "run"))
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(ConfigError, match=r"^trainer\.fast_dev_run=true \(debug=fdr\) trains a "
+                                          r"run's first step alone .* would continue .*last\.pt "
+                                          r"at step 2: nothing would be trained; drop"):
+        train(make_cfg(*quick, "debug=fdr", "trainer.resume=auto", run_dir=tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+    fresh = train(make_cfg("debug=fdr", "trainer.resume=auto", run_dir=tmp_path / "new"))
+    assert fresh["steps"] == 1
