@@ -56,6 +56,11 @@ def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 240,
                           timeout=timeout, preexec_fn=preexec_fn)
 
 
+def read_metrics(run_dir: Path) -> List[dict]:
+    """The rows of a run dir's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def params_of(model: torch.nn.Module) -> List[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -420,6 +425,14 @@ class Float64Digits(DigitsDataset):
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
         return x.double(), y
+
+
+class DrawingMLP(MLP):
+    """An MLP whose forward draws from torch's random stream in eval mode too (a sampling
+    model's way): a pass the run makes outside training would shift training's dropout."""
+
+    def forward(self, x):
+        return super().forward(x) + 0 * torch.rand(1, device=x.device)
 
 
 class TripleDigits(DigitsDataset):

@@ -152,6 +152,7 @@ class TrainerConfig:
     limit_val_batches: Optional[int] = None
     overfit_batches: int = 0  # >0: train on the same first N batches (validation as set)
     fast_dev_run: bool = False
+    sanity_check: bool = True  # the first validation batch, before the first step
     deterministic: bool = False
     detect_anomaly: bool = False
     profile: bool = False

@@ -181,6 +181,9 @@ class Loop:
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
         self.window = Window()
+        if self.cfg.sanity_check and self.val_feed is not None and not self.cfg.fast_dev_run \
+                and not self._done():
+            validation.sanity_check(self)
         while not self._done():
             epoch = self.state.epoch
             steps_before = self.state.step

@@ -192,11 +192,12 @@ class Task:
                              expected="a tuple (preds, target) for the metrics' update")
         return pair[0], pair[1]
 
-    def check_metrics(self, output: Any, batch: Any) -> None:
+    def check_metrics(self, output: Any, batch: Any, compute: bool = True) -> None:
         """Every metric tried once, on the first training batch (a copy of it, whose state is
         thrown away): a metric that cannot take the task's inputs stops the run at its first
         step, not after the first epoch's training, at validation. A compute() that fails on
-        one batch only warns: some need more samples than a batch has (R2 needs two)."""
+        one batch only warns: some need more samples than a batch has (R2 needs two).
+        `compute=False`: updates alone (compute syncs over the ranks: a collective)."""
         if not self.metrics:
             return
         with torch.no_grad():
@@ -208,6 +209,8 @@ class Task:
                 except Exception:  # noqa: BLE001  (a metric that cannot be copied: validation
                     continue  # tries it)
                 self._update(name, trial, preds, target, trial=True)
+                if not compute:
+                    continue
                 try:
                     self.compute_metric(name, trial)
                 except TaskError:

@@ -24,6 +24,35 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
+def sanity_check(loop: "Loop") -> None:
+    """The first validation batch of this rank, through the model, the task's count and loss,
+    and a copy of each metric, before the first training step (trainer.sanity_check): a
+    validation split the model or the task cannot take (another dtype, shape or label range
+    than training's) stops the run now, not after an epoch of training. Otherwise invisible:
+    no collective (a rank with no validation batch skips it), no metric state kept, and the
+    random states it could draw from (the model's, the loader's worker seeds) put back."""
+    task, model, feed = loop.task, unwrap(loop.model), loop.val_feed
+    generator = getattr(feed.loader, "generator", None)
+    kept = generator.get_state() if isinstance(generator, torch.Generator) else None
+    with torch.random.fork_rng(devices=[loop.device] if loop.device.type == "cuda" else []):
+        model.eval()
+        try:
+            for batch in feed.take(1):
+                with loop.precision.autocast():
+                    output = checked_forward(task, model, batch, True, loop.input_shape,
+                                             find_unused=True, which="the first validation "
+                                             "batch (trainer.sanity_check)")
+                    count = task.count(batch)
+                    check_count(task, count, batch)
+                    task.loss(output, batch)
+                task.check_metrics(output, batch, compute=False)
+        finally:
+            model.train()
+            if kept is not None:
+                generator.set_state(kept)
+
+
+@torch.no_grad()
 def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     """The loss (a mean over every counted unit) and the task's metrics over the whole
     validation set, exact on any world size; {} when there is no validation set."""

@@ -9,15 +9,11 @@ import pytest
 
 import torch
 
-from tests.helpers import run_cli
+from tests.helpers import read_metrics, run_cli
 from trainer.config import ConfigError
 from trainer.runner import train
 
 TRAIN_KEYS = {"step", "epoch", "loss", "lr", "samples_per_s", "data_wait_frac"}
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_run_dir_holds_config_metrics_tensorboard_and_checkpoint(make_cfg, tmp_path):

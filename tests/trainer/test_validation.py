@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.helpers import read_metrics
+from trainer.config import ConfigError
+from trainer.loop import Callback
 from trainer.runner import train
 
 
@@ -32,18 +36,61 @@ def test_validations_collectives_are_in_its_phase_for_the_heartbeat(make_cfg, mo
     assert phases and set(phases) == {"validating"} and seen["loop"].phase == "training"
 
 
-def test_validation_data_the_model_cannot_take_is_one_line_like_trainings(make_cfg):
-    """Only the validation split holds float64 arrays: its first batch is named in one line,
-    as the first training batch's would be, not a traceback after the epoch."""
-    from trainer.config import ConfigError
+FLOAT64_VAL = ("data=custom", "data.input_shape=[1,8,8]", "data.num_classes=10",
+               "+data.train_dataset._target_=data.datasets.DigitsDataset",
+               "+data.train_dataset.split=train",
+               "+data.val_dataset._target_=tests.helpers.Float64Digits",
+               "+data.val_dataset.split=val", "trainer.max_steps=2")
 
-    cfg = make_cfg("data=custom", "data.input_shape=[1,8,8]", "data.num_classes=10",
-                   "+data.train_dataset._target_=data.datasets.DigitsDataset",
-                   "+data.train_dataset.split=train",
-                   "+data.val_dataset._target_=tests.helpers.Float64Digits",
-                   "+data.val_dataset.split=val", "trainer.max_steps=2")
+
+class Steps(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def after_step(self, loop):
+        self.seen.append(loop.state.step)
+
+
+def test_validation_data_the_model_cannot_take_stops_the_run_before_its_first_step(make_cfg,
+                                                                                   tmp_path):
+    """Only the validation split holds float64 arrays: the sanity check's first validation
+    batch names it in one line before any training is spent, and nothing is written."""
+    steps = Steps()
     with pytest.raises(ConfigError) as info:
-        train(cfg)
+        train(make_cfg(*FLOAT64_VAL), callbacks=[steps])
     text = str(info.value)
-    assert text.startswith("model: MLP cannot take the first validation batch (") and \
+    assert text.startswith("model: MLP cannot take the first validation batch "
+                           "(trainer.sanity_check) (") and \
         "the batch holds float64 inputs and the model's parameters are float32" in text, text
+    assert steps.seen == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_without_the_sanity_check_the_first_validation_says_it_as_trainings_would(make_cfg):
+    steps = Steps()
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(*FLOAT64_VAL, "trainer.sanity_check=false"), callbacks=[steps])
+    assert str(info.value).startswith("model: MLP cannot take the first validation batch (")
+    assert steps.seen == [1, 2]  # trained first: the error came at validation
+
+
+def test_the_sanity_check_leaves_no_trace_in_training(make_cfg, tmp_path):
+    """A model that draws random numbers in eval mode too, with dropout in training, and a
+    validation loader that draws its workers' seeds: the same losses with and without the
+    check, and the loader's generator as it was seeded when the first step ends."""
+    runs, generators = {}, []
+
+    class Generator(Callback):
+        def after_step(self, loop):
+            if loop.state.step == 1:
+                generators.append(loop.val_feed.loader.generator.get_state())
+
+    for check in ("true", "false"):
+        run_dir = tmp_path / check
+        train(make_cfg("model._target_=tests.helpers.DrawingMLP", "model.dropout=0.5",
+                       "data.placement=host", "trainer.max_steps=6",
+                       "trainer.log_every_n_steps=1", f"trainer.sanity_check={check}",
+                       run_dir=run_dir), callbacks=[Generator()])
+        runs[check] = [(r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)
+                       if r["split"] == "train"]
+    assert len(runs["true"]) == 6 and runs["true"] == runs["false"]
+    assert torch.equal(generators[0], generators[1])
