@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import List
 
+import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -428,10 +430,12 @@ class Float64Digits(DigitsDataset):
 
 
 class DrawingMLP(MLP):
-    """An MLP whose forward draws from torch's random stream in eval mode too (a sampling
-    model's way): a pass the run makes outside training would shift training's dropout."""
+    """An MLP whose forward draws from torch's, python's and numpy's random streams in eval
+    mode too (a sampling model's way): a pass the run makes outside training would shift
+    training's dropout."""
 
     def forward(self, x):
+        random.random(), np.random.rand()
         return super().forward(x) + 0 * torch.rand(1, device=x.device)
 
 

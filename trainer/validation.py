@@ -4,9 +4,11 @@ all-reduced, metrics synced by their own state), under the training loop's preci
 from __future__ import annotations
 
 import math
+import random
 import time
 from typing import TYPE_CHECKING, Dict
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,10 +32,12 @@ def sanity_check(loop: "Loop") -> None:
     validation split the model or the task cannot take (another dtype, shape or label range
     than training's) stops the run now, not after an epoch of training. Otherwise invisible:
     no collective (a rank with no validation batch skips it), no metric state kept, and the
-    random states it could draw from (the model's, the loader's worker seeds) put back."""
+    random states it could draw from (torch's, python's and numpy's: the model's, a dataset
+    read in this process; the loader's worker seeds) put back."""
     task, model, feed = loop.task, unwrap(loop.model), loop.val_feed
     generator = getattr(feed.loader, "generator", None)
     kept = generator.get_state() if isinstance(generator, torch.Generator) else None
+    python, numpy = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[loop.device] if loop.device.type == "cuda" else []):
         model.eval()
         try:
@@ -48,6 +52,8 @@ def sanity_check(loop: "Loop") -> None:
                 task.check_metrics(output, batch, compute=False)
         finally:
             model.train()
+            random.setstate(python)
+            np.random.set_state(numpy)
             if kept is not None:
                 generator.set_state(kept)
 

@@ -1,6 +1,9 @@
 """trainer/validation.py: the validation pass, in its own phase for the heartbeat."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -76,13 +79,15 @@ def test_without_the_sanity_check_the_first_validation_says_it_as_trainings_woul
 def test_the_sanity_check_leaves_no_trace_in_training(make_cfg, tmp_path):
     """A model that draws random numbers in eval mode too, with dropout in training, and a
     validation loader that draws its workers' seeds: the same losses with and without the
-    check, and the loader's generator as it was seeded when the first step ends."""
+    check, and python's, numpy's and the loader's generator's states as they were when the
+    first step ends."""
     runs, generators = {}, []
 
     class Generator(Callback):
         def after_step(self, loop):
             if loop.state.step == 1:
-                generators.append(loop.val_feed.loader.generator.get_state())
+                generators.append((loop.val_feed.loader.generator.get_state(),
+                                   random.getstate(), np.random.get_state()[1]))
 
     for check in ("true", "false"):
         run_dir = tmp_path / check
@@ -93,4 +98,6 @@ def test_the_sanity_check_leaves_no_trace_in_training(make_cfg, tmp_path):
         runs[check] = [(r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)
                        if r["split"] == "train"]
     assert len(runs["true"]) == 6 and runs["true"] == runs["false"]
-    assert torch.equal(generators[0], generators[1])
+    (loader, python, numpy), (loader_off, python_off, numpy_off) = generators
+    assert torch.equal(loader, loader_off) and python == python_off
+    assert (numpy == numpy_off).all()
