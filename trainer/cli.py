@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
-from trainer import stamp
+from trainer import components, stamp
 from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
@@ -96,6 +96,12 @@ def describe(e: BaseException) -> str:
             key = None
         if key and key not in text:
             text += f" (key: {key})"
+        if isinstance(cur, OmegaConfBaseException) and "not in struct" in text and key:
+            where, _, arg = key.rpartition(".")
+            said = components.missing_key(where, getattr(cur, "parent_node", None), arg) \
+                if where else None
+            if said:  # (a _target_ node: what its target takes, not Hydra's wording)
+                return said
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _valid_keys(cur)
             if "not in struct" in text:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -65,19 +65,31 @@ def parameters(target: Callable) -> Optional[Dict[str, inspect.Parameter]]:
     """The named parameters `target` accepts, or None when that cannot be known: a function
     taking **kwargs, or no readable signature. A class whose __init__ passes **kwargs on to
     its base (`class Mine(MLP): def __init__(self, *a, **kw)`) takes its bases' parameters too.
+    A wrapped __init__ whose wrapper takes **kwargs that the function it shows does not (the
+    Hugging Face configs' `@strict(accept_kwargs=True)`: `BertConfig(num_labels=2)`) is one
+    that cannot be known.
     """
     found: Dict[str, inspect.Parameter] = {}
     for fn in _inits(target):
         try:
             params = inspect.signature(fn).parameters
+            outer = inspect.signature(fn, follow_wrapped=False).parameters \
+                if hasattr(fn, "__wrapped__") else params
         except (TypeError, ValueError):
+            return None
+        if _takes_any(outer) and not _takes_any(params):
             return None
         for n, p in params.items():
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self":
                 found.setdefault(n, p)
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        if not _takes_any(params):
             return found
     return None
+
+
+def _takes_any(params: Mapping[str, inspect.Parameter]) -> bool:
+    """Whether a signature's parameters take any keyword (**kwargs)."""
+    return any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def _inits(target: Callable):
@@ -101,6 +113,25 @@ def accepts(target: Callable, name: str) -> bool:
         return name in inspect.signature(target).parameters
     except (TypeError, ValueError):
         return False
+
+
+def missing_key(key: str, node: Any, arg: str) -> Optional[str]:
+    """A line for an override of a key `arg` that the `_target_` node at `key` lacks
+    (`optim.lrr=1e-3`, where Hydra says only that the key is not there): its target takes no
+    such argument, with the ones it takes, or it does and `+key.arg=...` adds it. None when
+    the node has no target, or its target or what it takes cannot be told."""
+    try:
+        params = parameters(target_of(node, key))
+    except ConfigError:
+        return None
+    if params is None:
+        return None
+    name = node["_target_"]
+    if arg not in params:
+        return (f"{key}.{arg}: {name} takes no argument '{arg}' (it takes: "
+                f"{', '.join(params) or 'no arguments'})")
+    return (f"{key}.{arg}: not in the config of {key} yet; {name} takes it: add it with "
+            f"+{key}.{arg}=...")
 
 
 def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,

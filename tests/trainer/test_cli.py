@@ -58,6 +58,26 @@ def test_describe_lists_valid_keys_for_a_typo(make_cfg):
     assert "To append" not in line
 
 
+@pytest.mark.parametrize("override,said", [
+    # a misspelt argument: what the target takes (Hydra's "not in struct" with a hint to add it
+    # with +, which led to the message below only then)
+    ("optim.lrr=1e-3", "optim.lrr: torch.optim.AdamW takes no argument 'lrr' (it takes: "
+                       "params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, "),
+    ("model.hiden=[64]", "model.hiden: trainer.models.MLP takes no argument 'hiden' (it takes: "
+                         "input_shape, num_classes, hidden, dropout, activation_checkpointing)"),
+    ("sched.warmup=5", "sched.warmup: trainer.schedules.warmup_cosine takes no argument "
+                       "'warmup' (it takes: optimizer, total_steps, warmup_steps, min_lr_ratio)"),
+    # an argument the target takes and the config does not list: how to add it
+    ("optim.maximize=true", "optim.maximize: not in the config of optim yet; "
+                            "torch.optim.AdamW takes it: add it with +optim.maximize=..."),
+])
+def test_an_override_of_a_key_a_target_node_lacks_says_what_its_target_takes(make_cfg,
+                                                                             override, said):
+    with pytest.raises(ConfigCompositionException) as info:
+        make_cfg(override)
+    assert describe(info.value).startswith(said)
+
+
 def test_auto_num_workers_shares_the_cpus_among_ranks():
     from trainer.distributed import auto_num_workers
 

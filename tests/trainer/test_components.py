@@ -30,6 +30,32 @@ def test_subclasses_passing_kwargs_on_take_their_bases_parameters():
     assert parameters(lambda **kw: None) is None  # only the target itself can tell
 
 
+def test_an_init_wrapped_to_take_any_keyword_is_not_held_to_the_signature_it_shows():
+    """Hugging Face's configs take keywords their signature does not show (`num_labels`):
+    refused, the standard classification setup could not be written."""
+    import functools
+
+    def any_keyword(init):
+        @functools.wraps(init)
+        def wrapper(self, *args, **kwargs):
+            extra = {k: kwargs.pop(k) for k in list(kwargs) if k != "width"}
+            init(self, *args, **kwargs)
+            self.__dict__.update(extra)
+        return wrapper
+
+    class Config:
+        @any_keyword
+        def __init__(self, width: int = 2):
+            self.width = width
+
+    assert parameters(Config) is None
+    transformers = pytest.importorskip("transformers")
+    config = build(node(_target_="transformers.BertConfig", num_labels=3, hidden_size=8,
+                        num_hidden_layers=1, num_attention_heads=2, intermediate_size=8),
+                   "model.config")
+    assert isinstance(config, transformers.BertConfig) and config.num_labels == 3
+
+
 def test_unknown_and_missing_arguments_are_named():
     with pytest.raises(ConfigError, match=r"^model.hiden: trainer.models.MLP takes no argument "
                                           r"'hiden' \(it takes: input_shape, num_classes"):
