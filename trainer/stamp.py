@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Tuple
 
+from trainer.distributed import attempt
+
 
 def process_start(pid: int) -> float:
     """Wall-clock start time of process `pid` (Linux /proc); raises OSError elsewhere."""
@@ -39,11 +41,16 @@ def claim_run_dir(parent: str, environ: Mapping[str, str] = os.environ) -> str:
         return _claimed[(parent, stamp)]
     base = os.path.join(parent, stamp)
     missing = [d for d in Path(base).parents if not d.is_dir()]  # innermost first
-    existed = os.path.isdir(base)  # (a shared stamp's dir: an earlier attempt's, if so)
+    if shared:  # (a peer rank's Hydra may have made them first: the day's folder, outputs/)
+        missing = [d for d in Path(base).parents if d == Path(parent)
+                   or Path(parent) in d.parents or d in missing]
+    # a shared stamp's dir that is there already: a peer rank's Hydra made it (this attempt's,
+    # whichever rank came first), or, in a restarted job, its first attempt (with its log)
+    earlier = shared and os.path.isdir(base) and attempt(environ) > 0
     path, ours = (base, True) if shared else _claim(base)
     if ours and environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0":
         atexit.register(_remove_empty, [os.path.abspath(d) for d in [path, *missing]])
-        if not (shared and existed):  # a restarted job's dir holds its first attempt's log
+        if not earlier:
             _made.append(os.path.abspath(path))
     _claimed[(parent, stamp)] = path
     return path

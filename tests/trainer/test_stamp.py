@@ -33,6 +33,28 @@ def test_a_plain_launch_claims_a_run_dir_no_other_launch_has(tmp_path, monkeypat
     assert stamp.claim_run_dir(parent) == first
 
 
+def test_rank_0_owns_its_jobs_dir_whichever_rank_made_it_but_not_an_earlier_attempts(
+        tmp_path, monkeypatch):
+    """Under torchrun, rank 1's Hydra made the dated dir before rank 0 looked in about 1
+    launch in 2: rank 0 took it for a restarted job's and left it, train.log alone in it,
+    after a launch refused before its first step."""
+    monkeypatch.setattr(stamp, "_stamp", lambda environ, fmt: ("2026-01-01/00-00-00", True))
+    monkeypatch.setattr(stamp, "_made", [])
+    removed_at_exit = []
+    monkeypatch.setattr(stamp.atexit, "register", lambda fn, folders: removed_at_exit.append(
+        folders))
+    parent = tmp_path / "outputs"
+    (parent / "2026-01-01" / "00-00-00").mkdir(parents=True)  # (rank 1's)
+    path = stamp.claim_run_dir(str(parent), {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert stamp.made_here(path)
+    # the folders above it too (each only if empty at exit): rank 1 may have made them
+    assert removed_at_exit == [[path, str(parent / "2026-01-01"), str(parent)]]
+    for restarted in ({"TORCHELASTIC_RESTART_COUNT": "1"}, {"SLURM_RESTART_COUNT": "2"}):
+        monkeypatch.setattr(stamp, "_claimed", {})
+        monkeypatch.setattr(stamp, "_made", [])
+        assert not stamp.made_here(stamp.claim_run_dir(str(parent), {"RANK": "0", **restarted}))
+
+
 def test_a_claim_never_loops_on_a_file_in_the_way_and_removal_stops_at_a_used_dir(tmp_path):
     (tmp_path / "outputs").write_text("a file where the dated dirs go")
     assert stamp._claim(str(tmp_path / "outputs" / "day" / "time")) == (
