@@ -206,9 +206,10 @@ class Checkpointing(Callback):
                  gpus: Sequence[torch.device] = ()):
         c = OmegaConf.to_object(cfg.trainer.checkpoint)  # plain values: read every step
         self.cfg, self.env, self.c, self.logger = cfg, env, c, logger
-        # resolved once: the config does not change during a run, and resolving it took half
-        # of a small checkpoint's time
-        self.config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        # resolved once, at the first save: the config does not change once the run is built
+        # and restored (a resume records there what the checkpoint's state kept), and
+        # resolving it took half of a small checkpoint's time
+        self._config: Optional[Dict[str, Any]] = None
         self.device, self.gpus = device, list(gpus)
         folder = Path(run_dir) / checkpoint.CHECKPOINT_DIR
         if enabled and folder.exists() and not folder.is_dir():  # every rank: all stop alike
@@ -278,7 +279,9 @@ class Checkpointing(Callback):
             return False
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()
-        state = capture(loop, self.config, self.env, self.gpus)
+        if self._config is None:
+            self._config = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        state = capture(loop, self._config, self.env, self.gpus)
         size = checkpoint.state_bytes((state["model"], state["optimizer"]))
         if distributed.is_active():  # whether ranks wait in the barrier below: agreed
             size = int(distributed.all_reduce_max(
@@ -337,65 +340,3 @@ class Checkpointing(Callback):
         """Waits for a background write, then for every rank (all files complete)."""
         self.saver.wait()
         writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
-
-
-
-# optimizer settings of how it computes, not what: a resumed run applies its own
-# (checkpoint.load_optimizer_state)
-IMPLEMENTATION_KEYS = tuple(f"optim.{k}" for k in checkpoint.IMPLEMENTATION)
-APPLIED = " (applied: how the optimizer computes, not its state)"
-# what a resume compares: keys whose change alters the optimisation
-RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
-               "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
-               "task", "trainer.max_epochs", "trainer.max_steps")  # the last two: the schedule's length
-
-
-def _get(tree: Dict[str, Any], dotted: str) -> Any:
-    """`tree["a"]["b"]` for "a.b"; None where a level is missing."""
-    for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
-
-
-def _flat(value: Any, prefix: str) -> Dict[str, Any]:
-    if isinstance(value, dict):
-        out: Dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flat(v, f"{prefix}.{k}"))
-        return out or {prefix: {}}
-    return {prefix: value}
-
-
-def changes_line(changes: List[str]) -> str:
-    """The log line for a resume's `resume_changes`. The policy: optimizer hyperparameters
-    (lr, betas, weight decay...) and the scheduler's base lr and position live in their
-    states, so they continue from the checkpoint; the schedule's shape (warmup, total steps)
-    follows this config; how the optimizer computes (fused, foreach) is this run's."""
-    line = "resuming with changed settings: " + "; ".join(changes)
-    if all(c.endswith(APPLIED) for c in changes):
-        return line
-    return (line + ". The optimizer's hyperparameters and the lr schedule's position continue "
-            "from the checkpoint (optim.* and sched.* changes do not apply to them); start a "
-            "new run dir to apply them")
-
-
-def resume_changes(saved: Dict[str, Any], cfg: DictConfig, saved_world: int,
-                   world: int) -> List[str]:
-    """`key old -> new` for every optimisation setting the run changes against the checkpoint
-    it resumes from (CheckpointError for an optimizer of another class: its state cannot
-    apply)."""
-    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    old_optim = (saved.get("optim") or {}).get("_target_")
-    if old_optim and old_optim != now["optim"].get("_target_"):
-        raise checkpoint.CheckpointError(
-            f"optim._target_={now['optim'].get('_target_')}: the checkpoint holds the state of "
-            f"{old_optim}, which cannot apply to another optimizer; resume with that optimizer "
-            "or start a new run dir")
-    changes = [] if saved_world == world else [f"world size {saved_world} -> {world}"]
-    for key in RESUME_KEYS:
-        a, b = _flat(_get(saved, key), key), _flat(_get(now, key), key)
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                changes.append(f"{k} {a.get(k)} -> {b.get(k)}" + (
-                    APPLIED if k in IMPLEMENTATION_KEYS else ""))
-    return changes

@@ -18,7 +18,8 @@ from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger
 from trainer.loop import Callback, Loop
-from trainer.resilience import Checkpointing, changes_line, resume_changes, set_rng_state
+from trainer.resilience import Checkpointing, set_rng_state
+from trainer.resumechanges import changes_line, record_kept, resume_changes
 from trainer.strategy import unwrap
 
 
@@ -55,7 +56,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     # damaged newer checkpoints, skipped for an older one that loads
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
-    changes = resume_changes(state.get("config", {}), cfg, old_world, env.world_size)
+    changes, kept = resume_changes(state, cfg, old_world, env.world_size)
     checkpoint.check_model_state(unwrap(loop.model), state, path)
     try:
         loop.load_state_dict(state)
@@ -63,6 +64,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
     warnings += _check_position(cfg, state, path, loop, old_world)
+    record_kept(cfg, kept)  # (config.yaml and the checkpoints say what the run used)
     if not resumefiles.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
         # one's, so a complete one is validated again here (on this world size) and

@@ -312,19 +312,6 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-def test_the_resume_line_says_what_applies():
-    """Changes of how the optimizer computes apply: a line of only those has no 'start a new
-    run dir' ending; any other change keeps it."""
-    from trainer.resilience import APPLIED, changes_line
-
-    only = changes_line([f"optim.fused None -> True{APPLIED}"])
-    assert only == ("resuming with changed settings: optim.fused None -> True (applied: how the "
-                    "optimizer computes, not its state)")
-    mixed = changes_line([f"optim.foreach None -> True{APPLIED}", "optim.lr 0.1 -> 0.2"])
-    assert mixed.endswith("(optim.* and sched.* changes do not apply to them); start a new run "
-                          "dir to apply them") and "optim.lr 0.1 -> 0.2" in mixed
-
-
 def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monkeypatch):
     """SLURM's SIGUSR1 before the limit, then SIGTERM at it, while the preemption checkpoint
     is being written: the write goes on (only a step that never ends is cut short)."""

@@ -253,8 +253,8 @@ def test_resume_names_what_changed_and_keeps_the_checkpoints_lr(make_cfg, tmp_pa
                    "data.batch_size=32", "trainer.log_every_n_steps=1", run_dir=run_dir))
     line = next(r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("resuming with changed settings"))
-    assert "data.batch_size 64 -> 32" in line and "optim.lr 0.003 -> 0.03" in line
-    assert "continue from the checkpoint" in line
+    assert "data.batch_size 64 -> 32; " in line and "optim.lr 0.003 -> 0.03 (kept at 0.003" in line
+    assert "continues from it" in line
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows if r["split"] == "train" and r["step"] > 2] == [0.003] * 2
 

@@ -1,0 +1,68 @@
+"""trainer/resumechanges.py: what a resume changes, what of it the checkpoint's state keeps,
+and the run's record of the values it used."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.helpers import read_metrics
+from trainer import checkpoint
+from trainer.resumechanges import APPLIED, changes_line, held, resume_changes
+from trainer.runner import train
+
+
+def test_the_resume_line_says_what_the_checkpoint_keeps_and_only_then_what_that_means():
+    only = changes_line([f"optim.fused None -> True{APPLIED}", "trainer.max_epochs 2 -> 3"])
+    assert only == ("resuming with changed settings: optim.fused None -> True (applied: how the "
+                    "optimizer computes, not its state); trainer.max_epochs 2 -> 3")
+    kept = changes_line(["optim.lr 0.1 -> 0.2 (kept at 0.1: the checkpoint's optimizer state "
+                         "holds it)"])
+    assert kept.endswith(". What the checkpoint's optimizer or scheduler state holds continues "
+                         "from it, and config.yaml records that; a new run (no trainer.resume) "
+                         "applies them")
+
+
+def test_what_the_state_holds_is_read_from_it():
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    step = torch.optim.lr_scheduler.StepLR(sgd, step_size=5, gamma=0.5)
+    state = {"optimizer": sgd.state_dict(), "scheduler": step.state_dict()}
+    assert held("optim.lr", state) == (True, 0.1)
+    assert held("optim.momentum", state) == (True, 0.9)
+    assert held("sched.gamma", state) == (True, 0.5)  # torch's StepLR keeps its gamma
+    assert held("sched.warmup_steps", state) == (False, None)  # a shape its state lacks
+    assert held("optim.params", state)[0] is False and held("optim._target_", state)[0] is False
+    assert held("trainer.max_epochs", state)[0] is False
+
+
+def test_a_changed_lr_the_checkpoint_kept_is_what_the_run_records(make_cfg, tmp_path, caplog):
+    """The run trained on the checkpoint's lr while its config.yaml and checkpoints said the
+    new one: a later resume from them named an lr change that never happened."""
+    common = ["sched=constant", "trainer.progress_bar=false", "trainer.log_every_n_steps=1"]
+    run_dir = tmp_path / "run"
+    train(make_cfg(*common, "trainer.max_steps=2", run_dir=run_dir))
+    caplog.set_level("INFO", logger="stoker")
+    train(make_cfg(*common, "trainer.max_steps=4", "trainer.resume=auto", "optim.lr=0.1",
+                   "sched.warmup_steps=1", run_dir=run_dir))
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("resuming with changed settings"))
+    assert "optim.lr 0.003 -> 0.1 (kept at 0.003: the checkpoint's optimizer state holds it)" \
+        in line and "sched.warmup_steps 0 -> 1; " in line  # (applies: the state lacks it)
+    assert [r["lr"] for r in read_metrics(run_dir) if r["split"] == "train"][2:] == [0.003] * 2
+    assert OmegaConf.load(run_dir / "config.yaml").optim.lr == 0.003
+    saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")["config"]
+    assert saved["optim"]["lr"] == 0.003 and saved["sched"]["warmup_steps"] == 1
+    caplog.clear()
+    train(make_cfg(*common, "trainer.max_steps=5", "sched.warmup_steps=1",
+                   f"trainer.resume={run_dir}/checkpoints/last.pt", run_dir=tmp_path / "next"))
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("resuming with changed settings"))
+    assert "optim.lr" not in line, line
+
+
+def test_another_optimizer_is_refused():
+    state = {"config": {"optim": {"_target_": "torch.optim.AdamW"}}}
+    cfg = OmegaConf.create({"optim": {"_target_": "torch.optim.SGD"}})
+    with pytest.raises(checkpoint.CheckpointError, match=r"^optim\._target_=torch\.optim\.SGD: "
+                                                         r"the checkpoint holds the state of"):
+        resume_changes(state, cfg, 1, 1)
