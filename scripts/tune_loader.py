@@ -82,6 +82,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         fail(died, code=1)
 
 
+def overrides_first(argv: List[str], parser: argparse.ArgumentParser) -> List[str]:
+    """`argv` with the config overrides (`key=value`, `+key=...`, `~key`) moved to the front,
+    so that a list option (`--workers 0 1 2`) does not take the overrides after it as its
+    values, as it did when `scripts/tune_loader.py --workers N M` was pasted from the advice
+    and the overrides added after. A value of an option that takes one (`--out a=b.json`)
+    stays where it is."""
+    one_value = {s for action in parser._actions if action.option_strings
+                 and action.nargs is None and action.const is None
+                 for s in action.option_strings}
+    overrides, rest = [], []
+    for i, token in enumerate(argv):
+        override = not token.startswith("-") and ("=" in token or token.startswith("~"))
+        (overrides if override and (i == 0 or argv[i - 1] not in one_value) else rest).append(
+            token)
+    return overrides + rest
+
+
 def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cpus = len(os.sched_getaffinity(0))
@@ -91,7 +108,8 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--batches", type=at_least(1), default=20, help="batches timed per setting")
     p.add_argument("--out", type=Path, default=default_out("tune_loader"))
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data=heavy")
-    a = p.parse_intermixed_args(argv)  # options before, between or after the overrides
+    # options before, between or after the overrides
+    a = p.parse_intermixed_args(overrides_first(sys.argv[1:] if argv is None else argv, p))
     check_out(p, a.out)
     swept = {"data.num_workers": "--workers", "data.prefetch_factor": "--prefetch",
              "data.pin_memory": "(both, on CUDA)"}

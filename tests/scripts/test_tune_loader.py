@@ -46,9 +46,9 @@ def test_a_users_dict_samples_from_the_working_directory(tmp_path):
         "        return {'pixels': torch.zeros(4), 'label': i % 3}\n")
     out = tmp_path / "tune.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "tune_loader.py"), "data.dataset._target_="
-         "dictdata.Dicts", "~data.dataset.val_fraction", "~data.dataset.split_seed",
-         "data.batch_size=32", "--workers", "0", "--batches", "2", "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "tune_loader.py"), "--batches", "2", "--out",
+         str(out), "--workers", "0", "data.dataset._target_=dictdata.Dicts",  # (as the advice
+         "~data.dataset.val_fraction", "~data.dataset.split_seed", "data.batch_size=32"],  # has it)
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [row] = json.loads(out.read_text())["results"]
@@ -105,6 +105,27 @@ def test_bad_arguments_are_usage_errors(capsys, args, needle):
     from scripts.tune_loader import main
 
     assert needle in usage_error(capsys, main, args)
+
+
+def test_overrides_after_a_list_option_are_not_taken_as_its_values():
+    """`--workers 0 1 2 data=custom` said "argument --workers: 'data=custom' is not an
+    integer"; an --out value with '=' in it stays the option's."""
+    import argparse
+
+    from scripts.tune_loader import overrides_first
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--workers", type=int, nargs="+")
+    p.add_argument("--out")
+    p.add_argument("--flag", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    argv = ["--flag", "--workers", "0", "1", "data=custom", "+data.x=1", "~data.y", "--out",
+            "a=b.json"]
+    assert overrides_first(argv, p) == ["data=custom", "+data.x=1", "~data.y", "--flag",
+                                        "--workers", "0", "1", "--out", "a=b.json"]
+    a = p.parse_intermixed_args(overrides_first(argv, p))
+    assert (a.workers, a.out, a.overrides) == ([0, 1], "a=b.json",
+                                              ["data=custom", "+data.x=1", "~data.y"])
 
 
 def test_a_loader_worker_killed_while_timing_is_one_line(tmp_path):
