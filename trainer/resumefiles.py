@@ -94,12 +94,17 @@ def find_resume(resume: Optional[str], run_dir: Path
             raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
                                   "file, auto, or null)")
         return path, resumable(load(path), path), []
-    found, skipped = candidates(run_dir), []
+    found, skipped, failed = candidates(run_dir), [], []
     for path in found:
+        same = next((i for i, other in enumerate(failed) if os.path.samefile(path, other)), None)
+        if same is not None:  # last.pt is a link of the newest step file: said once
+            skipped[same] += f" (so is {path.name}, the same file)"
+            continue
         try:
             return path, resumable(load(path), path), skipped
         except CheckpointError as e:
             skipped.append(str(e))
+            failed.append(path)
     if found:
         raise CheckpointError(
             f"trainer.resume=auto: none of the {len(found)} checkpoints in "

@@ -32,3 +32,15 @@ def test_auto_resume_falls_back_past_damaged_files(tmp_path):
     assert path == good and state["step"] == 2
     assert len(warnings) == 2 and all("\n" not in w for w in warnings)
     assert "last.pt" in warnings[0] and "step-00000004.pt" in warnings[1]
+
+
+def test_a_damaged_file_under_two_names_is_said_once(tmp_path):
+    """last.pt is a hard link of the newest step file: one damaged file was two warnings."""
+    folder = tmp_path / "checkpoints"
+    good = checkpoint.save(whole(2), folder / "step-00000002.pt")
+    (folder / "step-00000004.pt").write_bytes(b"truncated")
+    (folder / "last.pt").hardlink_to(folder / "step-00000004.pt")
+    path, state, warnings = resumefiles.find_resume("auto", tmp_path)
+    assert path == good and len(warnings) == 1
+    assert warnings[0].startswith(f"checkpoint {folder / 'last.pt'}: ") and \
+        warnings[0].endswith(" (so is step-00000004.pt, the same file)"), warnings
