@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from data.advice import count_of
 from data.datasets import MemmapDataset
 from data.loader import readable
 from trainer.config import ConfigError
@@ -295,8 +296,9 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     except (OSError, ValueError, AttributeError) as e:  # (a ConfigError: the folder's checks)
         raise _damaged(root, e) from None
     if reused and left_out:  # said again on every run that uses the cache, not only the first
-        log.warning("data.cache=disk: %d unreadable files were left out when %s was written, "
-                    "e.g. %s", len(left_out), root, ", ".join(left_out[:3]))
+        log.warning("data.cache=disk: %s left out when %s was written, e.g. %s",
+                    count_of(len(left_out), "unreadable file") +
+                    (" was" if len(left_out) == 1 else " were"), root, ", ".join(left_out[:3]))
     return cached
 
 

@@ -30,6 +30,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import trainer.config  # noqa: E402,F401  (registers the schema)
+from data.advice import count_of  # noqa: E402
 from data.cache import write_arrays  # noqa: E402
 from data.datasets import MemmapDataset  # noqa: E402
 from data.shards import ShardStream  # noqa: E402
@@ -132,7 +133,7 @@ def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:
             index = write_shards(dataset, stage / split, a.shard_samples, workers,
                                  seed=cfg.seed, num_classes=d.num_classes)
             meta["splits"][split] = sum(s["samples"] for s in index["shards"])
-            what = f"{index['kind']} samples in {len(index['shards'])} shards"
+            what = f"{index['kind']} samples in {count_of(len(index['shards']), 'shard')}"
         else:
             shape = write_arrays(dataset, stage / split, num_workers=workers)
             meta["input_shape"] = list(shape)

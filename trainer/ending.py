@@ -14,6 +14,7 @@ from typing import Any, Dict, NoReturn, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.advice import count_of
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, stamp
@@ -205,8 +206,9 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
         summary["monitor"] = {"key": t.checkpoint.monitor, "mode": checkpointing.mode}
     skipped = skipped_files(loop.train_feed, loop.val_feed)
     if skipped:
-        distributed.warn(env, "data: %d unreadable files were skipped (data.dataset."
-                         "on_error=skip), e.g. %s", len(skipped), ", ".join(skipped[:3]))
+        distributed.warn(env, "data: %s skipped (data.dataset.on_error=skip), e.g. %s",
+                         count_of(len(skipped), "unreadable file") +
+                         (" was" if len(skipped) == 1 else " were"), ", ".join(skipped[:3]))
     summary.update(skipped_files=len(skipped), global_batch=spec.global_batch,
                    world_size=env.world_size, strategy=spec.strategy.value,
                    precision=t.precision.value, peak_mem_mb=peak_memory_mb(spec))
@@ -278,9 +280,10 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
         or "no validation"
     gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
            if "run_device_wait_frac" in s else "")
-    log.info("done: %d epochs, %d steps in %.1fs (training %.1fs, validation %.1fs, "
+    log.info("done: %s, %s in %.1fs (training %.1fs, validation %.1fs, "
              "checkpoints %.1fs) | %s | %.0f samples/s%s | waiting for data %.1f%% of step "
-             "time%s%s", s["epochs"], s["steps"], s["wall_s"], s["run_train_s"], s["run_val_s"],
+             "time%s%s", count_of(s["epochs"], "epoch"), count_of(s["steps"], "step"),
+             s["wall_s"], s["run_train_s"], s["run_val_s"],
              s["run_checkpoint_s"], val, s["run_samples_per_s"],
              f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "",
              100 * s["run_data_wait_frac"],

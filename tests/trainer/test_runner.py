@@ -93,6 +93,13 @@ def test_overfit_batches_beyond_the_epoch_are_said_once(make_cfg, caplog):
         "epoch repeats those 23"] and said[0].levelno == logging.WARNING
 
 
+def test_the_done_line_counts_in_words_a_user_reads(make_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false"))
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: 1 epoch, 23 steps in "), done
+
+
 def test_profile_writes_a_trace(make_cfg, tmp_path):
     summary = train(make_cfg("debug=profile"))
     assert summary["steps"] == 10
