@@ -2,6 +2,9 @@
 
     root/train/<class>/<file>.jpg|jpeg|png|bmp|gif|tif|tiff|webp   (subfolders of a class too)
     root/val/<class>/<file>...
+    or root/<class>/<file>... with val_fraction: a share of each class held out
+
+Which files those are (classes, listing, links, the split) is data/imagefiles.py's.
 
 `ImageFolder` decodes, resizes the shorter side to `resize` and centre-crops `size` x `size`,
 and returns uint8 CHW tensors: a quarter of float32's bytes through the worker queues and the
@@ -42,11 +45,9 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from data.batchpool import batch_buffer, hand_out
+from data.imagefiles import SPLIT_DIRS, find_classes, image_lists
 from trainer.config import ConfigError
 
-# what Pillow reads in its wheels (GIF: the first frame; TIFF: the first page)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-SPLIT_DIRS = {"train": "train", "val": "val"}
 ON_ERROR = ("skip", "fail")
 log = logging.getLogger("stoker")
 
@@ -63,140 +64,6 @@ def unreadable_errors() -> tuple:
 
 class ImageError(ConfigError):
     """A file that cannot be decoded as an image (with on_error=fail): one line naming it."""
-
-
-def _subfolders(folder: Path) -> List[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def find_classes(folder: Path) -> List[str]:
-    """The sorted names of `folder`'s subfolders: class i is the i-th name."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
-                                "<root>/train/<class>/<image> and <root>/val/<class>/<image>)")
-    classes = _subfolders(folder)
-    if len(classes) < 2:
-        raise ValueError(f"data.dataset.root: {folder} has {len(classes) or 'no'} class "
-                         f"subfolder{'' if len(classes) == 1 else 's'}; a classifier needs two "
-                         f"or more (expected {folder}/<class>/<image>)")
-    return classes
-
-
-def find_images(folder: Path, classes: Sequence[str],
-                require_all: bool = False) -> List[Tuple[str, int]]:
-    """(path, class index) of every image under `folder/<class>/`, sorted by class and name
-    (subfolders of a class folder included); `require_all`: every class must have one."""
-    index = {name: i for i, name in enumerate(classes)}
-    if not folder.is_dir():
-        raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
-                                f"{folder}/<class>/<image>, beside {folder.parent}/train)")
-    found = _subfolders(folder)
-    unknown = [name for name in found if name not in index]
-    if unknown:
-        raise ValueError(f"data.dataset.root: {folder} has class folders the train set lacks: "
-                         f"{unknown[:5]}; every class needs training images")
-    samples, left = [], {"others": [], "looped": [], "dangling": []}
-    loose = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    homes = {os.path.realpath(folder / name): name for name in found}
-    # the other split's folder: a link into it from here would train on validation images
-    fences = {os.path.realpath(folder.parent / d) for d in SPLIT_DIRS.values()} - {
-        os.path.realpath(folder)}
-    for name in found:
-        samples += [(path, index[name])
-                    for path in _walk_class(folder / name, homes, fences, name, left)]
-    main = os.environ.get("RANK", "0") == "0"  # (every rank lists the same files)
-    if main:
-        _say_left_out(folder, loose, **left)
-    if not samples:
-        raise ValueError(f"data.dataset.root: no {'/'.join(IMAGE_EXTENSIONS)} files under "
-                         f"{folder}/<class>/")
-    empty = sorted(set(classes) - {classes[label] for _, label in samples})
-    if empty and require_all:
-        raise ValueError(f"data.dataset.root: class folders without images under "
-                         f"{folder}: {empty[:5]}; every class needs training images")
-    if empty and main:  # validation's metrics then say nothing of them
-        log.warning("data: %s of the %d classes %s no images under %s (e.g. %s): the metrics "
-                    "there leave %s out", len(empty), len(classes),
-                    "has" if len(empty) == 1 else "have", folder, ", ".join(empty[:3]),
-                    "it" if len(empty) == 1 else "them")
-    return samples
-
-
-def _say_left_out(folder: Path, loose: list, others: list, looped: list,
-                  dangling: list) -> None:
-    """One warning for each kind of entry a listing of `folder` left out."""
-    def some(paths: list, noun: str) -> Tuple[str, str]:
-        """"N noun(s)", and up to three of `paths` relative to `folder`."""
-        return (f"{len(paths)} {noun}{'' if len(paths) == 1 else 's'}",
-                ", ".join(os.path.relpath(p, folder) for p in paths[:3]))
-
-    if others:
-        what, e_g = some(others, "file")
-        log.warning("data: %s under %s/<class>/ not %s, left out (e.g. %s)", what, folder,
-                    "/".join(e[1:] for e in IMAGE_EXTENSIONS), e_g)
-    if loose:  # a class is a folder: a file beside them has none
-        what, e_g = some([folder / name for name in loose], "file")
-        log.warning("data: %s directly under %s, in no class folder, left out (e.g. %s): move "
-                    "them into their class's folder", what, folder, e_g)
-    if looped:
-        what, e_g = some(looped, "linked folder")
-        log.warning("data: %s under %s/<class>/ lead%s back into the data (a loop, another "
-                    "class's folder or the other split), left out: their images would be "
-                    "listed twice, under the wrong class or in both splits (e.g. %s)", what,
-                    folder, "s" if len(looped) == 1 else "", e_g)
-    if dangling:
-        what, e_g = some(dangling, "link")
-        log.warning("data: %s under %s/<class>/ lead%s nowhere (an unmounted share? a moved "
-                    "folder?), left out (e.g. %s)", what, folder,
-                    "s" if len(dangling) == 1 else "", e_g)
-
-
-def _walk_class(top: Path, homes: dict, fences: set, name: str, left: dict):
-    """The path of every image under class folder `top`, linked subfolders followed once:
-    one that resolves to a folder already kept, to an ancestor of `top`, into another
-    class's folder or into a `fences` folder (the other split) is left out (in
-    left["looped"]), as are files that are not images (left["others"]) and links that lead
-    nowhere (left["dangling"]). `homes`: each class folder's real path -> its class. A folder
-    that cannot be listed is an error naming it, not a class that silently lost its images."""
-    others, looped, dangling = left["others"], left["looped"], left["dangling"]
-    home = os.path.realpath(top)  # (its key in `homes`)
-    seen = {home}
-
-    def refuse(e: OSError) -> None:
-        raise ValueError(f"data.dataset.root: cannot list {e.filename} ({e.strerror}); make it "
-                         "readable, or move it out of the data") from None
-
-    def leads_back(real: str) -> bool:
-        if real in seen or home.startswith(real + os.sep):  # (a loop, or above the class)
-            return True
-        up = real
-        while True:  # into another class's folder or split: one of its parents is one
-            if homes.get(up, name) != name or up in fences:
-                return True
-            parent = os.path.dirname(up)
-            if parent == up:
-                return False
-            up = parent
-
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=refuse):
-        kept = []
-        for d in sorted(dirnames):
-            real = os.path.realpath(os.path.join(dirpath, d))
-            if leads_back(real):
-                looped.append(os.path.join(dirpath, d))
-            else:
-                seen.add(real)  # (kept now: a link to a sibling not yet entered is refused)
-                kept.append(d)
-        dirnames[:] = kept
-        for f in sorted(filenames):
-            if f.startswith("."):
-                continue
-            path = os.path.join(dirpath, f)
-            if f.lower().endswith(IMAGE_EXTENSIONS):
-                yield path
-            else:  # (os.walk lists a link to a folder that is gone among the files)
-                (dangling if os.path.islink(path) and not os.path.exists(path)
-                 else others).append(path)
 
 
 # what `decode_into` makes of a file, versioned: caches keyed by a fingerprint holding it are
@@ -345,7 +212,9 @@ class SkipCollate:
 
 
 class ImageFolder(Dataset):
-    """(uint8 (3, size, size) image, int64 class) pairs from `root/<split>/<class>/<file>`.
+    """(uint8 (3, size, size) image, int64 class) pairs from `root/<split>/<class>/<file>`,
+    or, with `val_fraction`, from `root/<class>/<file>` with that share of each class held out
+    for the val split (seeded by `split_seed`; data/imagefiles.py).
 
     `size`: the square crop; `resize`: the shorter side before cropping (null: size / 0.875,
     the usual 256 for 224); `on_error`: skip | fail for unreadable files (module doc).
@@ -356,15 +225,14 @@ class ImageFolder(Dataset):
     uint8_images = True  # (the stall advice does not tell it to ship uint8)
 
     def __init__(self, split: str = "train", root: str = "images", size: int = 224,
-                 resize: Optional[int] = None, on_error: str = "skip"):
+                 resize: Optional[int] = None, on_error: str = "skip",
+                 val_fraction: Optional[float] = None, split_seed: int = 0):
         if split not in SPLIT_DIRS:
             raise ValueError(f"split={split!r}: must be one of {tuple(SPLIT_DIRS)}")
         self.resize = image_settings(size, resize, on_error)
         self.root, self.split, self.on_error = Path(root), split, on_error
         self.size = size
-        self.classes = find_classes(self.root / SPLIT_DIRS["train"])
-        self.samples = find_images(self.root / SPLIT_DIRS[split], self.classes,
-                                   require_all=split == "train")
+        self.classes, self.samples = image_lists(self.root, split, val_fraction, split_seed)
         self.unreadable = Unreadable(on_error, len(self.samples), "image", "files")
         self.collate_fn = SkipCollate((3, size, size))
 
@@ -416,5 +284,7 @@ class ImageFolder(Dataset):
 
 
 def image_classes(root: str) -> int:
-    """The number of classes of an image folder (the config's `data.num_classes`)."""
-    return len(find_classes(Path(root) / SPLIT_DIRS["train"]))
+    """The number of classes of an image folder (the config's `data.num_classes`): of its
+    train/ folder, or of the folder itself where it has none (`val_fraction`)."""
+    train = Path(root) / SPLIT_DIRS["train"]
+    return len(find_classes(train if train.is_dir() or not Path(root).is_dir() else Path(root)))

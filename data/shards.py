@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from data.images import (IMAGE_EXTENSIONS, SkipCollate, Unreadable, decode, image_settings,
-                         unreadable_errors)
+from data.imagefiles import IMAGE_EXTENSIONS
+from data.images import SkipCollate, Unreadable, decode, image_settings, unreadable_errors
 from trainer.config import ConfigError
 
 INDEX = "index.json"

@@ -101,9 +101,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if a.val_fraction > 0:
         print(f"use them: python train.py data=image_folder data.dataset.root={a.out} "
               f"data.dataset.size={min(64, a.size)} model=cnn")  # (never an upscale)
-    else:  # data=image_folder reads <root>/val too
-        print(f"train/ alone (--val-fraction 0): name {a.out}/train in a data.train_dataset "
-              "node (README: Bring your own), as data=image_folder needs val/ too")
+    else:  # a folder of classes alone: data=image_folder holds a share of each out itself
+        print(f"train/ alone (--val-fraction 0), a folder of classes: use it: python train.py "
+              f"data=image_folder data.dataset.root={a.out}/train data.dataset.val_fraction=0.2 "
+              f"data.dataset.size={min(64, a.size)} model=cnn")
 
 
 def out_refusal(out: Path, overwrite: bool) -> Optional[str]:

@@ -80,8 +80,15 @@ def test_a_stopped_run_is_one_line_and_leaves_out_as_it_was(tmp_path, sig, code,
 
 
 def test_a_folder_without_val_says_how_to_use_it_not_a_command_that_fails(tmp_path, capsys):
-    make_images.main(["--out", str(tmp_path / "imgs"), "--count", "4", "--classes", "2",
+    make_images.main(["--out", str(tmp_path / "imgs"), "--count", "8", "--classes", "2",
                       "--size", "8", "--val-fraction", "0"])
     out = capsys.readouterr().out
-    assert "data.train_dataset" in out and "use them: python train.py" not in out
     assert sorted(p.name for p in (tmp_path / "imgs").iterdir()) == ["train"]
+    command = out.split("use it: python train.py ")[1].split()
+    assert f"data.dataset.root={tmp_path / 'imgs'}/train" in command and \
+        "data.dataset.val_fraction=0.2" in command
+    from tests.helpers import compose_cfg  # the command's config builds the folder's splits
+    from trainer.components import build
+
+    cfg = compose_cfg(tmp_path / "run", *command)
+    assert len(build(cfg.data.dataset, "data.dataset", {"split": "val"})) == 2
