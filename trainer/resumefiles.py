@@ -91,6 +91,11 @@ def find_resume(resume: Optional[str], run_dir: Path
         if not path.is_file():
             what = "a directory, not a checkpoint file" if path.is_dir() else \
                 "no such checkpoint file"
+            if (path / CHECKPOINT_DIR).is_dir():  # a run dir: what continuing it takes
+                raise CheckpointError(
+                    f"trainer.resume={resume}: {what}; to continue the run in it: "
+                    f"trainer.resume=auto hydra.run.dir={resume}, or start a new run from one "
+                    f"of its checkpoints: trainer.resume={path / CHECKPOINT_DIR / LAST}")
             raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
                                   "file, auto, or null)")
         return path, resumable(load(path), path), []

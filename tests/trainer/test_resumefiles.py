@@ -20,6 +20,11 @@ def test_find_resume(tmp_path):
         resumefiles.find_resume("/nope.pt", tmp_path)
     with pytest.raises(CheckpointError, match=r"^trainer.resume='': is empty \(give a path"):
         resumefiles.find_resume("", tmp_path)  # (not "a directory": the working one)
+    # a run dir: how to continue the run in it, or start from one of its files
+    with pytest.raises(CheckpointError, match=rf"^trainer.resume={tmp_path}: a directory, not a "
+                                              rf"checkpoint file; to continue the run in it: "
+                                              rf"trainer.resume=auto hydra.run.dir={tmp_path}, "):
+        resumefiles.find_resume(str(tmp_path), tmp_path / "new")
 
 
 def test_auto_resume_falls_back_past_damaged_files(tmp_path):
