@@ -27,6 +27,9 @@ RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "da
                "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
                "task", "trainer.max_epochs", "trainer.max_steps")  # the last two: the schedule's length
 STATES = {"optim": "optimizer", "sched": "scheduler"}  # config group -> its state's name
+LENGTH_KEYS = ("trainer.max_epochs", "trainer.max_steps")
+# (a cosine that had ended rises again: said where it happens, not only in the README)
+LENGTH = " (the lr schedule spans the new length from its position)"
 
 
 def _get(tree: Dict[str, Any], dotted: str) -> Any:
@@ -90,6 +93,8 @@ def resume_changes(state: Dict[str, Any], cfg: DictConfig, saved_world: int, wor
             is_held, value = held(k, state)
             if k in IMPLEMENTATION_KEYS:
                 line += APPLIED
+            elif k in LENGTH_KEYS:
+                line += LENGTH
             elif is_held:
                 kept[k] = a[k] if k in a else value  # (as the checkpoint's run configured it)
                 line += f" (kept at {kept[k]}: the checkpoint's {STATES[k.split('.')[0]]} " \

@@ -13,9 +13,9 @@ from trainer.runner import train
 
 
 def test_the_resume_line_says_what_the_checkpoint_keeps_and_only_then_what_that_means():
-    only = changes_line([f"optim.fused None -> True{APPLIED}", "trainer.max_epochs 2 -> 3"])
+    only = changes_line([f"optim.fused None -> True{APPLIED}", "data.batch_size 64 -> 32"])
     assert only == ("resuming with changed settings: optim.fused None -> True (applied: how the "
-                    "optimizer computes, not its state); trainer.max_epochs 2 -> 3")
+                    "optimizer computes, not its state); data.batch_size 64 -> 32")
     kept = changes_line(["optim.lr 0.1 -> 0.2 (kept at 0.1: the checkpoint's optimizer state "
                          "holds it)"])
     assert kept.endswith(". What the checkpoint's optimizer or scheduler state holds continues "
@@ -48,6 +48,8 @@ def test_a_changed_lr_the_checkpoint_kept_is_what_the_run_records(make_cfg, tmp_
                 if r.getMessage().startswith("resuming with changed settings"))
     assert "optim.lr 0.003 -> 0.1 (kept at 0.003: the checkpoint's optimizer state holds it)" \
         in line and "sched.warmup_steps 0 -> 1; " in line  # (applies: the state lacks it)
+    assert "trainer.max_steps 2 -> 4 (the lr schedule spans the new length from its " \
+        "position)" in line
     assert [r["lr"] for r in read_metrics(run_dir) if r["split"] == "train"][2:] == [0.003] * 2
     assert OmegaConf.load(run_dir / "config.yaml").optim.lr == 0.003
     saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")["config"]
