@@ -113,6 +113,8 @@ class Loop:
         self.phase = "training"  # training | validating | checkpointing: for the heartbeat
         self._forwarded = False  # no forward pass has succeeded yet
         self._loss_checked = False  # the first training loss was checked (firstbatch.check_loss)
+        # the first validation batch, tried after the first training batch's backward
+        self._sanity = cfg.sanity_check and val_feed is not None and not cfg.fast_dev_run
         self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
         # losses and the non-finite guard, kept on the device: no host sync per step
@@ -181,9 +183,6 @@ class Loop:
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
         self.window = Window()
-        if self.cfg.sanity_check and self.val_feed is not None and not self.cfg.fast_dev_run \
-                and not self._done():
-            validation.sanity_check(self)
         while not self._done():
             epoch = self.state.epoch
             steps_before = self.state.step
@@ -339,7 +338,8 @@ class Loop:
             with self._autocast():
                 output = self._forward(batch)
                 loss = self.task.loss(output, batch)
-        if not self._loss_checked:
+        first = not self._loss_checked
+        if first:
             check_batch(self.task, batch)
             check_loss(self.task, loss)
             self.task.check_metrics(output, batch)
@@ -348,6 +348,10 @@ class Loop:
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
         self.precision.backward(loss if one else loss * weight)
+        if first and self._sanity:  # after the training batch's own checks (a model that
+            # takes no batch is said as training's) and its graph is freed; before any step
+            self._sanity = False
+            validation.sanity_check(self)
         return loss
 
     def _forward(self, batch) -> Any:

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def sanity_check(loop: "Loop") -> None:
     """The first validation batch of this rank, through the model, the task's count and loss,
-    and a copy of each metric, before the first training step (trainer.sanity_check): a
-    validation split the model or the task cannot take (another dtype, shape or label range
-    than training's) stops the run now, not after an epoch of training. Otherwise invisible:
+    and a copy of each metric, once the first training batch passed its own checks and its
+    backward, before the first optimizer step (trainer.sanity_check): a validation split the
+    model or the task cannot take (another dtype, shape or label range than training's) stops
+    the run then, not after an epoch of training. Otherwise invisible:
     no collective (a rank with no validation batch skips it), no metric state kept, and the
     random states it could draw from (torch's, python's and numpy's: the model's, a dataset
     read in this process; the loader's worker seeds) put back."""
