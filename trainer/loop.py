@@ -28,13 +28,13 @@ from data.sampler import limit_left
 from trainer import checkpoint, devicewait, distributed, validation
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
+from trainer.firstbatch import check_batch, check_count, check_loss, checked_forward
 from trainer.ledger import Ledger, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
 from trainer.progress import FitState, Window, epoch_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
-from trainer.firstbatch import check_batch, check_count, check_loss, checked_forward
 from trainer.task import Task, batch_size
 
 

@@ -16,9 +16,9 @@ from data.prefetch import map_tensors
 from trainer import distributed
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
+from trainer.firstbatch import check_count, checked_forward
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.firstbatch import check_count, checked_forward
 from trainer.task import batch_size
 
 if TYPE_CHECKING:
@@ -31,10 +31,10 @@ def sanity_check(loop: "Loop") -> None:
     and a copy of each metric, once the first training batch passed its own checks and its
     backward, before the first optimizer step (trainer.sanity_check): a validation split the
     model or the task cannot take (another dtype, shape or label range than training's) stops
-    the run then, not after an epoch of training. Otherwise invisible:
-    no collective (a rank with no validation batch skips it), no metric state kept, and the
-    random states it could draw from (torch's, python's and numpy's: the model's, a dataset
-    read in this process; the loader's worker seeds) put back."""
+    the run then, not after an epoch of training. Otherwise invisible: no collective (a rank
+    with no validation batch skips it), no metric state kept, and the random states it could
+    draw from (torch's, python's and numpy's: the model's, a dataset read in this process;
+    the loader's worker seeds) put back."""
     task, model, feed = loop.task, unwrap(loop.model), loop.val_feed
     generator = getattr(feed.loader, "generator", None)
     kept = generator.get_state() if isinstance(generator, torch.Generator) else None
