@@ -85,9 +85,12 @@ def _check_trainer(cfg: DictConfig) -> None:
     _check(acc >= 1, "trainer.accumulate_grad_batches", acc, "must be >= 1")
     clip = t.grad_clip
     _check(clip is None or clip > 0, "trainer.grad_clip", clip, "must be > 0 or null")
-    _check(t.max_epochs >= 1, "trainer.max_epochs", t.max_epochs, "must be >= 1")
+    _check(t.max_epochs >= 1 or t.max_epochs == -1, "trainer.max_epochs", t.max_epochs,
+           "must be -1 (no limit: trainer.max_steps ends the run) or >= 1")
     _check(t.max_steps == -1 or t.max_steps >= 1, "trainer.max_steps", t.max_steps,
            "must be -1 (no limit) or >= 1")
+    _check(t.max_epochs != -1 or t.max_steps >= 1, "trainer.max_epochs", t.max_epochs,
+           "needs trainer.max_steps >= 1: with neither limit the run would not end")
     _check(t.val_every_n_epochs >= 1, "trainer.val_every_n_epochs", t.val_every_n_epochs,
            "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps,

@@ -173,7 +173,7 @@ class Loop:
     def _done(self) -> bool:
         max_steps = self.cfg.max_steps
         return (max_steps > 0 and self.state.step >= max_steps) or \
-            self.state.epoch >= self.cfg.max_epochs
+            0 < self.cfg.max_epochs <= self.state.epoch
 
     def complete(self) -> bool:
         """Nothing left to do: trained to max_epochs or max_steps and validated there (a run

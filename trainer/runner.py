@@ -299,7 +299,8 @@ def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
                        f"batches of an epoch on this rank: each optimizer step accumulates "
                        f"{max(plan)}, a global batch of {max(plan)} x the per-rank batch x "
                        "the world size, not the one the start-up line gives")
-    total = per_epoch * cfg.trainer.max_epochs
+    epochs = cfg.trainer.max_epochs  # (-1: no limit, and max_steps >= 1 ends the run)
+    total = per_epoch * epochs if epochs > 0 else cfg.trainer.max_steps
     if cfg.trainer.max_steps > 0:
         total = min(total, cfg.trainer.max_steps)
     return total, too_big

@@ -25,7 +25,10 @@ from trainer.config import ConfigError, Precision, Strategy
     ("data.prefetch_factor=0", "data.prefetch_factor=0"),
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be >= 1"),
     ("trainer.grad_clip=0", "trainer.grad_clip=0"),
-    ("trainer.max_epochs=0", "trainer.max_epochs=0"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0: must be -1 (no limit: trainer.max_steps "
+                             "ends the run) or >= 1"),
+    ("trainer.max_epochs=-1", "trainer.max_epochs=-1: needs trainer.max_steps >= 1: with "
+                              "neither limit the run would not end"),
     ("trainer.max_steps=0", "trainer.max_steps=0"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
     ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0"),

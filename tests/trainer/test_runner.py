@@ -93,6 +93,16 @@ def test_overfit_batches_beyond_the_epoch_are_said_once(make_cfg, caplog):
         "epoch repeats those 23"] and said[0].levelno == logging.WARNING
 
 
+def test_no_epoch_limit_trains_across_epochs_to_max_steps(make_cfg, tmp_path):
+    """trainer.max_epochs=-1, as Lightning users write it with max_steps: 23 batches an epoch,
+    so 50 steps end in the third epoch; the schedule spans the 50 (its lr reaches 0 there)."""
+    summary = train(make_cfg("trainer.max_epochs=-1", "trainer.max_steps=50",
+                             "trainer.save_checkpoint=false", "trainer.log_every_n_steps=10"))
+    assert (summary["steps"], summary["epochs"]) == (50, 2)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert len(lrs) == 5 and lrs[-1] < lrs[-2] / 10  # (cosine's last steps: near 0)
+
+
 def test_the_done_line_counts_in_words_a_user_reads(make_cfg, caplog):
     with caplog.at_level(logging.INFO, logger="stoker"):
         train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false"))
