@@ -285,9 +285,10 @@ def collate_for(dataset, collate):
 
 
 def _check_cache_dir(d: DictConfig) -> None:
-    """data.cache=disk writes its folders into data.cache_dir: inside a split folder the
-    data reads (<root>/train, <root>/val), they become part of it (an image folder's class
-    folders), and every later run fails."""
+    """data.cache=disk writes its folders into data.cache_dir: inside a folder the data reads
+    (<root>/train, <root>/val; <root> itself for a folder of classes split by val_fraction),
+    they become part of it (an image folder's class folders), and every later run fails. A
+    hidden folder right under it (<root>/.cache) is never read as data."""
     if d.cache != "disk":
         return
     cache = os.path.realpath(d.cache_dir)
@@ -295,12 +296,16 @@ def _check_cache_dir(d: DictConfig) -> None:
         root = OmegaConf.select(d, f"{key}.root", default=None)
         if not isinstance(root, str) or "://" in root:
             continue
-        for split in ("train", "val"):
-            folder = os.path.realpath(os.path.join(root, split))
-            if os.path.commonpath([cache, folder]) == folder:
-                raise ConfigError(f"data.cache_dir={d.cache_dir}: inside {root}/{split}, which "
+        whole = OmegaConf.select(d, f"{key}.val_fraction", default=None) is not None
+        for shown in ([root] if whole else [f"{root}/train", f"{root}/val"]):
+            folder = os.path.realpath(shown)
+            hidden = os.path.relpath(cache, folder).split(os.sep)[0]  # (".": the folder)
+            if os.path.commonpath([cache, folder]) == folder and \
+                    (hidden == "." or not hidden.startswith(".")):
+                raise ConfigError(f"data.cache_dir={d.cache_dir}: inside {shown}, which "
                                   f"data.{key} reads, where the cache's folders would become "
-                                  "part of the data; put it outside")
+                                  f"part of the data; put it outside (or in a hidden folder "
+                                  f"such as {root}/.cache)")
 
 
 def _converted(feed: DevicePrefetcher) -> bool:

@@ -401,6 +401,13 @@ def test_a_disk_cache_inside_the_data_it_reads_is_refused(make_cfg, tmp_path):
         train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
                        "model=cnn", "data.cache=disk", f"data.cache_dir={root}/train"))
     assert sorted(p.name for p in (root / "train").iterdir()) == ["class_00", "class_01"]
+    # a folder of classes split by val_fraction: the folder itself is the data
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir={root}/train/cache: inside "
+                                          rf"{root}/train, which data.dataset reads"):
+        train(make_cfg("data=image_folder", f"data.dataset.root={root}/train",
+                       "data.dataset.val_fraction=0.5", "data.dataset.size=8", "model=cnn",
+                       "data.cache=disk", f"data.cache_dir={root}/train/cache"))
+    assert sorted(p.name for p in (root / "train").iterdir()) == ["class_00", "class_01"]
     train(make_cfg("data=image_folder", f"data.dataset.root={root}", "data.dataset.size=8",
                    "model=cnn", "data.cache=disk", f"data.cache_dir={root}/.cache",
                    "trainer.max_steps=1"))  # beside the splits: nothing reads it as data
