@@ -439,6 +439,14 @@ class DrawingMLP(MLP):
         return super().forward(x) + 0 * torch.rand(1, device=x.device)
 
 
+class ShiftedLabelDigits(DigitsDataset):
+    """Digits whose labels are 10..19: outside the 10 classes a classifier of them has."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, y + 10
+
+
 class TripleDigits(DigitsDataset):
     """Digits with a third item per sample, (x, y, weight): more than (inputs, target)."""
 

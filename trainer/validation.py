@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from trainer.loop import Loop
 
 
+SANITY = "the first validation batch (trainer.sanity_check)"
+
+
 @torch.no_grad()
 def sanity_check(loop: "Loop") -> None:
     """The first validation batch of this rank, through the model, the task's count and loss,
@@ -45,12 +48,19 @@ def sanity_check(loop: "Loop") -> None:
             for batch in feed.take(1):
                 with loop.precision.autocast():
                     output = checked_forward(task, model, batch, True, loop.input_shape,
-                                             find_unused=True, which="the first validation "
-                                             "batch (trainer.sanity_check)")
+                                             find_unused=True, which=SANITY)
                     count = task.count(batch)
                     check_count(task, count, batch)
                     task.loss(output, batch)
                 task.check_metrics(output, batch, compute=False)
+        except ConfigError as e:  # the task's or a metric's line: say which split it met
+            if "trainer.sanity_check" in str(e):
+                raise
+            raise type(e)(f"{e} (in {SANITY}; the training batches passed)") from None
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"stoker: in {SANITY}; the training batches passed")
+            raise
         finally:
             model.train()
             random.setstate(python)

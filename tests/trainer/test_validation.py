@@ -68,6 +68,19 @@ def test_validation_data_the_model_cannot_take_stops_the_run_before_its_first_st
     assert steps.seen == [] and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_validation_split_the_task_refuses_is_said_as_the_sanity_checks(make_cfg):
+    """The task's line alone read as the training split's fault."""
+    steps = Steps()
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg(*FLOAT64_VAL[:-3], "+data.val_dataset._target_=tests.helpers."
+                       "ShiftedLabelDigits", "+data.val_dataset.split=val",
+                       "trainer.max_steps=2"), callbacks=[steps])
+    text = str(info.value)
+    assert text.startswith("task classification: a target outside 0..9") and text.endswith(
+        "(in the first validation batch (trainer.sanity_check); the training batches passed)")
+    assert steps.seen == [] and "\n" not in text
+
+
 def test_without_the_sanity_check_the_first_validation_says_it_as_trainings_would(make_cfg):
     steps = Steps()
     with pytest.raises(ConfigError) as info:
