@@ -174,6 +174,19 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
                           f"dir {run_dir}, which {held}")
 
 
+def check_dev_run_dir(run_dir: Path) -> None:
+    """A fast dev run saves nothing but the lines of its train.log: refused where they would
+    go into another run's log (a dir holding a run's checkpoints or files)."""
+    run_dir = Path(run_dir)
+    held = [p.name for p in resumefiles.candidates(run_dir)[:1]] + [
+        name for name in OUTPUTS if _written(run_dir / name)]
+    if held:
+        raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr): run dir {run_dir} holds "
+                          f"another run's {held[0]}{'...' if len(held) > 1 else ''}, whose "
+                          "train.log it would add to; "
+                          f"start it in a new dir ({_dir_key()}=..., or leave the key out)")
+
+
 def _check_not_a_sweep(run_dir: Path) -> None:
     """One run (no `-m`) pointed at a sweep's dir is refused: it started beside the sweep's
     jobs, its files mixed with theirs (with trainer.resume=auto, as a fresh start)."""

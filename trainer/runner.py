@@ -345,6 +345,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
                           env)
             ours = env.is_main
+        else:  # (but its train.log lines: not into another run's log)
+            rundir.agreed(lambda: rundir.check_dev_run_dir(run_dir), env)
         with profiler(run_dir, t.profile and env.is_main, spec.device) as prof, \
                 Preemption(env, saving=t.save_checkpoint and not t.fast_dev_run) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,

@@ -75,6 +75,21 @@ def test_fast_dev_run_takes_one_batch_each_and_saves_nothing(make_cfg, tmp_path)
     torch.autograd.set_detect_anomaly(False)
 
 
+def test_a_fast_dev_run_into_another_runs_dir_is_refused(make_cfg, tmp_path):
+    """It saves nothing, but its train.log lines went into the finished run's log."""
+    run_dir = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=2", "trainer.progress_bar=false"))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=rf"^trainer\.fast_dev_run=true \(debug=fdr\): run dir "
+                                          rf"{run_dir} holds another run's last\.pt\.\.\., whose "
+                                          r"train\.log it would add to; start it in a new dir "
+                                          r"\(run_dir=\.\.\., or leave the key out\)$"):
+        train(make_cfg("debug=fdr"))
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+
+
 def test_overfit_drives_the_loss_towards_zero(make_cfg, tmp_path):
     summary = train(make_cfg("debug=overfit"))
     rows = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
