@@ -39,10 +39,11 @@ def find_classes(folder: Path) -> List[str]:
     return classes
 
 
-def find_images(folder: Path, classes: Sequence[str],
-                require_all: bool = False) -> List[Tuple[str, int]]:
+def find_images(folder: Path, classes: Sequence[str], require_all: bool = False,
+                say: bool = True) -> List[Tuple[str, int]]:
     """(path, class index) of every image under `folder/<class>/`, sorted by class and name
-    (subfolders of a class folder included); `require_all`: every class must have one."""
+    (subfolders of a class folder included); `require_all`: every class must have one;
+    `say`: its warnings of files left out (else silent: another listing says them)."""
     index = {name: i for i, name in enumerate(classes)}
     if not folder.is_dir():
         raise FileNotFoundError(f"data.dataset.root: no folder {folder} (expected "
@@ -61,7 +62,7 @@ def find_images(folder: Path, classes: Sequence[str],
     for name in found:
         samples += [(path, index[name])
                     for path in _walk_class(folder / name, homes, fences, name, left)]
-    main = os.environ.get("RANK", "0") == "0"  # (every rank lists the same files)
+    main = say and os.environ.get("RANK", "0") == "0"  # (every rank lists the same files)
     if main:
         _say_left_out(folder, loose, **left)
     if not samples:
@@ -174,12 +175,17 @@ def image_lists(root: Path, split: str, val_fraction: Optional[float], split_see
         raise ValueError(f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 "
                          "(a share of each class), or null for <root>/train and <root>/val")
     if (root / SPLIT_DIRS["train"]).is_dir():
+        if not (root / SPLIT_DIRS["val"]).is_dir():  # (make_images --val-fraction 0 writes it)
+            raise ValueError(f"data.dataset.val_fraction={val_fraction}: {root} holds train/ "
+                             "and no val/: to split the classes in train/, name them: "
+                             f"data.dataset.root={root / SPLIT_DIRS['train']}")
         raise ValueError(f"data.dataset.val_fraction={val_fraction}: {root} holds train/, a "
                          "split of its own; leave data.dataset.val_fraction null to use it, or "
                          "name a folder of <root>/<class>/<image>")
     classes = find_classes(root)
-    return classes, hold_out(find_images(root, classes, require_all=True), classes,
-                             val_fraction, split_seed)[split]
+    # (each split lists the whole folder: its warnings said once, by the train split's)
+    found = find_images(root, classes, require_all=True, say=split == "train")
+    return classes, hold_out(found, classes, val_fraction, split_seed)[split]
 
 
 def hold_out(samples: List[Tuple[str, int]], classes: Sequence[str], val_fraction: float,

@@ -196,9 +196,10 @@ def _check_not_a_sweep(run_dir: Path) -> None:
                   key=lambda name: (len(name), name))
     held = f", jobs {', '.join(jobs[:3])}{'...' if len(jobs) > 3 else ''}" if jobs else ""
     raise CheckpointError(
-        f"run dir {run_dir} is a sweep's dir ({sweep.RECORD}{held}), not one run's: continue a "
-        f"job with {_dir_key()}={run_dir}/<job>, or the sweep with its own -m command and "
-        f"trainer.resume=auto hydra.sweep.dir={run_dir}; nothing was changed")
+        f"run dir {run_dir} is a sweep's dir ({sweep.RECORD}{held}), not one run's: continue "
+        f"the sweep with its own -m command and trainer.resume=auto hydra.sweep.dir={run_dir}, "
+        f"or one job with its overrides (<job>/.hydra/overrides.yaml) and trainer.resume=auto "
+        f"{_dir_key()}={run_dir}/<job>; nothing was changed")
 
 
 def _status(run_dir: Path) -> Optional[Dict[str, Any]]:

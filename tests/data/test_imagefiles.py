@@ -48,15 +48,36 @@ def test_a_folder_of_classes_alone_trains_and_validates_on_disjoint_files(flat):
     assert train.fingerprint() != val.fingerprint()  # (a cache per split)
 
 
+def test_a_file_left_out_is_said_once_not_once_per_split(flat, caplog):
+    import logging
+
+    (flat / "class_00" / "notes.txt").write_text("the user's")
+    try:
+        with caplog.at_level(logging.WARNING, logger="stoker"):
+            for split in ("train", "val"):
+                ImageFolder(split, str(flat), size=16, val_fraction=0.2)
+    finally:
+        (flat / "class_00" / "notes.txt").unlink()
+    assert len([r for r in caplog.records if "left out" in r.getMessage()]) == 1
+
+
 def test_the_layout_and_the_key_that_do_not_fit_are_one_line(flat):
     with pytest.raises(FileNotFoundError, match=r"^data\.dataset\.root: no folder .*/train/train "
                                                 r".*; a folder of <root>/<class>/<image> alone: "
                                                 r"set data\.dataset\.val_fraction \(e\.g\. 0\.2\)"):
         ImageFolder("train", str(flat))
-    with pytest.raises(ValueError, match=r"^data\.dataset\.val_fraction=0\.2: .* holds train/, a "
-                                         r"split of its own; leave data\.dataset\.val_fraction "
-                                         r"null"):
-        ImageFolder("train", str(flat.parent), val_fraction=0.2)
+    with pytest.raises(ValueError, match=rf"^data\.dataset\.val_fraction=0\.2: .* holds train/ and "
+                                         rf"no val/: to split the classes in train/, name them: "
+                                         rf"data\.dataset\.root={flat}$"):
+        ImageFolder("train", str(flat.parent), val_fraction=0.2)  # (make_images' train/ alone)
+    (flat.parent / "val").mkdir()
+    try:
+        with pytest.raises(ValueError, match=r"^data\.dataset\.val_fraction=0\.2: .* holds "
+                                             r"train/, a split of its own; leave "
+                                             r"data\.dataset\.val_fraction null"):
+            ImageFolder("train", str(flat.parent), val_fraction=0.2)
+    finally:
+        (flat.parent / "val").rmdir()
     with pytest.raises(ValueError, match=r"^data\.dataset\.val_fraction=1\.5: must be between 0 "
                                          r"and 1"):
         ImageFolder("train", str(flat), val_fraction=1.5)

@@ -80,9 +80,9 @@ def test_one_run_into_a_sweeps_dir_is_refused_with_nothing_written(tmp_path, res
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"stoker: error: run dir {sweep} is a sweep's dir (multirun.yaml, jobs 0, 1, 2...), "
-        f"not one run's: continue a job with hydra.run.dir={sweep}/<job>, or the sweep with "
-        f"its own -m command and trainer.resume=auto hydra.sweep.dir={sweep}; nothing was "
-        "changed")
+        f"not one run's: continue the sweep with its own -m command and trainer.resume=auto "
+        f"hydra.sweep.dir={sweep}, or one job with its overrides (<job>/.hydra/overrides.yaml)"
+        f" and trainer.resume=auto hydra.run.dir={sweep}/<job>; nothing was changed")
     assert snapshot(sweep) == before
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "10", "2", "3", "multirun.yaml"]
 
