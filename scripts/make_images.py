@@ -61,11 +61,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     """The command line: bad flags are one line and exit 2; a failed write one line and 1;
     Ctrl-C or SIGTERM one line and 130 or 143; --out is replaced whole or left as it was."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="folder to write (train/ and val/)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder to write (train/ and val/; train/ alone with --val-fraction 0)")
     p.add_argument("--count", type=int, default=2000, help="files in all")
     p.add_argument("--size", type=int, default=256, help=f"pixels per side (8 to {MAX_SIZE})")
     p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--val-fraction", type=float, default=0.2)
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="share of each class in val/ (0: train/ alone, a folder of classes that "
+                        "data.dataset.val_fraction splits)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true",
                    help="replace an --out folder this script wrote (once the new one is "

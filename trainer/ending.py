@@ -252,8 +252,9 @@ def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
     run dir holds (where this rank can read it), and one line saying so."""
     t, state = cfg.trainer, loop.state
     logger.info("nothing to train: the run is complete at epoch %d step %d (trainer.max_epochs="
-                "%d, trainer.max_steps=%d) and its files are left as they are; raise either to "
-                "train on", state.epoch, state.step, t.max_epochs, t.max_steps)
+                "%d, trainer.max_steps=%d) and its files are left as they are; raise %s to "
+                "train on", state.epoch, state.step, t.max_epochs, t.max_steps,
+                "trainer.max_steps" if t.max_epochs < 0 else "either")
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
