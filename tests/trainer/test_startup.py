@@ -57,9 +57,14 @@ def test_a_fast_dev_run_with_a_checkpoint_to_resume_is_refused_and_without_one_t
     quick = ("trainer.max_steps=2", "trainer.progress_bar=false")
     train(make_cfg(*quick, run_dir=tmp_path / "run"))
     before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    # another run's checkpoint into a dir of its own (into the run's dir, the dir is refused
+    # first: rundir.check_dev_run_dir)
     with pytest.raises(ConfigError, match=r"^trainer\.fast_dev_run=true \(debug=fdr\) trains a "
                                           r"run's first step alone .* would continue .*last\.pt "
                                           r"at step 2: nothing would be trained; drop"):
+        train(make_cfg(*quick, "debug=fdr", f"trainer.resume={tmp_path}/run/checkpoints/last.pt",
+                       run_dir=tmp_path / "other"))
+    with pytest.raises(ConfigError, match=r"^trainer\.fast_dev_run=true \(debug=fdr\): run dir "):
         train(make_cfg(*quick, "debug=fdr", "trainer.resume=auto", run_dir=tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
     fresh = train(make_cfg("debug=fdr", "trainer.resume=auto", run_dir=tmp_path / "new"))
