@@ -4,11 +4,9 @@ all-reduced, metrics synced by their own state), under the training loop's preci
 from __future__ import annotations
 
 import math
-import random
 import time
 from typing import TYPE_CHECKING, Dict
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -38,35 +36,35 @@ def sanity_check(loop: "Loop") -> None:
     with no validation batch skips it), no metric state kept, and the random states it could
     draw from (torch's, python's and numpy's: the model's, a dataset read in this process;
     the loader's worker seeds) put back."""
+    # (lazy: trainer.resilience imports the loop, which imports this module)
+    from trainer.resilience import rng_state, set_rng_state
+
     task, model, feed = loop.task, unwrap(loop.model), loop.val_feed
     generator = getattr(feed.loader, "generator", None)
-    kept = generator.get_state() if isinstance(generator, torch.Generator) else None
-    python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[loop.device] if loop.device.type == "cuda" else []):
-        model.eval()
-        try:
-            for batch in feed.take(1):
-                with loop.precision.autocast():
-                    output = checked_forward(task, model, batch, True, loop.input_shape,
-                                             find_unused=True, which=SANITY)
-                    count = task.count(batch)
-                    check_count(task, count, batch)
-                    task.loss(output, batch)
-                task.check_metrics(output, batch, compute=False)
-        except ConfigError as e:  # the task's or a metric's line: say which split it met
-            if "trainer.sanity_check" in str(e):
-                raise
-            raise type(e)(f"{e} (in {SANITY}; the training batches passed)") from None
-        except Exception as e:
-            if hasattr(e, "add_note"):
-                e.add_note(f"stoker: in {SANITY}; the training batches passed")
+    generator = generator if isinstance(generator, torch.Generator) else None
+    gpus = [loop.device] if loop.device.type == "cuda" else []
+    kept = rng_state(generator.get_state() if generator is not None else None, gpus)
+    model.eval()
+    try:
+        for batch in feed.take(1):
+            with loop.precision.autocast():
+                output = checked_forward(task, model, batch, True, loop.input_shape,
+                                         find_unused=True, which=SANITY)
+                count = task.count(batch)
+                check_count(task, count, batch)
+                task.loss(output, batch)
+            task.check_metrics(output, batch, compute=False)
+    except ConfigError as e:  # the task's or a metric's line: say which split it met
+        if "trainer.sanity_check" in str(e):
             raise
-        finally:
-            model.train()
-            random.setstate(python)
-            np.random.set_state(numpy)
-            if kept is not None:
-                generator.set_state(kept)
+        raise type(e)(f"{e} (in {SANITY}; the training batches passed)") from None
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(f"stoker: in {SANITY}; the training batches passed")
+        raise
+    finally:
+        model.train()
+        set_rng_state(kept, generator, gpus)
 
 
 @torch.no_grad()
