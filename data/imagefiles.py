@@ -196,8 +196,10 @@ def hold_out(samples: List[Tuple[str, int]], classes: Sequence[str], val_fractio
     the same split); each class needs a file on both sides, or it is named in one line."""
     rng = np.random.default_rng(split_seed)
     split: Dict[str, List[Tuple[str, int]]] = {"train": [], "val": []}
-    for label, name in enumerate(classes):
-        mine = [s for s in samples if s[1] == label]
+    by_class: List[List[Tuple[str, int]]] = [[] for _ in classes]
+    for sample in samples:  # (one pass: not one per class, over a million files)
+        by_class[sample[1]].append(sample)
+    for name, mine in zip(classes, by_class):
         n_val = int(round(len(mine) * val_fraction))
         if not 1 <= n_val < len(mine):
             raise ValueError(
