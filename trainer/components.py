@@ -128,10 +128,15 @@ def missing_key(key: str, node: Any, arg: str) -> Optional[str]:
         return None
     name = node["_target_"]
     if arg not in params:
-        return (f"{key}.{arg}: {name} takes no argument '{arg}' (it takes: "
-                f"{', '.join(params) or 'no arguments'})")
+        return _no_argument(key, name, arg, params)
     return (f"{key}.{arg}: not in the config of {key} yet; {name} takes it: add it with "
             f"+{key}.{arg}=...")
+
+
+def _no_argument(key: str, name: str, arg: str, params: Dict[str, inspect.Parameter]) -> str:
+    """The line for an argument `arg` that the target `name` at `key` does not take."""
+    return (f"{key}.{arg}: {name} takes no argument '{arg}' (it takes: "
+            f"{', '.join(params) or 'no arguments'})")
 
 
 def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
@@ -145,8 +150,7 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
     if params is not None:
         unknown = [k for k in given if k not in params]
         if unknown:
-            raise ConfigError(f"{key}.{unknown[0]}: {name} takes no argument '{unknown[0]}' "
-                              f"(it takes: {', '.join(params) or 'no arguments'}){hint}")
+            raise ConfigError(_no_argument(key, name, unknown[0], params) + hint)
         # torch's and Stoker's own signatures are known; a user's own class may take other
         # kinds than its defaults show (hidden=128 or [128, 64]), and would have no way round
         known = name.startswith(("torch.", "trainer."))
