@@ -170,9 +170,19 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     _verify(path)
+    state = read(path, map_location)
+    if not isinstance(state, dict) or "format_version" not in state or "model" not in state:
+        raise CheckpointError(f"checkpoint {path}: not a Stoker checkpoint")
+    return state
+
+
+def read(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
+    """What torch.save wrote to `path`, loaded safely (tensors and plain containers, never code
+    to run); CheckpointError naming the file when it is unreadable or holds an object of
+    another kind. (`load` checks the archive's checksums first.)"""
     try:
         # weights_only: a checkpoint is data, never code to run
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         named = _GLOBAL.search(str(e))
         if named is None:
@@ -185,9 +195,6 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     except Exception as e:  # torch raises many types for a damaged zip/pickle
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
-    if not isinstance(state, dict) or "format_version" not in state or "model" not in state:
-        raise CheckpointError(f"checkpoint {path}: not a Stoker checkpoint")
-    return state
 
 
 def _verify(path: Path) -> None:
@@ -242,20 +249,29 @@ def resumable(state: Dict[str, Any], path: Path) -> Dict[str, Any]:
 def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
     """Refuses weights that do not fit `model` with a list of mismatches (never a partial
     load)."""
-    own = model.state_dict()
-    theirs = state["model"]
-    missing = sorted(set(own) - set(theirs))
-    unexpected = sorted(set(theirs) - set(own))
-    shapes = sorted(k for k in set(own) & set(theirs)
-                    if tuple(own[k].shape) != tuple(theirs[k].shape))
-    if missing or unexpected or shapes:
-        parts = []
-        for name, keys in (("missing", missing), ("unexpected", unexpected),
-                           ("shape mismatch", shapes)):
-            if keys:
-                shown = ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-                parts.append(f"{name}: {shown}")
-        raise CheckpointError(f"checkpoint {path} does not fit this model; " + "; ".join(parts))
+    misfits = mismatches(model.state_dict(), state["model"])
+    if any(misfits.values()):
+        raise CheckpointError(f"checkpoint {path} does not fit this model; "
+                              + said_mismatches(misfits))
+
+
+def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
+    """The keys of a model's state dict (`own`) that another (`theirs`) lacks ('missing'), the
+    ones it has on top ('unexpected'), and the ones with another shape ('shape mismatch')."""
+    def shape(value: Any) -> Optional[tuple]:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+    return {"missing": sorted(set(own) - set(theirs)),
+            "unexpected": sorted(set(theirs) - set(own)),
+            "shape mismatch": sorted(k for k in set(own) & set(theirs)
+                                     if shape(own[k]) != shape(theirs[k]))}
+
+
+def said_mismatches(misfits: Dict[str, List[str]]) -> str:
+    """`mismatches` in words: the first five keys of each kind, and how many more."""
+    return "; ".join(f"{name}: " + ", ".join(keys[:5])
+                     + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+                     for name, keys in misfits.items() if keys)
 
 
 # How an optimizer computes (this run's optim.fused / optim.foreach), not what it has learned:

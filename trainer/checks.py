@@ -118,6 +118,12 @@ def _check_trainer(cfg: DictConfig) -> None:
            "must be a finite number")
     _check(t.max_bad_steps >= 0, "trainer.max_bad_steps", t.max_bad_steps, "must be >= 0")
     _check(t.overfit_batches >= 0, "trainer.overfit_batches", t.overfit_batches, "must be >= 0")
+    _check(t.init_from is None or bool(str(t.init_from).strip()), "trainer.init_from",
+           t.init_from, "is empty: give a path to a weights file, or null")
+    _check(t.init_from is None or t.resume in (None, "auto"), "trainer.init_from", t.init_from,
+           f"cannot be combined with trainer.resume={t.resume}, which continues that "
+           "checkpoint's whole training state, weights included; give one of them "
+           "(trainer.resume=auto goes with it: a requeued job continues its own run)")
     _check(not (t.overfit_batches and t.limit_train_batches is not None),
            "trainer.limit_train_batches", t.limit_train_batches,
            f"cannot be combined with trainer.overfit_batches={t.overfit_batches}, which sets the "

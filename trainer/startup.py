@@ -18,6 +18,7 @@ from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger
 from trainer.loop import Callback, Loop
+from trainer.initweights import init_weights
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import changes_line, record_kept, resume_changes
 from trainer.strategy import unwrap
@@ -42,11 +43,14 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     and the lines to log about it, which the caller logs once every check passed, and the
     file it resumed from."""
     found = resumefiles.find_resume(resume, run_dir)
+    init_from = cfg.trainer.init_from
     if found is None:
         key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
         return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
                      f": a fresh start (the run to continue is named by {key})"]
-                    if resume == "auto" else []), None
+                    if resume == "auto" else []) + (
+            [init_weights(unwrap(loop.model), init_from, cfg.trainer.init_strict)]
+            if init_from is not None else []), None
     path, state, skipped = found
     if cfg.trainer.fast_dev_run:  # (its one step is the run's first: resumed, it trained none)
         raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr) trains a run's first step "
@@ -87,6 +91,9 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
+    if init_from is not None:
+        lines.append(f"trainer.init_from={init_from} not read: the resumed run's weights "
+                     "continue it")
     return warnings, lines, path
 
 

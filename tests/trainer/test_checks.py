@@ -186,3 +186,12 @@ def test_keys_that_decide_the_same_thing_or_need_a_validation_set(make_cfg):
     with pytest.raises(ConfigError, match=r"^trainer\.checkpoint\.monitor=val_acc: nothing is "
                                           r"validated in this run \(no validation set"):
         monitor_mode(make_cfg("trainer.checkpoint.monitor=val_acc"), {})  # no val set: no keys
+
+
+def test_init_from_is_a_path_and_not_a_second_start_beside_a_resumed_checkpoint(make_cfg):
+    with pytest.raises(ConfigError, match=r"^trainer\.init_from=: is empty"):
+        resolve(make_cfg("trainer.init_from=''"))
+    with pytest.raises(ConfigError, match=r"^trainer\.init_from=w\.pt: cannot be combined with "
+                                          r"trainer\.resume=a/last\.pt, which continues"):
+        resolve(make_cfg("trainer.init_from=w.pt", "trainer.resume=a/last.pt"))
+    resolve(make_cfg("trainer.init_from=w.pt", "trainer.resume=auto"))  # a requeued job's

@@ -1,0 +1,175 @@
+"""trainer.init_from: a new run's model weights from a file (a checkpoint, a state dict in the
+layouts other code saves, a .safetensors file), strict or not, and never over a resume."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import final_weights, params_of, read_metrics, run_cli, tiny_gpt2
+from trainer.checkpoint import CheckpointError
+from trainer.initweights import init_weights
+from trainer.runner import train
+
+
+def net(hidden: int = 8, classes: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+
+def trained(hidden: int = 8, classes: int = 3) -> nn.Module:
+    """`net` with other weights than a new one's: what a file to start from holds."""
+    model = net(hidden, classes)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(params_of(a), params_of(b)))
+
+
+@pytest.mark.parametrize("layout", ["plain", "state_dict", "model_state_dict", "model",
+                                    "ddp", "compiled", "dataparallel_compiled"])
+def test_loads_the_layouts_other_code_saves(tmp_path, layout):
+    source = trained()
+    weights = source.state_dict()
+    if layout in ("state_dict", "model_state_dict", "model"):
+        weights = {layout: weights, "epoch": 3, "optimizer": {"state": {}}}
+    elif layout == "ddp":  # a hand-written DDP loop's model.state_dict()
+        weights = {f"module.{k}": v for k, v in weights.items()}
+    elif layout == "compiled":  # torch.compile(model).state_dict()
+        weights = torch.compile(source).state_dict()
+    elif layout == "dataparallel_compiled":
+        weights = torch.compile(nn.DataParallel(source)).state_dict()
+    torch.save(weights, tmp_path / "w.pt")
+    model = net()
+    line = init_weights(model, str(tmp_path / "w.pt"), strict=True)
+    assert same(model, source)
+    assert "6 of 4 tensors" not in line and "4 of 4 tensors" in line
+    wrapped = {"ddp": "module.", "compiled": "_orig_mod.",
+               "dataparallel_compiled": "_orig_mod.module."}.get(layout)
+    assert (f"without the keys' '{wrapped}' prefix" in line) == (wrapped is not None)
+
+
+def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")
+    source = tiny_gpt2()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(2.0)
+    source.save_pretrained(tmp_path)  # model.safetensors stores lm_head.weight (tied) once
+    model = tiny_gpt2()
+    line = init_weights(model, str(tmp_path / "model.safetensors"), strict=True)
+    assert same(model, source)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    assert "lm_head.weight: tied to a loaded one" in line
+
+
+def test_strict_refuses_a_misfit_naming_the_keys_and_leaves_the_model_as_it_was(tmp_path):
+    torch.save(trained(hidden=8, classes=5).state_dict(), tmp_path / "w.pt")
+    model, fresh = net(), net()
+    with pytest.raises(CheckpointError) as e:
+        init_weights(model, str(tmp_path / "w.pt"), strict=True)
+    assert "does not fit this model" in str(e.value)
+    assert "shape mismatch: 2.bias, 2.weight" in str(e.value)
+    assert "trainer.init_strict=false" in str(e.value)
+    assert same(model, fresh)
+
+
+def test_not_strict_loads_what_fits_and_says_the_rest(tmp_path):
+    source = trained(hidden=8, classes=5)  # a new head: 3 classes instead of 5
+    weights = {**source.state_dict(), "extra.weight": torch.zeros(2)}
+    del weights["0.bias"]
+    torch.save(weights, tmp_path / "w.pt")
+    model, fresh = net(), net()
+    line = init_weights(model, str(tmp_path / "w.pt"), strict=False)
+    assert torch.equal(model[0].weight, source[0].weight)
+    for name in ("0.bias", "2.weight", "2.bias"):  # as a new model has them
+        assert torch.equal(model.state_dict()[name], fresh.state_dict()[name])
+    assert "1 of 4 tensors" in line
+    assert "left as initialised: 0.bias, 2.bias, 2.weight" in line
+    assert "not used from the file: extra.weight" in line
+
+
+def test_not_strict_still_refuses_a_file_none_of_whose_tensors_fits(tmp_path):
+    torch.save({"other.weight": torch.zeros(3)}, tmp_path / "w.pt")
+    with pytest.raises(CheckpointError, match="none of its 1 tensors fits this model"):
+        init_weights(net(), str(tmp_path / "w.pt"), strict=False)
+
+
+class Pickled:
+    pass
+
+
+@pytest.mark.parametrize("content, said", [
+    ("dir", "a directory, not a file"),
+    ("missing", "no such file"),
+    ("text", "not a file torch.save wrote (no zip archive) nor a .safetensors file"),
+    ("dict", "holds no model weights (a dict of epoch, lr)"),
+    ("list", "holds no model weights (a list)"),
+    ("object", "which a safe load (torch.load with weights_only=True) refuses"),
+    ("safetensors", "unreadable"),
+])
+def test_a_file_without_weights_is_one_line_naming_the_key(tmp_path, content, said):
+    path = tmp_path / ("w.safetensors" if content == "safetensors" else "w.pt")
+    if content == "dir":
+        path.mkdir()
+    elif content in ("text", "safetensors"):
+        path.write_text("not weights\n")
+    elif content != "missing":
+        torch.save({"dict": {"epoch": 3, "lr": 0.1}, "list": [1, 2],
+                    "object": {"w": Pickled()}}[content], path)
+    with pytest.raises(CheckpointError) as e:
+        init_weights(net(), str(path), strict=True)
+    assert str(e.value).startswith("trainer.init_from") and said in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_run_starts_from_another_runs_weights_with_a_fresh_optimizer(make_cfg, tmp_path,
+                                                                       caplog):
+    first = train(make_cfg("trainer.max_epochs=1", run_dir=tmp_path / "first"))
+    # lr 0: the weights stay those loaded, so the run's checkpoint shows what it started from
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        second = train(make_cfg("trainer.max_steps=3", "optim.lr=0.0", "optim.weight_decay=0.0",
+                                f"trainer.init_from={first['checkpoint']}",
+                                run_dir=tmp_path / "second"))
+    a, b = final_weights(first), final_weights(second)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(second["checkpoint"], weights_only=True)
+    assert state["step"] == 3 and state["epoch"] == 0  # the step count starts fresh
+    steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert steps == {3}  # AdamW's moments are this run's own
+    assert f"model weights from {first['checkpoint']}: 6 of 6 tensors" in caplog.text
+    assert read_metrics(tmp_path / "second")
+
+
+def test_a_resumed_run_keeps_its_own_weights_and_does_not_read_the_file(make_cfg, tmp_path,
+                                                                        caplog):
+    source = tmp_path / "source.pt"
+    torch.save(trained().state_dict(), source)  # does not fit: reading it would fail
+    first = train(make_cfg("trainer.max_steps=2"))
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        resumed = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto",
+                                 f"trainer.init_from={source}"))
+    assert resumed["steps"] == 4
+    assert (f"trainer.init_from={source} not read: the resumed run's weights continue it"
+            in caplog.text)
+    assert first["checkpoint"] == resumed["checkpoint"]
+
+
+def test_a_file_that_does_not_fit_stops_the_run_before_it_writes(tmp_path):
+    weights = tmp_path / "w.pt"
+    torch.save(trained().state_dict(), weights)
+    result = run_cli([f"hydra.run.dir={tmp_path / 'run'}", f"trainer.init_from={weights}",
+                      "trainer.max_epochs=1"])
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"stoker: error: trainer.init_from={weights} does not fit this "
+                           "model; missing: ")
+    assert not (tmp_path / "run" / "train.log").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
