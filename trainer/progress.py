@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
 from data.sampler import epoch_batches
+from trainer.config import ConfigError
 from trainer.task import Count
 
 
@@ -53,3 +55,42 @@ def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> Lis
 
 def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
     return len(epoch_plan(loader, limit, accumulate))
+
+
+def total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
+                ) -> Tuple[int, List[str]]:
+    """The run's optimizer steps (what the schedule spans), and warnings for settings that do
+    not do what they say at that length (a batch larger than the rank's training set, more
+    overfit or accumulated batches than an epoch has, a warmup as long as the run);
+    ConfigError when an epoch has no optimizer step."""
+    acc = cfg.trainer.accumulate_grad_batches
+    plan = epoch_plan(train_loader, train_limit, acc)
+    per_epoch = len(plan)
+    n_rank = len(train_loader.sampler)
+    if per_epoch == 0:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
+                          f"with {n_rank} training samples on this rank "
+                          f"(data.drop_last={cfg.data.drop_last})")
+    too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
+                f"samples on this rank: every epoch is one batch of {n_rank}"]
+               if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
+    overfit = cfg.trainer.overfit_batches
+    if overfit and overfit > sum(plan):  # (a limit above the epoch's batches is no surprise)
+        too_big.append(f"trainer.overfit_batches={overfit} is more than the {sum(plan)} "
+                       f"batches of an epoch on this rank: each epoch repeats those {sum(plan)}")
+    if plan and max(plan) < acc:  # every window is a whole epoch: not the logged global batch
+        too_big.append(f"trainer.accumulate_grad_batches={acc} is more than the {max(plan)} "
+                       f"batches of an epoch on this rank: each optimizer step accumulates "
+                       f"{max(plan)}, a global batch of {max(plan)} x the per-rank batch x "
+                       "the world size, not the one the start-up line gives")
+    epochs = cfg.trainer.max_epochs  # (-1: no limit, and max_steps >= 1 ends the run)
+    total = per_epoch * epochs if epochs > 0 else cfg.trainer.max_steps
+    if cfg.trainer.max_steps > 0:
+        total = min(total, cfg.trainer.max_steps)
+    warmup = cfg.sched.get("warmup_steps") if isinstance(cfg.get("sched"), DictConfig) else None
+    if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= total > 0 \
+            and not cfg.trainer.fast_dev_run:  # (its one step is a check, not a schedule)
+        too_big.append(f"sched.warmup_steps={warmup} is not fewer than the run's {total} "
+                       f"optimizer steps: the lr rises for the whole run (its last step's is "
+                       f"{total / warmup:.0%} of optim.lr) and never decays")
+    return total, too_big

@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from trainer.distributed import DistEnv
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, Loop, NonFiniteLoss
-from trainer.progress import FitState, epoch_plan
+from trainer.progress import FitState, total_steps
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
 from trainer.rundir import RunDirLock
@@ -233,7 +233,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     train_limit, val_limit = _limits(cfg)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
-    total, too_big = _total_steps(cfg, train_loader, train_limit)
+    total, too_big = total_steps(cfg, train_loader, train_limit)
     scheduler = components.call(schedules.build, "sched", cfg.sched,
                                 components.build(cfg.sched, "sched"), optimizer, total)
     precision = MixedPrecision(spec.precision, spec.device)
@@ -273,37 +273,6 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing
-
-
-def _total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
-                 ) -> Tuple[int, List[str]]:
-    """The run's optimizer steps (what the schedule spans), and a warning when the batch is
-    larger than the rank's training set; ConfigError when an epoch has no optimizer step."""
-    acc = cfg.trainer.accumulate_grad_batches
-    plan = epoch_plan(train_loader, train_limit, acc)
-    per_epoch = len(plan)
-    n_rank = len(train_loader.sampler)
-    if per_epoch == 0:
-        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: no optimizer step per epoch "
-                          f"with {n_rank} training samples on this rank "
-                          f"(data.drop_last={cfg.data.drop_last})")
-    too_big = ([f"data.batch_size={cfg.data.batch_size} is more than the {n_rank} training "
-                f"samples on this rank: every epoch is one batch of {n_rank}"]
-               if n_rank < cfg.data.batch_size else [])  # (with drop_last: refused above)
-    overfit = cfg.trainer.overfit_batches
-    if overfit and overfit > sum(plan):  # (a limit above the epoch's batches is no surprise)
-        too_big.append(f"trainer.overfit_batches={overfit} is more than the {sum(plan)} "
-                       f"batches of an epoch on this rank: each epoch repeats those {sum(plan)}")
-    if plan and max(plan) < acc:  # every window is a whole epoch: not the logged global batch
-        too_big.append(f"trainer.accumulate_grad_batches={acc} is more than the {max(plan)} "
-                       f"batches of an epoch on this rank: each optimizer step accumulates "
-                       f"{max(plan)}, a global batch of {max(plan)} x the per-rank batch x "
-                       "the world size, not the one the start-up line gives")
-    epochs = cfg.trainer.max_epochs  # (-1: no limit, and max_steps >= 1 ends the run)
-    total = per_epoch * epochs if epochs > 0 else cfg.trainer.max_steps
-    if cfg.trainer.max_steps > 0:
-        total = min(total, cfg.trainer.max_steps)
-    return total, too_big
 
 
 class ProfilerSteps(Callback):

@@ -1,4 +1,5 @@
-"""trainer/progress.py: an epoch's micro-batches grouped into optimizer steps."""
+"""trainer/progress.py: an epoch's micro-batches grouped into optimizer steps, and the run's
+optimizer steps with the warnings for settings that do not fit them."""
 from __future__ import annotations
 
 from trainer.progress import window_plan
@@ -10,3 +11,21 @@ def test_window_plan_groups_micro_batches_into_optimizer_steps():
     assert window_plan(40, 16, drop_last=False, limit=None, accumulate=2) == [2, 1]
     assert window_plan(40, 16, drop_last=True, limit=None, accumulate=2) == [2]
     assert window_plan(1000, 16, drop_last=False, limit=3, accumulate=2) == [2, 1]
+
+
+def test_total_steps_says_a_warmup_as_long_as_the_run(make_cfg):
+    from torch.utils.data import DataLoader
+
+    from trainer.progress import total_steps
+
+    loader = DataLoader(list(range(230)), batch_size=10)  # 23 steps an epoch
+    total, said = total_steps(make_cfg("trainer.max_epochs=2", "sched.warmup_steps=100"),
+                              loader, None)
+    assert total == 46 and said == [
+        "sched.warmup_steps=100 is not fewer than the run's 46 optimizer steps: the lr rises "
+        "for the whole run (its last step's is 46% of optim.lr) and never decays"]
+    assert total_steps(make_cfg("trainer.max_epochs=2", "sched.warmup_steps=45"), loader,
+                       None) == (46, [])
+    assert total_steps(make_cfg("trainer.max_steps=1", "trainer.fast_dev_run=true"), loader,
+                       None) == (1, [])  # (its one step checks the run, not its schedule)
+    assert total_steps(make_cfg("sched=step", "trainer.max_steps=5"), loader, None) == (5, [])
