@@ -255,9 +255,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
 
 
-def count_of(n: int, noun: str) -> str:
-    """`n` and `noun`, plural unless n is 1 ("1 worker", "2 cores")."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
+def count_of(n: int, noun: str, was: bool = False) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 worker", "2 cores"); `was`: with the verb
+    that agrees ("1 file was", "2 files were")."""
+    return f"{n} {noun}" + ("" if n == 1 else "s") + (
+        (" was" if n == 1 else " were") if was else "")
 
 
 def _copiers(n: int) -> str:

@@ -297,8 +297,8 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         raise _damaged(root, e) from None
     if reused and left_out:  # said again on every run that uses the cache, not only the first
         log.warning("data.cache=disk: %s left out when %s was written, e.g. %s",
-                    count_of(len(left_out), "unreadable file") +
-                    (" was" if len(left_out) == 1 else " were"), root, ", ".join(left_out[:3]))
+                    count_of(len(left_out), "unreadable file", was=True), root,
+                    ", ".join(left_out[:3]))
     return cached
 
 

@@ -207,8 +207,8 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     skipped = skipped_files(loop.train_feed, loop.val_feed)
     if skipped:
         distributed.warn(env, "data: %s skipped (data.dataset.on_error=skip), e.g. %s",
-                         count_of(len(skipped), "unreadable file") +
-                         (" was" if len(skipped) == 1 else " were"), ", ".join(skipped[:3]))
+                         count_of(len(skipped), "unreadable file", was=True),
+                         ", ".join(skipped[:3]))
     summary.update(skipped_files=len(skipped), global_batch=spec.global_batch,
                    world_size=env.world_size, strategy=spec.strategy.value,
                    precision=t.precision.value, peak_mem_mb=peak_memory_mb(spec))

@@ -137,7 +137,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run_dir = Path(run_dir)
     _check_not_a_sweep(run_dir)
     found = resumefiles.candidates(run_dir)
-    outputs = [name for name in OUTPUTS if _written(run_dir / name)] + (
+    outputs = _outputs_in(run_dir) + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
     status = _status(run_dir)
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
@@ -174,12 +174,16 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
                           f"dir {run_dir}, which {held}")
 
 
+def _outputs_in(run_dir: Path) -> List[str]:
+    """The names of the files a run writes (OUTPUTS) that `run_dir` holds with content."""
+    return [name for name in OUTPUTS if _written(run_dir / name)]
+
+
 def check_dev_run_dir(run_dir: Path) -> None:
     """A fast dev run saves nothing but the lines of its train.log: refused where they would
     go into another run's log (a dir holding a run's checkpoints or files)."""
     run_dir = Path(run_dir)
-    held = [p.name for p in resumefiles.candidates(run_dir)[:1]] + [
-        name for name in OUTPUTS if _written(run_dir / name)]
+    held = [p.name for p in resumefiles.candidates(run_dir)[:1]] + _outputs_in(run_dir)
     if held:
         raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr): run dir {run_dir} holds "
                           f"another run's {held[0]}{'...' if len(held) > 1 else ''}, whose "

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from data.advice import SampleCost, sample_cost, stall_advice
+from data.advice import SampleCost, count_of, sample_cost, stall_advice
 from data.datasets import burn_cpu
 from trainer.config import DataConfig
 
@@ -175,3 +175,10 @@ def test_stall_advice_on_cuda_names_the_gpus_idle_share():
     line = stall_advice(cfg(), torch.device("cuda"), 0.21, workers=2, cores=4, in_memory=False,
                         gpu_idle=True)
     assert line.startswith("the GPU stood idle for data 21% of the time: raise data.num_workers")
+
+
+def test_count_of_agrees_in_number_with_its_noun_and_verb():
+    assert count_of(1, "worker") == "1 worker" and count_of(2, "core") == "2 cores"
+    assert count_of(0, "epoch") == "0 epochs"
+    assert count_of(1, "unreadable file", was=True) == "1 unreadable file was"
+    assert count_of(3, "unreadable file", was=True) == "3 unreadable files were"
