@@ -3,7 +3,8 @@
 #   bash scripts/run_on_gpu.sh checks            # GPU tests + short real runs on CUDA (~5 min)
 #   bash scripts/run_on_gpu.sh suite gpu_tests   # parts in order (an unknown one lists them)
 # Parts: suite (the whole test suite, which pins the CPU, against this machine's torch, with
-# pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job, fp16 + accumulation +
+# pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job and a run from its
+# weights (trainer.init_from), fp16 + accumulation +
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
@@ -118,6 +119,9 @@ gpu_tests)
 nccl) nccl ;;
 runs)
   step default_job 120 run default
+  # a new run from its weights (trainer.init_from: read on the CPU, copied into CUDA tensors)
+  step init_from 60 run init_from trainer.init_from="$R/runs/default/checkpoints/last.pt" \
+    trainer.max_epochs=1
   step fp16_accum_clip 120 run fp16 experiment=synthetic_cnn trainer.precision=fp16 \
     trainer.accumulate_grad_batches=2 trainer.grad_clip=1.0 trainer.max_epochs=2
   nccl
