@@ -281,14 +281,15 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
         or "no validation"
     gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
            if "run_device_wait_frac" in s else "")
+    rates = ("no training step in this launch" if not s["run_samples_per_s"] else
+             f"{s['run_samples_per_s']:.0f} samples/s"
+             + (f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "")
+             + f" | waiting for data {100 * s['run_data_wait_frac']:.1f}% of step time{gpu}")
     log.info("done: %s, %s in %.1fs (training %.1fs, validation %.1fs, "
-             "checkpoints %.1fs) | %s | %.0f samples/s%s | waiting for data %.1f%% of step "
-             "time%s%s", count_of(s["epochs"], "epoch"), count_of(s["steps"], "step"),
-             s["wall_s"], s["run_train_s"], s["run_val_s"],
-             s["run_checkpoint_s"], val, s["run_samples_per_s"],
-             f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "",
-             100 * s["run_data_wait_frac"],
-             gpu, f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+             "checkpoints %.1fs) | %s | %s%s", count_of(s["epochs"], "epoch"),
+             count_of(s["steps"], "step"), s["wall_s"], s["run_train_s"], s["run_val_s"],
+             s["run_checkpoint_s"], val, rates,
+             f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
     if "best" in s:
         b = s["best"]
         log.info("best.pt: step %d, %s %.4f", b["step"], b["monitor"], b["value"])

@@ -170,7 +170,8 @@ class Loop:
         """False on every rank while any rank's latest optimizer steps had a non-finite loss."""
         return self.bad_steps() == 0
 
-    def _done(self) -> bool:
+    def reached_limit(self) -> bool:
+        """Trained to trainer.max_epochs or trainer.max_steps."""
         max_steps = self.cfg.max_steps
         return (max_steps > 0 and self.state.step >= max_steps) or \
             0 < self.cfg.max_epochs <= self.state.epoch
@@ -178,12 +179,12 @@ class Loop:
     def complete(self) -> bool:
         """Nothing left to do: trained to max_epochs or max_steps and validated there (a run
         resumed from its final checkpoint)."""
-        return self._done() and self.state.validated_step == self.state.step
+        return self.reached_limit() and self.state.validated_step == self.state.step
 
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
         self.window = Window()
-        while not self._done():
+        while not self.reached_limit():
             epoch = self.state.epoch
             steps_before = self.state.step
             if not self.train_epoch(epoch):
@@ -193,7 +194,7 @@ class Loop:
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
-            if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self._done():
+            if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
                 val = self.evaluate(epoch)
             for callback in self.callbacks:
                 callback.after_epoch(self, val)

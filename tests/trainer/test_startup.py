@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -69,3 +70,22 @@ def test_a_fast_dev_run_with_a_checkpoint_to_resume_is_refused_and_without_one_t
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
     fresh = train(make_cfg("debug=fdr", "trainer.resume=auto", run_dir=tmp_path / "new"))
     assert fresh["steps"] == 1
+
+
+def test_another_runs_complete_checkpoint_is_validated_again_and_says_nothing_is_trained(
+        make_cfg, tmp_path, caplog):
+    from tests.helpers import read_metrics
+    from trainer.runner import train
+
+    first = train(make_cfg("trainer.max_epochs=1", run_dir=tmp_path / "first"))
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        again = train(make_cfg("trainer.max_epochs=1", f"trainer.resume={first['checkpoint']}",
+                               run_dir=tmp_path / "again"))
+    assert again["steps"] == first["steps"] and again["val_acc"] == first["val_acc"]
+    assert ("nothing to train: its run is complete (trainer.max_epochs=1, trainer.max_steps=-1)"
+            "; it is validated again for this run dir's record; raise either to train on"
+            in caplog.text)
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]
+    assert len(done) == 1 and "| no training step in this launch |" in done[0]
+    assert "samples/s" not in done[0]
+    assert [r["split"] for r in read_metrics(tmp_path / "again")] == ["val"]
