@@ -130,7 +130,8 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 data_cfg = cfg.data.copy()
                 data_cfg.num_workers, data_cfg.prefetch_factor = workers, prefetch
                 data_cfg.pin_memory, data_cfg.persistent_workers = pin, False
-                rows.append({"num_workers": workers, "prefetch_factor": prefetch,
+                rows.append({"num_workers": workers,  # (a dash: nothing prefetches)
+                             "prefetch_factor": prefetch if workers else None,
                              "pin_memory": pin,
                              **throughput(dataset, data_cfg, device, a.batches)})
     print(table(rows, COLUMNS))

@@ -22,7 +22,8 @@ def test_smoke_prints_best_override_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     grid = [(r["num_workers"], r["prefetch_factor"]) for r in result["results"]]
-    assert grid == [(0, 2), (1, 2), (1, 4)]  # prefetch_factor means nothing without workers
+    assert grid == [(0, None), (1, 2), (1, 4)]  # prefetch_factor means nothing without workers
+    assert proc.stdout.splitlines()[2].split()[:2] == ["0", "-"]  # the table's 0-worker row
     assert all(r["samples_per_s"] > 0 for r in result["results"])
     line, best = result["best_overrides"], result["best"]
     assert line.startswith(f"data.num_workers={best['num_workers']}")
