@@ -111,6 +111,14 @@ def _check_trainer(cfg: DictConfig) -> None:
     _check(c.mode is None or c.monitor is not None, "trainer.checkpoint.mode", c.mode,
            "is the direction of trainer.checkpoint.monitor, which is not set; set the key to "
            "monitor (trainer.checkpoint.monitor=val_acc) or leave mode null")
+    e = t.early_stopping
+    _check(e.patience >= 0, "trainer.early_stopping.patience", e.patience,
+           "must be >= 0 (validations without improvement; 0: off)")
+    _check(math.isfinite(e.min_delta) and e.min_delta >= 0, "trainer.early_stopping.min_delta",
+           e.min_delta, "must be a finite number >= 0")
+    _check(not e.patience or c.monitor is not None, "trainer.early_stopping.patience",
+           e.patience, "watches trainer.checkpoint.monitor, which is not set; name the metric "
+           "(trainer.checkpoint.monitor=val_loss)")
     _check(-2**63 <= cfg.seed < 2**63, "seed", cfg.seed,
            "must be an integer that fits 64 bits (-2**63 to 2**63 - 1)")
     lr = cfg.optim.get("lr") if isinstance(cfg.get("optim"), DictConfig) else None

@@ -138,6 +138,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    patience: int = 0  # validations without improvement of trainer.checkpoint.monitor; 0: off
+    min_delta: float = 0.0  # an improvement must exceed this to count
+
+
+@dataclass
 class TrainerConfig:
     strategy: Strategy = Strategy.auto
     accelerator: Accelerator = Accelerator.auto
@@ -167,6 +173,7 @@ class TrainerConfig:
     cudnn_benchmark: bool = True  # CUDA: time cuDNN's algorithms per shape, keep the fastest
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
 

@@ -251,10 +251,15 @@ def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
     """What a run resumed from its final checkpoint returns, writing nothing: the summary its
     run dir holds (where this rank can read it), and one line saying so."""
     t, state = cfg.trainer, loop.state
-    logger.info("nothing to train: the run is complete at epoch %d step %d (trainer.max_epochs="
-                "%d, trainer.max_steps=%d) and its files are left as they are; raise %s to "
-                "train on", state.epoch, state.step, t.max_epochs, t.max_steps,
-                "trainer.max_steps" if t.max_epochs < 0 else "either")
+    if not loop.reached_limit():  # a callback ended it (early stopping)
+        logger.info("nothing to train: the run stopped early after epoch %d step %d, as %s; "
+                    "its files are left as they are; a larger trainer.early_stopping.patience, "
+                    "or 0, trains on", state.epoch - 1, state.step, loop.stop_reason())
+    else:
+        logger.info("nothing to train: the run is complete at epoch %d step %d (trainer."
+                    "max_epochs=%d, trainer.max_steps=%d) and its files are left as they are; "
+                    "raise %s to train on", state.epoch, state.step, t.max_epochs, t.max_steps,
+                    "trainer.max_steps" if t.max_epochs < 0 else "either")
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -286,7 +291,8 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
              + (f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "")
              + f" | waiting for data {100 * s['run_data_wait_frac']:.1f}% of step time{gpu}")
     log.info("done: %s, %s in %.1fs (training %.1fs, validation %.1fs, "
-             "checkpoints %.1fs) | %s | %s%s", count_of(s["epochs"], "epoch"),
+             "checkpoints %.1fs) | %s | %s%s", count_of(s["epochs"], "epoch")
+             + (" (stopped early)" if "stopped_early" in s else ""),
              count_of(s["steps"], "step"), s["wall_s"], s["run_train_s"], s["run_val_s"],
              s["run_checkpoint_s"], val, rates,
              f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")

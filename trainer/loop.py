@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.prefetch import DevicePrefetcher
 from data.sampler import limit_left
 from trainer import checkpoint, devicewait, distributed, validation
+from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
 from trainer.firstbatch import check_batch, check_count, check_loss, checked_forward
@@ -40,37 +41,6 @@ from trainer.task import Task, batch_size
 
 class NonFiniteLoss(RuntimeError):
     """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
-
-
-class Callback:
-    """Loop events; subclass and override what you need (checkpointing, preemption, ...)."""
-
-    def after_step(self, loop: "Loop") -> None:
-        """After every optimizer step (all ranks, at the same step)."""
-
-    def after_epoch(self, loop: "Loop", val: Optional[Dict[str, float]]) -> None:
-        """After every epoch, with its validation results (None when it did not validate)."""
-
-    def state_dict(self) -> Optional[Dict[str, Any]]:
-        """What a resumed run must get back (None: nothing). Saved in every checkpoint under
-        the callback's class name, in types a weights-only load accepts (numbers, strings,
-        lists, dicts, tensors)."""
-        return None
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Receives what `state_dict` returned when the checkpoint a run resumes was saved."""
-
-
-def _callback_keys(callbacks: Sequence[Callback]) -> List[str]:
-    """Each callback's key in a checkpoint: its class name, numbered from the second of a
-    class (`Name`, `Name.1`, ...) in the order the callbacks were given."""
-    seen: Dict[str, int] = {}
-    keys = []
-    for cb in callbacks:
-        name = type(cb).__name__
-        keys.append(name if name not in seen else f"{name}.{seen[name]}")
-        seen[name] = seen.get(name, 0) + 1
-    return keys
 
 
 class Loop:
@@ -111,6 +81,7 @@ class Loop:
         self.last_val: Dict[str, Any] = {}
         self.callbacks = list(callbacks)
         self.phase = "training"  # training | validating | checkpointing: for the heartbeat
+        self.stopped_early: Optional[str] = None  # a callback's reason that ended the run
         self._forwarded = False  # no forward pass has succeeded yet
         self._loss_checked = False  # the first training loss was checked (firstbatch.check_loss)
         # the first validation batch, tried after the first training batch's backward
@@ -136,7 +107,7 @@ class Loop:
 
     def _callback_states(self) -> Dict[str, Any]:
         states = {}
-        for key, cb in zip(_callback_keys(self.callbacks), self.callbacks):
+        for key, cb in zip(callback_keys(self.callbacks), self.callbacks):
             state = cb.state_dict()
             if state is not None:
                 states[key] = state
@@ -152,7 +123,7 @@ class Loop:
                               position=state.get("position", 0),
                               validated_step=state.get("validated_step", -1))
         saved = state.get("callbacks", {})
-        for key, cb in zip(_callback_keys(self.callbacks), self.callbacks):
+        for key, cb in zip(callback_keys(self.callbacks), self.callbacks):
             if key in saved:
                 cb.load_state_dict(saved[key])
 
@@ -177,14 +148,24 @@ class Loop:
             0 < self.cfg.max_epochs <= self.state.epoch
 
     def complete(self) -> bool:
-        """Nothing left to do: trained to max_epochs or max_steps and validated there (a run
-        resumed from its final checkpoint)."""
-        return self.reached_limit() and self.state.validated_step == self.state.step
+        """Nothing left to do: trained to max_epochs or max_steps, or stopped by a callback
+        (early stopping), and validated there (a run resumed from its final checkpoint)."""
+        return (self.reached_limit() or self.stop_reason() is not None) and \
+            self.state.validated_step == self.state.step
+
+    def stop_reason(self) -> Optional[str]:
+        """Why a callback ends the run here (Callback.should_stop), or None."""
+        return next((r for r in (cb.should_stop(self) for cb in self.callbacks) if r), None)
 
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
         self.window = Window()
         while not self.reached_limit():
+            self.stopped_early = self.stop_reason()  # (at an epoch's end, or resumed there)
+            if self.stopped_early:
+                self.logger.info("stopping early after epoch %d step %d: %s",
+                                 self.state.epoch - 1, self.state.step, self.stopped_early)
+                break
             epoch = self.state.epoch
             steps_before = self.state.step
             if not self.train_epoch(epoch):
@@ -209,6 +190,7 @@ class Loop:
             # at the end before its validation
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
+                **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **self.last_train, **self.last_val, **self.run_rates()}
 
     def _check_read(self) -> None:

@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from trainer.cli import describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
+from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, Loop, NonFiniteLoss
@@ -245,7 +246,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
                 train_limit=train_limit, val_limit=val_limit,
                 callbacks=[*([ProfilerSteps(prof)] if cfg.trainer.profile else []),
-                           checkpointing, *callbacks],
+                           *_early_stopping(cfg, mode), checkpointing, *callbacks],
                 input_shape=cfg.data.input_shape)
     if cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run:  # (not an epoch later)
         checkpoint.check_loadable(loop.state_dict())
@@ -263,7 +264,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     unused = ([f"trainer.checkpoint.monitor={monitor} keeps no best.pt: "
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
-              else [])
+              and not cfg.trainer.early_stopping.patience else [])
     for line in [*too_big, *unused, *warnings]:
         distributed.warn(env, "%s", line)
     if chosen:
@@ -273,6 +274,14 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     for line in [*data_lines, *lines]:
         logger.info("%s", line)
     return loop, checkpointing
+
+
+def _early_stopping(cfg: DictConfig, mode: Optional[str]) -> List[Callback]:
+    """The early-stopping callback where trainer.early_stopping.patience is set; before the
+    checkpointing one, so that the checkpoint of an epoch holds that epoch's count."""
+    e = cfg.trainer.early_stopping
+    return [EarlyStopping(cfg.trainer.checkpoint.monitor, mode, e.patience, e.min_delta)] \
+        if e.patience else []
 
 
 class ProfilerSteps(Callback):

@@ -91,12 +91,16 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
-    if loop.reached_limit() and not resumefiles.in_run_dir(path, run_dir):
+    stopped = loop.stop_reason()
+    if (loop.reached_limit() or stopped) and not resumefiles.in_run_dir(path, run_dir):
         t = cfg.trainer
-        lines.append(f"nothing to train: its run is complete (trainer.max_epochs={t.max_epochs}"
-                     f", trainer.max_steps={t.max_steps}); it is validated again for this run "
-                     f"dir's record; raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'}"
-                     " to train on")
+        why, more = ((f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
+                      f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'}")
+                     if loop.reached_limit() else
+                     (f"stopped early, as {stopped}", "a larger trainer.early_stopping."
+                      "patience, or 0,"))
+        lines.append(f"nothing to train: its run is complete ({why}); it is validated again "
+                     f"for this run dir's record; {more} to train on")
     if init_from is not None:
         lines.append(f"trainer.init_from={init_from} not read: the resumed run's weights "
                      "continue it")

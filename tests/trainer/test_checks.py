@@ -38,6 +38,11 @@ from trainer.config import ConfigError, Precision, Strategy
     ("trainer.checkpoint.every_n_steps=-1", "trainer.checkpoint.every_n_steps=-1"),
     ("trainer.checkpoint.mode=up", "trainer.checkpoint.mode=up"),
     ("trainer.max_bad_steps=-1", "trainer.max_bad_steps=-1"),
+    ("trainer.early_stopping.patience=-1", "trainer.early_stopping.patience=-1: must be >= 0"),
+    ("trainer.early_stopping.min_delta=-0.1", "trainer.early_stopping.min_delta=-0.1: must be "
+                                              "a finite number >= 0"),
+    ("trainer.early_stopping.patience=3", "trainer.early_stopping.patience=3: watches "
+                                          "trainer.checkpoint.monitor, which is not set"),
     ("data.cache=tape", "data.cache=tape: must be none, memory, shm, disk or lru"),
     ("data.cache_mb=0", "data.cache_mb=0.0: must be > 0 MB"),
     ("data.normalize_mean=0.5", "data.normalize_mean=0.5: must be null or a list of numbers"),

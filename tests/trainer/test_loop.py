@@ -189,3 +189,14 @@ def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
     assert summary["steps"] == again[0].steps == again[2].steps == 46
     saved = torch.load(Path(summary["checkpoint"]), weights_only=True)["callbacks"]
     assert saved == {"CountSteps": {"steps": 46}, "CountSteps.1": {"steps": 46}}
+
+
+def test_a_callback_of_ones_own_ends_the_run_with_its_reason(make_cfg):
+    class TwoEpochs(Callback):  # asked after each epoch's callbacks
+        def should_stop(self, loop):
+            return "two epochs are enough" if loop.state.epoch >= 2 else None
+
+    summary = train(make_cfg("trainer.max_epochs=5"), callbacks=[TwoEpochs()])
+    assert (summary["epochs"], summary["steps"]) == (2, 46)
+    assert summary["stopped_early"] == "two epochs are enough"
+    assert summary["val_acc"] > 0  # validated where it stopped

@@ -1,0 +1,46 @@
+"""Callback: the loop's events for code of one's own (and the built-in checkpointing, early
+stopping, preemption); `from trainer.loop import Callback` finds it too.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+if TYPE_CHECKING:
+    from trainer.loop import Loop
+
+
+class Callback:
+    """Loop events; subclass and override what you need (checkpointing, preemption, ...)."""
+
+    def after_step(self, loop: "Loop") -> None:
+        """After every optimizer step (all ranks, at the same step)."""
+
+    def after_epoch(self, loop: "Loop", val: Optional[Dict[str, float]]) -> None:
+        """After every epoch, with its validation results (None when it did not validate)."""
+
+    def should_stop(self, loop: "Loop") -> Optional[str]:
+        """Asked after every epoch's callbacks: a reason ends the run there (and makes a run
+        resumed from its checkpoint complete). Decide from what every rank sees alike (the
+        validation results are all-reduced), or the ranks part ways."""
+        return None
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """What a resumed run must get back (None: nothing). Saved in every checkpoint under
+        the callback's class name, in types a weights-only load accepts (numbers, strings,
+        lists, dicts, tensors)."""
+        return None
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Receives what `state_dict` returned when the checkpoint a run resumes was saved."""
+
+
+def callback_keys(callbacks: Sequence[Callback]) -> List[str]:
+    """Each callback's key in a checkpoint: its class name, numbered from the second of a
+    class (`Name`, `Name.1`, ...) in the order the callbacks were given."""
+    seen: Dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        keys.append(name if name not in seen else f"{name}.{seen[name]}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
