@@ -169,17 +169,22 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
-    _verify(path)
+    verify(path)
     state = read(path, map_location)
     if not isinstance(state, dict) or "format_version" not in state or "model" not in state:
         raise CheckpointError(f"checkpoint {path}: not a Stoker checkpoint")
     return state
 
 
-def read(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
+SAFE_GLOBALS_HINT = ("allow it with torch.serialization.add_safe_globals if you trust the "
+                     "file")
+
+
+def read(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False,
+         refused: str = SAFE_GLOBALS_HINT) -> Any:
     """What torch.save wrote to `path`, loaded safely (tensors and plain containers, never code
     to run); CheckpointError naming the file when it is unreadable or holds an object of
-    another kind. (`load` checks the archive's checksums first.)"""
+    another kind (`refused`: what to do then). (`load` checks the archive's checksums first.)"""
     try:
         # weights_only: a checkpoint is data, never code to run
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -190,14 +195,13 @@ def read(path: Path, map_location: str | torch.device = "cpu", mmap: bool = Fals
                                   f"{_ANSI.sub('', str(e)).splitlines()[0]})") from e
         raise CheckpointError(f"checkpoint {path}: holds {named.group(1)}, which a safe load "
                               "(torch.load with weights_only=True) refuses as code that could "
-                              "run; allow it with torch.serialization.add_safe_globals if you "
-                              "trust the file") from None
+                              f"run; {refused}") from None
     except Exception as e:  # torch raises many types for a damaged zip/pickle
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
 
 
-def _verify(path: Path) -> None:
+def verify(path: Path) -> None:
     """Checks every record's CRC-32 in the checkpoint's zip archive (see the module doc)."""
     try:
         with zipfile.ZipFile(path) as archive:
@@ -249,10 +253,11 @@ def resumable(state: Dict[str, Any], path: Path) -> Dict[str, Any]:
 def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
     """Refuses weights that do not fit `model` with a list of mismatches (never a partial
     load)."""
-    misfits = mismatches(model.state_dict(), state["model"])
+    own = model.state_dict()
+    misfits = mismatches(own, state["model"])
     if any(misfits.values()):
         raise CheckpointError(f"checkpoint {path} does not fit this model; "
-                              + said_mismatches(misfits))
+                              + said_mismatches(misfits, own, state["model"]))
 
 
 def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
@@ -267,9 +272,21 @@ def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[st
                                      if shape(own[k]) != shape(theirs[k]))}
 
 
-def said_mismatches(misfits: Dict[str, List[str]]) -> str:
-    """`mismatches` in words: the first five keys of each kind, and how many more."""
-    return "; ".join(f"{name}: " + ", ".join(keys[:5])
+def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
+                    theirs: Dict[str, Any]) -> str:
+    """`mismatches` in words: the first five keys of each kind, and how many more; a shape
+    mismatch with both shapes (the file's, then the model's)."""
+    def dims(value: Any) -> str:
+        if not isinstance(value, torch.Tensor):
+            return type(value).__name__
+        return "x".join(map(str, value.shape)) or "a scalar"
+
+    def shown(name: str, key: str) -> str:
+        if name != "shape mismatch":
+            return key
+        return f"{key} ({dims(theirs[key])} in the file, {dims(own[key])} in the model)"
+
+    return "; ".join(f"{name}: " + ", ".join(shown(name, k) for k in keys[:5])
                      + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
                      for name, keys in misfits.items() if keys)
 

@@ -4,8 +4,11 @@ Fine-tuning starts from trained weights with a fresh optimizer, schedule, step c
 order; `trainer.resume` is the other thing (it continues a training state). The file may be a
 Stoker checkpoint (its `model`), a state dict saved with `torch.save(model.state_dict(), path)`
 (also one under a `state_dict`, `model_state_dict` or `model` key, as other trainers save
-them), or a `.safetensors` file. Keys saved from a DDP/DataParallel wrapper (`module.`) or a
-compiled module (`_orig_mod.`) are matched without that prefix.
+them), or a safetensors file; which one is told from its bytes, not its name. A torch.save
+archive's checksums are checked before it is read, as a checkpoint's are. Keys saved from a
+DDP/DataParallel wrapper (`module.`), a compiled module (`_orig_mod.`) or a wrapper of one's
+own (every key under one `<name>.`, as a LightningModule saves `model.`) are matched without
+that prefix.
 
 Every key must fit (`trainer.init_strict=true`): a missing, unexpected or reshaped tensor is one
 line naming them, before anything is trained. With `init_strict=false` the tensors that fit in
@@ -15,19 +18,20 @@ read: a requeued fine-tuning job continues its own run.
 """
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointError, mismatches, read, said_mismatches
+from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, CheckpointError, mismatches, read,
+                                said_mismatches, verify)
 
 # where trainers keep a model's weights inside a saved dict of their own
 _CONTAINERS = ("model", "state_dict", "model_state_dict")
 # prefixes that wrappers put before a module's own keys
 _WRAPPERS = ("module.", "_orig_mod.")
+_GIVE = "give a Stoker checkpoint, a torch.save'd state dict or a .safetensors file"
 
 
 def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
@@ -37,70 +41,86 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
     path = Path(init_from)
     key = f"trainer.init_from={init_from}"
     if not path.is_file():
-        what = "a directory, not a file" if path.is_dir() else "no such file"
-        raise CheckpointError(f"{key}: {what} (give a Stoker checkpoint, a torch.save'd state "
-                              "dict or a .safetensors file)")
+        raise CheckpointError(f"{key}: {_not_a_file(path)}")
     own = model.state_dict()
     theirs, removed = _without_wrappers(_state_dict(path, key), own)
     misfits = mismatches(own, theirs)
     tied = _tied(own, misfits["missing"], set(theirs) - set(misfits["shape mismatch"]))
     misfits["missing"] = [k for k in misfits["missing"] if k not in tied]
     prefix = f" (read without the keys' '{removed}' prefix)" if removed else ""
+    said = said_mismatches(misfits, own, theirs)
     if strict and any(misfits.values()):
-        raise CheckpointError(f"{key} does not fit this model{prefix}; "
-                              f"{said_mismatches(misfits)}; trainer.init_strict=false loads "
-                              "the tensors that fit and leaves the rest as initialised")
+        raise CheckpointError(f"{key} does not fit this model{prefix}; {said}; "
+                              "trainer.init_strict=false loads the tensors that fit and leaves "
+                              "the rest as initialised")
     unfit = set(misfits["unexpected"]) | set(misfits["shape mismatch"])
     fitting = {k: v for k, v in theirs.items() if k not in unfit}
     if not fitting:
         raise CheckpointError(f"{key}: none of its {len(theirs)} tensors fits this "
-                              f"model{prefix}; {said_mismatches(misfits)}")
+                              f"model{prefix}; {said}")
     model.load_state_dict(fitting, strict=False)
     line = (f"model weights from {path}: {len(fitting) + len(tied)} of {len(own)} tensors"
             + (f" ({_first(tied)}: tied to a loaded one)" if tied else "") + prefix)
     if any(misfits.values()):
         left = sorted(set(misfits["missing"]) | set(misfits["shape mismatch"]))
         line += (f"; left as initialised: {_first(left)}" if left else "") + (
-            f"; not used from the file: {_first(misfits['unexpected'])}"
+            f"; the file's keys the model lacks: {_first(misfits['unexpected'])}"
             if misfits["unexpected"] else "")
     return line + "; the optimizer, schedule and step count start fresh"
 
 
-def _tied(own: Mapping[str, Any], missing, loaded) -> list:
-    """The `missing` keys whose tensor is one that a `loaded` key also names (a tied output
-    layer and embedding: Hugging Face files store the pair once), which loading fills."""
-    def ptr(value: Any) -> int:
-        return value.data_ptr() if isinstance(value, torch.Tensor) and value.numel() else 0
+def _not_a_file(path: Path) -> str:
+    """Why `path` is not a weights file, and which file nearby would be."""
+    if path.is_dir():
+        found = [p for p in (path / CHECKPOINT_DIR / BEST, path / CHECKPOINT_DIR / LAST,
+                             path / BEST, path / LAST, path / "model.safetensors")
+                 if p.is_file()]
+        near = (f"; it holds {', '.join(map(str, found[:2]))}" if found else
+                "; for a Hugging Face save_pretrained folder of several files, load the model "
+                "with model._target_=<class>.from_pretrained "
+                "+model.pretrained_model_name_or_path=<folder>"
+                if (path / "model.safetensors.index.json").is_file() else "")
+        return f"a directory, not a file{near} ({_GIVE})"
+    there = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
+    hint = f"; {path.parent} holds {', '.join(there[:4])}" if there else ""
+    if path.name == BEST and LAST in there:
+        hint += f" (a run keeps {BEST} only with trainer.checkpoint.monitor)"
+    return f"no such file{hint}"
 
-    shared = {ptr(own[k]) for k in loaded if k in own} - {0}
-    return [k for k in missing if ptr(own[k]) in shared]
 
-
-def _first(keys) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+def _kind(path: Path) -> str:
+    """'zip' (torch.save's archive), 'safetensors', 'index' (a sharded save's index) or
+    'other' (the legacy torch.save format, or not a weights file), told from the bytes."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    if len(head) == 9 and head[8:9] == b"{" and \
+            int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return "safetensors"  # (an 8-byte header length, then the JSON header)
+    if head[:1] == b"{" and path.name.endswith(".index.json"):
+        return "index"
+    return "other"
 
 
 def _state_dict(path: Path, key: str) -> Dict[str, Any]:
     """The weights the file holds, as a state dict (see the module doc for the layouts)."""
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise CheckpointError(f"{key}: reading a .safetensors file needs the safetensors "
-                                  "package (pip install safetensors)") from None
-        try:
-            return load_file(str(path), device="cpu")
-        except Exception as e:  # noqa: BLE001  (its Rust side raises its own types)
-            raise CheckpointError(f"{key}: unreadable ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
-    archive = zipfile.is_zipfile(path)  # what torch.save writes (since torch 1.6)
-    try:  # (memory-mapped where torch can: a large file is not read twice into memory)
-        found = read(path, "cpu", mmap=archive)
+    kind = _kind(path)
+    if kind == "safetensors":
+        return _safetensors(path, key)
+    if kind == "index":
+        raise CheckpointError(f"{key}: the index of a sharded save (init_from reads one file); "
+                              "load such a model with model._target_=<class>.from_pretrained "
+                              "+model.pretrained_model_name_or_path=<its folder>")
+    try:
+        if kind == "zip":
+            verify(path)  # (every record's checksum: a flipped bit is said, not loaded)
+        found = read(path, "cpu", mmap=kind == "zip", refused="save the weights alone "
+                     "instead: torch.save(model.state_dict(), path)")
     except CheckpointError as e:
-        if not archive:  # (a text file's unpickling error would be torch's long advice)
-            raise CheckpointError(f"{key}: not a file torch.save wrote (no zip archive) nor "
-                                  "a .safetensors file") from None
+        if kind == "other":  # (a text file's unpickling error would be torch's long advice)
+            raise CheckpointError(f"{key}: not a file torch.save wrote nor a safetensors "
+                                  "file") from None
         raise CheckpointError(f"trainer.init_from: {e}") from None
     if isinstance(found, Mapping) and "format_version" in found and "model" in found:
         found = found["model"]  # a Stoker checkpoint
@@ -118,6 +138,19 @@ def _state_dict(path: Path, key: str) -> Dict[str, Any]:
     return dict(found)
 
 
+def _safetensors(path: Path, key: str) -> Dict[str, Any]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise CheckpointError(f"{key}: reading a safetensors file needs the safetensors "
+                              "package (pip install safetensors)") from None
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as e:  # noqa: BLE001  (its Rust side raises its own types)
+        raise CheckpointError(f"{key}: a damaged safetensors file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+
+
 def _is_weights(obj: Any) -> bool:
     """Whether `obj` looks like a state dict: string keys, and tensors among its values."""
     return (isinstance(obj, Mapping) and bool(obj) and all(isinstance(k, str) for k in obj)
@@ -127,15 +160,47 @@ def _is_weights(obj: Any) -> bool:
 def _without_wrappers(theirs: Dict[str, Any], own: Mapping[str, Any]
                       ) -> Tuple[Dict[str, Any], str]:
     """`theirs` with a wrapper's prefix taken off every key, where each key has it and none
-    is one of the model's own as it is; and the prefixes taken ('' for none)."""
-    removed = []
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPERS:
-            if theirs and not set(theirs) & set(own) and all(k.startswith(prefix)
-                                                             for k in theirs):
-                theirs = {k[len(prefix):]: v for k, v in theirs.items()}
-                removed.append(prefix)
-                changed = True
+    is one of the model's own as it is; and the prefixes taken ('' for none). A known
+    wrapper's prefix always goes; another one-name prefix (a LightningModule's `model.`)
+    only where the keys without it are the model's."""
+    removed: List[str] = []
+    while theirs and not set(theirs) & set(own):
+        first = next(iter(theirs)).split(".", 1)[0] + "."
+        if not all(k.startswith(first) for k in theirs):
+            break
+        stripped = {k[len(first):]: v for k, v in theirs.items()}
+        if first not in _WRAPPERS and not set(stripped) & set(own):
+            break  # (one more level may still match: tried only through known wrappers)
+        theirs = stripped
+        removed.append(first)
     return theirs, "".join(removed)
+
+
+def _tied(own: Mapping[str, Any], missing, loaded) -> list:
+    """The `missing` keys whose tensor is one that a `loaded` key also names (a tied output
+    layer and embedding: Hugging Face files store the pair once), which loading fills."""
+    def ptr(value: Any) -> int:
+        return value.data_ptr() if isinstance(value, torch.Tensor) and value.numel() else 0
+
+    shared = {ptr(own[k]) for k in loaded if k in own} - {0}
+    return [k for k in missing if ptr(own[k]) in shared]
+
+
+def _first(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+def not_read_line(init_from: str, state: Dict[str, Any], path: Path,
+                  run_dir_key: str = "hydra.run.dir") -> Tuple[str, bool]:
+    """What a resumed run says of the `init_from` it does not read, and whether it is a
+    warning: the checkpoint's run started from another file (or from none), so the run dir
+    may not be the run meant."""
+    theirs = ((state.get("config") or {}).get("trainer") or {}).get("init_from")
+    if theirs == init_from:
+        return f"trainer.init_from={init_from} not read: the resumed run's weights continue it", \
+            False
+    started = f"from {theirs}" if theirs else "from its own initialisation (no init_from)"
+    return (f"trainer.init_from={init_from} not read: resuming {path}, whose run started "
+            f"{started}; if that is not the run meant, name the right one's dir "
+            f"({run_dir_key})"), True

@@ -18,7 +18,7 @@ from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger
 from trainer.loop import Callback, Loop
-from trainer.initweights import init_weights
+from trainer.initweights import init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import changes_line, record_kept, resume_changes
 from trainer.strategy import unwrap
@@ -102,8 +102,9 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         lines.append(f"nothing to train: its run is complete ({why}); it is validated again "
                      f"for this run dir's record; {more} to train on")
     if init_from is not None:
-        lines.append(f"trainer.init_from={init_from} not read: the resumed run's weights "
-                     "continue it")
+        line, odd = not_read_line(init_from, state, path, "hydra.sweep.dir/<job>"
+                                  if ending.in_sweep() else "hydra.run.dir")
+        (warnings if odd else lines).append(line)
     return warnings, lines, path
 
 

@@ -3,6 +3,7 @@ layouts other code saves, a .safetensors file), strict or not, and never over a 
 from __future__ import annotations
 
 import logging
+import zipfile
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def same(a: nn.Module, b: nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("layout", ["plain", "state_dict", "model_state_dict", "model",
-                                    "ddp", "compiled", "dataparallel_compiled"])
+                                    "ddp", "compiled", "dataparallel_compiled", "lightning"])
 def test_loads_the_layouts_other_code_saves(tmp_path, layout):
     source = trained()
     weights = source.state_dict()
@@ -45,14 +46,41 @@ def test_loads_the_layouts_other_code_saves(tmp_path, layout):
         weights = torch.compile(source).state_dict()
     elif layout == "dataparallel_compiled":
         weights = torch.compile(nn.DataParallel(source)).state_dict()
+    elif layout == "lightning":  # a LightningModule holding the net as self.model
+        weights = {"state_dict": {f"model.{k}": v for k, v in weights.items()}, "epoch": 3}
     torch.save(weights, tmp_path / "w.pt")
     model = net()
     line = init_weights(model, str(tmp_path / "w.pt"), strict=True)
     assert same(model, source)
     assert "6 of 4 tensors" not in line and "4 of 4 tensors" in line
     wrapped = {"ddp": "module.", "compiled": "_orig_mod.",
-               "dataparallel_compiled": "_orig_mod.module."}.get(layout)
+               "dataparallel_compiled": "_orig_mod.module.", "lightning": "model."}.get(layout)
     assert (f"without the keys' '{wrapped}' prefix" in line) == (wrapped is not None)
+
+
+def test_a_safetensors_file_is_told_by_its_bytes_not_its_name(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    source = trained()
+    save_file(source.state_dict(), str(tmp_path / "w.pt"))
+    model = net()
+    assert "4 of 4 tensors" in init_weights(model, str(tmp_path / "w.pt"), strict=True)
+    assert same(model, source)
+
+
+def test_a_missing_file_or_a_dir_names_the_files_beside_or_in_it(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save(trained().state_dict(), folder / "last.pt")
+    with pytest.raises(CheckpointError) as e:
+        init_weights(net(), str(folder / "best.pt"), strict=True)
+    assert str(e.value) == (f"trainer.init_from={folder / 'best.pt'}: no such file; {folder} "
+                            "holds last.pt (a run keeps best.pt only with "
+                            "trainer.checkpoint.monitor)")
+    with pytest.raises(CheckpointError, match=rf"a directory, not a file; it holds "
+                                              rf"{folder / 'last.pt'} \(give"):
+        init_weights(net(), str(tmp_path / "run"), strict=True)
 
 
 def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
@@ -76,7 +104,8 @@ def test_strict_refuses_a_misfit_naming_the_keys_and_leaves_the_model_as_it_was(
     with pytest.raises(CheckpointError) as e:
         init_weights(model, str(tmp_path / "w.pt"), strict=True)
     assert "does not fit this model" in str(e.value)
-    assert "shape mismatch: 2.bias, 2.weight" in str(e.value)
+    assert ("shape mismatch: 2.bias (5 in the file, 3 in the model), 2.weight (5x8 in the "
+            "file, 3x8 in the model)") in str(e.value)
     assert "trainer.init_strict=false" in str(e.value)
     assert same(model, fresh)
 
@@ -93,7 +122,7 @@ def test_not_strict_loads_what_fits_and_says_the_rest(tmp_path):
         assert torch.equal(model.state_dict()[name], fresh.state_dict()[name])
     assert "1 of 4 tensors" in line
     assert "left as initialised: 0.bias, 2.bias, 2.weight" in line
-    assert "not used from the file: extra.weight" in line
+    assert "the file's keys the model lacks: extra.weight" in line
 
 
 def test_not_strict_still_refuses_a_file_none_of_whose_tensors_fits(tmp_path):
@@ -107,20 +136,41 @@ class Pickled:
 
 
 @pytest.mark.parametrize("content, said", [
-    ("dir", "a directory, not a file"),
+    ("dir", "a directory, not a file (give a Stoker checkpoint"),
     ("missing", "no such file"),
-    ("text", "not a file torch.save wrote (no zip archive) nor a .safetensors file"),
+    ("text", "not a file torch.save wrote nor a safetensors file"),
     ("dict", "holds no model weights (a dict of epoch, lr)"),
     ("list", "holds no model weights (a list)"),
-    ("object", "which a safe load (torch.load with weights_only=True) refuses"),
-    ("safetensors", "unreadable"),
+    ("object", "refuses as code that could run; save the weights alone instead: "
+               "torch.save(model.state_dict(), path)"),
+    ("flipped", "damaged (checksum mismatch in "),
+    ("truncated", "unreadable (BadZipFile"),
+    ("safetensors", "a damaged safetensors file"),
+    ("index", "the index of a sharded save (init_from reads one file); load such a model with "
+              "model._target_=<class>.from_pretrained"),
 ])
 def test_a_file_without_weights_is_one_line_naming_the_key(tmp_path, content, said):
-    path = tmp_path / ("w.safetensors" if content == "safetensors" else "w.pt")
+    path = tmp_path / ("model.safetensors.index.json" if content == "index" else "w.pt")
     if content == "dir":
         path.mkdir()
-    elif content in ("text", "safetensors"):
+    elif content == "text":
         path.write_text("not weights\n")
+    elif content == "index":
+        path.write_text('{"metadata": {}, "weight_map": {}}')
+    elif content in ("flipped", "truncated"):
+        torch.save(trained().state_dict(), path)
+        data = bytearray(path.read_bytes())
+        if content == "flipped":  # a bit of the largest stored tensor
+            with zipfile.ZipFile(path) as archive:
+                record = max(archive.infolist(), key=lambda i: i.file_size)
+            start = record.header_offset + 30 + len(record.filename) + len(record.extra)
+            data[start + record.file_size // 2] ^= 0x10
+        path.write_bytes(bytes(data) if content == "flipped" else bytes(data[:len(data) // 2]))
+    elif content == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(trained().state_dict(), str(path))
+        path.write_bytes(path.read_bytes()[:-8])  # its last tensor cut short
     elif content != "missing":
         torch.save({"dict": {"epoch": 3, "lr": 0.1}, "list": [1, 2],
                     "object": {"w": Pickled()}}[content], path)
@@ -157,8 +207,12 @@ def test_a_resumed_run_keeps_its_own_weights_and_does_not_read_the_file(make_cfg
         resumed = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto",
                                  f"trainer.init_from={source}"))
     assert resumed["steps"] == 4
-    assert (f"trainer.init_from={source} not read: the resumed run's weights continue it"
-            in caplog.text)
+    line = [r for r in caplog.records if "not read" in r.getMessage()]
+    assert len(line) == 1 and line[0].levelno == logging.WARNING  # it started from none
+    assert line[0].getMessage() == (
+        f"trainer.init_from={source} not read: resuming {tmp_path / 'run' / 'checkpoints'}"
+        "/last.pt, whose run started from its own initialisation (no init_from); if that is "
+        "not the run meant, name the right one's dir (hydra.run.dir)")
     assert first["checkpoint"] == resumed["checkpoint"]
 
 
