@@ -228,6 +228,9 @@ def profiler(run_dir: Path, enabled: bool, device: torch.device):
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3),
+    # one cycle, one trace: a repeating schedule wrote a trace every 5 steps (two for
+    # debug=profile's 10) and warned that each cycle drops the last one's events
+    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3,
+                                                            repeat=1),
                    on_trace_ready=tensorboard_trace_handler(str(run_dir / "profiler")),
                    record_shapes=True, profile_memory=True, with_stack=False)
