@@ -227,3 +227,20 @@ def test_a_file_that_does_not_fit_stops_the_run_before_it_writes(tmp_path):
                            "model; missing: ")
     assert not (tmp_path / "run" / "train.log").exists()
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.gpu
+def test_cpu_weights_go_into_a_channels_last_model_on_cuda(tmp_path):
+    from trainer.models import SmallCNN as CNN
+
+    torch.manual_seed(1)
+    source = CNN(input_shape=[3, 16, 16], num_classes=4)
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    torch.manual_seed(2)
+    model = CNN(input_shape=[3, 16, 16], num_classes=4).cuda().to(
+        memory_format=torch.channels_last)
+    init_weights(model, str(tmp_path / "w.pt"), strict=True)
+    for (name, mine), theirs in zip(model.state_dict().items(), source.state_dict().values()):
+        assert mine.is_cuda and torch.equal(mine.cpu(), theirs), name
+        if mine.dim() == 4:  # (copied into the model's own layout)
+            assert mine.is_contiguous(memory_format=torch.channels_last), name
