@@ -250,47 +250,6 @@ def resumable(state: Dict[str, Any], path: Path) -> Dict[str, Any]:
     return state
 
 
-def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
-    """Refuses weights that do not fit `model` with a list of mismatches (never a partial
-    load)."""
-    own = model.state_dict()
-    misfits = mismatches(own, state["model"])
-    if any(misfits.values()):
-        raise CheckpointError(f"checkpoint {path} does not fit this model; "
-                              + said_mismatches(misfits, own, state["model"]))
-
-
-def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
-    """The keys of a model's state dict (`own`) that another (`theirs`) lacks ('missing'), the
-    ones it has on top ('unexpected'), and the ones with another shape ('shape mismatch')."""
-    def shape(value: Any) -> Optional[tuple]:
-        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-    return {"missing": sorted(set(own) - set(theirs)),
-            "unexpected": sorted(set(theirs) - set(own)),
-            "shape mismatch": sorted(k for k in set(own) & set(theirs)
-                                     if shape(own[k]) != shape(theirs[k]))}
-
-
-def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
-                    theirs: Dict[str, Any]) -> str:
-    """`mismatches` in words: the first five keys of each kind, and how many more; a shape
-    mismatch with both shapes (the file's, then the model's)."""
-    def dims(value: Any) -> str:
-        if not isinstance(value, torch.Tensor):
-            return type(value).__name__
-        return "x".join(map(str, value.shape)) or "a scalar"
-
-    def shown(name: str, key: str) -> str:
-        if name != "shape mismatch":
-            return key
-        return f"{key} ({dims(theirs[key])} in the file, {dims(own[key])} in the model)"
-
-    return "; ".join(f"{name}: " + ", ".join(shown(name, k) for k in keys[:5])
-                     + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
-                     for name, keys in misfits.items() if keys)
-
-
 # How an optimizer computes (this run's optim.fused / optim.foreach), not what it has learned:
 # Optimizer.load_state_dict takes them from the checkpoint's parameter groups
 IMPLEMENTATION = ("fused", "foreach", "capturable")

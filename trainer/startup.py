@@ -18,7 +18,7 @@ from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger
 from trainer.loop import Callback, Loop
-from trainer.initweights import init_weights, not_read_line
+from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import changes_line, record_kept, resume_changes
 from trainer.strategy import unwrap
@@ -61,7 +61,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
     changes, kept = resume_changes(state, cfg, old_world, env.world_size)
-    checkpoint.check_model_state(unwrap(loop.model), state, path)
+    check_model_state(unwrap(loop.model), state, path)
     try:
         loop.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit

@@ -1,4 +1,5 @@
-"""trainer.init_from: a new run's model weights from a file (a checkpoint, a state dict in the
+"""trainer/weights.py: a checkpoint's model checked before a resume; trainer.init_from: a new
+run's model weights from a file (a checkpoint, a state dict in the
 layouts other code saves, a .safetensors file), strict or not, and never over a resume."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from tests.helpers import final_weights, params_of, read_metrics, run_cli, tiny_gpt2
 from trainer.checkpoint import CheckpointError
-from trainer.initweights import init_weights
+from trainer.weights import check_model_state, init_weights
 from trainer.runner import train
 
 
@@ -129,6 +130,18 @@ def test_not_strict_still_refuses_a_file_none_of_whose_tensors_fits(tmp_path):
     torch.save({"other.weight": torch.zeros(3)}, tmp_path / "w.pt")
     with pytest.raises(CheckpointError, match="none of its 1 tensors fits this model"):
         init_weights(net(), str(tmp_path / "w.pt"), strict=False)
+
+
+def test_mismatched_model_lists_the_mismatches(tmp_path):
+    small, other = nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(CheckpointError) as info:
+        check_model_state(other, {"model": small.state_dict()}, tmp_path / "x.pt")
+    msg = str(info.value)
+    assert "missing: 0.bias, 0.weight" in msg and "unexpected: bias, weight" in msg
+    with pytest.raises(CheckpointError, match=r"shape mismatch: bias \(2 in the file, 3 in the "
+                                              r"model\), weight \(2x4 in the file, 3x4 in the "
+                                              r"model\)"):  # (the file's shape, then the model's)
+        check_model_state(nn.Linear(4, 3), {"model": small.state_dict()}, "x.pt")
 
 
 class Pickled:

@@ -1,4 +1,7 @@
-"""trainer.init_from: a new run's model weights from a file, and nothing else of a run.
+"""Model weights from files: whether a state dict fits a model (`mismatches`, said with both
+shapes), a resumed checkpoint's model checked before it is loaded (`check_model_state`), and
+trainer.init_from (`init_weights`): a new run's model weights from a file, and nothing else of
+a run.
 
 Fine-tuning starts from trained weights with a fresh optimizer, schedule, step count and data
 order; `trainer.resume` is the other thing (it continues a training state). The file may be a
@@ -19,19 +22,59 @@ read: a requeued fine-tuning job continues its own run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, CheckpointError, mismatches, read,
-                                said_mismatches, verify)
+from trainer.checkpoint import BEST, CHECKPOINT_DIR, LAST, CheckpointError, read, verify
 
 # where trainers keep a model's weights inside a saved dict of their own
 _CONTAINERS = ("model", "state_dict", "model_state_dict")
 # prefixes that wrappers put before a module's own keys
 _WRAPPERS = ("module.", "_orig_mod.")
 _GIVE = "give a Stoker checkpoint, a torch.save'd state dict or a .safetensors file"
+
+
+def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path) -> None:
+    """Refuses weights that do not fit `model` with a list of mismatches (never a partial
+    load)."""
+    own = model.state_dict()
+    misfits = mismatches(own, state["model"])
+    if any(misfits.values()):
+        raise CheckpointError(f"checkpoint {path} does not fit this model; "
+                              + said_mismatches(misfits, own, state["model"]))
+
+
+def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
+    """The keys of a model's state dict (`own`) that another (`theirs`) lacks ('missing'), the
+    ones it has on top ('unexpected'), and the ones with another shape ('shape mismatch')."""
+    def shape(value: Any) -> Optional[tuple]:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+    return {"missing": sorted(set(own) - set(theirs)),
+            "unexpected": sorted(set(theirs) - set(own)),
+            "shape mismatch": sorted(k for k in set(own) & set(theirs)
+                                     if shape(own[k]) != shape(theirs[k]))}
+
+
+def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
+                    theirs: Dict[str, Any]) -> str:
+    """`mismatches` in words: the first five keys of each kind, and how many more; a shape
+    mismatch with both shapes (the file's, then the model's)."""
+    def dims(value: Any) -> str:
+        if not isinstance(value, torch.Tensor):
+            return type(value).__name__
+        return "x".join(map(str, value.shape)) or "a scalar"
+
+    def shown(name: str, key: str) -> str:
+        if name != "shape mismatch":
+            return key
+        return f"{key} ({dims(theirs[key])} in the file, {dims(own[key])} in the model)"
+
+    return "; ".join(f"{name}: " + ", ".join(shown(name, k) for k in keys[:5])
+                     + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+                     for name, keys in misfits.items() if keys)
 
 
 def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
