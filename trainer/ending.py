@@ -286,7 +286,8 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
         or "no validation"
     gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
            if "run_device_wait_frac" in s else "")
-    rates = ("no training step in this launch" if not s["run_samples_per_s"] else
+    # (by its time, not its samples: a batch of one's own whose size cannot be told counts 0)
+    rates = ("no training step in this launch" if not s["run_train_s"] else
              f"{s['run_samples_per_s']:.0f} samples/s"
              + (f" ({s['run_tokens_per_s']:.0f} tokens/s)" if "run_tokens_per_s" in s else "")
              + f" | waiting for data {100 * s['run_data_wait_frac']:.1f}% of step time{gpu}")

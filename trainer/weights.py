@@ -240,7 +240,7 @@ def not_read_line(init_from: str, state: Dict[str, Any], path: Path,
     warning: the checkpoint's run started from another file (or from none), so the run dir
     may not be the run meant."""
     theirs = ((state.get("config") or {}).get("trainer") or {}).get("init_from")
-    if theirs == init_from:
+    if theirs is not None and Path(theirs).resolve() == Path(init_from).resolve():
         return f"trainer.init_from={init_from} not read: the resumed run's weights continue it", \
             False
     started = f"from {theirs}" if theirs else "from its own initialisation (no init_from)"

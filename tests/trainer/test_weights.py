@@ -257,3 +257,18 @@ def test_cpu_weights_go_into_a_channels_last_model_on_cuda(tmp_path):
         assert mine.is_cuda and torch.equal(mine.cpu(), theirs), name
         if mine.dim() == 4:  # (copied into the model's own layout)
             assert mine.is_contiguous(memory_format=torch.channels_last), name
+
+
+def test_a_requeued_job_of_a_run_that_started_from_the_file_says_so_without_a_warning(
+        make_cfg, tmp_path, caplog):
+    first = train(make_cfg("trainer.max_steps=2", run_dir=tmp_path / "first"))
+    source = first["checkpoint"]
+    train(make_cfg("trainer.max_steps=2", f"trainer.init_from={source}"))
+    spelled = str(source).replace("/first/", "/first/./")  # the same file, named otherwise
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto",
+                       f"trainer.init_from={spelled}"))
+    said = [r for r in caplog.records if "not read" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (logging.INFO, f"trainer.init_from={spelled} not read: the resumed run's weights "
+                       "continue it")]
