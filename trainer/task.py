@@ -222,6 +222,9 @@ class Task:
                                 "batch (%s: %s); validation computes it over the whole set",
                                 name, type(metric).__name__, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
+                    # (the same failure over the validation set names these inputs)
+                    self.__dict__.setdefault("_compute_failed", {})[name] = (
+                        type(e), describe((preds, target)))
 
     def _update(self, name: str, metric: Any, preds: Any, target: Any,
                 trial: bool = False) -> None:
@@ -254,7 +257,15 @@ class Task:
         try:
             value = metric.compute()
         except Exception as e:
-            _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() failed")
+            failed = self.__dict__.get("_compute_failed", {}).get(name)
+            # on one batch and on the whole set alike: not a metric that needs more samples;
+            # a bug of its own (its traceback stays) or inputs it does not fit (named here)
+            again = (" over the validation set as on the first training batch, given "
+                     f"{failed[1]}: does the metric take these? (a binary metric takes one "
+                     "score per sample, a multiclass one a score per class)"
+                     if failed is not None and type(e) is failed[0] else "")
+            _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
+                     f"failed{again}")
             raise
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "

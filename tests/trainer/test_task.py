@@ -396,7 +396,11 @@ def test_a_metric_whose_compute_fails_on_one_batch_only_warns_at_the_first_step(
         train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
                        "+task.metrics.bad.fails=compute"), callbacks=[Steps()])
     assert seen == list(range(1, 24))  # a whole epoch trained: the trial did not stop it
-    assert info.value.__notes__[-1] == "stoker: task.metrics.bad: BrokenMetric.compute() failed"
+    assert info.value.__notes__[-1] == (  # (the same failure twice: the inputs are named)
+        "stoker: task.metrics.bad: BrokenMetric.compute() failed over the validation set as on "
+        "the first training batch, given tuple(tensor(64, 10) float32, tensor(64,) int64): does "
+        "the metric take these? (a binary metric takes one score per sample, a multiclass one a "
+        "score per class)")
     warned = [r.getMessage() for r in caplog.records if "on the first training" in r.getMessage()]
     assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
                       "batch (ZeroDivisionError: float division by zero); validation computes "
