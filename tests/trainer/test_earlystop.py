@@ -104,3 +104,16 @@ def test_every_rank_stops_at_the_same_epoch(tmp_path):
     assert (summary["epochs"], summary["steps"]) == (2, 24)  # 12 steps an epoch on 2 ranks
     assert summary["stopped_early"].endswith("by more than 100 in "
                                              "trainer.early_stopping.patience=1 validations")
+
+
+def test_the_count_travels_in_the_checkpoint_of_a_run_that_goes_on(make_cfg, monkeypatch):
+    from tests.helpers import Scripted
+
+    args = (*ARGS[:-2], "trainer.early_stopping.patience=3")
+    monkeypatch.setattr(Scripted, "values", [0.5, 0.6, 0.7])
+    first = train(make_cfg(*args, "trainer.max_epochs=3"))  # 2 without improvement: goes on
+    assert "stopped_early" not in first and first["epochs"] == 3
+    monkeypatch.setattr(Scripted, "values", [0.8])
+    resumed = train(make_cfg(*args, "trainer.max_epochs=10", "trainer.resume=auto"))
+    assert (resumed["epochs"], resumed["steps"]) == (4, 92)  # the third one, after the resume
+    assert resumed["stopped_early"].startswith("val_score has not improved on 0.5 (step 23)")
