@@ -252,9 +252,11 @@ def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
     run dir holds (where this rank can read it), and one line saying so."""
     t, state = cfg.trainer, loop.state
     if not loop.reached_limit():  # a callback ended it (early stopping)
+        reason = loop.stop_reason()
         logger.info("nothing to train: the run stopped early after epoch %d step %d, as %s; "
-                    "its files are left as they are; a larger trainer.early_stopping.patience, "
-                    "or 0, trains on", state.epoch - 1, state.step, loop.stop_reason())
+                    "its files are left as they are%s", state.epoch - 1, state.step, reason,
+                    "; a larger trainer.early_stopping.patience, or 0, trains on"
+                    if "trainer.early_stopping" in str(reason) else "")
     else:
         logger.info("nothing to train: the run is complete at epoch %d step %d (trainer."
                     "max_epochs=%d, trainer.max_steps=%d) and its files are left as they are; "

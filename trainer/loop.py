@@ -158,7 +158,8 @@ class Loop:
         return next((r for r in (cb.should_stop(self) for cb in self.callbacks) if r), None)
 
     def fit(self) -> Dict[str, Any]:
-        """Trains from `state` until max_epochs or max_steps; validates on schedule and last."""
+        """Trains from `state` until max_epochs or max_steps, or until a callback's
+        `should_stop` gives a reason (early stopping); validates on schedule and last."""
         self.window = Window()
         while not self.reached_limit():
             self.stopped_early = self.stop_reason()  # (at an epoch's end, or resumed there)
