@@ -217,7 +217,8 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
         if kept:
             values[f"best_{key}"] = _kept_best(job["summary"], key)
         rows.append({"job": job["job"], "overrides": {k: given.get(k) for k in keys},
-                     "status": job["status"], "dir": job["dir"], **values})
+                     "status": job["status"], "dir": job["dir"],
+                     "stopped_early": job["summary"].get("stopped_early"), **values})
     return {"sweep_dir": str(sweep_dir), "monitor": key, "mode": mode, "best_job": best,
             "varying": keys, "results": results, "jobs": rows,
             "warnings": [line for job in jobs for line in job["damaged"]]}
@@ -236,7 +237,8 @@ def table(record: Dict[str, Any]) -> str:
     short = {RATE: "samples/s"}
     columns = ["job", *record["varying"], "status", *record["results"]]
     rows = [[_cell(r["job"]), *[_cell(r["overrides"][k]) for k in record["varying"]],
-             r["status"], *[_cell(r[k]) for k in record["results"]]] for r in record["jobs"]]
+             r["status"] + (" (stopped early)" if r.get("stopped_early") else ""),
+             *[_cell(r[k]) for k in record["results"]]] for r in record["jobs"]]
     head = [short.get(c, c) for c in columns]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()

@@ -246,3 +246,18 @@ def test_the_record_kept_is_the_first_ranks_copy_and_goes_once_a_job_changed(tmp
     assert launch(changes_a_job=False) == "the sweep's\n"
     assert launch(changes_a_job=True) == "this launch's\n"
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+
+
+def test_a_job_that_stopped_early_says_so_in_its_row(tmp_path):
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["trainer.early_stopping.patience=1"], "completed",
+        {"steps": 46, "val_loss": 0.5, "stopped_early": "val_loss has not improved on 0.4"})
+    job(sweep, 1, ["trainer.early_stopping.patience=3"], "completed",
+        {"steps": 92, "val_loss": 0.3})
+    record = summarise(sweep)
+    assert record["jobs"][0]["stopped_early"] == "val_loss has not improved on 0.4"
+    assert record["jobs"][1]["stopped_early"] is None
+    lines = table(record).splitlines()
+    assert lines[2].split()[:5] == ["0", "1", "completed", "(stopped", "early)"]
+    assert lines[3].split()[:3] == ["1", "3", "completed"]
+    assert best_job(jobs_of(sweep)) == (1, "val_loss", "min")  # a stopped job ranks as any
