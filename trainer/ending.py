@@ -211,7 +211,8 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
                          ", ".join(skipped[:3]))
     summary.update(skipped_files=len(skipped), global_batch=spec.global_batch,
                    world_size=env.world_size, strategy=spec.strategy.value,
-                   precision=t.precision.value, peak_mem_mb=peak_memory_mb(spec))
+                   precision=t.precision.value, peak_mem_mb=peak_memory_mb(spec),
+                   warnings=logger.warnings.count)
     logger.summary(summary)
     if writing:
         rundir.write_status(run_dir, 0, "")
@@ -299,6 +300,8 @@ def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
              count_of(s["steps"], "step"), s["wall_s"], s["run_train_s"], s["run_val_s"],
              s["run_checkpoint_s"], val, rates,
              f" | checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+    if s.get("warnings"):  # (the config dump may have pushed them off the screen)
+        log.info("%s above", count_of(s["warnings"], "warning"))
     if "best" in s:
         b = s["best"]
         log.info("best.pt: step %d, %s %.4f", b["step"], b["monitor"], b["value"])

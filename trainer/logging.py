@@ -35,6 +35,18 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+class WarningCount(logging.Handler):
+    """Counts the warnings said on rank 0's console during a run: the done line names how
+    many, since the start-up's config dump may have pushed them off the screen."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
 class RunLogger:
     """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard.
 
@@ -51,6 +63,9 @@ class RunLogger:
         self._jsonl = None
         self._tb = None
         self.before_first_write: Optional[Callable[[], None]] = None  # opens the run's files
+        self.warnings = WarningCount()
+        if main:  # every logger's (the modules' own too); removed at close: a sweep's next
+            logging.getLogger().addHandler(self.warnings)  # job counts its own
 
     def open(self, step: int = 0, validated_step: int = -1) -> int:
         """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing) for a run
@@ -109,6 +124,7 @@ class RunLogger:
         return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, unit="batch")
 
     def close(self) -> None:
+        logging.getLogger().removeHandler(self.warnings)
         if self._tb is not None:
             self._tb.close()
             self._tb = None

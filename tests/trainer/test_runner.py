@@ -668,3 +668,21 @@ def test_accumulation_beyond_an_epochs_batches_says_the_global_batch_it_takes(ma
         train(make_cfg("trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=3",
                        "trainer.max_steps=1", run_dir=tmp_path / "short"))
     assert not [r for r in caplog.records if "accumulate_grad_batches" in r.getMessage()]
+
+
+def test_the_done_line_is_followed_by_how_many_warnings_the_run_said(make_cfg, tmp_path,
+                                                                     caplog):
+    from trainer.logging import WarningCount
+
+    with caplog.at_level(logging.INFO):
+        warned = train(make_cfg("trainer.max_steps=5", "trainer.save_checkpoint=false"))
+    assert warned["warnings"] == 1  # the 20-step warmup outlasts the 5 steps
+    messages = [r.getMessage() for r in caplog.records]
+    done = next(i for i, m in enumerate(messages) if m.startswith("done: "))
+    assert messages[done + 1] == "1 warning above"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        quiet = train(make_cfg("trainer.max_epochs=1", "trainer.save_checkpoint=false",
+                               run_dir=tmp_path / "quiet"))
+    assert quiet["warnings"] == 0 and "warning above" not in caplog.text
+    assert not [h for h in logging.getLogger().handlers if isinstance(h, WarningCount)]
