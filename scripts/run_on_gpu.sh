@@ -25,11 +25,14 @@
 # start and idle waits included, a call at most 10, and a machine is given back 30 s after a
 # call ends: chain the calls at once. Run 2026-11-26: gpu_tests bench_gpu | overhead_cnn runs
 # | checkpoint loader. Next, one row per lent session, the first unrun row first:
-#   1. bench_overhead (~6 min, timeout_s 450) | overhead_cnn strategies (~5 min)
-#   2. bench_images speed (~7 min) | gpu_tests bench_gpu (again, after CUDA changes)
-# bench_overhead (the tiny step's 0.98 target), overhead_cnn (now with the lockstep pairs that
-# resolve a few percent: ~160 s expected for 3 repeats of 5 runners) and the benchmarks not
-# run since their code changed come first.
+#   1. gpu_tests runs (~3.5 min) | bench_overhead (~6 min, timeout_s 450)
+#   2. overhead_cnn strategies (~5 min) | bench_images speed (~7 min)
+#   3. bench_gpu (again, after CUDA changes)
+# The CUDA paths never run yet come first (the sanity check's validation batch and its random
+# states, trainer.init_from into a CUDA model: a gpu test and a real run), then bench_overhead
+# (the tiny step's 0.98 target), overhead_cnn (now with the lockstep pairs that resolve a few
+# percent: ~160 s expected for 3 repeats of 5 runners) and the benchmarks not run since their
+# code changed.
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
