@@ -43,14 +43,8 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     and the lines to log about it, which the caller logs once every check passed, and the
     file it resumed from."""
     found = resumefiles.find_resume(resume, run_dir)
-    init_from = cfg.trainer.init_from
     if found is None:
-        key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
-        return [], ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}"
-                     f": a fresh start (the run to continue is named by {key})"]
-                    if resume == "auto" else []) + (
-            [init_weights(unwrap(loop.model), init_from, cfg.trainer.init_strict)]
-            if init_from is not None else []), None
+        return [], _fresh_start(cfg, run_dir, loop, resume), None
     path, state, skipped = found
     if cfg.trainer.fast_dev_run:  # (its one step is the run's first: resumed, it trained none)
         raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr) trains a run's first step "
@@ -91,21 +85,43 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({loop.state.position} samples into the epoch)")
-    stopped = loop.stop_reason()
-    if (loop.reached_limit() or stopped) and not resumefiles.in_run_dir(path, run_dir):
-        t = cfg.trainer
-        why, more = ((f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
-                      f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'}")
-                     if loop.reached_limit() else
-                     (f"stopped early, as {stopped}", "a larger trainer.early_stopping."
-                      "patience, or 0,"))
-        lines.append(f"nothing to train: its run is complete ({why}); it is validated again "
-                     f"for this run dir's record; {more} to train on")
-    if init_from is not None:
-        line, odd = not_read_line(init_from, state, path, "hydra.sweep.dir/<job>"
+    if not resumefiles.in_run_dir(path, run_dir):
+        lines += _complete_elsewhere(cfg, loop)
+    if cfg.trainer.init_from is not None:
+        line, odd = not_read_line(cfg.trainer.init_from, state, path, "hydra.sweep.dir/<job>"
                                   if ending.in_sweep() else "hydra.run.dir")
         (warnings if odd else lines).append(line)
     return warnings, lines, path
+
+
+def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[str]
+                 ) -> List[str]:
+    """The lines of a run that resumes nothing: trainer.resume=auto's finding none, and the
+    weights trainer.init_from loads (here, where no checkpoint's weights win over them)."""
+    key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
+    lines = ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}: "
+              f"a fresh start (the run to continue is named by {key})"]
+             if resume == "auto" else [])
+    if cfg.trainer.init_from is not None:
+        lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,
+                                  cfg.trainer.init_strict))
+    return lines
+
+
+def _complete_elsewhere(cfg: DictConfig, loop: Loop) -> List[str]:
+    """Another run's checkpoint that completed its run (its limit, or early stopping): the
+    line saying this run trains nothing and validates it again for its own record."""
+    stopped = loop.stop_reason()
+    if not (loop.reached_limit() or stopped):
+        return []
+    t = cfg.trainer
+    why, more = ((f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
+                  f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'}")
+                 if loop.reached_limit() else
+                 (f"stopped early, as {stopped}", "a larger trainer.early_stopping.patience, "
+                  "or 0,"))
+    return [f"nothing to train: its run is complete ({why}); it is validated again for this "
+            f"run dir's record; {more} to train on"]
 
 
 def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Loop,
