@@ -19,9 +19,10 @@ class Callback:
         """After every epoch, with its validation results (None when it did not validate)."""
 
     def should_stop(self, loop: "Loop") -> Optional[str]:
-        """Asked after every epoch's callbacks: a reason ends the run there (and makes a run
-        resumed from its checkpoint complete). Decide from what every rank sees alike (the
-        validation results are all-reduced), or the ranks part ways."""
+        """Asked before every epoch (after the last one's callbacks; at a start or resume):
+        a reason ends the run there, and makes a run resumed from its checkpoint complete.
+        Keep it free of side effects. The loop agrees it over the ranks (a stop on one stops
+        all)."""
         return None
 
     def state_dict(self) -> Optional[Dict[str, Any]]:

@@ -323,6 +323,16 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
             dist.broadcast(buf, src=0)
 
 
+def broadcast_weights(module: torch.nn.Module) -> None:
+    """Copies rank 0's parameters and buffers to every rank: weights each rank loaded after
+    DDP's own broadcast at its start (trainer.init_from), where a file rewritten between the
+    ranks' reads would leave them training different models."""
+    if is_active():
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+
 _CPU_GROUP = None
 
 

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, NoReturn, Optional
+from typing import Any, Dict, NoReturn, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -247,22 +247,27 @@ def last_good(run_dir: Path) -> str:
     return f"the last good checkpoint is {last[0]}" if last else "no checkpoint was saved"
 
 
+def complete_because(cfg: DictConfig, loop: Loop) -> Tuple[str, str]:
+    """Why a complete run trains nothing (a callback's stop, such as early stopping, else
+    its limit), and what would train on."""
+    reason, t = loop.stop_reason(), cfg.trainer
+    if reason:
+        return f"it stopped early: {reason}", (
+            "raise trainer.early_stopping.patience (or set it to 0) to train on"
+            if "trainer.early_stopping" in reason else
+            "the callback that stopped it decides whether it trains on")
+    return (f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
+            f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'} to train on")
+
+
 def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
                    logger: RunLogger) -> Dict[str, Any]:
     """What a run resumed from its final checkpoint returns, writing nothing: the summary its
     run dir holds (where this rank can read it), and one line saying so."""
-    t, state = cfg.trainer, loop.state
-    if not loop.reached_limit():  # a callback ended it (early stopping)
-        reason = loop.stop_reason()
-        logger.info("nothing to train: the run stopped early after epoch %d step %d, as %s; "
-                    "its files are left as they are%s", state.epoch - 1, state.step, reason,
-                    "; a larger trainer.early_stopping.patience, or 0, trains on"
-                    if "trainer.early_stopping" in str(reason) else "")
-    else:
-        logger.info("nothing to train: the run is complete at epoch %d step %d (trainer."
-                    "max_epochs=%d, trainer.max_steps=%d) and its files are left as they are; "
-                    "raise %s to train on", state.epoch, state.step, t.max_epochs, t.max_steps,
-                    "trainer.max_steps" if t.max_epochs < 0 else "either")
+    state = loop.state
+    why, how = complete_because(cfg, loop)
+    logger.info("nothing to train: the run is complete at epoch %d step %d (%s) and its files "
+                "are left as they are; %s", state.epoch, state.step, why, how)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):

@@ -154,18 +154,34 @@ class Loop:
             self.state.validated_step == self.state.step
 
     def stop_reason(self) -> Optional[str]:
-        """Why a callback ends the run here (Callback.should_stop), or None."""
-        return next((r for r in (cb.should_stop(self) for cb in self.callbacks) if r), None)
+        """Why a callback ends the run here (Callback.should_stop), or None; agreed over the
+        ranks (one small all-reduce, where a callback defines should_stop): a rank that
+        stopped alone would leave the others waiting in the next collective."""
+        asked = [cb for cb in self.callbacks if type(cb).should_stop is not Callback.should_stop]
+        if not asked:
+            return None
+        reason = next((r for r in (cb.should_stop(self) for cb in asked) if r), None)
+        if self.world > 1:
+            flag = torch.tensor([0.0 if reason is None else 1.0], device=self.device)
+            if distributed.all_reduce_max(flag).item() and reason is None:
+                reason = "a callback on another rank asked to stop"
+        return reason
 
     def fit(self) -> Dict[str, Any]:
         """Trains from `state` until max_epochs or max_steps, or until a callback's
         `should_stop` gives a reason (early stopping); validates on schedule and last."""
         self.window = Window()
-        while not self.reached_limit():
-            self.stopped_early = self.stop_reason()  # (at an epoch's end, or resumed there)
+        while True:
+            # asked first: a stop at the epoch that reaches the limit is still said as one
+            # (so is a run resumed where it stopped), as complete() and a resume see it
+            self.stopped_early = self.stop_reason()
             if self.stopped_early:
-                self.logger.info("stopping early after epoch %d step %d: %s",
-                                 self.state.epoch - 1, self.state.step, self.stopped_early)
+                self.logger.info("stopping early %s step %d: %s", f"after epoch "
+                                 f"{self.state.epoch - 1}" if self.state.epoch else
+                                 "before the first epoch, at", self.state.step,
+                                 self.stopped_early)
+                break
+            if self.reached_limit():
                 break
             epoch = self.state.epoch
             steps_before = self.state.step

@@ -82,8 +82,8 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 def train(cfg: DictConfig, env: Optional[DistEnv] = None,
           callbacks: Sequence[Callback] = ()) -> Dict[str, Any]:
     """Trains as `cfg` says and returns the run summary (losses, accuracy, rates, paths).
-    `callbacks` (trainer.loop.Callback) are called after the built-in ones at every step and
-    epoch: the Python API's hook for code of your own.
+    `callbacks` (trainer.loop.Callback) are called after the built-in ones, but before the
+    checkpointing, at every step and epoch: the Python API's hook for code of your own.
 
     Raises ConfigError for a value that cannot work and CheckpointError for an unusable
     checkpoint, both before any training step.
@@ -245,8 +245,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 scheduler=scheduler, precision=precision, train_feed=train_feed,
                 val_feed=val_feed, device=spec.device, logger=logger, state=FitState(),
                 train_limit=train_limit, val_limit=val_limit,
+                # the checkpointing last: each checkpoint holds every other callback's
+                # state as of its own step and epoch (a resume neither repeats nor skips one)
                 callbacks=[*([ProfilerSteps(prof)] if cfg.trainer.profile else []),
-                           *_early_stopping(cfg, mode), checkpointing, *callbacks],
+                           *_early_stopping(cfg, mode), *callbacks, checkpointing],
                 input_shape=cfg.data.input_shape)
     if cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run:  # (not an epoch later)
         checkpoint.check_loadable(loop.state_dict())
@@ -277,8 +279,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
 
 
 def _early_stopping(cfg: DictConfig, mode: Optional[str]) -> List[Callback]:
-    """The early-stopping callback where trainer.early_stopping.patience is set; before the
-    checkpointing one, so that the checkpoint of an epoch holds that epoch's count."""
+    """The early-stopping callback where trainer.early_stopping.patience is set."""
     e = cfg.trainer.early_stopping
     return [EarlyStopping(cfg.trainer.checkpoint.monitor, mode, e.patience, e.min_delta)] \
         if e.patience else []

@@ -105,23 +105,18 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
     if cfg.trainer.init_from is not None:
         lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,
                                   cfg.trainer.init_strict))
+        distributed.broadcast_weights(unwrap(loop.model))  # (one model, whatever each read)
     return lines
 
 
 def _complete_elsewhere(cfg: DictConfig, loop: Loop) -> List[str]:
     """Another run's checkpoint that completed its run (its limit, or early stopping): the
     line saying this run trains nothing and validates it again for its own record."""
-    stopped = loop.stop_reason()
-    if not (loop.reached_limit() or stopped):
+    if not (loop.reached_limit() or loop.stop_reason()):
         return []
-    t = cfg.trainer
-    why, more = ((f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
-                  f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'}")
-                 if loop.reached_limit() else
-                 (f"stopped early, as {stopped}", "a larger trainer.early_stopping.patience, "
-                  "or 0,"))
+    why, how = ending.complete_because(cfg, loop)
     return [f"nothing to train: its run is complete ({why}); it is validated again for this "
-            f"run dir's record; {more} to train on"]
+            f"run dir's record; {how}"]
 
 
 def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Loop,

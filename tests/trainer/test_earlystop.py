@@ -83,7 +83,10 @@ def test_a_run_stops_early_and_a_resume_of_it_trains_nothing_unless_patience_gro
     with caplog.at_level(logging.INFO, logger="stoker"):
         again = train(make_cfg(*ARGS, "trainer.resume=auto"))  # a requeued job
     assert again["complete"] and again["steps"] == 92 and Scripted.values == []
-    assert "nothing to train: the run stopped early after epoch 3 step 92" in caplog.text
+    assert ("nothing to train: the run is complete at epoch 4 step 92 (it stopped early: "
+            "val_score has not improved on 0.4 (step 46) in trainer.early_stopping.patience=2 "
+            "validations) and its files are left as they are; raise "
+            "trainer.early_stopping.patience (or set it to 0) to train on") in caplog.text
     monkeypatch.setattr(Scripted, "values", [0.3, 0.35, 0.36, 0.37])
     longer = train(make_cfg(*ARGS[:-2], "trainer.early_stopping.patience=3",
                             "trainer.max_epochs=10", "trainer.resume=auto"))
@@ -117,3 +120,19 @@ def test_the_count_travels_in_the_checkpoint_of_a_run_that_goes_on(make_cfg, mon
     resumed = train(make_cfg(*args, "trainer.max_epochs=10", "trainer.resume=auto"))
     assert (resumed["epochs"], resumed["steps"]) == (4, 92)  # the third one, after the resume
     assert resumed["stopped_early"].startswith("val_score has not improved on 0.5 (step 23)")
+
+
+def test_a_stop_at_the_epoch_that_reaches_the_limit_is_said_as_one_and_resumes_as_one(
+        make_cfg, monkeypatch, caplog):
+    """Patience runs out at the last epoch: the summary says it stopped early, as a resume
+    with a larger limit then finds it (it trained nothing more before, and said otherwise)."""
+    from tests.helpers import Scripted
+
+    monkeypatch.setattr(Scripted, "values", [0.5, 0.6, 0.7])
+    first = train(make_cfg(*ARGS[:-1], "trainer.max_epochs=3"))
+    assert first["epochs"] == 3 and first["stopped_early"].startswith(
+        "val_score has not improved on 0.5 (step 23)")
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        again = train(make_cfg(*ARGS, "trainer.resume=auto"))  # max_epochs=10
+    assert again["complete"] and again["steps"] == 69
+    assert "(it stopped early: val_score has not improved" in caplog.text

@@ -3,6 +3,7 @@ hands callbacks their saved states on a resume."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -191,12 +192,79 @@ def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
     assert saved == {"CountSteps": {"steps": 46}, "CountSteps.1": {"steps": 46}}
 
 
-def test_a_callback_of_ones_own_ends_the_run_with_its_reason(make_cfg):
-    class TwoEpochs(Callback):  # asked after each epoch's callbacks
-        def should_stop(self, loop):
-            return "two epochs are enough" if loop.state.epoch >= 2 else None
+class StopAtTwoValidations(Callback):
+    """Counts validations in its own state and stops after the second."""
 
-    summary = train(make_cfg("trainer.max_epochs=5"), callbacks=[TwoEpochs()])
+    def __init__(self):
+        self.validations = 0
+
+    def after_epoch(self, loop, val):
+        self.validations += val is not None
+
+    def should_stop(self, loop):
+        return "two validations are enough" if self.validations >= 2 else None
+
+    def state_dict(self):
+        return {"validations": self.validations}
+
+    def load_state_dict(self, state):
+        self.validations = state["validations"]
+
+
+def test_a_callback_of_ones_own_ends_the_run_and_its_checkpoint_knows_it(make_cfg, caplog):
+    """The checkpoint of an epoch holds the callback's state after that epoch (checkpointing
+    comes last): a resume of the stopped run trains nothing, where it trained an epoch more."""
+    stopper = StopAtTwoValidations()
+    summary = train(make_cfg("trainer.max_epochs=5"), callbacks=[stopper])
     assert (summary["epochs"], summary["steps"]) == (2, 46)
-    assert summary["stopped_early"] == "two epochs are enough"
+    assert summary["stopped_early"] == "two validations are enough"
     assert summary["val_acc"] > 0  # validated where it stopped
+    saved = torch.load(Path(summary["checkpoint"]), weights_only=True)["callbacks"]
+    assert saved["StopAtTwoValidations"] == {"validations": 2}
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        again = train(make_cfg("trainer.max_epochs=5", "trainer.resume=auto"),
+                      callbacks=[StopAtTwoValidations()])
+    assert again["complete"] and again["steps"] == 46
+    assert ("(it stopped early: two validations are enough) and its files are left as they "
+            "are; the callback that stopped it decides whether it trains on") in caplog.text
+
+
+def test_a_callback_that_stops_at_once_trains_nothing_and_says_so(make_cfg, caplog):
+    class Spent(Callback):
+        def should_stop(self, loop):
+            return "budget spent"
+
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        summary = train(make_cfg("trainer.max_epochs=5", "trainer.save_checkpoint=false"),
+                        callbacks=[Spent()])
+    assert summary["steps"] == 0 and summary["stopped_early"] == "budget spent"
+    assert "stopping early before the first epoch, at step 0: budget spent" in caplog.text
+
+
+STOP_ON_RANK_1 = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+from tests.helpers import compose_cfg
+from trainer.loop import Callback
+from trainer.runner import train
+
+class OnRankOne(Callback):  # sees what the other rank does not (a stop file, a budget)
+    def should_stop(self, loop):
+        return "rank 1's budget" if os.environ["RANK"] == "1" and loop.state.epoch >= 1 else None
+
+summary = train(compose_cfg({run!r}, "trainer.max_epochs=4"), callbacks=[OnRankOne()])
+print("RESULT", os.environ["RANK"], json.dumps([summary["steps"], summary["stopped_early"]]))
+"""
+
+
+def test_a_stop_one_rank_asks_for_stops_every_rank(tmp_path):
+    from tests.helpers import TORCHRUN, launch
+
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_ON_RANK_1.format(root=str(ROOT), run=str(tmp_path / "run")))
+    proc = launch(TORCHRUN + ["--standalone", "--nproc_per_node=2", str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = sorted(line.split(" ", 2)[1:] for line in proc.stdout.splitlines()
+                     if line.startswith("RESULT"))
+    assert results == [["0", '[12, "a callback on another rank asked to stop"]'],
+                       ["1", '[12, "rank 1\'s budget"]']]  # both after epoch 0 (12 steps)

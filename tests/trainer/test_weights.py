@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +273,30 @@ def test_a_requeued_job_of_a_run_that_started_from_the_file_says_so_without_a_wa
     assert [(r.levelno, r.getMessage()) for r in said] == [
         (logging.INFO, f"trainer.init_from={spelled} not read: the resumed run's weights "
                        "continue it")]
+
+
+def test_every_rank_trains_rank_0s_weights_whatever_each_read(tmp_path):
+    """A file rewritten between the ranks' reads (here: a path per rank) still gives one
+    model: rank 0's weights are broadcast after the load. The validation, over both ranks'
+    shards, then matches a run where both read rank 0's file."""
+    from tests.helpers import summary_of, torchrun
+
+    first = train_cli_checkpoint(tmp_path)
+    torch.save({k: torch.ones_like(v) for k, v in torch.load(
+        first, weights_only=True)["model"].items()}, tmp_path / "1.pt")
+    (tmp_path / "0.pt").write_bytes(first.read_bytes())
+    args = ["trainer.max_steps=1", "optim.lr=0.0", "optim.weight_decay=0.0"]
+    apart = torchrun(2, [f"hydra.run.dir={tmp_path / 'apart'}", *args,
+                         "trainer.init_from=${oc.env:RANK}.pt"], cwd=tmp_path)
+    alike = torchrun(2, [f"hydra.run.dir={tmp_path / 'alike'}", *args,
+                         "trainer.init_from=0.pt"], cwd=tmp_path)
+    assert apart.returncode == alike.returncode == 0, apart.stderr[-2000:] + alike.stderr[-2000:]
+    a, b = summary_of(tmp_path / "apart"), summary_of(tmp_path / "alike")
+    assert a["val_loss"] == b["val_loss"] and a["val_acc"] == b["val_acc"]
+
+
+def train_cli_checkpoint(tmp_path):
+    """A trained run's last.pt (one epoch of the default job, in this process)."""
+    from tests.helpers import compose_cfg
+
+    return Path(train(compose_cfg(tmp_path / "source", "trainer.max_epochs=1"))["checkpoint"])
