@@ -119,6 +119,9 @@ def _check_trainer(cfg: DictConfig) -> None:
     _check(not e.patience or c.monitor is not None, "trainer.early_stopping.patience",
            e.patience, "watches trainer.checkpoint.monitor, which is not set; name the metric "
            "(trainer.checkpoint.monitor=val_loss)")
+    _check(not e.min_delta or e.patience, "trainer.early_stopping.min_delta", e.min_delta,
+           "is early stopping's, which is off (trainer.early_stopping.patience=0); set the "
+           "patience too (trainer.early_stopping.patience=5), or leave min_delta 0")
     _check(-2**63 <= cfg.seed < 2**63, "seed", cfg.seed,
            "must be an integer that fits 64 bits (-2**63 to 2**63 - 1)")
     lr = cfg.optim.get("lr") if isinstance(cfg.get("optim"), DictConfig) else None

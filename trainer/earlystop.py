@@ -15,6 +15,15 @@ from typing import Any, Dict, Optional
 from trainer.callbacks import Callback
 
 
+def improves(value: float, best: Optional[float], mode: Optional[str],
+             min_delta: float = 0.0) -> bool:
+    """Whether `value` beats `best` by more than `min_delta` in `mode` (max or min); a value
+    that is not a number never does (every comparison with nan is false: a first nan would
+    have stayed the best for the whole run)."""
+    return math.isfinite(value) and (best is None or (
+        value > best + min_delta if mode == "max" else value < best - min_delta))
+
+
 class EarlyStopping(Callback):
     """Ends the run after `patience` validations in which `monitor` did not improve on its
     best by more than `min_delta` (`mode`: max or min)."""
@@ -30,10 +39,7 @@ class EarlyStopping(Callback):
         if not val or self.monitor not in val:
             return
         value = val[self.monitor]
-        improved = math.isfinite(value) and (self.best is None or (
-            value > self.best + self.min_delta if self.mode == "max"
-            else value < self.best - self.min_delta))
-        if improved:
+        if improves(value, self.best, self.mode, self.min_delta):
             self.best, self.best_step, self.waited = value, loop.state.step, 0
         else:  # (a value that is not a number never improves)
             self.waited += 1

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, distributed, resumefiles, rundir
 from trainer.distributed import DistEnv
+from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
 from trainer.loop import Callback
 from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
@@ -317,16 +318,13 @@ class Checkpointing(Callback):
         best = False
         if self.c.monitor and val and self.c.monitor in val:
             value = val[self.c.monitor]
-            # a value that is not a number ranks with none (every comparison with nan is
-            # false: a first nan would have stayed best.pt for the whole run)
-            finite = math.isfinite(value)
-            if not finite and not self.unranked and self.env.is_main:  # (values agreed)
+            # a value that is not a number ranks with none (earlystop.improves)
+            if not math.isfinite(value) and not self.unranked and self.env.is_main:
                 self.unranked = True
                 distributed.warn(self.env, "trainer.checkpoint.monitor=%s is %s at step %d: "
                                  "not a value to rank, so it never becomes best.pt",
                                  self.c.monitor, value, loop.state.step)
-            better = finite and (self.best is None or (
-                value > self.best if self.mode == "max" else value < self.best))
+            better = improves(value, self.best, self.mode)
             if better:  # (set first: the saved state holds it)
                 previous = self.best, self.best_step
                 self.best, self.best_step, best = value, loop.state.step, True

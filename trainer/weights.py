@@ -132,12 +132,14 @@ def _not_a_file(path: Path) -> str:
 
 
 def _kind(path: Path) -> str:
-    """'zip' (torch.save's archive), 'safetensors', 'index' (a sharded save's index) or
-    'other' (the legacy torch.save format, or not a weights file), told from the bytes."""
+    """'zip' (torch.save's archive), 'legacy' (its format before torch 1.6), 'safetensors',
+    'index' (a sharded save's index) or 'other' (not a weights file), told from the bytes."""
     with open(path, "rb") as f:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04":
         return "zip"
+    if head[:1] == b"\x80":  # a pickle's protocol mark: torch.save's legacy format
+        return "legacy"
     if len(head) == 9 and head[8:9] == b"{" and \
             int.from_bytes(head[:8], "little") < path.stat().st_size:
         return "safetensors"  # (an 8-byte header length, then the JSON header)
@@ -148,7 +150,10 @@ def _kind(path: Path) -> str:
 
 def _state_dict(path: Path, key: str) -> Dict[str, Any]:
     """The weights the file holds, as a state dict (see the module doc for the layouts)."""
-    kind = _kind(path)
+    try:
+        kind = _kind(path)
+    except OSError as e:  # (unreadable, or gone since the check: another run's keep_last)
+        raise CheckpointError(f"{key}: cannot be read ({e.strerror})") from None
     if kind == "safetensors":
         return _safetensors(path, key)
     if kind == "index":

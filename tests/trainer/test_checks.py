@@ -41,6 +41,8 @@ from trainer.config import ConfigError, Precision, Strategy
     ("trainer.early_stopping.patience=-1", "trainer.early_stopping.patience=-1: must be >= 0"),
     ("trainer.early_stopping.min_delta=-0.1", "trainer.early_stopping.min_delta=-0.1: must be "
                                               "a finite number >= 0"),
+    ("trainer.early_stopping.min_delta=0.1", "trainer.early_stopping.min_delta=0.1: is early "
+                                             "stopping's, which is off"),
     ("trainer.early_stopping.patience=3", "trainer.early_stopping.patience=3: watches "
                                           "trainer.checkpoint.monitor, which is not set"),
     ("data.cache=tape", "data.cache=tape: must be none, memory, shm, disk or lru"),

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import read_metrics, summary_of, torchrun
-from trainer.earlystop import EarlyStopping
+from trainer.earlystop import EarlyStopping, improves
 from trainer.runner import train
 
 
@@ -95,8 +95,9 @@ def test_a_run_stops_early_and_a_resume_of_it_trains_nothing_unless_patience_gro
 
 
 def test_every_rank_stops_at_the_same_epoch(tmp_path):
-    """min_delta larger than any change: the second validation ends the run, on both ranks
-    alike (the validation values are all-reduced), and the job exits 0."""
+    """min_delta larger than any change: the second validation ends the run on both ranks,
+    and the job exits 0 with no rank left waiting (the ranks see the same validation values;
+    a stop one rank alone asks for is test_loop's)."""
     run_dir = tmp_path / "run"
     proc = torchrun(2, [f"hydra.run.dir={run_dir}", "trainer.checkpoint.monitor=val_loss",
                         "trainer.early_stopping.patience=1",
@@ -136,3 +137,10 @@ def test_a_stop_at_the_epoch_that_reaches_the_limit_is_said_as_one_and_resumes_a
         again = train(make_cfg(*ARGS, "trainer.resume=auto"))  # max_epochs=10
     assert again["complete"] and again["steps"] == 69
     assert "(it stopped early: val_score has not improved" in caplog.text
+
+
+def test_improves_by_more_than_min_delta_in_the_direction_and_never_with_nan():
+    assert improves(0.5, None, "min") and not improves(float("nan"), None, "min")
+    assert improves(0.4, 0.5, "min") and not improves(0.6, 0.5, "min")
+    assert improves(0.6, 0.5, "max") and not improves(0.55, 0.5, "max", min_delta=0.1)
+    assert not improves(float("inf"), 0.5, "max")  # (not a value to rank)

@@ -54,7 +54,7 @@ def test_loads_the_layouts_other_code_saves(tmp_path, layout):
     model = net()
     line = init_weights(model, str(tmp_path / "w.pt"), strict=True)
     assert same(model, source)
-    assert "6 of 4 tensors" not in line and "4 of 4 tensors" in line
+    assert "4 of 4 tensors" in line
     wrapped = {"ddp": "module.", "compiled": "_orig_mod.",
                "dataparallel_compiled": "_orig_mod.module.", "lightning": "model."}.get(layout)
     assert (f"without the keys' '{wrapped}' prefix" in line) == (wrapped is not None)
@@ -157,6 +157,7 @@ class Pickled:
     ("list", "holds no model weights (a list)"),
     ("object", "refuses as code that could run; save the weights alone instead: "
                "torch.save(model.state_dict(), path)"),
+    ("legacy_object", "refuses as code that could run; save the weights alone instead"),
     ("flipped", "damaged (checksum mismatch in "),
     ("truncated", "unreadable (BadZipFile"),
     ("safetensors", "a damaged safetensors file"),
@@ -185,6 +186,8 @@ def test_a_file_without_weights_is_one_line_naming_the_key(tmp_path, content, sa
 
         save_file(trained().state_dict(), str(path))
         path.write_bytes(path.read_bytes()[:-8])  # its last tensor cut short
+    elif content == "legacy_object":  # torch.save's format before torch 1.6
+        torch.save({"w": Pickled()}, path, _use_new_zipfile_serialization=False)
     elif content != "missing":
         torch.save({"dict": {"epoch": 3, "lr": 0.1}, "list": [1, 2],
                     "object": {"w": Pickled()}}[content], path)
@@ -300,3 +303,17 @@ def train_cli_checkpoint(tmp_path):
     from tests.helpers import compose_cfg
 
     return Path(train(compose_cfg(tmp_path / "source", "trainer.max_epochs=1"))["checkpoint"])
+
+
+def test_a_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
+    from trainer import weights
+
+    torch.save(trained().state_dict(), tmp_path / "w.pt")
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(weights, "_kind", refused)  # (root reads any file: as another user)
+    with pytest.raises(CheckpointError, match=r"^trainer\.init_from=.*w\.pt: cannot be read "
+                                              r"\(Permission denied\)$"):
+        init_weights(net(), str(tmp_path / "w.pt"), strict=True)
