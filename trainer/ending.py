@@ -236,7 +236,9 @@ def save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
             f"the run ended with a loss that was not finite for its last {bad} optimizer "
             f"steps (fewer than trainer.max_bad_steps={max_bad_steps}); its final state was "
             "not saved")
-    checkpointing.save(loop)
+    # (its last validation ranked for best.pt too: one after the last epoch's callbacks
+    # has not been; one that was is no better than itself)
+    checkpointing.save_ranked(loop, loop.last_val, periodic=True)
     checkpointing.finish()
 
 

@@ -315,7 +315,14 @@ class Checkpointing(Callback):
                             EXIT_INTERRUPTED if ctrl_c else EXIT_PREEMPTED)
 
     def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
-        best = False
+        n = self.c.every_n_epochs
+        self.save_ranked(loop, val, periodic=bool(n and loop.state.epoch % n == 0))
+
+    def save_ranked(self, loop, val: Optional[Dict[str, float]], periodic: bool) -> None:
+        """Saves the state where `val` makes a new best.pt, or where `periodic`. The end of
+        a run calls it with its last validation too: one after the last epoch's callbacks
+        (max_steps inside an epoch, another run's complete checkpoint validated again)."""
+        best, previous = False, (self.best, self.best_step)
         if self.c.monitor and val and self.c.monitor in val:
             value = val[self.c.monitor]
             # a value that is not a number ranks with none (earlystop.improves)
@@ -324,12 +331,9 @@ class Checkpointing(Callback):
                 distributed.warn(self.env, "trainer.checkpoint.monitor=%s is %s at step %d: "
                                  "not a value to rank, so it never becomes best.pt",
                                  self.c.monitor, value, loop.state.step)
-            better = improves(value, self.best, self.mode)
-            if better:  # (set first: the saved state holds it)
-                previous = self.best, self.best_step
+            if improves(value, self.best, self.mode):  # (set first: the saved state holds it)
                 self.best, self.best_step, best = value, loop.state.step, True
-        n = self.c.every_n_epochs
-        if best or (n and loop.state.epoch % n == 0):
+        if best or periodic:
             saved = self.save(loop, best=best)
             if best and not saved:  # not written: best.pt holds the previous one
                 self.best, self.best_step = previous

@@ -429,3 +429,25 @@ def test_a_refused_save_with_no_checkpoint_before_it_says_so(make_cfg, caplog):
             pass
     said = [r.getMessage() for r in caplog.records if "not saving a checkpoint" in r.getMessage()]
     assert said and all(s.endswith("no checkpoint was saved before it") for s in said), said
+
+
+def test_the_last_validation_after_the_last_epoch_is_ranked_for_best_pt(make_cfg, tmp_path,
+                                                                         monkeypatch):
+    """max_steps inside an epoch: the run's last validation comes after the last epoch's
+    callbacks, and best.pt takes it where it is better; so does another run's complete
+    checkpoint validated again in a new dir (it had no best.pt there)."""
+    from tests.helpers import Scripted
+    from trainer.runner import train
+
+    args = ("+task.metrics.score._target_=tests.helpers.Scripted", "trainer.checkpoint.mode=min",
+            "trainer.checkpoint.monitor=val_score")
+    monkeypatch.setattr(Scripted, "values", [0.5, 0.3])
+    first = train(make_cfg("trainer.max_steps=30", *args))  # validated at 23, then at 30
+    assert first["best"] == {"monitor": "val_score", "value": pytest.approx(0.3), "step": 30}
+    assert torch.load(tmp_path / "run" / "checkpoints" / "best.pt",
+                      weights_only=True)["step"] == 30
+    monkeypatch.setattr(Scripted, "values", [0.4])
+    again = train(make_cfg("trainer.max_steps=30", *args,
+                           f"trainer.resume={first['checkpoint']}", run_dir=tmp_path / "again"))
+    assert again["best"] == {"monitor": "val_score", "value": pytest.approx(0.4), "step": 30}
+    assert (tmp_path / "again" / "checkpoints" / "best.pt").is_file()
