@@ -106,6 +106,9 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
         lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,
                                   cfg.trainer.init_strict))
         distributed.broadcast_weights(unwrap(loop.model))  # (one model, whatever each read)
+        # config.yaml and the checkpoints name the file wherever a later launch runs from
+        # (a requeue compares it: not_read_line)
+        record_kept(cfg, {"trainer.init_from": str(Path(cfg.trainer.init_from).resolve())})
     return lines
 
 

@@ -317,3 +317,14 @@ def test_a_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"^trainer\.init_from=.*w\.pt: cannot be read "
                                               r"\(Permission denied\)$"):
         init_weights(net(), str(tmp_path / "w.pt"), strict=True)
+
+
+def test_the_run_records_the_file_it_started_from_by_its_full_path(tmp_path, monkeypatch):
+    from tests.helpers import compose_cfg
+
+    source = train_cli_checkpoint(tmp_path)
+    monkeypatch.chdir(source.parent)
+    summary = train(compose_cfg(tmp_path / "run", "trainer.max_steps=2",
+                                f"trainer.init_from={source.name}"))
+    saved = torch.load(summary["checkpoint"], weights_only=True)["config"]["trainer"]
+    assert saved["init_from"] == str(source.resolve())
