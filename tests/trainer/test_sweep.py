@@ -186,7 +186,8 @@ def test_a_sweep_that_ran_every_job_prints_its_table_and_writes_sweep_json(tmp_p
     best = max(record["jobs"], key=lambda r: r["val_acc"])["job"]
     out = proc.stdout.splitlines()
     at = out.index(next(line for line in out if line.startswith("sweep: 2 jobs in ")))
-    assert out[at].endswith(f"best by val_acc (max): job {best}")
+    # (each job's one validation, at max_steps inside its first epoch, is its best.pt's)
+    assert out[at].endswith(f"best by val_acc (max, best.pt's): job {best}")
     assert out[at + 1].split()[:3] == ["job", "optim.lr", "status"] and len(out) == at + 4
 
 
