@@ -22,7 +22,7 @@ read: a requeued fine-tuning job continues its own run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -72,8 +72,7 @@ def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
             return key
         return f"{key} ({dims(theirs[key])} in the file, {dims(own[key])} in the model)"
 
-    return "; ".join(f"{name}: " + ", ".join(shown(name, k) for k in keys[:5])
-                     + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+    return "; ".join(f"{name}: " + _first(keys, lambda k, name=name: shown(name, k))
                      for name, keys in misfits.items() if keys)
 
 
@@ -234,9 +233,11 @@ def _tied(own: Mapping[str, Any], missing, loaded) -> list:
     return [k for k in missing if ptr(own[k]) in shared]
 
 
-def _first(keys) -> str:
+def _first(keys, show: Callable[[str], str] = str) -> str:
+    """The first five of `keys` in sorted order, each as `show` gives it, and how many more."""
     keys = sorted(keys)
-    return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+    return ", ".join(map(show, keys[:5])) + (f" (+{len(keys) - 5} more)" if len(keys) > 5
+                                             else "")
 
 
 def not_read_line(init_from: str, state: Dict[str, Any], path: Path,
