@@ -328,3 +328,13 @@ def test_the_run_records_the_file_it_started_from_by_its_full_path(tmp_path, mon
                                 f"trainer.init_from={source.name}"))
     saved = torch.load(summary["checkpoint"], weights_only=True)["config"]["trainer"]
     assert saved["init_from"] == str(source.resolve())
+
+
+def test_a_long_list_of_misfits_shows_its_first_five_and_how_many_more():
+    from trainer.weights import mismatches, said_mismatches
+
+    own = {f"layer{i}.weight": torch.zeros(2) for i in range(7)}
+    theirs = {k: torch.zeros(3) for k in own}
+    said = said_mismatches(mismatches(own, theirs), own, theirs)
+    assert said == ("shape mismatch: " + ", ".join(
+        f"layer{i}.weight (3 in the file, 2 in the model)" for i in range(5)) + " (+2 more)")
