@@ -249,15 +249,18 @@ def last_good(run_dir: Path) -> str:
     return f"the last good checkpoint is {last[0]}" if last else "no checkpoint was saved"
 
 
-def complete_because(cfg: DictConfig, loop: Loop) -> Tuple[str, str]:
-    """Why a complete run trains nothing (a callback's stop, such as early stopping, else
-    its limit), and what would train on."""
+def complete_because(cfg: DictConfig, loop: Loop) -> Optional[Tuple[str, str]]:
+    """Why the run trains no more (a callback's stop, such as early stopping, else its
+    limit), and what would train on; None while it has more to train. (Asks the callbacks
+    once: an all-reduce under several ranks.)"""
     reason, t = loop.stop_reason(), cfg.trainer
     if reason:
         return f"it stopped early: {reason}", (
             "raise trainer.early_stopping.patience (or set it to 0) to train on"
             if "trainer.early_stopping" in reason else
             "the callback that stopped it decides whether it trains on")
+    if not loop.reached_limit():
+        return None
     return (f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
             f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'} to train on")
 
@@ -267,7 +270,7 @@ def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
     """What a run resumed from its final checkpoint returns, writing nothing: the summary its
     run dir holds (where this rank can read it), and one line saying so."""
     state = loop.state
-    why, how = complete_because(cfg, loop)
+    why, how = complete_because(cfg, loop)  # (complete: not None)
     logger.info("nothing to train: the run is complete at epoch %d step %d (%s) and its files "
                 "are left as they are; %s", state.epoch, state.step, why, how)
     try:

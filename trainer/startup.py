@@ -115,9 +115,10 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
 def _complete_elsewhere(cfg: DictConfig, loop: Loop) -> List[str]:
     """Another run's checkpoint that completed its run (its limit, or early stopping): the
     line saying this run trains nothing and validates it again for its own record."""
-    if not (loop.reached_limit() or loop.stop_reason()):
+    complete = ending.complete_because(cfg, loop)
+    if complete is None:
         return []
-    why, how = ending.complete_because(cfg, loop)
+    why, how = complete
     return [f"nothing to train: its run is complete ({why}); it is validated again for this "
             f"run dir's record; {how}"]
 
