@@ -284,7 +284,7 @@ def test_every_rank_trains_rank_0s_weights_whatever_each_read(tmp_path):
     shards, then matches a run where both read rank 0's file."""
     from tests.helpers import summary_of, torchrun
 
-    first = train_cli_checkpoint(tmp_path)
+    first = trained_checkpoint(tmp_path)
     torch.save({k: torch.ones_like(v) for k, v in torch.load(
         first, weights_only=True)["model"].items()}, tmp_path / "1.pt")
     (tmp_path / "0.pt").write_bytes(first.read_bytes())
@@ -298,7 +298,7 @@ def test_every_rank_trains_rank_0s_weights_whatever_each_read(tmp_path):
     assert a["val_loss"] == b["val_loss"] and a["val_acc"] == b["val_acc"]
 
 
-def train_cli_checkpoint(tmp_path):
+def trained_checkpoint(tmp_path):
     """A trained run's last.pt (one epoch of the default job, in this process)."""
     from tests.helpers import compose_cfg
 
@@ -322,7 +322,7 @@ def test_a_file_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch):
 def test_the_run_records_the_file_it_started_from_by_its_full_path(tmp_path, monkeypatch):
     from tests.helpers import compose_cfg
 
-    source = train_cli_checkpoint(tmp_path)
+    source = trained_checkpoint(tmp_path)
     monkeypatch.chdir(source.parent)
     summary = train(compose_cfg(tmp_path / "run", "trainer.max_steps=2",
                                 f"trainer.init_from={source.name}"))
