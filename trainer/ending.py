@@ -198,7 +198,7 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     advises on the input pipeline where the steps waited for data."""
     t, run_dir = cfg.trainer, Path(cfg.run_dir)
     last = run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST
-    summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else ""
+    summary["checkpoint"] = str(last) if t.save_checkpoint and last.exists() else None
     best = checkpointing.best_record()
     if best is not None and t.save_checkpoint:
         summary["best"] = best

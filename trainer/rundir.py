@@ -145,7 +145,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
     ours = bool(found) or status is not None  # a run's, which trainer.resume=auto continues
-    where = f"start in a new dir ({_dir_key()}=...); nothing was changed"
+    where = f"start in a new dir ({dir_key()}=...); nothing was changed"
     # a run that saved no checkpoint yet is continued from the one it started from
     again = (f"trainer.resume={status['from']}" if not found and status is not None
              and status.get("from") else "trainer.resume=auto")
@@ -188,13 +188,13 @@ def check_dev_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr): run dir {run_dir} holds "
                           f"another run's {held[0]}{'...' if len(held) > 1 else ''}, whose "
                           "train.log it would add to; "
-                          f"start it in a new dir ({_dir_key()}=..., or leave the key out)")
+                          f"start it in a new dir ({dir_key()}=..., or leave the key out)")
 
 
 def _check_not_a_sweep(run_dir: Path) -> None:
     """One run (no `-m`) pointed at a sweep's dir is refused: it started beside the sweep's
     jobs, its files mixed with theirs (with trainer.resume=auto, as a fresh start)."""
-    if _dir_key() == "hydra.sweep.dir" or not (run_dir / sweep.RECORD).is_file():
+    if dir_key() == "hydra.sweep.dir" or not (run_dir / sweep.RECORD).is_file():
         return
     jobs = sorted((p.name for p in run_dir.iterdir() if (p / STATUS).is_file()),
                   key=lambda name: (len(name), name))
@@ -203,7 +203,7 @@ def _check_not_a_sweep(run_dir: Path) -> None:
         f"run dir {run_dir} is a sweep's dir ({sweep.RECORD}{held}), not one run's: continue "
         f"the sweep with its own -m command and trainer.resume=auto hydra.sweep.dir={run_dir}, "
         f"or one job with its overrides (<job>/.hydra/overrides.yaml) and trainer.resume=auto "
-        f"{_dir_key()}={run_dir}/<job>; nothing was changed")
+        f"{dir_key()}={run_dir}/<job>; nothing was changed")
 
 
 def _status(run_dir: Path) -> Optional[Dict[str, Any]]:
@@ -247,8 +247,9 @@ def _written(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-def _dir_key() -> str:
-    """The key that names the run dir: Hydra's on the command line, run_dir from Python."""
+def dir_key() -> str:
+    """The key that names the run dir: Hydra's on the command line (a sweep's: each job's
+    dir is found under it), run_dir from Python."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

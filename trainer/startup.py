@@ -88,8 +88,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     if not resumefiles.in_run_dir(path, run_dir):
         lines += _complete_elsewhere(cfg, loop)
     if cfg.trainer.init_from is not None:
-        line, odd = not_read_line(cfg.trainer.init_from, state, path, "hydra.sweep.dir/<job>"
-                                  if ending.in_sweep() else "hydra.run.dir")
+        line, odd = not_read_line(cfg.trainer.init_from, state, path, rundir.dir_key())
         (warnings if odd else lines).append(line)
     return warnings, lines, path
 
@@ -98,9 +97,8 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
                  ) -> List[str]:
     """The lines of a run that resumes nothing: trainer.resume=auto's finding none, and the
     weights trainer.init_from loads (here, where no checkpoint's weights win over them)."""
-    key = "hydra.sweep.dir" if ending.in_sweep() else "hydra.run.dir"
     lines = ([f"trainer.resume=auto: no checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}: "
-              f"a fresh start (the run to continue is named by {key})"]
+              f"a fresh start (the run to continue is named by {rundir.dir_key()})"]
              if resume == "auto" else [])
     if cfg.trainer.init_from is not None:
         lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,

@@ -241,7 +241,7 @@ def _first(keys, show: Callable[[str], str] = str) -> str:
 
 
 def not_read_line(init_from: str, state: Dict[str, Any], path: Path,
-                  run_dir_key: str = "hydra.run.dir") -> Tuple[str, bool]:
+                  run_dir_key: str) -> Tuple[str, bool]:
     """What a resumed run says of the `init_from` it does not read, and whether it is a
     warning: the checkpoint's run started from another file (or from none), so the run dir
     may not be the run meant."""

@@ -66,7 +66,7 @@ def test_debug_default_config_values(make_cfg):
 def test_fast_dev_run_takes_one_batch_each_and_saves_nothing(make_cfg, tmp_path):
     summary = train(make_cfg("debug=fdr"))
     assert summary["steps"] == 1 and summary["epochs"] == 1
-    assert summary["checkpoint"] == ""
+    assert summary["checkpoint"] is None
     run_dir = tmp_path / "run"
     assert not (run_dir / "checkpoints").exists()
     assert not (run_dir / "metrics.jsonl").exists()
@@ -157,7 +157,7 @@ def test_a_complete_run_resumed_again_leaves_its_files_and_trains_on_when_extend
     with caplog.at_level(logging.INFO, logger="stoker"):
         first = train(make_cfg("trainer.max_epochs=1", "trainer.resume=auto", *args))
     assert f"trainer.resume=auto: no checkpoint in {run / 'checkpoints'}: a fresh start (the " \
-        "run to continue is named by hydra.run.dir)" in caplog.text
+        "run to continue is named by run_dir)" in caplog.text  # (from Python)
     files = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
              and p.suffix in (".json", ".jsonl", ".pt", ".yaml")}
     with caplog.at_level(logging.INFO, logger="stoker"):

@@ -229,7 +229,7 @@ def test_a_resumed_run_keeps_its_own_weights_and_does_not_read_the_file(make_cfg
     assert line[0].getMessage() == (
         f"trainer.init_from={source} not read: resuming {tmp_path / 'run' / 'checkpoints'}"
         "/last.pt, whose run started from its own initialisation (no init_from); if that is "
-        "not the run meant, name the right one's dir (hydra.run.dir)")
+        "not the run meant, name the right one's dir (run_dir)")  # (from Python)
     assert first["checkpoint"] == resumed["checkpoint"]
 
 
