@@ -10,8 +10,9 @@ Stoker checkpoint (its `model`), a state dict saved with `torch.save(model.state
 them), or a safetensors file; which one is told from its bytes, not its name. A torch.save
 archive's checksums are checked before it is read, as a checkpoint's are. Keys saved from a
 DDP/DataParallel wrapper (`module.`), a compiled module (`_orig_mod.`) or a wrapper of one's
-own (every key under one `<name>.`, as a LightningModule saves `model.`) are matched without
-that prefix.
+own (a LightningModule saves `model.`) are matched without that prefix; where the file holds
+other keys beside that one subtree (a loss's buffers under `criterion.`), they are left out
+and named.
 
 Every key must fit (`trainer.init_strict=true`): a missing, unexpected or reshaped tensor is one
 line naming them, before anything is trained. With `init_strict=false` the tensors that fit in
@@ -85,11 +86,13 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
     if not path.is_file():
         raise CheckpointError(f"{key}: {_not_a_file(path)}")
     own = model.state_dict()
-    theirs, removed = _without_wrappers(_state_dict(path, key), own)
+    theirs, removed, left_out = _without_wrappers(_state_dict(path, key), own, key)
     misfits = mismatches(own, theirs)
     tied = _tied(own, misfits["missing"], set(theirs) - set(misfits["shape mismatch"]))
     misfits["missing"] = [k for k in misfits["missing"] if k not in tied]
-    prefix = f" (read without the keys' '{removed}' prefix)" if removed else ""
+    prefix = "" if not removed else (
+        f" (read without the keys' '{removed}' prefix)" if not left_out else
+        f" (read from its keys under '{removed}'; left out: {_first(left_out)})")
     said = said_mismatches(misfits, own, theirs)
     if strict and any(misfits.values()):
         raise CheckpointError(f"{key} does not fit this model{prefix}; {said}; "
@@ -204,23 +207,37 @@ def _is_weights(obj: Any) -> bool:
             and any(isinstance(v, torch.Tensor) for v in obj.values()))
 
 
-def _without_wrappers(theirs: Dict[str, Any], own: Mapping[str, Any]
-                      ) -> Tuple[Dict[str, Any], str]:
-    """`theirs` with a wrapper's prefix taken off every key, where each key has it and none
-    is one of the model's own as it is; and the prefixes taken ('' for none). A known
-    wrapper's prefix always goes; another one-name prefix (a LightningModule's `model.`)
-    only where the keys without it are the model's."""
+def _without_wrappers(theirs: Dict[str, Any], own: Mapping[str, Any], key: str
+                      ) -> Tuple[Dict[str, Any], str, List[str]]:
+    """`theirs` with a wrapper's prefix taken off its keys, where none is one of the model's
+    own as it is; the prefixes taken ('' for none); and the keys left out. A known wrapper's
+    prefix (every key has it) always goes; another one-name prefix only where keys without it
+    are the model's: a LightningModule's `model.`, with the keys outside it (its loss's
+    buffers, under `criterion.`) left out. CheckpointError where two such subtrees fit (a
+    model and its EMA copy): which one is meant cannot be told."""
     removed: List[str] = []
+    left_out: List[str] = []
     while theirs and not set(theirs) & set(own):
-        first = next(iter(theirs)).split(".", 1)[0] + "."
-        if not all(k.startswith(first) for k in theirs):
+        heads = sorted({k.split(".", 1)[0] + "." for k in theirs if "." in k})
+        under = {h: {k[len(h):]: v for k, v in theirs.items() if k.startswith(h)}
+                 for h in heads}
+        fits = [h for h in heads if set(under[h]) & set(own)]
+        if len(heads) == 1 and len(under[heads[0]]) == len(theirs) and \
+                (heads[0] in _WRAPPERS or fits):
+            first = heads[0]  # (a known wrapper's may hold one more: `_orig_mod.module.`)
+        elif len(fits) == 1:
+            first = fits[0]
+            left_out += ["".join(removed) + k for k in theirs if not k.startswith(first)]
+        elif len(fits) > 1:
+            raise CheckpointError(f"{key}: the keys under {' and '.join(map(repr, fits))} "
+                                  "each fit this model, and which one is meant cannot be "
+                                  "told; save the one meant alone: "
+                                  "torch.save(module.state_dict(), path)")
+        else:
             break
-        stripped = {k[len(first):]: v for k, v in theirs.items()}
-        if first not in _WRAPPERS and not set(stripped) & set(own):
-            break  # (one more level may still match: tried only through known wrappers)
-        theirs = stripped
+        theirs = under[first]
         removed.append(first)
-    return theirs, "".join(removed)
+    return theirs, "".join(removed), left_out
 
 
 def _tied(own: Mapping[str, Any], missing, loaded) -> list:

@@ -60,6 +60,26 @@ def test_loads_the_layouts_other_code_saves(tmp_path, layout):
     assert (f"without the keys' '{wrapped}' prefix" in line) == (wrapped is not None)
 
 
+def test_a_lightning_file_loads_its_model_subtree_and_names_the_keys_left_out(tmp_path):
+    """A LightningModule holding the net as self.model and its loss as self.criterion saves
+    both: the net's keys fit (strictly), the loss's are left out and named; a file where two
+    subtrees fit (the net and an EMA copy) is refused, naming both."""
+    source = trained()
+    nested = {f"model.{k}": v for k, v in source.state_dict().items()}
+    torch.save({"state_dict": {**nested, "criterion.pos_weight": torch.ones(3)}},
+               tmp_path / "w.pt")
+    model = net()
+    line = init_weights(model, str(tmp_path / "w.pt"), strict=True)
+    assert same(model, source)
+    assert "4 of 4 tensors (read from its keys under 'model.'; left out: " \
+        "criterion.pos_weight)" in line
+    ema = {f"ema.{k}": v for k, v in net().state_dict().items()}
+    torch.save({"state_dict": {**nested, **ema}}, tmp_path / "two.pt")
+    with pytest.raises(CheckpointError, match=r"the keys under 'ema.' and 'model.' each fit "
+                                              r"this model, and which one is meant"):
+        init_weights(net(), str(tmp_path / "two.pt"), strict=True)
+
+
 def test_a_safetensors_file_is_told_by_its_bytes_not_its_name(tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
