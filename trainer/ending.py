@@ -24,8 +24,9 @@ from trainer.distributed import DistEnv, JoinFailed
 from trainer.feeds import feed_advice, skipped_files
 from trainer.liveness import PeerLost
 from trainer.logging import RunLogger
-from trainer.loop import Loop, NonFiniteLoss
+from trainer.loop import Loop
 from trainer.resilience import Checkpointing, Preempted
+from trainer.windowlog import NonFiniteLoss
 
 log = logging.getLogger("stoker")
 STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice

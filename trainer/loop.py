@@ -13,7 +13,6 @@ never per step.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -25,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.prefetch import DevicePrefetcher
 from data.sampler import limit_left
-from trainer import checkpoint, devicewait, distributed, validation
+from trainer import checkpoint, devicewait, distributed, validation, windowlog
 from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
@@ -37,10 +36,6 @@ from trainer.progress import FitState, Window, epoch_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
 from trainer.task import Task, batch_size
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
 
 
 class Loop:
@@ -200,15 +195,15 @@ class Loop:
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
             self._check_read()
         if self.window.steps:  # the steps since the last logging boundary (a collective)
-            self._log_window(self.window, self.state.epoch - (0 if self.state.position else 1),
-                             None, None)
+            windowlog.log_window(self, self.window,
+                                 self.state.epoch - (0 if self.state.position else 1), None, None)
             self.window = Window()
         if self.state.validated_step != self.state.step:  # stopped mid-epoch, or resumed
             # at the end before its validation
             self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
-                **self.last_train, **self.last_val, **self.run_rates()}
+                **self.last_train, **self.last_val, **windowlog.run_rates(self)}
 
     def _check_read(self) -> None:
         """ConfigError on every rank when the run's steps so far read no sample and the
@@ -226,17 +221,6 @@ class Loop:
                 f"data: no training sample was read in {self.state.step} optimizer steps: "
                 f"every one of them was skipped as unreadable ({int(files)} files, "
                 "data.dataset.on_error=skip); check the training files")
-
-    def run_rates(self) -> Dict[str, float]:
-        train_s = max(self.run_train_s, 1e-9)
-        rates = {"run_samples_per_s": self.run_samples / train_s,
-                 **({"run_tokens_per_s": self.run_tokens / train_s} if self.tokens else {}),
-                 "run_data_wait_frac": self.run_wait_s / train_s,
-                 "run_train_s": self.run_train_s, "run_data_wait_s": self.run_wait_s,
-                 "run_val_s": self.run_val_s, "run_checkpoint_s": self.run_checkpoint_s}
-        if self.device_wait is not None:
-            rates["run_device_wait_frac"] = self.run_device_wait_s / train_s
-        return rates
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and
@@ -319,7 +303,7 @@ class Loop:
             grad_norm = self._optimizer_step(window_factor(total, base, self.world, self.device),
                                              want_norm=log_now)
             if log_now:
-                self._log_window(window, epoch, grad_norm, bar)
+                windowlog.log_window(self, window, epoch, grad_norm, bar)
                 window = self.window = Window()
             for callback in callbacks:
                 callback.after_step(self)
@@ -370,51 +354,6 @@ class Loop:
         self.optimizer.zero_grad(set_to_none=True)  # frees grads instead of writing zeros
         self.state.step += 1
         return norm
-
-    def _log_window(self, w: Window, epoch: int, grad_norm, bar) -> None:
-        """Averages the window over ranks (one all-reduce, one host sync) and records it."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # wall time must include queued GPU work
-        wall = time.perf_counter() - w.start - w.paused_s
-        # the loss sum read to the host, and a device count of tokens: the boundary's sync
-        sums = [self.ledger.take_loss_sum(), float(w.count), w.samples, w.wait_s, wall]
-        device_wait = None if self.device_wait is None else self.device_wait.take_s()
-        if device_wait is not None:  # (its events completed: synchronized above)
-            sums.append(device_wait)  # every rank's device is of the same type
-        if self.world > 1:
-            sums = distributed.all_reduce_sum(
-                torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
-        loss_sum, count, samples, wait_s, wall_sum = sums[:5]
-        world = self.world
-        self.run_wait_s += w.wait_s
-        self.run_samples += int(samples)
-        values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,
-                  "lr": self.optimizer.param_groups[0]["lr"],
-                  "samples_per_s": samples / max(wall_sum / world, 1e-9),
-                  "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
-        if self.tokens:  # (the count the loss sum is divided by: no other read)
-            values["tokens_per_s"] = count / max(wall_sum / world, 1e-9)
-            self.run_tokens += int(count)
-        if device_wait is not None:  # the GPU's idle time across the fetches
-            values["device_wait_frac"] = sums[5] / max(wall_sum, 1e-9)
-            self.run_device_wait_s += device_wait
-        if grad_norm is not None:
-            values["grad_norm"] = float(grad_norm)
-        if self.precision.scaler is not None:
-            values["skipped_steps"] = int(self.precision.skipped_steps)  # fp16 overflow
-        self._check_finite()
-        self.last_train = {"train_loss": values["loss"]}
-        self.logger.metrics("train", self.state.step, values)
-        if bar is not None:
-            bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
-                            wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
-
-    def _check_finite(self) -> None:
-        bad = self.bad_steps()
-        if self.cfg.max_bad_steps and bad >= self.cfg.max_bad_steps:
-            raise NonFiniteLoss(
-                f"the loss was not finite for {bad} optimizer steps in a row (up to step "
-                f"{self.state.step}, trainer.max_bad_steps={self.cfg.max_bad_steps}); stopped")
 
     def evaluate(self, epoch: int) -> Dict[str, float]:
         """The loss (a mean over every counted unit) and the task's metrics over the whole

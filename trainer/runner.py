@@ -32,13 +32,14 @@ from trainer.distributed import DistEnv
 from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
-from trainer.loop import Callback, Loop, NonFiniteLoss
+from trainer.loop import Callback, Loop
 from trainer.progress import FitState, total_steps
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
 from trainer.rundir import RunDirLock
 from trainer.strategy import wrap
 from trainer.task import Task
+from trainer.windowlog import NonFiniteLoss
 
 log = logging.getLogger("stoker")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.ending import exit_code, status_error
-from trainer.loop import NonFiniteLoss
+from trainer.windowlog import NonFiniteLoss
 from trainer.resilience import Preempted
 
 

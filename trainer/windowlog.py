@@ -1,0 +1,85 @@
+"""A logging window's numbers (`log_window`): its sums over the ranks at its boundary (one
+all-reduce, one host sync: none per step), added to the run's totals (`run_rates`), recorded in
+metrics.jsonl and the progress bar, and the losses of its steps checked for being finite
+(`check_finite`, trainer.max_bad_steps).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Dict
+
+import torch
+
+from trainer import distributed
+from trainer.progress import Window
+
+if TYPE_CHECKING:
+    from trainer.loop import Loop
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
+
+
+def log_window(loop: "Loop", w: Window, epoch: int, grad_norm, bar) -> None:
+    """Averages the window over ranks (one all-reduce, one host sync) and records it."""
+    if loop.device.type == "cuda":
+        torch.cuda.synchronize(loop.device)  # wall time must include queued GPU work
+    wall = time.perf_counter() - w.start - w.paused_s
+    # the loss sum read to the host, and a device count of tokens: the boundary's sync
+    sums = [loop.ledger.take_loss_sum(), float(w.count), w.samples, w.wait_s, wall]
+    device_wait = None if loop.device_wait is None else loop.device_wait.take_s()
+    if device_wait is not None:  # (its events completed: synchronized above)
+        sums.append(device_wait)  # every rank's device is of the same type
+    if loop.world > 1:
+        sums = distributed.all_reduce_sum(
+            torch.tensor(sums, dtype=torch.float64, device=loop.device)).tolist()
+    loss_sum, count, samples, wait_s, wall_sum = sums[:5]
+    world = loop.world
+    loop.run_wait_s += w.wait_s
+    loop.run_samples += int(samples)
+    values = {"epoch": epoch, "loss": loss_sum / count if count else math.nan,
+              "lr": loop.optimizer.param_groups[0]["lr"],
+              "samples_per_s": samples / max(wall_sum / world, 1e-9),
+              "data_wait_frac": wait_s / max(wall_sum, 1e-9)}
+    if loop.tokens:  # (the count the loss sum is divided by: no other read)
+        values["tokens_per_s"] = count / max(wall_sum / world, 1e-9)
+        loop.run_tokens += int(count)
+    if device_wait is not None:  # the GPU's idle time across the fetches
+        values["device_wait_frac"] = sums[5] / max(wall_sum, 1e-9)
+        loop.run_device_wait_s += device_wait
+    if grad_norm is not None:
+        values["grad_norm"] = float(grad_norm)
+    if loop.precision.scaler is not None:
+        values["skipped_steps"] = int(loop.precision.skipped_steps)  # fp16 overflow
+    check_finite(loop)
+    loop.last_train = {"train_loss": values["loss"]}
+    loop.logger.metrics("train", loop.state.step, values)
+    if bar is not None:
+        bar.set_postfix(loss=f"{values['loss']:.4f}", sps=f"{values['samples_per_s']:.0f}",
+                        wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
+
+
+def check_finite(loop: "Loop") -> None:
+    """NonFiniteLoss where the latest trainer.max_bad_steps optimizer steps of some rank had
+    a loss that was not finite (a collective: every rank checks at the same boundary)."""
+    bad = loop.bad_steps()
+    if loop.cfg.max_bad_steps and bad >= loop.cfg.max_bad_steps:
+        raise NonFiniteLoss(
+            f"the loss was not finite for {bad} optimizer steps in a row (up to step "
+            f"{loop.state.step}, trainer.max_bad_steps={loop.cfg.max_bad_steps}); stopped")
+
+
+def run_rates(loop: "Loop") -> Dict[str, float]:
+    """The run's totals over its windows (and its validation and checkpoint time), as
+    summary.json's `run_*` values."""
+    train_s = max(loop.run_train_s, 1e-9)
+    rates = {"run_samples_per_s": loop.run_samples / train_s,
+             **({"run_tokens_per_s": loop.run_tokens / train_s} if loop.tokens else {}),
+             "run_data_wait_frac": loop.run_wait_s / train_s,
+             "run_train_s": loop.run_train_s, "run_data_wait_s": loop.run_wait_s,
+             "run_val_s": loop.run_val_s, "run_checkpoint_s": loop.run_checkpoint_s}
+    if loop.device_wait is not None:
+        rates["run_device_wait_frac"] = loop.run_device_wait_s / train_s
+    return rates
