@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, resumefiles, rundir
+from trainer import checkpoint, distributed, resumefiles
 from trainer.distributed import DistEnv
 from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
@@ -305,9 +305,9 @@ class Checkpointing(Callback):
             self.save(loop)
             self.finish()
             ctrl_c = self.preemption.kind == 2
-            saved = (f"checkpoint saved, resume with {rundir.resume_args(self.run_dir)}"
+            saved = (f"checkpoint saved, resume with {resumefiles.resume_args(self.run_dir)}"
                      if self.enabled else "no checkpoint saved (trainer.save_checkpoint=false)")
-            sweep = rundir.sweep_resume_args() if self.enabled else None
+            sweep = resumefiles.sweep_resume_args() if self.enabled else None
             if sweep:  # (the jobs after this one never ran)
                 saved += f"; or the whole sweep with {sweep}"
             raise Preempted(f"stopped on {'a Ctrl-C' if ctrl_c else 'a preemption signal'} at "

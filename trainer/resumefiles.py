@@ -1,11 +1,15 @@
-"""Which checkpoint a run resumes from (`find_resume`: null, auto or a path), and what a
-resume from an earlier step of the run's own leaves behind (`abandoned`, `set_aside`).
+"""Which checkpoint a run resumes from (`find_resume`: null, auto or a path), what a resume
+from an earlier step of the run's own leaves behind (`abandoned`, `set_aside`), and the command
+that resumes a run (`resume_args`, `sweep_resume_args`: the launch's own overrides, quoted).
 
 The files themselves (atomic writes, checked loads, retention) are trainer/checkpoint.py's.
 """
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -116,3 +120,63 @@ def find_resume(resume: Optional[str], run_dir: Path
             f"{Path(run_dir) / CHECKPOINT_DIR} loads ({skipped[0]}); nothing was changed: "
             "move them away to start over, or resume from a copy by path")
     return None
+
+
+def resume_args(run_dir: Path) -> str:
+    """The overrides that resume the run in `run_dir`, quoted for a shell: the launch's own
+    (the same model, data and settings; its config dirs and config name; its Hydra settings but
+    the run and sweep dirs, mode, launcher and sweeper) with `trainer.resume=auto
+    hydra.run.dir=<run dir>` (the default run dir is a new one per launch: trainer.resume=auto
+    alone would start afresh elsewhere)."""
+    args = [*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={_hydra_quoted(run_dir)}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def sweep_resume_args() -> Optional[str]:
+    """In a sweep (`-m`), the arguments that continue the whole sweep, quoted for a shell:
+    the launch's own as typed with `trainer.resume=auto hydra.sweep.dir=<sweep dir>` (its
+    finished jobs are kept as they are, the stopped one resumes, the rest run); None outside
+    a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    args = [a for a in sys.argv[1:]
+            if a.lstrip("+~").split("=", 1)[0] not in ("trainer.resume", "hydra.sweep.dir")]
+    args += ["trainer.resume=auto", f"hydra.sweep.dir={_hydra_quoted(HydraConfig.get().sweep.dir)}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+# Hydra overrides of where and how a launch ran, not of what it trains: a resume names its own
+_NOT_CARRIED = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.launcher.", "hydra.sweeper.",
+                "hydra/launcher", "hydra/sweeper", "hydra.job.num", "hydra.job.id")
+_PLAIN = re.compile(r"[\w/.\-+:@%]+")
+
+
+def _launch_args() -> List[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []  # called from Python: the caller's config is the caller's to keep
+    h = HydraConfig.get()
+    args = [] if h.job.config_name in (None, "train") else ["--config-name", h.job.config_name]
+    for source in h.runtime.config_sources:
+        if source.schema == "file" and source.provider == "command-line":
+            args += ["--config-dir", source.path]
+        elif source.schema == "file" and source.provider == "main" and \
+                Path(source.path).resolve() != (Path(__file__).parents[1] / "conf").resolve():
+            args += ["--config-path", source.path]
+    args += [a for a in h.overrides.hydra if not a.lstrip("+~").startswith(_NOT_CARRIED)]
+    return args + [a for a in h.overrides.task
+                   if a.lstrip("+~").split("=", 1)[0] != "trainer.resume"]
+
+
+def _hydra_quoted(value: Any) -> str:
+    """`value` as a Hydra override reads it back: quoted where it holds `=`, `,`, spaces,
+    brackets or quotes (a sweep's `optim.lr=0.1,seed=1` job dir)."""
+    text = str(value)
+    if _PLAIN.fullmatch(text):
+        return text
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)  # a quote, escaped
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text) + "'"  # a final backslash

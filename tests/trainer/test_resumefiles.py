@@ -1,6 +1,8 @@
-"""trainer/resumefiles.py: which checkpoint a run resumes from (null, auto, a path), and
-auto's fall-back past damaged files."""
+"""trainer/resumefiles.py: which checkpoint a run resumes from (null, auto, a path),
+auto's fall-back past damaged files, and the overrides that resume a run."""
 from __future__ import annotations
+
+import shlex
 
 import pytest
 
@@ -49,3 +51,30 @@ def test_a_damaged_file_under_two_names_is_said_once(tmp_path):
     assert path == good and len(warnings) == 1
     assert warnings[0].startswith(f"checkpoint {folder / 'last.pt'}: ") and \
         warnings[0].endswith(" (so is step-00000004.pt, the same file)"), warnings
+
+
+def test_the_resume_overrides_are_the_launchs_own(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tests.helpers import CONF
+
+    run_dir = tmp_path / "my run"
+    assert shlex.split(resumefiles.resume_args(run_dir)) == [  # from Python: where, no more
+        "trainer.resume=auto", f"hydra.run.dir='{run_dir}'"]
+    job_dir = tmp_path / "optim.lr=0.1,seed=1"  # a sweep's job dir named by its overrides
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True, overrides=[
+            "optim.lr=0.1", "trainer.resume=/elsewhere/last.pt", "data.input_shape=[1,8,8]",
+            f"hydra.searchpath=[file://{tmp_path}]", "hydra.run.dir=outputs/other",
+            "hydra.job.chdir=false", "hydra.sweep.dir=sweeps"])
+    HydraConfig.instance().set_config(cfg)
+    try:
+        got = shlex.split(resumefiles.resume_args(job_dir))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert got[:-1] == [f"hydra.searchpath=[file://{tmp_path}]", "hydra.job.chdir=false",
+                        "optim.lr=0.1", "data.input_shape=[1,8,8]", "trainer.resume=auto"]
+    parsed = OverridesParser.create().parse_override(got[-1])  # as Hydra reads it back
+    assert parsed.key_or_group == "hydra.run.dir" and parsed.value() == str(job_dir)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -369,33 +368,6 @@ def test_a_refused_launch_leaves_no_empty_run_dir_and_keeps_the_users_own(tmp_pa
         last = (mine / "train.log").read_text().strip().splitlines()[-1]
         assert f"[ERROR] stopped before the first step: {said}" in last, last
     assert bad != "data.input_shape=[32]" or (mine / "train.log").exists()
-
-
-def test_the_resume_overrides_are_the_launchs_own(tmp_path):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from tests.helpers import CONF
-
-    run_dir = tmp_path / "my run"
-    assert shlex.split(rundir.resume_args(run_dir)) == [  # from Python: where, no more
-        "trainer.resume=auto", f"hydra.run.dir='{run_dir}'"]
-    job_dir = tmp_path / "optim.lr=0.1,seed=1"  # a sweep's job dir named by its overrides
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True, overrides=[
-            "optim.lr=0.1", "trainer.resume=/elsewhere/last.pt", "data.input_shape=[1,8,8]",
-            f"hydra.searchpath=[file://{tmp_path}]", "hydra.run.dir=outputs/other",
-            "hydra.job.chdir=false", "hydra.sweep.dir=sweeps"])
-    HydraConfig.instance().set_config(cfg)
-    try:
-        got = shlex.split(rundir.resume_args(job_dir))
-    finally:
-        HydraConfig.instance().cfg = None
-    assert got[:-1] == [f"hydra.searchpath=[file://{tmp_path}]", "hydra.job.chdir=false",
-                        "optim.lr=0.1", "data.input_shape=[1,8,8]", "trainer.resume=auto"]
-    parsed = OverridesParser.create().parse_override(got[-1])  # as Hydra reads it back
-    assert parsed.key_or_group == "hydra.run.dir" and parsed.value() == str(job_dir)
 
 
 def test_from_python_the_refusal_names_the_run_dir_key(make_cfg, tmp_path):
