@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from data.sampler import epoch_batches
+from data.sampler import epoch_batches, limit_left
 from trainer.config import ConfigError
 from trainer.task import Count
 
@@ -55,6 +55,33 @@ def epoch_plan(loader: DataLoader, limit: Optional[int], accumulate: int) -> Lis
 
 def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -> int:
     return len(epoch_plan(loader, limit, accumulate))
+
+
+def steps_left(loader: DataLoader, limit: Optional[int], accumulate: int, state: FitState,
+               max_epochs: int, max_steps: int) -> Optional[int]:
+    """The optimizer steps a run at `state` has left to its limit, under this run's plan (its
+    world size, batch and accumulation): the rest of the current epoch from its position, the
+    whole epochs after it, max_steps where that comes first; None for a sampler that cannot
+    start mid-epoch (not one of data.sampler's or a shard plan)."""
+    per_epoch = len(epoch_plan(loader, limit, accumulate))
+    left = per_epoch * max(0, max_epochs - state.epoch) if max_epochs > 0 else None
+    sampler = loader.sampler
+    if left is not None and state.position:  # the current epoch's rest, as the loop plans it
+        if not (hasattr(sampler, "set_start") and hasattr(sampler, "num_replicas")):
+            return None
+        per_batch = loader.batch_size * sampler.num_replicas
+        before = sampler.start
+        sampler.set_start(state.position)
+        try:
+            rest = len(epoch_plan(loader, limit_left(limit, state.position, per_batch),
+                                  accumulate))
+        finally:
+            sampler.start = before
+        left -= per_epoch - rest
+    if max_steps > 0:
+        left = max(0, max_steps - state.step) if left is None else \
+            min(left, max(0, max_steps - state.step))
+    return max(0, left or 0)
 
 
 def total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Callable
 
 from torch.optim import Optimizer
@@ -68,6 +69,37 @@ def constant(optimizer: Optimizer, total_steps: int, warmup_steps: int = 0) -> L
     return WarmupConstant(optimizer, warmup_steps)
 
 
+# the schedules `build` gave the run's own step count: their length is the run's
+_SPAN_THE_RUN: "weakref.WeakSet[LRScheduler]" = weakref.WeakSet()
+
+
+def spans_the_run(scheduler: LRScheduler) -> bool:
+    """Whether `build` made `scheduler` with the run's own step count (a schedule of the
+    run's progress, not of a step count of one's own such as StepLR's step_size)."""
+    return scheduler in _SPAN_THE_RUN
+
+
+def move_to(scheduler: LRScheduler, step: int) -> bool:
+    """Puts `scheduler` at step `step` of its schedule, with the optimizer's learning rates
+    as its formula gives them there; False, changing nothing, where it has no formula of the
+    step (a schedule chained step to step: SequentialLR, MultiplicativeLR, one of one's own)."""
+    if not isinstance(scheduler, LRScheduler):
+        return False
+    before = scheduler.last_epoch
+    scheduler.last_epoch = step
+    if isinstance(scheduler, LambdaLR):
+        lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    elif hasattr(scheduler, "_get_closed_form_lr"):  # (torch's StepLR, CosineAnnealingLR...)
+        lrs = scheduler._get_closed_form_lr()
+    else:
+        scheduler.last_epoch = before
+        return False
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return True
+
+
 def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
           total_steps: int) -> LRScheduler:
     """Calls a scheduler factory, passing `total_steps` only if it takes that argument (and
@@ -86,6 +118,7 @@ def build(factory: Callable[..., LRScheduler], optimizer: Optimizer,
                           "more")
     if "total_steps" in params and given is None:
         scheduler = factory(optimizer, total_steps=total_steps)
+        _SPAN_THE_RUN.add(scheduler)
     else:
         scheduler = factory(optimizer)
     _check_schedule_step(scheduler)

@@ -12,12 +12,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, ending, resumefiles, rundir
+from trainer import checkpoint, distributed, ending, resumefiles, rundir, schedules
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger
 from trainer.loop import Callback, Loop
+from trainer.progress import steps_left, total_steps
 from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import changes_line, record_kept, resume_changes
@@ -74,6 +75,8 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "from this run's newest checkpoint")
     if changes:
         lines.append(changes_line(changes))
+    moved, odd = _schedule_position(cfg, loop)
+    (warnings if odd else lines).extend(moved)
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank], generator, gpus)
@@ -141,6 +144,40 @@ def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Lo
     return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: epoch "
             f"{loop.state.epoch} goes on {loop.state.position} samples in, over another order "
             "of them (some may come twice in it, or not at all); later epochs are whole"]
+
+
+def _schedule_position(cfg: DictConfig, loop: Loop) -> Tuple[List[str], bool]:
+    """A resume whose steps per epoch differ from its checkpoint's (another world size, batch
+    or accumulation) moves a schedule that spans the run (built with its step count: the
+    warmup_cosine) to the step its position would have under this run's plan: the schedule
+    then ends where the run does, its lr going on from the point of the run it reached
+    (counted in its old steps, a cosine would be cut short or run past its end). A schedule
+    of a step count of one's own (StepLR's step_size) counts on in steps. The line saying
+    so, and whether it is a warning (a schedule with no formula of the step to move by
+    stays where it is)."""
+    t, scheduler = cfg.trainer, loop.scheduler
+    if not schedules.spans_the_run(scheduler):
+        return [], False
+    loader = loop.train_feed.loader
+    left = steps_left(loader, loop.train_limit, t.accumulate_grad_batches, loop.state,
+                      t.max_epochs, t.max_steps)
+    now = getattr(scheduler, "last_epoch", None)
+    if left is None or not isinstance(now, int):
+        return [], False
+    total = total_steps(cfg, loader, loop.train_limit)[0]
+    target = max(0, total - left)
+    if target == now:
+        return [], False
+    lr = loop.optimizer.param_groups[0]["lr"]
+    why = (f"this run's plan puts its position at step {target} of the {total} its schedule "
+           f"spans ({left} left)")
+    if not schedules.move_to(scheduler, target):
+        return [f"the lr schedule ({type(scheduler).__name__}) stays at its step {now}, while "
+                f"{why}: it has no formula of the step to move by, so its lr no longer follows "
+                "the run's progress; resume with the checkpoint's world size, batch and "
+                "accumulation, or start a new run"], True
+    return [f"the lr schedule moves from its step {now} to {target}: {why}, so that it ends "
+            f"with the run (lr {lr:.4g} -> {loop.optimizer.param_groups[0]['lr']:.4g})"], False
 
 
 def check_optimizer_step(optimizer) -> None:

@@ -29,3 +29,27 @@ def test_total_steps_says_a_warmup_as_long_as_the_run(make_cfg):
     assert total_steps(make_cfg("trainer.max_steps=1", "trainer.fast_dev_run=true"), loader,
                        None) == (1, [])  # (its one step checks the run, not its schedule)
     assert total_steps(make_cfg("sched=step", "trainer.max_steps=5"), loader, None) == (5, [])
+
+
+def test_steps_left_counts_the_current_epochs_rest_and_the_epochs_after_it():
+    """230 samples over 2 ranks at batch 10: 12 batches a rank an epoch, 6 steps with
+    accumulation 2. From 80 global samples into epoch 1 (4 global batches in: 8 batches in
+    4 windows left) of a 4-epoch run, 4 + 2 x 6 steps; max_steps cuts that where it comes
+    first; the sampler keeps its own start (the loop sets it when the epoch begins)."""
+    from torch.utils.data import DataLoader
+
+    from data.sampler import ResumableDistributedSampler
+    from trainer.progress import FitState, steps_left
+
+    sampler = ResumableDistributedSampler(230, num_replicas=2, rank=0)
+    loader = DataLoader(list(range(230)), batch_size=10, sampler=sampler)
+    state = FitState(epoch=1, step=8, position=80)
+    assert steps_left(loader, None, 2, state, max_epochs=4, max_steps=-1) == 4 + 2 * 6
+    assert steps_left(loader, None, 2, state, max_epochs=4, max_steps=20) == 12
+    assert steps_left(loader, None, 2, state, max_epochs=-1, max_steps=20) == 12
+    assert steps_left(loader, None, 2, FitState(epoch=2, step=12), max_epochs=4,
+                      max_steps=-1) == 12
+    assert sampler.start == 0
+    plain = DataLoader(list(range(230)), batch_size=10)  # a sampler that cannot start mid-epoch
+    assert steps_left(plain, None, 1, state, max_epochs=4, max_steps=-1) is None
+    assert steps_left(plain, None, 1, FitState(epoch=2, step=46), 4, -1) == 46

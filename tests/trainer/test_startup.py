@@ -89,3 +89,31 @@ def test_another_runs_complete_checkpoint_is_validated_again_and_says_nothing_is
     assert len(done) == 1 and "| no training step in this launch |" in done[0]
     assert "samples/s" not in done[0]
     assert [r["split"] for r in read_metrics(tmp_path / "again")] == ["val"]
+
+
+def test_a_resume_with_another_batch_moves_the_schedule_to_its_position_in_the_new_plan(
+        make_cfg, tmp_path, caplog):
+    """Steps per epoch differ after a resume with another batch (or world size): the cosine
+    goes on from the step the position has in the new plan, so the resumed steps get the lrs a
+    run with the new batch from the start has there, and it ends with the run (counted in the
+    old steps, it would sit at 0 from past the new plan's total)."""
+    from tests.helpers import read_metrics
+    from trainer.runner import train
+
+    common = ("trainer.log_every_n_steps=1", "sched.warmup_steps=4")
+    first = train(make_cfg(*common, "trainer.max_epochs=6", "trainer.checkpoint.every_n_steps=92",
+                           run_dir=tmp_path / "a"))
+    assert first["steps"] == 138  # 23 steps an epoch at batch 64
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        resumed = train(make_cfg(*common, "trainer.max_epochs=6", "data.batch_size=128",
+                                 f"trainer.resume={tmp_path / 'a' / 'checkpoints'}"
+                                 "/step-00000092.pt", run_dir=tmp_path / "b"))
+    assert "the lr schedule moves from its step 92 to 48: this run's plan puts its position " \
+        "at step 48 of the 72 its schedule spans (24 left)" in caplog.text
+    fresh = train(make_cfg(*common, "trainer.max_epochs=6", "data.batch_size=128",
+                           run_dir=tmp_path / "c"))
+    assert resumed["steps"] == 92 + 24 and fresh["steps"] == 72
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "b") if r["split"] == "train"}
+    want = {r["step"] + 44: r["lr"] for r in read_metrics(tmp_path / "c")
+            if r["split"] == "train" and r["step"] > 48}
+    assert lrs == pytest.approx(want) and min(list(lrs.values())[:-1]) > 0
