@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.advice import count_of
 from trainer import checkpoint, distributed, ending, resumefiles, rundir, schedules
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
@@ -82,12 +83,15 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         set_rng_state(rngs[env.rank], generator, gpus)
         loop.loader_rng = rngs[env.rank].get("loader")
     elif old_world != env.world_size:
-        lines.append(f"the checkpoint was written by {old_world} ranks, this job has "
-                     f"{env.world_size}: the data position is kept in global samples "
+        lines.append(f"the checkpoint was written by {count_of(old_world, 'rank')}, this job "
+                     f"has {env.world_size}: the data position is kept in global samples "
                      f"({loop.state.position} into epoch {loop.state.epoch}); random states "
                      "start from the seed")
+    # (whole global batches: the last one of an epoch may count past its samples)
+    into = ("at the epoch's end" if loop.state.position >= len(loop.train_feed.loader.dataset)
+            else f"{loop.state.position} samples into the epoch")
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
-                 f"({loop.state.position} samples into the epoch)")
+                 f"({into})")
     if not resumefiles.in_run_dir(path, run_dir):
         lines += _complete_elsewhere(cfg, loop)
     if cfg.trainer.init_from is not None:

@@ -102,7 +102,7 @@ def test_a_resume_with_another_batch_moves_the_schedule_to_its_position_in_the_n
 
     common = ("trainer.log_every_n_steps=1", "sched.warmup_steps=4")
     first = train(make_cfg(*common, "trainer.max_epochs=6", "trainer.checkpoint.every_n_steps=92",
-                           run_dir=tmp_path / "a"))
+                           "trainer.checkpoint.every_n_epochs=0", run_dir=tmp_path / "a"))
     assert first["steps"] == 138  # 23 steps an epoch at batch 64
     with caplog.at_level(logging.INFO, logger="stoker"):
         resumed = train(make_cfg(*common, "trainer.max_epochs=6", "data.batch_size=128",
@@ -110,6 +110,9 @@ def test_a_resume_with_another_batch_moves_the_schedule_to_its_position_in_the_n
                                  "/step-00000092.pt", run_dir=tmp_path / "b"))
     assert "the lr schedule moves from its step 92 to 48: this run's plan puts its position " \
         "at step 48 of the 72 its schedule spans (24 left)" in caplog.text
+    # saved at epoch 3's last step (no epoch-end save): its position, whole global batches,
+    # passes the 1438 samples
+    assert "step-00000092.pt at epoch 3 step 92 (at the epoch's end)" in caplog.text
     fresh = train(make_cfg(*common, "trainer.max_epochs=6", "data.batch_size=128",
                            run_dir=tmp_path / "c"))
     assert resumed["steps"] == 92 + 24 and fresh["steps"] == 72
