@@ -109,8 +109,9 @@ def end_sweep(e: BaseException) -> NoReturn:
     raise SystemExit(exit_code(e))
 
 
-def say_sweep_stopped() -> None:
-    """One line from rank 0: which job stopped the sweep, and how to run on from there."""
+def say_sweep_stopped(e: Optional[BaseException] = None) -> None:
+    """One line from rank 0: which job stopped the sweep, and how to run on from there (not
+    for `e` that a resume of the sweep would meet again: its dir holds another sweep)."""
     from hydra.core.hydra_config import HydraConfig
 
     if distributed.detect().is_main:
@@ -118,9 +119,11 @@ def say_sweep_stopped() -> None:
         print(f"stoker: the sweep stopped at job {h.job.num}"
               + (f" ({h.runtime.output_dir})"  # a hydra.sweep.subdir of one's own
                  if str(h.job.num) != Path(h.runtime.output_dir).name else "")
-              + "; the jobs after it were not run (once fixed, the same command with "
-              f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
-              + ("keeps the finished ones)" if h.job.num else "runs them all)"),
+              + "; the jobs after it were not run"
+              + ("" if isinstance(e, rundir.AnotherSweep) else
+                 " (once fixed, the same command with "
+                 f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
+                 + ("keeps the finished ones)" if h.job.num else "runs them all)")),
               file=sys.stderr, flush=True)
 
 

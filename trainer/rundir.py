@@ -141,6 +141,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
         outputs = []  # an attempt that failed before it left a result: this run replaces it
     if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
+    _check_same_sweep(run_dir)
     ours = bool(found) or status is not None  # a run's, which trainer.resume=auto continues
     where = f"start in a new dir ({dir_key()}=...); nothing was changed"
     # a run that saved no checkpoint yet is continued from the one it started from
@@ -169,6 +170,29 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
         raise CheckpointError(f"run dir {run_dir} {held}")
     raise CheckpointError(f"trainer.resume={resume}: a new run from a checkpoint outside run "
                           f"dir {run_dir}, which {held}")
+
+
+class AnotherSweep(CheckpointError):
+    """A sweep job's dir holds a job of another sweep: the fix is another sweep dir, not a
+    resume of this one."""
+
+
+def _check_same_sweep(run_dir: Path) -> None:
+    """A sweep job whose dir holds a run of another sweep's job (the same number, other
+    values of the keys that sweep varied) is refused, whatever trainer.resume says: resumed,
+    it would continue that job's run under this job's settings (its optimizer state keeping
+    its lr), and train nothing of this sweep."""
+    if dir_key() != "hydra.sweep.dir":
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    h = HydraConfig.get()
+    differ = sweep.other_sweeps_job(run_dir, Path(h.sweep.dir), list(h.overrides.task))
+    if differ:
+        raise AnotherSweep(f"hydra.sweep.dir={h.sweep.dir}: job dir {run_dir} holds a run of "
+                           f"another sweep's job ({differ}): launch this sweep in a new "
+                           "hydra.sweep.dir, or continue that one with its own values; "
+                           "nothing was changed")
 
 
 def _outputs_in(run_dir: Path) -> List[str]:

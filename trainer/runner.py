@@ -72,7 +72,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
                 e, (distributed.LaunchError, distributed.JoinFailed, WriterGone)))
         finally:
             if stops:  # the last line: which job stopped the sweep, how to run on
-                ending.say_sweep_stopped()
+                ending.say_sweep_stopped(e)
     except BaseException as e:
         ending.sweep_job_failed(e)
         if isinstance(e, Exception) and ending.stops_sweep():

@@ -164,6 +164,34 @@ def varying(jobs: List[Dict[str, Any]]) -> List[str]:
     return keys if keys or len(given) != 1 else order
 
 
+# a sweep relaunched to train on: its lengths may change, as one run's may on a resume
+_LENGTHS = ("trainer.max_epochs", "trainer.max_steps")
+
+
+def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Optional[str]:
+    """Where `job_dir` holds a job of another sweep than the one that gives it `overrides`
+    (a relaunch into the dir with other values of the keys its sweep varied: Hydra numbers
+    the new jobs alike), those keys as `key=<recorded> there, <new> in this job`; None where they
+    agree, or the dir holds no job's record. The keys a sweep varied are told from its jobs'
+    records: of a sweep of one job, none (it resumes as one run does, its changes said)."""
+    recorded = _overrides(job_dir)
+    jobs = [job for job in jobs_of(sweep_dir) if job["overrides"]]
+    if not recorded or len(jobs) < 2:
+        return None
+    old, new = _given({"overrides": recorded}), _given({"overrides": overrides})
+    keys = [k for k in varying(jobs) if k.lstrip("+~") not in _LENGTHS]
+
+    def value(v: Optional[str]) -> Any:  # (1e-3 and 0.001 are one value)
+        try:
+            return float(v) if v is not None else None
+        except ValueError:
+            return v
+
+    differ = [k for k in keys if value(old.get(k)) != value(new.get(k))]
+    return ", ".join(f"{k}={old.get(k, '(not set)')} there, {new.get(k, '(not set)')} in this "
+                     "job" for k in differ) or None
+
+
 def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:
     """(the best job's name or None, the key, max|min): by the monitored key the first job's
     summary names (trainer.checkpoint.monitor and its mode), else val_loss, lowest; of jobs

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.helpers import run_cli
-from trainer.sweep import best_job, jobs_of, summarise, table, varying
+from trainer.sweep import best_job, jobs_of, other_sweeps_job, summarise, table, varying
 
 
 def job(sweep, num, overrides, status=None, summary=None):
@@ -191,6 +191,27 @@ def test_a_sweep_that_ran_every_job_prints_its_table_and_writes_sweep_json(tmp_p
     assert out[at + 1].split()[:3] == ["job", "optim.lr", "status"] and len(out) == at + 4
 
 
+def test_a_job_dir_of_another_sweep_is_told_by_the_keys_its_sweep_varied(tmp_path):
+    """A relaunch numbers its jobs as the sweep in the dir did: job 0 with another value of a
+    key that sweep varied is another sweep's (1e-3 and 0.001 are one value); a longer run
+    (max_epochs), or a key the sweep did not vary, is a resume's change; a sweep of one job
+    varied none."""
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=1e-3", "trainer.max_epochs=1"], "completed")
+    job(sweep, 1, ["optim.lr=3e-3", "trainer.max_epochs=1"], "completed")
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.01", "trainer.max_epochs=1"]) \
+        == "optim.lr=1e-3 there, 0.01 in this job"
+    assert other_sweeps_job(sweep / "1", sweep, ["trainer.max_epochs=1"]) \
+        == "optim.lr=3e-3 there, (not set) in this job"
+    for same in (["optim.lr=0.001", "trainer.max_epochs=3", "data.num_workers=2",
+                  "trainer.resume=auto"], ["optim.lr=1e-3"]):
+        assert other_sweeps_job(sweep / "0", sweep, same) is None
+    assert other_sweeps_job(sweep / "2", sweep, ["optim.lr=1.0"]) is None  # (no record yet)
+    single = tmp_path / "single"
+    job(single, 0, ["optim.lr=1e-3"], "completed")
+    assert other_sweeps_job(single / "0", single, ["optim.lr=0.01"]) is None
+
+
 def test_a_relaunch_refused_at_its_first_job_leaves_the_sweeps_record(tmp_path):
     """Another sweep into a sweep's dir, refused at job 0 (another run's checkpoints): Hydra
     wrote its multirun.yaml over the sweep's before the job said "nothing was changed"; the
@@ -205,6 +226,14 @@ def test_a_relaunch_refused_at_its_first_job_leaves_the_sweeps_record(tmp_path):
     assert other.returncode == 2 and "nothing was changed" in other.stderr, other.stderr
     assert (sweep / "multirun.yaml").read_bytes() == record
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml", "sweep.json"]
+    # the jobs in another order with trainer.resume=auto: job 0 would continue the other model
+    swapped = run_cli(["-m", "model=cnn,mlp", *quick, "trainer.resume=auto"], cwd=tmp_path)
+    assert swapped.returncode == 2 and swapped.stderr.strip().splitlines()[-2:] == [
+        f"stoker: error: hydra.sweep.dir={sweep}: job dir {sweep / '0'} holds a run of another "
+        "sweep's job (model=mlp there, cnn in this job): launch this sweep in a new "
+        "hydra.sweep.dir, or continue that one with its own values; nothing was changed",
+        "stoker: the sweep stopped at job 0; the jobs after it were not run"], swapped.stderr
+    assert (sweep / "multirun.yaml").read_bytes() == record
     again = run_cli(["-m", "model=mlp,cnn", *quick, "trainer.resume=auto"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "- trainer.resume=auto" in (sweep / "multirun.yaml").read_text()
