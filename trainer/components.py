@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from hydra.errors import InstantiationException
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config import ConfigError
 
 RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+_OURS = ("data", "trainer", "tests")  # Stoker's top-level packages
 
 
 def target_of(node: Any, key: str) -> Callable:
@@ -53,12 +55,24 @@ def locate(path: str, key: str) -> Callable:
                 # a package, and more names after this one: a module was meant
                 if j == i and j < len(parts) - 1 and hasattr(obj, "__path__"):
                     raise ConfigError(f"{key}={path}: no module named '{owner}.{attr}' (and "
-                                      f"{owner} has no attribute '{attr}')") from None
-                raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'") from None
+                                      f"{owner} has no attribute '{attr}')"
+                                      + (_shadowed(owner) if j == 1 else "")) from None
+                raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'"
+                                  + (_shadowed(owner) if j == 1 else "")) from None
             obj = getattr(obj, attr)
         return obj
     raise ConfigError(f"{key}={path}: no module named '{parts[0]}' (is it installed, or in the "
                       "directory you run from?)")
+
+
+def _shadowed(top: str) -> str:
+    """Where the package `top` is one of Stoker's own (data, trainer, tests), what
+    that means for a package of the user's by that name: Python finds Stoker's first."""
+    ours = Path(__file__).resolve().parents[1]
+    if top not in _OURS:
+        return ""
+    return (f"; '{top}' is Stoker's own package ({ours / top}), which a package of yours "
+            f"named {top} cannot replace: rename yours")
 
 
 def parameters(target: Callable) -> Optional[Dict[str, inspect.Parameter]]:

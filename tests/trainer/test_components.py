@@ -74,7 +74,12 @@ def test_unknown_and_missing_arguments_are_named():
     ("nopkg.models.MLP", "no module named 'nopkg'"),
     # a package: the module is what was meant
     ("trainer.modelz.MLP", r"no module named 'trainer.modelz' \(and trainer has no attribute "
-                           r"'modelz'\)$"),
+                           r"'modelz'\); 'trainer' is Stoker's own package \(.*trainer\), "
+                           r"which a package of yours named trainer cannot replace: rename "
+                           r"yours$"),
+    # a package of one's own named data: Stoker's data/ is found first
+    ("data.mydata.Diabetes", r"no module named 'data.mydata' \(and data has no attribute "
+                             r"'mydata'\); 'data' is Stoker's own package"),
 ])
 def test_locate_names_what_is_missing(path, fragment):
     with pytest.raises(ConfigError, match=f"^model._target_={path}: {fragment}"):
