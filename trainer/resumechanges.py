@@ -39,11 +39,12 @@ def _get(tree: Dict[str, Any], dotted: str) -> Any:
     return tree
 
 
-def _flat(value: Any, prefix: str) -> Dict[str, Any]:
+def flat(value: Any, prefix: str) -> Dict[str, Any]:
+    """`value`'s leaves as dotted keys under `prefix` (an empty mapping is one leaf, {})."""
     if isinstance(value, dict):
         out: Dict[str, Any] = {}
         for k, v in value.items():
-            out.update(_flat(v, f"{prefix}.{k}"))
+            out.update(flat(v, f"{prefix}.{k}"))
         return out or {prefix: {}}
     return {prefix: value}
 
@@ -85,7 +86,7 @@ def resume_changes(state: Dict[str, Any], cfg: DictConfig, saved_world: int, wor
     changes = [] if saved_world == world else [f"world size {saved_world} -> {world}"]
     kept: Dict[str, Any] = {}
     for key in RESUME_KEYS:
-        a, b = _flat(_get(saved, key), key), _flat(_get(now, key), key)
+        a, b = flat(_get(saved, key), key), flat(_get(now, key), key)
         for k in sorted(set(a) | set(b)):
             if a.get(k) == b.get(k):
                 continue

@@ -22,7 +22,7 @@ from trainer.loop import Callback, Loop
 from trainer.progress import steps_left, total_steps
 from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
-from trainer.resumechanges import changes_line, record_kept, resume_changes
+from trainer.resumechanges import changes_line, flat, record_kept, resume_changes
 from trainer.strategy import unwrap
 
 
@@ -57,7 +57,10 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     warnings = [f"{reason}; the previous checkpoint was used" for reason in skipped]
     rngs, old_world = state.get("rng", []), state.get("world_size", env.world_size)
     changes, kept = resume_changes(state, cfg, old_world, env.world_size)
-    check_model_state(unwrap(loop.model), state, path)
+    try:
+        check_model_state(unwrap(loop.model), state, path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_launched_otherwise(cfg, state, path)}") from None
     try:
         loop.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
@@ -98,6 +101,27 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         line, odd = not_read_line(cfg.trainer.init_from, state, path, rundir.dir_key())
         (warnings if odd else lines).append(line)
     return warnings, lines, path
+
+
+def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> str:
+    """For a checkpoint whose model does not fit: the model settings its run had that this
+    launch has not (a short `trainer.resume=auto hydra.run.dir=...` that left out the
+    run's own overrides), and where its whole resume command is."""
+    saved = (state.get("config") or {}).get("model")
+    if not isinstance(saved, dict):
+        return ""
+    now = OmegaConf.to_container(cfg.model, resolve=True)
+    theirs, ours = flat(saved, "model"), flat(now, "model")
+    differ = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
+    if not differ:
+        return ""
+    status = path.parent.parent / rundir.STATUS
+    command = (f"; {status}'s \"resume\" gives its whole command"
+               if path.parent.name == checkpoint.CHECKPOINT_DIR and status.is_file() else "")
+    return (" (its run had other model settings: " + ", ".join(
+        f"{k}={theirs.get(k, '(not set)')}" for k in differ[:3])
+        + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
+        + f"; resume it with the overrides it was launched with{command})")
 
 
 def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[str]

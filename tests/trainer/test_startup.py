@@ -120,3 +120,22 @@ def test_a_resume_with_another_batch_moves_the_schedule_to_its_position_in_the_n
     want = {r["step"] + 44: r["lr"] for r in read_metrics(tmp_path / "c")
             if r["split"] == "train" and r["step"] > 48}
     assert lrs == pytest.approx(want) and min(list(lrs.values())[:-1]) > 0
+
+
+def test_a_checkpoint_of_another_model_names_the_settings_its_run_was_launched_with(make_cfg,
+                                                                                    tmp_path):
+    """A short resume command that left out the run's own overrides (model=cnn): the misfit
+    line names the model settings the run had, and where its whole resume command is."""
+    from trainer.runner import train
+
+    train(make_cfg("model=cnn", "trainer.max_steps=2"))
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
+    said = str(e.value)
+    assert said.startswith(f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'last.pt'} does "
+                           "not fit this model; missing: ")
+    assert said.endswith(
+        "(its run had other model settings: model._target_=trainer.models.SmallCNN, "
+        "model.channels=[32, 64], model.batch_norm=True (+1 more); resume it with the "
+        f"overrides it was launched with; {tmp_path / 'run' / 'status.json'}'s \"resume\" "
+        "gives its whole command)")
