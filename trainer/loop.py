@@ -1,5 +1,5 @@
 """fit / train_epoch / evaluate: the training loop, readable top to bottom (its validation pass:
-trainer/validation.py).
+trainer/validation.py; its logging windows' sums: trainer/windowlog.py).
 
 Conventions: a *step* is an optimizer step; a *micro-batch* is one loader batch. With
 `accumulate_grad_batches=k`, k micro-batches form a window. The loop never looks inside a batch:
