@@ -290,7 +290,7 @@ def test_sys_exit_in_the_users_code_is_recorded_as_what_it_was(make_cfg, tmp_pat
 
 def test_a_run_stopped_on_non_finite_losses_before_any_save_says_none_was_saved(make_cfg,
                                                                                 tmp_path):
-    from trainer.loop import NonFiniteLoss
+    from trainer.windowlog import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss, match=r"in a row \(up to step 5, trainer.max_bad_steps=3\);"
                                             r" stopped; no checkpoint was saved$"):
@@ -304,7 +304,7 @@ def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
         make_cfg, tmp_path, every, good):
     """Fewer NaN steps than trainer.max_bad_steps at the end: the final state is not saved,
     so the run did not succeed (it exited 0 naming a last.pt that did not exist)."""
-    from trainer.loop import NonFiniteLoss
+    from trainer.windowlog import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss) as info:
         train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=10",
