@@ -2,6 +2,7 @@
 tmp run dir. Shared helpers live in tests/helpers.py; import them from there."""
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Callable
@@ -16,6 +17,13 @@ from tests.helpers import compose_cfg
 # ignored and passes that on to every process it starts, whose Ctrl-C then does nothing: the
 # tests of Ctrl-C need Python's own handler here and the default in the processes they start.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The suite runs two test processes on two cores (pytest -n 2): torch's intra-op threads, one
+# a core in each, would be four busy threads on two cores, each step waiting at its threads'
+# barriers (the in-process tests took twice as long). One thread each, and in the processes
+# they start (train.py, the scripts; torchrun sets the same for its ranks).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
