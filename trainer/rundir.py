@@ -1,8 +1,8 @@
 """A run dir belongs to one run: a lock, a refusal to start a fresh run over another run's
 files, and Hydra's record of the run written only once those checks passed.
 
-The lock is `<run dir>/.stoker.lock`, created atomically (O_EXCL) by rank 0 and holding the
-owner's host, pid, process start time and job id. A lock whose owner is gone (same host, no
+The lock is `<run dir>/.stoker.lock`, created atomically by rank 0 (a file of its own, holding
+the owner's host, pid, process start time and job id, linked to that name: never seen empty). A lock whose owner is gone (same host, no
 such process, or the pid reused by a process started later) is stale and taken over; so is one
 left by an earlier attempt of the same job (a torchrun restart, a SLURM requeue on another
 node: same job id). Every other lock refuses the run in one line naming the owner.
@@ -75,6 +75,16 @@ def owner_alive(who: Dict[str, Any]) -> bool:
     return now is None and os.path.exists(f"/proc/{pid}") or now == started  # pid reused?
 
 
+def _json(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
+    """A lock's owner from its bytes; None where there are none or they are not an owner's
+    (a lock an earlier version of this code left empty when it crashed: stale)."""
+    try:
+        value = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 class RunDirLock:
     """Held by rank 0 for the run's lifetime; `acquire` refuses a dir another live run holds."""
 
@@ -83,31 +93,60 @@ class RunDirLock:
         self.held = False
 
     def acquire(self) -> None:
+        """Takes the lock, whole: the owner is written to a file of this process's own that
+        is then linked to the lock's name (no other process sees a lock without its owner,
+        which it would take for a crash's and remove). A stale lock is moved aside before it
+        goes, and put back where what was moved is not the lock judged stale (another run
+        took it over in between)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):  # a stale lock is removed once, then created anew
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._read()
-                if holder is not None and not self._stale(holder):
-                    raise ConfigError(
-                        f"run dir {self.path.parent} is in use by another run (pid "
-                        f"{holder.get('pid')} on {holder.get('host')} since "
-                        f"{holder.get('since')}); choose another hydra.run.dir, or delete "
-                        f"{self.path} if that run is gone")
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(owner(), f)
-            self.held = True
-            return
+        mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}")
+        mine.write_text(json.dumps(owner()))
+        try:
+            for _ in range(2):  # a stale lock is removed once, then created anew
+                try:
+                    os.link(mine, self.path)
+                except FileExistsError:
+                    seen = self._read_bytes(self.path)
+                    holder = _json(seen)
+                    if holder is not None and not self._stale(holder):
+                        raise ConfigError(
+                            f"run dir {self.path.parent} is in use by another run (pid "
+                            f"{holder.get('pid')} on {holder.get('host')} since "
+                            f"{holder.get('since')}); choose another {dir_key()}, or delete "
+                            f"{self.path} if that run is gone") from None
+                    if not self._remove_stale(seen, mine):
+                        break
+                    continue
+                self.held = True
+                return
+        finally:
+            mine.unlink(missing_ok=True)
         raise ConfigError(f"run dir {self.path.parent}: another run took its lock first")
 
-    def _read(self) -> Optional[Dict[str, Any]]:
+    def _remove_stale(self, seen: Optional[bytes], mine: Path) -> bool:
+        """Removes the lock judged stale from its bytes `seen`; False where what was there by
+        then is another run's new lock (put back)."""
+        aside = mine.with_name(mine.name + ".stale")
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None  # half-written by a crash: stale
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return True  # (another run removed it first: try again)
+        if self._read_bytes(aside) == seen:
+            aside.unlink(missing_ok=True)
+            return True
+        try:
+            os.link(aside, self.path)  # another run's: back in place
+        except FileExistsError:
+            pass
+        aside.unlink(missing_ok=True)
+        return False
+
+    @staticmethod
+    def _read_bytes(path: Path) -> Optional[bytes]:
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None
 
     @staticmethod
     def _stale(holder: Dict[str, Any]) -> bool:

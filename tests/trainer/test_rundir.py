@@ -50,6 +50,48 @@ def test_a_live_runs_lock_refuses_and_a_dead_runs_lock_is_taken_over(make_cfg, t
     assert not (run_dir / rundir.LOCK).exists()  # released at the end
 
 
+def _take_lock(run_dir, barrier, results):
+    """One contender: takes the lock at the barrier and holds it until every one has tried."""
+    lock = rundir.RunDirLock(run_dir)
+    barrier.wait()
+    try:
+        lock.acquire()
+        results.put("held")
+    except ConfigError as e:
+        results.put(str(e))
+    barrier.wait()
+    lock.release()
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_of_runs_that_start_together_one_takes_the_lock(tmp_path, stale):
+    """Four processes take one run dir's lock at the same moment, twenty times over, into an
+    empty dir and into one holding a dead run's lock: each time exactly one holds it (a lock
+    seen before its owner was written, or a stale one removed twice, let two runs write one
+    dir), the others are refused in one line, and nothing is left beside the lock."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    dead = {**rundir.owner(), "pid": dead_pid(), "job": None}
+    for attempt in range(20):
+        run_dir = tmp_path / str(attempt)
+        run_dir.mkdir()
+        if stale:
+            (run_dir / rundir.LOCK).write_text(json.dumps(dead))
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_take_lock, args=(run_dir, barrier, results))
+                 for _ in range(4)]
+        for p in procs:
+            p.start()
+        said = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert said.count("held") == 1, (attempt, said)
+        assert all(s == "held" or "is in use by another run" in s
+                   or "another run took its lock first" in s for s in said), said
+        assert os.listdir(run_dir) == []  # (released by its holder; no owner files left)
+
+
 def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_path):
     run_dir = tmp_path / "run"
     first = run_cli([*QUICK, f"hydra.run.dir={run_dir}"])
