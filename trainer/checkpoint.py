@@ -322,6 +322,14 @@ def remove_leftovers(folder: Path) -> List[Path]:
     return gone
 
 
+WRITER = "stoker-checkpoint"  # the background write's thread
+
+
+def writing_in_background() -> bool:
+    """Whether a checkpoint is being written on its background thread now."""
+    return any(t.name == WRITER and t.is_alive() for t in threading.enumerate())
+
+
 class Checkpointer:
     """Writes `step-NNNNNNNN.pt`, keeps the newest `keep_last`, points `last.pt` (and `best.pt`)
     at them. With `async_save` (the constructor's default, or a save's own) the state is copied
@@ -352,7 +360,7 @@ class Checkpointer:
             return path
         cpu_state = to_cpu(state)  # the training stall: a device-to-host copy, no disk I/O
         self._thread = threading.Thread(target=self._write_guarded, args=(cpu_state, path, best),
-                                        name="stoker-checkpoint", daemon=True)
+                                        name=WRITER, daemon=True)
         self._thread.start()
         return path
 
@@ -369,6 +377,16 @@ class Checkpointer:
             _link_over(path, self.folder / BEST)
         for old in step_files(self.folder)[:-self.keep_last]:
             _unlink_quietly(str(old))  # only after the new one is complete
+
+    def settle(self) -> Optional[BaseException]:
+        """For a run that is failing: lets the background write (if any) end, so that the
+        checkpoint it writes is complete (the process would otherwise exit under it: torch's
+        writer aborts at the interpreter's shutdown, the file lost); returns its error."""
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001  (said by the caller)
+            return e
+        return None
 
     def wait(self) -> None:
         """Blocks until the background write (if any) is on disk; re-raises its error."""

@@ -17,13 +17,30 @@ from hydra.errors import HydraException
 from torch.distributed.elastic.multiprocessing.errors import record
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointError, writing_in_background
 from trainer.config import ConfigError
 from trainer import components, stamp
 from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+def _exit(code: int) -> NoReturn:
+    """SystemExit(code), for a run stopped at once (a second Ctrl-C or signal); where a
+    checkpoint is still being written on its background thread, os._exit after the logs
+    are flushed: the interpreter's shutdown under torch's writer aborts the process. (The
+    status is written; the write's temporary file goes at the run's next start.)"""
+    if writing_in_background():
+        import logging
+
+        for logger in (logging.getLogger(), logging.getLogger("stoker")):
+            for handler in logger.handlers:  # (train.log's lines written)
+                handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 class SignalledAgain(BaseException):
@@ -200,14 +217,14 @@ def _one_line_errors(main: Callable[[], None]) -> None:
         if detect().is_main:
             print(f"stoker: stopped at once on a second {e}, without a checkpoint (the step "
                   "did not end; the checkpoints written stay)", file=sys.stderr, flush=True)
-        raise SystemExit(e.code) from None
+        _exit(e.code)
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a step with a checkpoint)
         reap_children()
         if wants_traceback():
             raise
         if detect().is_main:
             print("stoker: interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        _exit(EXIT_INTERRUPTED)
     except BaseException:  # a traceback: still, no stopped worker may hold the exit
         reap_children()
         raise

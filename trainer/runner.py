@@ -25,7 +25,7 @@ from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumefiles,
                      rundir, schedules, speed, startup)
 from trainer.checks import monitor_mode, resolve
-from trainer.cli import describe, fail, wants_traceback
+from trainer.cli import SignalledAgain, describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
@@ -317,7 +317,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     resume = startup.resume_setting(cfg, run_dir)
     outputs = None
     start = time.perf_counter()
-    loop = None
+    loop = checkpointing = None
     ours = False  # the run dir is this run's to write (its checks passed)
     try:
         startup.same_settings_everywhere(cfg, spec.device)  # (the first collective of the run)
@@ -344,6 +344,13 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
+        if checkpointing is not None and not isinstance(e, (KeyboardInterrupt, SignalledAgain)):
+            # the checkpoint being written in the background is the last good state: complete
+            # it before the process ends (a second signal stops at once: cli._exit)
+            unwritten = checkpointing.saver.settle()
+            if unwritten is not None and env.is_main:
+                log.warning("checkpoint: the last background write failed too: %s",
+                            describe(unwritten))
         died = worker_died(e)  # (said in one line wherever the training thread met it)
         lost = _record_failure(died or e, env, run_dir, loop, outputs, ours)
         if lost is not None or died is not None:

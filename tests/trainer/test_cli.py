@@ -134,3 +134,30 @@ def test_a_loader_workers_error_is_its_last_line_and_where_it_came_from():
                           "FileNotFoundError: [Errno 2] No such file or directory: 'a.tar'\n")
     assert describe(e) == ("FileNotFoundError: [Errno 2] No such file or directory: 'a.tar' "
                            "(FileNotFoundError in DataLoader worker process 0)")
+
+
+@pytest.mark.parametrize("writing", [False, True])
+def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_write(
+        monkeypatch, capsys, writing):
+    """A run stopped at once: exit 130 as a shell reports Ctrl-C; while a checkpoint is still
+    being written on its background thread, through os._exit (logs flushed), because the
+    interpreter's shutdown under torch's writer aborts the process (exit 134)."""
+    from trainer import cli
+
+    monkeypatch.setattr(cli, "writing_in_background", lambda: writing)
+    monkeypatch.setattr(cli, "reap_children", lambda: None)
+    ended = []
+
+    def os_exit(code):
+        ended.append(code)
+        raise SystemExit("os._exit")
+
+    monkeypatch.setattr(cli.os, "_exit", os_exit)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        cli._one_line_errors(interrupted)
+    assert capsys.readouterr().err == "stoker: interrupted\n"
+    assert (ended, e.value.code) == (([130], "os._exit") if writing else ([], 130))

@@ -686,3 +686,35 @@ def test_the_done_line_is_followed_by_how_many_warnings_the_run_said(make_cfg, t
                                run_dir=tmp_path / "quiet"))
     assert quiet["warnings"] == 0 and "warning above" not in caplog.text
     assert not [h for h in logging.getLogger().handlers if isinstance(h, WarningCount)]
+
+
+def test_an_error_while_a_checkpoint_is_written_in_the_background_lets_the_write_end(
+        make_cfg, tmp_path, monkeypatch):
+    """A step that fails while the previous checkpoint is still being written on its
+    background thread: the run ends with its error once that checkpoint is complete (the
+    process used to exit under the write, which aborted it and lost the file)."""
+    import time
+
+    from trainer import checkpoint
+    from trainer.loop import Callback
+
+    real = checkpoint.save
+
+    def slow(state, path):  # a large state on a slow disk
+        time.sleep(1.0)
+        real(state, path)
+
+    monkeypatch.setattr(checkpoint, "save", slow)
+
+    class BreaksAtStep6(Callback):
+        def after_step(self, loop):
+            if loop.state.step == 6:
+                raise RuntimeError("broken at step 6")
+
+    cfg = make_cfg("trainer.max_steps=20", "trainer.checkpoint.every_n_steps=5",
+                   "trainer.checkpoint.async_save=true")
+    with pytest.raises(RuntimeError, match="broken at step 6"):
+        train(cfg, callbacks=[BreaksAtStep6()])
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.pt", "step-00000005.pt"]
+    assert checkpoint.load(folder / "last.pt")["step"] == 5
