@@ -421,6 +421,12 @@ class StringDigits(DigitsDataset):
         return object(), y
 
 
+class CountedClassesDigits(DigitsDataset):
+    """Digits whose `classes` attribute is their number, not their names."""
+
+    classes = 10
+
+
 class Float64Digits(DigitsDataset):
     """Digits as numpy gives them: float64 inputs."""
 

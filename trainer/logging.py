@@ -23,6 +23,21 @@ log = logging.getLogger("stoker")
 _FILE_IDS = itertools.count()  # event files this process opened: unique names within it
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Writes `text` to `path` whole or not at all (a temporary file beside it, renamed over
+    it): a full disk leaves the file as it was, not empty. The OSError names the file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def json_safe(value: Any) -> Any:
     """`value` with every float that is not finite made null: JSON has no NaN or Infinity (what
     Python writes for them, strict readers such as jq and browsers refuse)."""
@@ -114,8 +129,8 @@ class RunLogger:
     def summary(self, values: Dict[str, Any]) -> None:
         """Writes the run's final numbers to `summary.json` (read by the scripts/ tools)."""
         if self.write:
-            (self.run_dir / "summary.json").write_text(
-                json.dumps(json_safe(values), indent=2, allow_nan=False) + "\n")
+            write_whole(self.run_dir / "summary.json",
+                        json.dumps(json_safe(values), indent=2, allow_nan=False) + "\n")
 
     def progress(self, total: Optional[int], desc: str):
         """A tqdm bar on rank 0 (when enabled), else a silent stand-in with the same methods."""

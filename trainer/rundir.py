@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer import distributed, resumefiles, stamp, sweep
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
+from trainer.logging import write_whole
 
 LOCK = ".stoker.lock"
 # what a run that wrote anything leaves behind (train.log aside: this launch's own warnings
@@ -332,10 +333,10 @@ def record_hydra(run_dir: Path, cfg: Optional[DictConfig]) -> None:
     folder = Path(run_dir) / ".hydra"
     folder.mkdir(parents=True, exist_ok=True)
     if cfg is not None:
-        (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (folder / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra_cfg}))
-    (folder / "overrides.yaml").write_text(
-        OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
+        write_whole(folder / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_whole(folder / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
+    write_whole(folder / "overrides.yaml",
+                OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
 
 
 def agreed(check, env) -> None:
@@ -383,7 +384,7 @@ def _same_job(status: Optional[Dict[str, Any]]) -> bool:
 
 def _write(run_dir: Path, status: Dict[str, Any]) -> None:
     try:
-        (Path(run_dir) / STATUS).write_text(json.dumps(status, indent=2) + "\n")
+        write_whole(Path(run_dir) / STATUS, json.dumps(status, indent=2) + "\n")
     except OSError:
         pass  # the dir itself may be the problem (full disk): the exit code still tells
 

@@ -17,7 +17,7 @@ from trainer import checkpoint, distributed, ending, resumefiles, rundir, schedu
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
-from trainer.logging import RunLogger
+from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
 from trainer.progress import steps_left, total_steps
 from trainer.weights import check_model_state, init_weights, not_read_line
@@ -314,10 +314,15 @@ def open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger
     name), metrics.jsonl and TensorBoard."""
     if not logger.write:
         return
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_whole(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     classes = getattr(getattr(train_feed, "source", None), "classes", None)
-    if classes is not None:
-        (run_dir / "classes.json").write_text(json.dumps(list(classes), indent=1) + "\n")
+    if isinstance(classes, (list, tuple)) and all(
+            isinstance(c, (str, int)) and not isinstance(c, bool) for c in classes):
+        write_whole(run_dir / "classes.json", json.dumps(list(classes), indent=1) + "\n")
+    elif classes is not None:  # (an attribute of one's own dataset that is something else)
+        logger.warning("data: the training dataset's classes attribute (%s) is not a list of "
+                       "class names (str or int): classes.json is not written",
+                       type(classes).__name__)
     rundir.record_hydra(run_dir, cfg)
     resume = cfg.trainer.resume
     rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)

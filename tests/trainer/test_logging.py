@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.logging import EventFile, RunLogger
+from trainer.logging import EventFile, RunLogger, write_whole
 
 
 def _scalars(logdir):
@@ -131,3 +131,24 @@ def test_validations_before_the_resumed_step_stay_and_one_at_it_only_if_it_was_s
     assert rows_after(4, 4) == [("val", 2), ("train", 4), ("val", 4)]
     # saved before step 4's validation (or a checkpoint that does not record it): run again
     assert rows_after(4, 2) == rows_after(4, -1) == [("val", 2), ("train", 4)]
+
+
+def test_write_whole_leaves_the_file_as_it_was_when_the_disk_is_full(tmp_path, monkeypatch):
+    """status.json, summary.json and config.yaml are written whole or not at all: a full disk
+    used to leave status.json empty (written in place), and its error named no file."""
+    import errno
+    import os
+
+    path = tmp_path / "status.json"
+    write_whole(path, '{"status": "running"}\n')
+    assert path.read_text() == '{"status": "running"}\n'
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError) as e:
+        write_whole(path, '{"status": "failed"}\n')
+    assert str(e.value) == f"[Errno 28] No space left on device: '{path}'"
+    assert path.read_text() == '{"status": "running"}\n'
+    assert os.listdir(tmp_path) == ["status.json"]  # (no temporary file left)

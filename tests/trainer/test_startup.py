@@ -139,3 +139,16 @@ def test_a_checkpoint_of_another_model_names_the_settings_its_run_was_launched_w
         "model.channels=[32, 64], model.batch_norm=True (+1 more); resume it with the "
         f"overrides it was launched with; {tmp_path / 'run' / 'status.json'}'s \"resume\" "
         "gives its whole command)")
+
+
+def test_a_dataset_whose_classes_are_not_names_trains_and_writes_no_classes_json(make_cfg,
+                                                                                 tmp_path,
+                                                                                 caplog):
+    from trainer.runner import train
+
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        summary = train(make_cfg("data.dataset._target_=tests.helpers.CountedClassesDigits",
+                                 "trainer.max_steps=2"))
+    assert summary["steps"] == 2 and not (tmp_path / "run" / "classes.json").exists()
+    assert "data: the training dataset's classes attribute (int) is not a list of class " \
+        "names (str or int): classes.json is not written" in caplog.text
