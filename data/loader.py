@@ -117,6 +117,22 @@ def end_workers(loader: Any) -> None:
         loader._iterator = None
 
 
+def kill_workers(*holders: Any) -> None:
+    """Kills the live worker processes of DataLoader iterators: `holders` themselves, or the
+    ones a loader keeps (a DataLoader's persistent iterator, the run-on loader's)."""
+    from torch.utils.data._utils import signal_handling
+
+    for holder in holders:
+        for it in (holder, getattr(holder, "_iterator", None), getattr(holder, "_batches", None)):
+            if getattr(it, "_worker_pids_set", False):  # (as its shutdown does first: else
+                # the SIGCHLD handler raises "worker killed" over the stall's own line)
+                signal_handling._remove_worker_pids(id(it))
+                it._worker_pids_set = False
+            for worker in getattr(it, "_workers", None) or ():
+                if worker.is_alive():
+                    worker.kill()
+
+
 @atexit.register
 def _end_workers_at_exit() -> None:
     """Python's exit (multiprocessing's hook) sends each live worker one SIGTERM and waits for
@@ -193,9 +209,9 @@ _WORKER_ENDED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
 
 _LESS_MEMORY = ("fewer data.num_workers, a smaller data.prefetch_factor or data.batch_size "
                 "take less memory")
-_ENDED = (f"killed (the out-of-memory killer, usually: {_LESS_MEMORY}), or crashed in native "
-          "code the dataset calls (data.num_workers=0 runs it in the training process, where "
-          "that shows)")
+_ENDED = (f"PyTorch does not tell how: the out-of-memory killer, usually ({_LESS_MEMORY}), a "
+          "crash in native code the dataset calls, or an exit in its own code (sys.exit, "
+          "os._exit); data.num_workers=0 runs it in the training process, where that shows")
 
 
 def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
@@ -265,15 +281,21 @@ def loader_error(e: BaseException) -> BaseException:
                        "them, or set data.collate_fn (to pad variable-length samples, say)")
 
 
-def readable(batches: Iterator[Any], workers: bool = False) -> Iterator[Any]:
+def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
+             ) -> Iterator[Any]:
     """`batches`, with what `loader_error` knows turned into one line (a sample the default
     collate cannot batch, a stalled worker, a worker's data error such as an unreadable
     file); other errors pass as they are. `workers`: the batches come from loader workers,
-    so a connection that breaks while one is received is that worker's process ending."""
+    so a connection that breaks while one is received is that worker's process ending. On a
+    stall the workers of `batches` (or of the loader `owner` that made them) are killed: a
+    stuck one ignores the request to stop, and the loader's shutdown would wait 5 s for
+    each (a silent minute with several workers and loaders)."""
     try:
         yield from batches  # delegated in C: nothing per batch on the training thread
     except (TypeError, RuntimeError, KeyError, ConfigError) as e:
         error = loader_error(e)
+        if isinstance(error, LoaderStalled):
+            kill_workers(batches, owner)
         if error is e:
             raise
         raise error from None

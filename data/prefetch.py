@@ -252,7 +252,8 @@ class DevicePrefetcher:
             for batch in source:
                 yield transform(batch, next(keys))
             return
-        batches = readable(iter(self.loader), workers=getattr(self.loader, "num_workers", 0) > 0)
+        batches = readable(iter(self.loader), workers=getattr(self.loader, "num_workers", 0) > 0,
+                           owner=self.loader)
         if limit is not None:
             batches = itertools.islice(batches, limit)
         if self.side_stream is None:

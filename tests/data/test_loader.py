@@ -126,8 +126,8 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
 @pytest.mark.parametrize("sig", ["KILL", "SEGV"])
 def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, sig):
     """The training process's DataLoader tells only that the worker ended: the line names
-    both usual causes (PyTorch's signal or exit code, where it tells one, is named instead;
-    the unit test below)."""
+    the usual causes, an exit of the dataset's own among them (PyTorch's signal or exit code,
+    where it tells one, is named instead; the unit test below)."""
     from tests.helpers import run_cli
 
     proc = run_cli(["data.dataset._target_=tests.helpers.DyingWorkerDigits",
@@ -137,8 +137,9 @@ def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, 
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1].strip(" \x00")  # (after PyTorch's SEGV line)
     assert re.match(r"stoker: error: data: loader worker \(pid \d+\) ended unexpectedly: "
-                    r"killed \(the out-of-memory killer, usually", last), last
-    assert "crashed in native code the dataset calls" in last
+                    r"PyTorch does not tell how: the out-of-memory killer, usually", last), last
+    assert "a crash in native code the dataset calls, or an exit in its own code (sys.exit, " \
+        "os._exit)" in last
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
@@ -176,3 +177,28 @@ def test_a_broken_connection_to_a_worker_is_its_end_and_a_datasets_own_is_not():
         list(readable(batches(), workers=True))
     with pytest.raises(ConnectionResetError):  # no workers: the dataset's own, as it is
         list(readable(batches()))
+
+
+class _Hangs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        __import__("time").sleep(3600)
+
+
+def test_a_stall_kills_the_stuck_workers_at_once():
+    """data.timeout passed: the one-line LoaderStalled, and the stuck workers are killed then
+    (asked to stop, a stuck worker does not, and the loader's shutdown waited 5 s for each)."""
+    from data.loader import LoaderStalled, readable
+
+    loader = torch.utils.data.DataLoader(_Hangs(), batch_size=2, num_workers=2, timeout=1)
+    batches = iter(loader)
+    workers = list(batches._workers)
+    with pytest.raises(LoaderStalled, match=r"^data: DataLoader timed out after 1 seconds "
+                                            r"\(data.timeout\)"):
+        next(readable(batches, workers=True, owner=loader))
+    for worker in workers:
+        worker.join(timeout=2)
+    assert not any(w.is_alive() for w in workers)
+    batches._shutdown_workers()
