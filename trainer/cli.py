@@ -179,11 +179,23 @@ def exit_on_error(main: Callable[[], None]) -> None:
     if os.environ.get("HYDRA_FULL_ERROR"):
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    _check_flag_order(sys.argv[1:])
     import_from_cwd()
     # under torchrun, record() writes a crash's traceback where the agent reports it; the
     # errors said in one line are turned into SystemExit inside it, which it does not record
     # (torchrun printed a rank's whole traceback for a misspelt key)
     record(lambda: _one_line_errors(main))()
+
+
+def _check_flag_order(args: List[str]) -> None:
+    """-m (--multirun) between overrides: Hydra's argument parser takes the overrides before it
+    and refuses the ones after it with its whole usage block; one line says where it goes."""
+    flags = [i for i, a in enumerate(args) if a in ("-m", "--multirun")]
+    overrides = [i for i, a in enumerate(args) if "=" in a and not a.startswith("-")]
+    if flags and any(i < flags[0] for i in overrides) and any(i > flags[0] for i in overrides):
+        fail(ConfigError(f"{args[flags[0]]} (a sweep) goes before the overrides, not among "
+                         f"them: python train.py {args[flags[0]]} "
+                         + " ".join(a for a in args if a != args[flags[0]])))
 
 
 def _one_line_errors(main: Callable[[], None]) -> None:

@@ -161,3 +161,17 @@ def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_writ
         cli._one_line_errors(interrupted)
     assert capsys.readouterr().err == "stoker: interrupted\n"
     assert (ended, e.value.code) == (([130], "os._exit") if writing else ([], 130))
+
+
+def test_a_sweep_flag_among_the_overrides_is_one_line_saying_where_it_goes(capsys):
+    """Hydra's parser takes the overrides before -m and refuses those after it with its
+    whole usage block; -m first, or after every override, is Hydra's to read."""
+    from trainer.cli import _check_flag_order
+
+    with pytest.raises(SystemExit) as e:
+        _check_flag_order(["trainer.max_steps=3", "-m", "optim.lr=1e-3,3e-3"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "stoker: error: -m (a sweep) goes before the overrides, not among them: python "
+        "train.py -m trainer.max_steps=3 optim.lr=1e-3,3e-3\n")
+    for fine in (["-m", "a=1", "b=2,3"], ["a=1", "b=2,3", "--multirun"], ["a=1"], []):
+        _check_flag_order(fine)
