@@ -93,8 +93,9 @@ def find_resume(resume: Optional[str], run_dir: Path
             raise CheckpointError("trainer.resume='': is empty (give a path to a .pt file, "
                                   "auto, or null)")
         if not path.is_file():
-            what = "a directory, not a checkpoint file" if path.is_dir() else \
-                "no such checkpoint file"
+            what = ("a directory, not a checkpoint file" if path.is_dir() else
+                    "not a regular file (a device, a pipe or a socket)" if path.exists() else
+                    "no such checkpoint file")
             if (path / CHECKPOINT_DIR).is_dir():  # a run dir: what continuing it takes
                 raise CheckpointError(
                     f"trainer.resume={resume}: {what}; to continue the run in it: "

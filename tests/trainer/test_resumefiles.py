@@ -78,3 +78,11 @@ def test_the_resume_overrides_are_the_launchs_own(tmp_path):
                         "optim.lr=0.1", "data.input_shape=[1,8,8]", "trainer.resume=auto"]
     parsed = OverridesParser.create().parse_override(got[-1])  # as Hydra reads it back
     assert parsed.key_or_group == "hydra.run.dir" and parsed.value() == str(job_dir)
+
+
+def test_a_resume_path_that_is_no_regular_file_says_what_it_is(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^trainer.resume=/dev/null: not a regular file "
+                                              r"\(a device, a pipe or a socket\)"):
+        resumefiles.find_resume("/dev/null", tmp_path)
+    with pytest.raises(CheckpointError, match=r": no such checkpoint file \(give a path"):
+        resumefiles.find_resume(str(tmp_path / "nope.pt"), tmp_path)
