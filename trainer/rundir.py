@@ -105,7 +105,7 @@ class RunDirLock:
         try:
             for _ in range(2):  # a stale lock is removed once, then created anew
                 try:
-                    os.link(mine, self.path)
+                    self._place(mine)
                 except FileExistsError:
                     seen = self._read_bytes(self.path)
                     holder = _json(seen)
@@ -123,6 +123,21 @@ class RunDirLock:
         finally:
             mine.unlink(missing_ok=True)
         raise ConfigError(f"run dir {self.path.parent}: another run took its lock first")
+
+    def _place(self, mine: Path) -> None:
+        """`mine` linked to the lock's name (FileExistsError where a lock is there); on a file
+        system without hard links (some network and FUSE mounts), the lock created with
+        O_EXCL and written (the way an owner can briefly be missing from it)."""
+        try:
+            os.link(mine, self.path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:
+            pass
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(mine.read_bytes())
 
     def _remove_stale(self, seen: Optional[bytes], mine: Path) -> bool:
         """Removes the lock judged stale from its bytes `seen`; False where what was there by

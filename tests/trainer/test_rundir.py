@@ -477,3 +477,22 @@ def test_a_fresh_run_that_crashes_at_its_first_batch_says_so_in_status_json(make
     assert status["error"] == "RuntimeError: injected failure on rank None"
     assert not (run_dir / "config.yaml").exists()  # (the run's files come with its first step)
     assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4  # the fixed run goes on
+
+
+def test_without_hard_links_the_lock_is_still_taken_once(tmp_path, monkeypatch):
+    """A file system that refuses hard links (some network and FUSE mounts): the lock is
+    created with O_EXCL instead, and a second taker is refused."""
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first, second = rundir.RunDirLock(tmp_path), rundir.RunDirLock(tmp_path)
+    first.acquire()
+    assert json.loads((tmp_path / rundir.LOCK).read_text())["pid"] == os.getpid()
+    second._stale = lambda holder: False  # (the same process: as another live run's)
+    with pytest.raises(ConfigError, match="is in use by another run"):
+        second.acquire()
+    first.release()
+    assert os.listdir(tmp_path) == []
