@@ -323,11 +323,20 @@ def remove_leftovers(folder: Path) -> List[Path]:
 
 
 WRITER = "stoker-checkpoint"  # the background write's thread
+# background writes not yet ended, counted by the writers themselves: a KeyboardInterrupt in
+# Thread.join marks the thread stopped while it still runs (Python up to 3.12)
+_writing = [0]
+_writing_lock = threading.Lock()
 
 
 def writing_in_background() -> bool:
     """Whether a checkpoint is being written on its background thread now."""
-    return any(t.name == WRITER and t.is_alive() for t in threading.enumerate())
+    return _writing[0] > 0
+
+
+def _count_writing(change: int) -> None:
+    with _writing_lock:
+        _writing[0] += change
 
 
 class Checkpointer:
@@ -361,7 +370,12 @@ class Checkpointer:
         cpu_state = to_cpu(state)  # the training stall: a device-to-host copy, no disk I/O
         self._thread = threading.Thread(target=self._write_guarded, args=(cpu_state, path, best),
                                         name=WRITER, daemon=True)
-        self._thread.start()
+        _count_writing(+1)  # (before it starts: an exit right after this sees it)
+        try:
+            self._thread.start()
+        except BaseException:
+            _count_writing(-1)
+            raise
         return path
 
     def _write_guarded(self, state, path, best) -> None:
@@ -369,6 +383,8 @@ class Checkpointer:
             self._write(state, path, best)
         except BaseException as e:  # reported by the next wait()
             self._error = e
+        finally:
+            _count_writing(-1)
 
     def _write(self, state: Dict[str, Any], path: Path, best: bool) -> None:
         save(state, path)
@@ -384,7 +400,7 @@ class Checkpointer:
         writer aborts at the interpreter's shutdown, the file lost); returns its error."""
         try:
             self.wait()
-        except BaseException as e:  # noqa: BLE001  (said by the caller)
+        except Exception as e:  # noqa: BLE001  (said by the caller; a Ctrl-C stops the wait)
             return e
         return None
 

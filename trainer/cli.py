@@ -28,15 +28,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 def _exit(code: int) -> NoReturn:
     """SystemExit(code), for a run stopped at once (a second Ctrl-C or signal); where a
-    checkpoint is still being written on its background thread, os._exit after the logs
-    are flushed: the interpreter's shutdown under torch's writer aborts the process. (The
+    checkpoint is still being written on its background thread, os._exit after Python's exit
+    handlers ran: the interpreter's shutdown under torch's writer aborts the process. (The
     status is written; the write's temporary file goes at the run's next start.)"""
     if writing_in_background():
-        import logging
+        import atexit
 
-        for logger in (logging.getLogger(), logging.getLogger("stoker")):
-            for handler in logger.handlers:  # (train.log's lines written)
-                handler.flush()
+        atexit._run_exitfuncs()  # (the logs flushed, a sweep's kept record settled)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

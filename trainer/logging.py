@@ -30,12 +30,14 @@ def write_whole(path: Path, text: str) -> None:
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise OSError(e.errno, e.strerror, str(path)) from None
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def json_safe(value: Any) -> Any:

@@ -297,3 +297,30 @@ def test_a_folder_in_the_way_of_last_pt_is_one_line_and_leaves_no_link_behind(tm
                              r"folder is in the way\); .*step-00000003\.pt was written"):
         saver.save({"model": {}, "step": 3}, step=3)
     assert sorted(p.name for p in saver.folder.iterdir()) == ["last.pt", "step-00000003.pt"]
+
+
+def test_a_background_write_is_seen_running_after_a_ctrl_c_stopped_the_wait_for_it(
+        tmp_path, monkeypatch):
+    """A Ctrl-C inside the wait for a background write marks the thread stopped while it still
+    writes (Python up to 3.12): whether a write is running is counted by the writers
+    themselves, so a run stopped at once still knows to leave through os._exit."""
+    import os
+    import signal
+    import threading
+    import time
+
+    real = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda state, path: (time.sleep(1.0),
+                                                                   real(state, path)))
+    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True, enabled=True)
+    saver.save(whole(3), 3)
+    assert checkpoint.writing_in_background()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # (a Ctrl-C)
+    with pytest.raises(KeyboardInterrupt):
+        saver.wait()
+    assert checkpoint.writing_in_background()
+    deadline = time.monotonic() + 30
+    while checkpoint.writing_in_background() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not checkpoint.writing_in_background()
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == 3

@@ -140,7 +140,7 @@ def test_a_loader_workers_error_is_its_last_line_and_where_it_came_from():
 def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_write(
         monkeypatch, capsys, writing):
     """A run stopped at once: exit 130 as a shell reports Ctrl-C; while a checkpoint is still
-    being written on its background thread, through os._exit (logs flushed), because the
+    being written on its background thread, through os._exit (exit handlers run), because the
     interpreter's shutdown under torch's writer aborts the process (exit 134)."""
     from trainer import cli
 
@@ -153,6 +153,7 @@ def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_writ
         raise SystemExit("os._exit")
 
     monkeypatch.setattr(cli.os, "_exit", os_exit)
+    monkeypatch.setattr(__import__("atexit"), "_run_exitfuncs", lambda: ended.append("atexit"))
 
     def interrupted():
         raise KeyboardInterrupt
@@ -160,7 +161,7 @@ def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_writ
     with pytest.raises(SystemExit) as e:
         cli._one_line_errors(interrupted)
     assert capsys.readouterr().err == "stoker: interrupted\n"
-    assert (ended, e.value.code) == (([130], "os._exit") if writing else ([], 130))
+    assert (ended, e.value.code) == ((["atexit", 130], "os._exit") if writing else ([], 130))
 
 
 def test_a_sweep_flag_among_the_overrides_is_one_line_saying_where_it_goes(capsys):

@@ -693,15 +693,17 @@ def test_an_error_while_a_checkpoint_is_written_in_the_background_lets_the_write
     """A step that fails while the previous checkpoint is still being written on its
     background thread: the run ends with its error once that checkpoint is complete (the
     process used to exit under the write, which aborted it and lost the file)."""
+    import threading
     import time
 
     from trainer import checkpoint
     from trainer.loop import Callback
 
-    real = checkpoint.save
+    real, failing = checkpoint.save, threading.Event()
 
-    def slow(state, path):  # a large state on a slow disk
-        time.sleep(1.0)
+    def slow(state, path):  # a large state on a slow disk: still writing when step 6 fails
+        failing.wait(60)
+        time.sleep(0.5)
         real(state, path)
 
     monkeypatch.setattr(checkpoint, "save", slow)
@@ -709,6 +711,7 @@ def test_an_error_while_a_checkpoint_is_written_in_the_background_lets_the_write
     class BreaksAtStep6(Callback):
         def after_step(self, loop):
             if loop.state.step == 6:
+                failing.set()
                 raise RuntimeError("broken at step 6")
 
     cfg = make_cfg("trainer.max_steps=20", "trainer.checkpoint.every_n_steps=5",
