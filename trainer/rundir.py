@@ -9,6 +9,7 @@ node: same job id). Every other lock refuses the run in one line naming the owne
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -76,6 +77,23 @@ def owner_alive(who: Dict[str, Any]) -> bool:
     return now is None and os.path.exists(f"/proc/{pid}") or now == started  # pid reused?
 
 
+@contextlib.contextmanager
+def _one_at_a_time(folder: Path):
+    """An exclusive flock on `folder` while the block runs (the processes taking its lock, one
+    after another); nothing where the file system has none."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # (no flock here: the lock's own steps still hold in most interleavings)
+        yield
+    finally:
+        os.close(fd)  # (releases the flock)
+
+
 def _json(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
     """A lock's owner from its bytes; None where there are none or they are not an owner's
     (a lock an earlier version of this code left empty when it crashed: stale)."""
@@ -96,32 +114,39 @@ class RunDirLock:
     def acquire(self) -> None:
         """Takes the lock, whole: the owner is written to a file of this process's own that
         is then linked to the lock's name (no other process sees a lock without its owner,
-        which it would take for a crash's and remove). A stale lock is moved aside before it
-        goes, and put back where what was moved is not the lock judged stale (another run
-        took it over in between)."""
+        which it would take for a crash's and remove). Runs that take it at once do so one
+        after another (an flock on the run dir, held for the few file operations: a stale
+        lock judged and replaced by one of them alone). Where the file system has no flock,
+        a stale lock is still moved aside before it goes, and put back where what was moved
+        is not the lock judged stale (another run took it over in between)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}")
         mine.write_text(json.dumps(owner()))
         try:
-            for _ in range(2):  # a stale lock is removed once, then created anew
-                try:
-                    self._place(mine)
-                except FileExistsError:
-                    seen = self._read_bytes(self.path)
-                    holder = _json(seen)
-                    if holder is not None and not self._stale(holder):
-                        raise ConfigError(
-                            f"run dir {self.path.parent} is in use by another run (pid "
-                            f"{holder.get('pid')} on {holder.get('host')} since "
-                            f"{holder.get('since')}); choose another {dir_key()}, or delete "
-                            f"{self.path} if that run is gone") from None
-                    if not self._remove_stale(seen, mine):
-                        break
-                    continue
-                self.held = True
-                return
+            with _one_at_a_time(self.path.parent):
+                self._take(mine)
         finally:
             mine.unlink(missing_ok=True)
+
+    def _take(self, mine: Path) -> None:
+        """The lock placed, or a live owner's refusal; a stale lock removed once."""
+        for _ in range(2):  # a stale lock is removed once, then created anew
+            try:
+                self._place(mine)
+            except FileExistsError:
+                seen = self._read_bytes(self.path)
+                holder = _json(seen)
+                if holder is not None and not self._stale(holder):
+                    raise ConfigError(
+                        f"run dir {self.path.parent} is in use by another run (pid "
+                        f"{holder.get('pid')} on {holder.get('host')} since "
+                        f"{holder.get('since')}); choose another {dir_key()}, or delete "
+                        f"{self.path} if that run is gone") from None
+                if not self._remove_stale(seen, mine):
+                    break
+                continue
+            self.held = True
+            return
         raise ConfigError(f"run dir {self.path.parent}: another run took its lock first")
 
     def _place(self, mine: Path) -> None:
@@ -151,7 +176,7 @@ class RunDirLock:
             aside.unlink(missing_ok=True)
             return True
         try:
-            os.link(aside, self.path)  # another run's: back in place
+            self._place(aside)  # another run's: back in place
         except FileExistsError:
             pass
         aside.unlink(missing_ok=True)
