@@ -200,6 +200,13 @@ def _schedule_position(cfg: DictConfig, loop: Loop) -> Tuple[List[str], bool]:
     why = (f"this run's plan puts its position at step {target} of the {total} its schedule "
            f"spans ({left} left)")
     if not schedules.move_to(scheduler, target):
+        own = getattr(scheduler, "total_steps", None)  # (OneCycleLR's: the checkpoint's)
+        if isinstance(own, int) and now + left > own:
+            raise ConfigError(
+                f"sched: {type(scheduler).__name__} spans the checkpoint's {own} steps, and "
+                f"from its step {now} this run takes {left} more (another world size, batch "
+                "or accumulation): it would step past its end; resume with the checkpoint's, "
+                "or start a new run")
         return [f"the lr schedule ({type(scheduler).__name__}) stays at its step {now}, while "
                 f"{why}: it has no formula of the step to move by, so its lr no longer follows "
                 "the run's progress; resume with the checkpoint's world size, batch and "

@@ -152,3 +152,21 @@ def test_a_dataset_whose_classes_are_not_names_trains_and_writes_no_classes_json
     assert summary["steps"] == 2 and not (tmp_path / "run" / "classes.json").exists()
     assert "data: the training dataset's classes attribute (int) is not a list of class " \
         "names (str or int): classes.json is not written" in caplog.text
+
+
+def test_a_schedule_that_cannot_move_and_would_step_past_its_end_is_refused_at_start(
+        make_cfg, tmp_path):
+    """OneCycleLR keeps the checkpoint's total_steps in its state and has no formula to move
+    by: resumed with a smaller batch (more steps to go), it would fail mid-run past its end;
+    it is refused before training, naming both counts."""
+    from trainer.runner import train
+
+    onecycle = ("sched=constant", "~sched.warmup_steps",
+                "sched._target_=torch.optim.lr_scheduler.OneCycleLR", "+sched.max_lr=0.01")
+    train(make_cfg(*onecycle, "trainer.max_epochs=2", "trainer.checkpoint.every_n_steps=23",
+                   "trainer.checkpoint.every_n_epochs=0", run_dir=tmp_path / "a"))
+    with pytest.raises(ConfigError, match=r"^sched: OneCycleLR spans the checkpoint's 46 steps, "
+                                          r"and from its step 23 this run takes 45 more"):
+        train(make_cfg(*onecycle, "trainer.max_epochs=2", "data.batch_size=32",
+                       f"trainer.resume={tmp_path / 'a' / 'checkpoints'}/step-00000023.pt",
+                       run_dir=tmp_path / "b"))
