@@ -172,14 +172,18 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
     """Where `job_dir` holds a job of another sweep than the one that gives it `overrides`
     (a relaunch into the dir with other values of the keys its sweep varied: Hydra numbers
     the new jobs alike), those keys as `key=<recorded> there, <new> in this job`; None where they
-    agree, or the dir holds no job's record. The keys a sweep varied are told from its jobs'
-    records: of a sweep of one job, none (it resumes as one run does, its changes said)."""
+    agree, or the dir holds no job's record. The keys a sweep varied are its record's sweeps
+    (the multirun.yaml this launch kept: `optim.lr=1e-3,3e-3`), else told from its jobs'
+    records (of a sweep of one job, none: it resumes as one run does, its changes said)."""
     recorded = _overrides(job_dir)
-    jobs = [job for job in jobs_of(sweep_dir) if job["overrides"]]
-    if not recorded or len(jobs) < 2:
+    if not recorded:
         return None
+    keys = _swept(kept_record(sweep_dir))
+    if keys is None:
+        jobs = [job for job in jobs_of(sweep_dir) if job["overrides"]]
+        keys = varying(jobs) if len(jobs) > 1 else []
+    keys = [k for k in keys if k.lstrip("+~") not in _LENGTHS]
     old, new = _given({"overrides": recorded}), _given({"overrides": overrides})
-    keys = [k for k in varying(jobs) if k.lstrip("+~") not in _LENGTHS]
 
     def value(v: Optional[str]) -> Any:  # (1e-3 and 0.001 are one value)
         try:
@@ -190,6 +194,19 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
     differ = [k for k in keys if value(old.get(k)) != value(new.get(k))]
     return ", ".join(f"{k}={old.get(k, '(not set)')} there, {new.get(k, '(not set)')} in this "
                      "job" for k in differ) or None
+
+
+def _swept(record: Path) -> Optional[List[str]]:
+    """The keys a sweep's multirun.yaml sweeps (`key=a,b`, `key=range(...)`), as its jobs'
+    overrides name them; None where it cannot be read."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        typed = list(OmegaConf.load(record).hydra.overrides.task)
+        parsed = OverridesParser.create().parse_overrides([str(o) for o in typed])
+    except Exception:  # noqa: BLE001  (no record kept, or not one Hydra wrote)
+        return None
+    return [o.get_key_element() for o in parsed if o.is_sweep_override()]
 
 
 def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:

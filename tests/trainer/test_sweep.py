@@ -291,3 +291,17 @@ def test_a_job_that_stopped_early_says_so_in_its_row(tmp_path):
     assert lines[2].split()[:5] == ["0", "1", "completed", "(stopped", "early)"]
     assert lines[3].split()[:3] == ["1", "3", "completed"]
     assert best_job(jobs_of(sweep)) == (1, "val_loss", "min")  # a stopped job ranks as any
+
+
+def test_the_keys_a_sweep_varied_come_from_its_kept_record_when_it_has_one(tmp_path):
+    """A sweep stopped in its first job left one job dir, which tells nothing of what it
+    varied: the record of the sweep this launch kept (its multirun.yaml) does."""
+    from trainer.sweep import kept_record
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=1e-3", "seed=1"], "interrupted")
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.01", "seed=2"]) is None
+    kept_record(sweep).write_text("hydra:\n  overrides:\n    task:\n"
+                                  "    - optim.lr=1e-3,3e-3\n    - seed=1\n")
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.01", "seed=2"]) == \
+        "optim.lr=1e-3 there, 0.01 in this job"  # (seed: not a key the sweep varied)
