@@ -50,13 +50,10 @@ def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path)
 def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
     """The keys of a model's state dict (`own`) that another (`theirs`) lacks ('missing'), the
     ones it has on top ('unexpected'), and the ones with another shape ('shape mismatch')."""
-    def shape(value: Any) -> Optional[tuple]:
-        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
     return {"missing": sorted(set(own) - set(theirs)),
             "unexpected": sorted(set(theirs) - set(own)),
             "shape mismatch": sorted(k for k in set(own) & set(theirs)
-                                     if shape(own[k]) != shape(theirs[k]))}
+                                     if _dims(own[k]) != _dims(theirs[k]))}
 
 
 def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
@@ -221,9 +218,15 @@ def _without_wrappers(theirs: Dict[str, Any], own: Mapping[str, Any], key: str
         heads = sorted({k.split(".", 1)[0] + "." for k in theirs if "." in k})
         under = {h: {k[len(h):]: v for k, v in theirs.items() if k.startswith(h)}
                  for h in heads}
-        fits = [h for h in heads if set(under[h]) & set(own)]
+        # (a subtree fits by its tensors of the model's names and shapes: a distilled
+        # student's beside its wider teacher, whose names are the same)
+        score = {h: sum(k in own and _dims(v) == _dims(own[k]) for k, v in under[h].items())
+                 for h in heads}
+        named = [h for h in heads if set(under[h]) & set(own)]
+        best = [h for h in heads if score[h] and score[h] == max(score.values())]
+        fits = best if best else named
         if len(heads) == 1 and len(under[heads[0]]) == len(theirs) and \
-                (heads[0] in _WRAPPERS or fits):
+                (heads[0] in _WRAPPERS or named):
             first = heads[0]  # (a known wrapper's may hold one more: `_orig_mod.module.`)
         elif len(fits) == 1:
             first = fits[0]
@@ -238,6 +241,10 @@ def _without_wrappers(theirs: Dict[str, Any], own: Mapping[str, Any], key: str
         theirs = under[first]
         removed.append(first)
     return theirs, "".join(removed), left_out
+
+
+def _dims(value: Any) -> Optional[tuple]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def _tied(own: Mapping[str, Any], missing, loaded) -> list:

@@ -62,8 +62,9 @@ def test_loads_the_layouts_other_code_saves(tmp_path, layout):
 
 def test_a_lightning_file_loads_its_model_subtree_and_names_the_keys_left_out(tmp_path):
     """A LightningModule holding the net as self.model and its loss as self.criterion saves
-    both: the net's keys fit (strictly), the loss's are left out and named; a file where two
-    subtrees fit (the net and an EMA copy) is refused, naming both."""
+    both: the net's keys fit (strictly), the loss's are left out and named; beside a wider
+    teacher of the same names (distillation), the subtree that fits in shape is taken; a
+    file where two subtrees fit alike (the net and an EMA copy) is refused, naming both."""
     source = trained()
     nested = {f"model.{k}": v for k, v in source.state_dict().items()}
     torch.save({"state_dict": {**nested, "criterion.pos_weight": torch.ones(3)}},
@@ -73,6 +74,12 @@ def test_a_lightning_file_loads_its_model_subtree_and_names_the_keys_left_out(tm
     assert same(model, source)
     assert "4 of 4 tensors (read from its keys under 'model.'; left out: " \
         "criterion.pos_weight)" in line
+    teacher = {f"teacher.{k}": v for k, v in net(hidden=16).state_dict().items()}
+    torch.save({"state_dict": {**nested, **teacher}}, tmp_path / "distilled.pt")
+    model = net()  # (the teacher's names are the net's, its shapes are not: the net's fit)
+    assert "left out: teacher.0.bias" in init_weights(model, str(tmp_path / "distilled.pt"),
+                                                      strict=True)
+    assert same(model, source)
     ema = {f"ema.{k}": v for k, v in net().state_dict().items()}
     torch.save({"state_dict": {**nested, **ema}}, tmp_path / "two.pt")
     with pytest.raises(CheckpointError, match=r"the keys under 'ema.' and 'model.' each fit "
