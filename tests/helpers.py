@@ -145,6 +145,13 @@ def children_left(before, timeout: float = 30) -> list:
         time.sleep(0.05)
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended (a run whose owner is gone)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
+    return int(proc.stdout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

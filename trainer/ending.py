@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.advice import count_of
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
-from trainer import checkpoint, distributed, resumefiles, rundir, stamp
+from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp
 from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
@@ -149,7 +149,7 @@ def refused_before_first_step(run_dir: Path, e: BaseException) -> None:
     if not any(h.stream is not None for h in handlers) or not os.path.exists(log_file):
         return
     try:
-        alone = set(os.listdir(run_dir)) <= {"train.log", rundir.LOCK}  # (released next)
+        alone = set(os.listdir(run_dir)) <= {"train.log", runlock.LOCK}  # (released next)
     except OSError:
         return
     if alone and stamp.made_here(str(run_dir)):

@@ -28,7 +28,7 @@ from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
 from data.resident import gathers, nbytes, rows_of, tensors_of
 from data.shards import ShardStream
-from trainer import components, distributed, rundir
+from trainer import components, distributed, runlock
 from trainer.config import ConfigError, cpu_workers
 from trainer.distributed import DistEnv
 
@@ -164,7 +164,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     d = cfg.data
     collate = components.build_callable(d.collate_fn, "data.collate_fn")
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
-        reclaim_shm(rundir.owner_alive)
+        reclaim_shm(runlock.owner_alive)
     sources = build_datasets(cfg)
     streamed = any(isinstance(ds, ShardStream) for ds in sources)
     if d.collate_fn is not None and streamed:
@@ -178,8 +178,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     sets = [None if ds is None else cache_dataset(
         ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
         num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
-        owner=rundir.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb,
-        alive=rundir.owner_alive, start_s=cfg.trainer.ddp.timeout_s)
+        owner=runlock.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb,
+        alive=runlock.owner_alive, start_s=cfg.trainer.ddp.timeout_s)
         for ds, split in zip(sources, ("train", "val"))]
     # overfit mode repeats the same first batches every epoch, so no shuffling
     shuffle = False if cfg.trainer.overfit_batches else None

@@ -1,15 +1,9 @@
-"""A run dir belongs to one run: a lock, a refusal to start a fresh run over another run's
-files, and Hydra's record of the run written only once those checks passed.
-
-The lock is `<run dir>/.stoker.lock`, created atomically by rank 0 (a file of its own, holding
-the owner's host, pid, process start time and job id, linked to that name: never seen empty). A lock whose owner is gone (same host, no
-such process, or the pid reused by a process started later) is stale and taken over; so is one
-left by an earlier attempt of the same job (a torchrun restart, a SLURM requeue on another
-node: same job id). Every other lock refuses the run in one line naming the owner.
+"""A run dir belongs to one run: a refusal to start a fresh run over another run's files (the
+lock that keeps two runs out of one dir: trainer/runlock.py), its status.json, and Hydra's
+record of the run written only once those checks passed.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -23,185 +17,14 @@ from trainer import distributed, resumefiles, stamp, sweep
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.logging import write_whole
+from trainer.runlock import job_id
 
-LOCK = ".stoker.lock"
 # what a run that wrote anything leaves behind (train.log aside: this launch's own warnings
 # may be in it before the checks; .hydra/ aside: Hydra writes it before them where
 # hydra.output_subdir is set)
 OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "status.json")
 HYDRA_RECORD = ".hydra/"  # Hydra's record of a launch before this one (another app's, say)
 RECORDS = ("config.yaml", "status.json", HYDRA_RECORD)  # an attempt's own: no result in them
-
-
-def job_id(environ=os.environ) -> Optional[str]:
-    """The id every attempt of one job shares (torchrun's run id, SLURM's job id)."""
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = environ.get(key)
-        if value and value != "none":
-            return f"{key}={value}"
-    return None
-
-
-def _start_time(pid: int) -> Optional[float]:
-    try:
-        return stamp.process_start(pid)
-    except (OSError, ValueError, IndexError):
-        return None  # gone, or no /proc here
-
-
-def owner() -> Dict[str, Any]:
-    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id and
-    the job's attempt (torchrun's or SLURM's restart count)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-            "job": job_id(), "attempt": distributed.attempt(),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def owner_alive(who: Dict[str, Any]) -> bool:
-    """False when the process that wrote `who` (see `owner`) is certainly gone."""
-    if who.get("host") != socket.gethostname():
-        return True  # cannot look at another host's processes
-    pid = int(who.get("pid", -1))
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    started = who.get("started")
-    if started is None:
-        return True
-    now = _start_time(pid)
-    return now is None and os.path.exists(f"/proc/{pid}") or now == started  # pid reused?
-
-
-@contextlib.contextmanager
-def _one_at_a_time(folder: Path):
-    """An exclusive flock on `folder` while the block runs (the processes taking its lock, one
-    after another); nothing where the file system has none."""
-    import fcntl
-
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass  # (no flock here: the lock's own steps still hold in most interleavings)
-        yield
-    finally:
-        os.close(fd)  # (releases the flock)
-
-
-def _json(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
-    """A lock's owner from its bytes; None where there are none or they are not an owner's
-    (a lock an earlier version of this code left empty when it crashed: stale)."""
-    try:
-        value = json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-class RunDirLock:
-    """Held by rank 0 for the run's lifetime; `acquire` refuses a dir another live run holds."""
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK
-        self.held = False
-
-    def acquire(self) -> None:
-        """Takes the lock, whole: the owner is written to a file of this process's own that
-        is then linked to the lock's name (no other process sees a lock without its owner,
-        which it would take for a crash's and remove). Runs that take it at once do so one
-        after another (an flock on the run dir, held for the few file operations: a stale
-        lock judged and replaced by one of them alone). Where the file system has no flock,
-        a stale lock is still moved aside before it goes, and put back where what was moved
-        is not the lock judged stale (another run took it over in between)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}")
-        mine.write_text(json.dumps(owner()))
-        try:
-            with _one_at_a_time(self.path.parent):
-                self._take(mine)
-        finally:
-            mine.unlink(missing_ok=True)
-
-    def _take(self, mine: Path) -> None:
-        """The lock placed, or a live owner's refusal; a stale lock removed once."""
-        for _ in range(2):  # a stale lock is removed once, then created anew
-            try:
-                self._place(mine)
-            except FileExistsError:
-                seen = self._read_bytes(self.path)
-                holder = _json(seen)
-                if holder is not None and not self._stale(holder):
-                    raise ConfigError(
-                        f"run dir {self.path.parent} is in use by another run (pid "
-                        f"{holder.get('pid')} on {holder.get('host')} since "
-                        f"{holder.get('since')}); choose another {dir_key()}, or delete "
-                        f"{self.path} if that run is gone") from None
-                if not self._remove_stale(seen, mine):
-                    break
-                continue
-            self.held = True
-            return
-        raise ConfigError(f"run dir {self.path.parent}: another run took its lock first")
-
-    def _place(self, mine: Path) -> None:
-        """`mine` linked to the lock's name (FileExistsError where a lock is there); on a file
-        system without hard links (some network and FUSE mounts), the lock created with
-        O_EXCL and written (the way an owner can briefly be missing from it)."""
-        try:
-            os.link(mine, self.path)
-            return
-        except FileExistsError:
-            raise
-        except OSError:
-            pass
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(mine.read_bytes())
-
-    def _remove_stale(self, seen: Optional[bytes], mine: Path) -> bool:
-        """Removes the lock judged stale from its bytes `seen`; False where what was there by
-        then is another run's new lock (put back)."""
-        aside = mine.with_name(mine.name + ".stale")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return True  # (another run removed it first: try again)
-        if self._read_bytes(aside) == seen:
-            aside.unlink(missing_ok=True)
-            return True
-        try:
-            self._place(aside)  # another run's: back in place
-        except FileExistsError:
-            pass
-        aside.unlink(missing_ok=True)
-        return False
-
-    @staticmethod
-    def _read_bytes(path: Path) -> Optional[bytes]:
-        try:
-            return path.read_bytes()
-        except OSError:
-            return None
-
-    @staticmethod
-    def _stale(holder: Dict[str, Any]) -> bool:
-        same_job = holder.get("job") is not None and holder.get("job") == job_id()
-        return same_job or not owner_alive(holder)
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            try:
-                if json.loads(self.path.read_text()).get("pid") == os.getpid():
-                    self.path.unlink()
-            except (OSError, ValueError):
-                pass
 
 
 def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:

@@ -36,7 +36,7 @@ from trainer.loop import Callback, Loop
 from trainer.progress import FitState, total_steps
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
-from trainer.rundir import RunDirLock
+from trainer.runlock import RunDirLock
 from trainer.strategy import wrap
 from trainer.task import Task
 from trainer.windowlog import NonFiniteLoss

@@ -80,7 +80,7 @@ def _gone(status: Dict[str, Any]) -> bool:
     host, pid = status.get("host"), status.get("pid")
     if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool):
         return False
-    from trainer.rundir import owner_alive  # (torch comes with it: only where a job runs)
+    from trainer.runlock import owner_alive  # (torch comes with it: only where a job runs)
 
     return not owner_alive({"host": host, "pid": pid})
 

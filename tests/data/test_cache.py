@@ -296,7 +296,7 @@ def test_a_waiting_rank_stops_when_the_writer_of_its_launch_is_gone(tmp_path):
 def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, monkeypatch):
     """The writer's exit removes the node's copy, but not the one line the other ranks are
     polling for (they would wait on for a writer that is gone); a later run reclaims it."""
-    from trainer import rundir
+    from trainer import runlock
 
     class Broken(torch.utils.data.Dataset):
         def __len__(self):
@@ -306,7 +306,7 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
             raise ValueError("bad sample")
 
     monkeypatch.setattr(cache, "SHM_ROOT", tmp_path)
-    me = rundir.owner()
+    me = runlock.owner()
     cleanups = []
     monkeypatch.setattr(cache.atexit, "register", lambda *a: cleanups.append(a))
     with pytest.raises(ValueError):
@@ -317,7 +317,7 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
     assert sorted(p.name for p in root.iterdir()) == ["failed.txt", cache.OWNER]
     with pytest.raises(ConfigError, match=r"local rank 0 failed to write it: .*bad sample"):
         cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, owner=me,
-                            alive=rundir.owner_alive)
+                            alive=runlock.owner_alive)
     # another run on the node leaves it to the ranks on their way to read it, for a while
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [] and root.exists()
     monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)

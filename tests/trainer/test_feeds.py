@@ -433,14 +433,14 @@ def test_ranks_waiting_for_a_cache_writer_that_was_killed_stop_in_one_line(tmp_p
     (rank 0, which would speak for them, is the one gone)."""
     from data.cache import reclaim_shm
     from tests.helpers import slurm_tasks
-    from trainer import rundir
+    from trainer import runlock
 
     codes, outs = slurm_tasks(tmp_path, 2, [
         "data=custom", "+data.dataset._target_=tests.helpers.KilledWhileCaching",
         "data.input_shape=[1,8,8]", "data.num_classes=10", f"data.cache={cache}",
         f"data.cache_dir={tmp_path / 'cache'}", "trainer.ddp.timeout_s=120",
         "trainer.max_steps=2"], timeout=100)
-    reclaim_shm(rundir.owner_alive)  # the killed writer's copy (a later run's job)
+    reclaim_shm(runlock.owner_alive)  # the killed writer's copy (a later run's job)
     assert codes[0] == -9 and codes[1] == 1, outs
     line = [ln for ln in outs[1].splitlines() if ln.startswith("stoker: error:")]
     assert len(line) == 1 and f"data.cache={cache} in " in line[0] and line[0].endswith(

@@ -1,4 +1,4 @@
-"""A run dir belongs to one run: the lock, the refusal of a fresh run over another run's files
+"""A run dir belongs to one run: the refusal of a fresh run over another run's files
 (nothing written first), damaged and unusable checkpoints, what a resume changes, the status
 file, reclaimed /dev/shm caches, OS errors in one line."""
 from __future__ import annotations
@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from data.cache import OWNER, reclaim_shm
-from tests.helpers import run_cli
-from trainer import rundir
+from tests.helpers import dead_pid, run_cli
+from trainer import rundir, runlock
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.loop import Callback
@@ -28,68 +26,6 @@ def snapshot(folder: Path) -> dict:
     """Every file under `folder` with its bytes: to show nothing was written."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file()}
-
-
-def dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True)
-    return int(proc.stdout)
-
-
-def test_a_live_runs_lock_refuses_and_a_dead_runs_lock_is_taken_over(make_cfg, tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    me = rundir.owner()
-    (run_dir / rundir.LOCK).write_text(json.dumps({**me, "job": "someone-else"}))
-    with pytest.raises(ConfigError, match=rf"^run dir {run_dir} is in use by another run \(pid "
-                                          rf"{os.getpid()} on "):
-        train(make_cfg(*QUICK, run_dir=run_dir))
-    assert os.listdir(run_dir) == [rundir.LOCK]  # nothing else written
-    (run_dir / rundir.LOCK).write_text(json.dumps({**me, "pid": dead_pid(), "job": None}))
-    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
-    assert not (run_dir / rundir.LOCK).exists()  # released at the end
-
-
-def _take_lock(run_dir, barrier, results):
-    """One contender: takes the lock at the barrier and holds it until every one has tried."""
-    lock = rundir.RunDirLock(run_dir)
-    barrier.wait()
-    try:
-        lock.acquire()
-        results.put("held")
-    except ConfigError as e:
-        results.put(str(e))
-    barrier.wait()
-    lock.release()
-
-
-@pytest.mark.parametrize("stale", [False, True])
-def test_of_runs_that_start_together_one_takes_the_lock(tmp_path, stale):
-    """Four processes take one run dir's lock at the same moment, twenty times over, into an
-    empty dir and into one holding a dead run's lock: each time exactly one holds it (a lock
-    seen before its owner was written, or a stale one removed twice, let two runs write one
-    dir), the others are refused in one line, and nothing is left beside the lock."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    dead = {**rundir.owner(), "pid": dead_pid(), "job": None}
-    for attempt in range(20):
-        run_dir = tmp_path / str(attempt)
-        run_dir.mkdir()
-        if stale:
-            (run_dir / rundir.LOCK).write_text(json.dumps(dead))
-        barrier, results = ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_take_lock, args=(run_dir, barrier, results))
-                 for _ in range(4)]
-        for p in procs:
-            p.start()
-        said = [results.get(timeout=60) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        assert said.count("held") == 1, (attempt, said)
-        assert all(s == "held" or "is in use by another run" in s
-                   or "another run took its lock first" in s for s in said), said
-        assert os.listdir(run_dir) == []  # (released by its holder; no owner files left)
 
 
 def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_path):
@@ -350,11 +286,11 @@ def test_a_file_where_the_run_dir_should_be_is_one_line(tmp_path):
 
 def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path):
     mine, gone = tmp_path / "stoker-mine", tmp_path / "stoker-gone"
-    for folder, who in ((mine, rundir.owner()), (gone, {**rundir.owner(), "pid": dead_pid()})):
+    for folder, who in ((mine, runlock.owner()), (gone, {**runlock.owner(), "pid": dead_pid()})):
         folder.mkdir()
         (folder / OWNER).write_text(json.dumps(who))
     (tmp_path / "stoker-unknown").mkdir()  # no owner record: not ours to judge
-    assert reclaim_shm(rundir.owner_alive, root=tmp_path) == [gone]
+    assert reclaim_shm(runlock.owner_alive, root=tmp_path) == [gone]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stoker-mine", "stoker-unknown"]
 
 
@@ -477,22 +413,3 @@ def test_a_fresh_run_that_crashes_at_its_first_batch_says_so_in_status_json(make
     assert status["error"] == "RuntimeError: injected failure on rank None"
     assert not (run_dir / "config.yaml").exists()  # (the run's files come with its first step)
     assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4  # the fixed run goes on
-
-
-def test_without_hard_links_the_lock_is_still_taken_once(tmp_path, monkeypatch):
-    """A file system that refuses hard links (some network and FUSE mounts): the lock is
-    created with O_EXCL instead, and a second taker is refused."""
-    import errno
-
-    def no_links(src, dst):
-        raise OSError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(os, "link", no_links)
-    first, second = rundir.RunDirLock(tmp_path), rundir.RunDirLock(tmp_path)
-    first.acquire()
-    assert json.loads((tmp_path / rundir.LOCK).read_text())["pid"] == os.getpid()
-    second._stale = lambda holder: False  # (the same process: as another live run's)
-    with pytest.raises(ConfigError, match="is in use by another run"):
-        second.acquire()
-    first.release()
-    assert os.listdir(tmp_path) == []

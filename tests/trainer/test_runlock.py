@@ -1,0 +1,90 @@
+"""trainer/runlock.py: the run dir's lock: a live run's refuses, a dead run's is taken over,
+of runs that start together one takes it, and without hard links too."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import dead_pid
+from trainer import runlock
+from trainer.config import ConfigError
+from trainer.runner import train
+
+QUICK = ["trainer.max_steps=4", "trainer.progress_bar=false", "data.num_workers=0"]
+
+
+def test_a_live_runs_lock_refuses_and_a_dead_runs_lock_is_taken_over(make_cfg, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    me = runlock.owner()
+    (run_dir / runlock.LOCK).write_text(json.dumps({**me, "job": "someone-else"}))
+    with pytest.raises(ConfigError, match=rf"^run dir {run_dir} is in use by another run \(pid "
+                                          rf"{os.getpid()} on "):
+        train(make_cfg(*QUICK, run_dir=run_dir))
+    assert os.listdir(run_dir) == [runlock.LOCK]  # nothing else written
+    (run_dir / runlock.LOCK).write_text(json.dumps({**me, "pid": dead_pid(), "job": None}))
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
+    assert not (run_dir / runlock.LOCK).exists()  # released at the end
+
+
+def _take_lock(run_dir, barrier, results):
+    """One contender: takes the lock at the barrier and holds it until every one has tried."""
+    lock = runlock.RunDirLock(run_dir)
+    barrier.wait()
+    try:
+        lock.acquire()
+        results.put("held")
+    except ConfigError as e:
+        results.put(str(e))
+    barrier.wait()
+    lock.release()
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_of_runs_that_start_together_one_takes_the_lock(tmp_path, stale):
+    """Four processes take one run dir's lock at the same moment, twenty times over, into an
+    empty dir and into one holding a dead run's lock: each time exactly one holds it (a lock
+    seen before its owner was written, or a stale one removed twice, let two runs write one
+    dir), the others are refused in one line, and nothing is left beside the lock."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    dead = {**runlock.owner(), "pid": dead_pid(), "job": None}
+    for attempt in range(20):
+        run_dir = tmp_path / str(attempt)
+        run_dir.mkdir()
+        if stale:
+            (run_dir / runlock.LOCK).write_text(json.dumps(dead))
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_take_lock, args=(run_dir, barrier, results))
+                 for _ in range(4)]
+        for p in procs:
+            p.start()
+        said = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert said.count("held") == 1, (attempt, said)
+        assert all(s == "held" or "is in use by another run" in s
+                   or "another run took its lock first" in s for s in said), said
+        assert os.listdir(run_dir) == []  # (released by its holder; no owner files left)
+
+
+def test_without_hard_links_the_lock_is_still_taken_once(tmp_path, monkeypatch):
+    """A file system that refuses hard links (some network and FUSE mounts): the lock is
+    created with O_EXCL instead, and a second taker is refused."""
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first, second = runlock.RunDirLock(tmp_path), runlock.RunDirLock(tmp_path)
+    first.acquire()
+    assert json.loads((tmp_path / runlock.LOCK).read_text())["pid"] == os.getpid()
+    second._stale = lambda holder: False  # (the same process: as another live run's)
+    with pytest.raises(ConfigError, match="is in use by another run"):
+        second.acquire()
+    first.release()
+    assert os.listdir(tmp_path) == []
