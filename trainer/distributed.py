@@ -329,8 +329,9 @@ def broadcast_weights(module: torch.nn.Module) -> None:
     ranks' reads would leave them training different models."""
     if is_active():
         with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor, src=0)
+            for param in module.parameters():
+                dist.broadcast(param, src=0)
+        broadcast_buffers(module)
 
 
 _CPU_GROUP = None
