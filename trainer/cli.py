@@ -26,18 +26,24 @@ EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
-def _exit(code: int) -> NoReturn:
-    """SystemExit(code), for a run stopped at once (a second Ctrl-C or signal); where a
-    checkpoint is still being written on its background thread, os._exit after Python's exit
-    handlers ran: the interpreter's shutdown under torch's writer aborts the process. (The
-    status is written; the write's temporary file goes at the run's next start.)"""
-    if writing_in_background():
-        import atexit
+def exit_now(code: int) -> NoReturn:
+    """Ends the process with `code` after Python's exit handlers ran (the logs flushed, a
+    sweep's kept record settled), skipping the interpreter's and C++'s teardown: threads still
+    inside torch (a checkpoint writer, a backend waiting on a lost peer) abort it there."""
+    import atexit
 
-        atexit._run_exitfuncs()  # (the logs flushed, a sweep's kept record settled)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """SystemExit(code), for a run stopped at once (a second Ctrl-C or signal); `exit_now`
+    where a checkpoint is still being written on its background thread. (The status is
+    written; the write's temporary file goes at the run's next start.)"""
+    if writing_in_background():
+        exit_now(code)
     raise SystemExit(code)
 
 

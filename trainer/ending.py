@@ -3,7 +3,6 @@ line for what stopped it, the failures said in one line, and the ending of a pro
 peer was lost (README "Exit codes")."""
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -18,7 +17,8 @@ from data.advice import count_of
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp
-from trainer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe, fail
+from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe,
+                         exit_now, fail)
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
 from trainer.feeds import feed_advice, skipped_files
@@ -46,10 +46,7 @@ def end_without_peer(e: PeerLost) -> NoReturn:
     try:
         fail(e, code=exit_code(e), any_rank=True)
     except SystemExit as done:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(done.code)
+        exit_now(done.code)
 
 
 def in_sweep() -> bool:
