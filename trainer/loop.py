@@ -23,7 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
 
 from data.prefetch import DevicePrefetcher
-from data.sampler import limit_left
 from trainer import checkpoint, devicewait, distributed, validation, windowlog
 from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
 from trainer.config import ConfigError, Precision, TrainerConfig
@@ -32,7 +31,7 @@ from trainer.firstbatch import check_batch, check_count, check_loss, checked_for
 from trainer.ledger import Ledger, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
-from trainer.progress import FitState, Window, epoch_plan
+from trainer.progress import FitState, Window, rest_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
 from trainer.task import Task, batch_size
@@ -229,13 +228,10 @@ class Loop:
         sampler = loader.sampler
         sampler.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
         per_batch = loader.batch_size * distributed.world_size()
-        start = self.state.position
-        if start:
-            sampler.set_start(start)
-        elif loader.generator is not None:  # its state before this epoch's iterator draws
-            self.loader_rng = loader.generator.get_state()
-        limit = limit_left(self.train_limit, start, per_batch)
-        return epoch_plan(loader, limit, self.cfg.accumulate_grad_batches), per_batch
+        if not self.state.position and loader.generator is not None:
+            self.loader_rng = loader.generator.get_state()  # before this epoch's draws
+        return rest_plan(loader, self.train_limit, self.cfg.accumulate_grad_batches,
+                         self.state.position, per_batch), per_batch
 
     def train_epoch(self, epoch: int) -> bool:
         """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""

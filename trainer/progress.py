@@ -57,6 +57,15 @@ def steps_per_epoch(loader: DataLoader, limit: Optional[int], accumulate: int) -
     return len(epoch_plan(loader, limit, accumulate))
 
 
+def rest_plan(loader: DataLoader, limit: Optional[int], accumulate: int, position: int,
+              per_batch: int) -> List[int]:
+    """`epoch_plan` for the rest of an epoch begun `position` global samples in (`per_batch`
+    of them a batch on every rank), its sampler set to start there."""
+    if position:
+        loader.sampler.set_start(position)
+    return epoch_plan(loader, limit_left(limit, position, per_batch), accumulate)
+
+
 def steps_left(loader: DataLoader, limit: Optional[int], accumulate: int, state: FitState,
                max_epochs: int, max_steps: int) -> Optional[int]:
     """The optimizer steps a run at `state` has left to its limit, under this run's plan (its
@@ -69,12 +78,10 @@ def steps_left(loader: DataLoader, limit: Optional[int], accumulate: int, state:
     if left is not None and state.position:  # the current epoch's rest, as the loop plans it
         if not (hasattr(sampler, "set_start") and hasattr(sampler, "num_replicas")):
             return None
-        per_batch = loader.batch_size * sampler.num_replicas
         before = sampler.start
-        sampler.set_start(state.position)
         try:
-            rest = len(epoch_plan(loader, limit_left(limit, state.position, per_batch),
-                                  accumulate))
+            rest = len(rest_plan(loader, limit, accumulate, state.position,
+                                 loader.batch_size * sampler.num_replicas))
         finally:
             sampler.start = before
         left -= per_epoch - rest
