@@ -206,7 +206,9 @@ class OnRankOne(Callback):  # sees what the other rank does not (a stop file, a 
         return "rank 1's budget" if os.environ["RANK"] == "1" and loop.state.epoch >= 1 else None
 
 summary = train(compose_cfg({run!r}, "trainer.max_epochs=4"), callbacks=[OnRankOne()])
-print("RESULT", os.environ["RANK"], json.dumps([summary["steps"], summary["stopped_early"]]))
+# a file a rank: the lines two ranks print to one pipe can interleave
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump([summary["steps"], summary["stopped_early"]], f)
 """
 
 
@@ -214,10 +216,10 @@ def test_a_stop_one_rank_asks_for_stops_every_rank(tmp_path):
     from tests.helpers import TORCHRUN, launch
 
     script = tmp_path / "stop.py"
-    script.write_text(STOP_ON_RANK_1.format(root=str(ROOT), run=str(tmp_path / "run")))
+    script.write_text(STOP_ON_RANK_1.format(root=str(ROOT), run=str(tmp_path / "run"),
+                                            out=str(tmp_path)))
     proc = launch(TORCHRUN + ["--standalone", "--nproc_per_node=2", str(script)], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    results = sorted(line.split(" ", 2)[1:] for line in proc.stdout.splitlines()
-                     if line.startswith("RESULT"))
-    assert results == [["0", '[12, "a callback on another rank asked to stop"]'],
-                       ["1", '[12, "rank 1\'s budget"]']]  # both after epoch 0 (12 steps)
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert results == [[12, "a callback on another rank asked to stop"],
+                       [12, "rank 1's budget"]]  # both after epoch 0 (12 steps)
