@@ -101,10 +101,9 @@ def describe(e: BaseException) -> str:
     cur: BaseException | None = e
     while cur is not None:
         lines = _lines(str(cur))
-        if isinstance(cur, (FileExistsError, NotADirectoryError)) and cur.filename:
-            # "[Errno 17] File exists: 'x'" where a folder was to be made
-            lines = [f"{cur.filename}: a file is in the way where a folder must be "
-                     f"({cur.strerror})"]
+        if isinstance(cur, OSError) and cur.filename and cur.strerror and \
+                getattr(cur, "filename2", None) is None:
+            lines = [_os_error(cur)]
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
         text = _OPTIONS.sub(lambda m: m.group(1) + " ".join(
@@ -131,6 +130,38 @@ def describe(e: BaseException) -> str:
             parts.append(text)
         cur = cur.__cause__
     return ": ".join(parts) or type(e).__name__
+
+
+def _os_error(e: OSError) -> str:
+    """The path and what went wrong there, after the override that named it: a folder to make
+    (hydra.run.dir, data.cache_dir) fails where the OS says so, not in our checks."""
+    path = str(e.filename)
+    if isinstance(e, (FileExistsError, NotADirectoryError)):  # where a folder was to be made
+        said = f"{path}: a file is in the way where a folder must be ({e.strerror})"
+    else:
+        said = f"{path}: {e.strerror}"
+    override = _override_of(path)
+    if override is None:
+        return said
+    return f"{override}: {said.removeprefix(override.partition('=')[2] + ': ')}"
+
+
+def _override_of(path: str) -> str | None:
+    """The command line's `key=value` whose value is `path` or a folder above it (the
+    nearest), if any; values that are the working folder or the root name no one."""
+    target = os.path.abspath(path)
+    found, depth = None, -1
+    for arg in sys.argv[1:]:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if not eq or not value or "=" in key or "," in value:
+            continue
+        folder = os.path.abspath(value)
+        if folder in (os.getcwd(), os.sep):
+            continue
+        if (target == folder or target.startswith(folder.rstrip(os.sep) + os.sep)) and \
+                len(folder) > depth:
+            found, depth = f"{key}={value}", len(folder)
+    return found
 
 
 USER_ERRORS = (ConfigError, CheckpointError, LaunchError, HydraException,

@@ -122,9 +122,34 @@ def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
     (tmp_path / "afile").write_text("mine")
     proc = run_cli([f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == (f"stoker: error: {tmp_path / 'afile'}: a file is in the way "
-                                   "where a folder must be (File exists)")
+    assert proc.stderr.strip() == (f"stoker: error: hydra.run.dir={tmp_path / 'afile'}: a file "
+                                   "is in the way where a folder must be (File exists)")
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_folder_the_os_cannot_make_is_said_with_the_key_that_named_it(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "data.cache=disk",
+                    f"data.cache_dir={tmp_path / 'afile' / 'cache'}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"stoker: error: data.cache_dir={tmp_path / 'afile' / 'cache'}"
+                                   ": a file is in the way where a folder must be (Not a "
+                                   "directory)")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["a.dir=out", "b.dir=out/in"], "b.dir=out/in: out/in/x/y: Permission denied"),  # nearest
+    (["+a.dir=out"], "a.dir=out: out/in/x/y: Permission denied"),
+    (["a.dir=elsewhere", "b=1,2", "c=."], "out/in/x/y: Permission denied"),  # names no key
+])
+def test_an_os_error_names_the_override_holding_its_path(monkeypatch, tmp_path, argv, said):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["train.py", *argv])
+    assert describe(PermissionError(13, "Permission denied", "out/in/x/y")) == said
+    monkeypatch.setattr("sys.argv", ["train.py", "a.dir=out/in/x/y"])
+    assert describe(PermissionError(13, "Permission denied", "out/in/x/y")) == \
+        "a.dir=out/in/x/y: Permission denied"
 
 
 def test_a_loader_workers_error_is_its_last_line_and_where_it_came_from():
