@@ -296,14 +296,9 @@ class ProfilerSteps(Callback):
         self.prof.step()
 
 
-def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
-           callbacks: Sequence[Callback]) -> Dict[str, Any]:
-    t = cfg.trainer
-    run_dir = Path(cfg.run_dir)
-    _process_flags(cfg)
-    seed_everything(cfg.seed)
-    # an earlier job of a sweep started CUDA; before CUDA starts there is nothing to reset,
-    # and the call would fail
+def _reset_peak_memory(spec: RunSpec) -> None:
+    """The GPUs' peak memory counts from this job on, where an earlier job of a sweep started
+    CUDA (before CUDA starts there is nothing to reset, and the call would fail)."""
     if torch.cuda.is_initialized():
         # its model and optimizer may still be held by a reference cycle (an exception caught
         # while building keeps frames that hold them) until a full collection: freed first,
@@ -311,6 +306,15 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         gc.collect()
         for gpu in spec.gpus:
             torch.cuda.reset_peak_memory_stats(gpu)
+
+
+def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
+           callbacks: Sequence[Callback]) -> Dict[str, Any]:
+    t = cfg.trainer
+    run_dir = Path(cfg.run_dir)
+    _process_flags(cfg)
+    seed_everything(cfg.seed)
+    _reset_peak_memory(spec)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
