@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.advice import count_of
 from data.datasets import MemmapDataset
-from data.loader import readable
+from data.loader import Unbatchable, readable
 from trainer.config import ConfigError
 
 log = logging.getLogger("stoker")
@@ -52,13 +52,24 @@ def pair_batches(dataset: Dataset, num_workers: int, batch_size: int = 256):
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(0),
                         collate_fn=getattr(dataset, "collate_fn", None))
-    for batch in readable(iter(loader), workers=num_workers > 0):  # a worker's error in one line
+    batches = readable(iter(loader), workers=num_workers > 0)  # a worker's error in one line
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Unbatchable as e:  # (its advice, data.collate_fn, does not reach the cache)
+            raise ConfigError(f"{_NEEDS}: {str(e).removeprefix('data: ').split('; ')[0]}; "
+                              "use data.cache=none for other samples") from None
         if not (isinstance(batch, (list, tuple)) and len(batch) == 2
                 and all(isinstance(t, torch.Tensor) for t in batch)):
-            raise ConfigError("data.cache and scripts/prepare_data.py need a dataset of "
-                              "(input, target) tensor pairs, not samples that batch to "
-                              f"{_held(batch)}; use data.cache=none for other samples")
+            raise ConfigError(f"{_NEEDS}, not samples that batch to {_held(batch)}; use "
+                              "data.cache=none for other samples")
         yield batch
+
+
+_NEEDS = ("data.cache and scripts/prepare_data.py need a dataset of (input, target) tensor "
+          "pairs, which the default collate batches")
 
 
 def _held(batch: Any) -> str:

@@ -246,6 +246,10 @@ def worker_died(e: BaseException) -> Optional[LoaderWorkerDied]:
     return _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
 
 
+class Unbatchable(ConfigError):
+    """The dataset's samples are not batched by the default collate (the line says why)."""
+
+
 def loader_error(e: BaseException) -> BaseException:
     """One line for what goes wrong inside a DataLoader, else `e` itself: a ConfigError for
     samples the default collate cannot batch (types it does not know, tensors of different
@@ -271,12 +275,12 @@ def loader_error(e: BaseException) -> BaseException:
         return e
     if isinstance(e, KeyError):  # a dict sample without a key the batch's first one has
         key = last.removeprefix("KeyError: ")
-        return ConfigError(f"data: the dataset yields dict samples with different keys, which "
+        return Unbatchable(f"data: the dataset yields dict samples with different keys, which "
                            f"the default collate cannot batch (a sample without {key}, which "
                            "the batch's first sample has); give every sample the same keys, "
                            "or set data.collate_fn")
     last = last.removeprefix("TypeError: ").removeprefix("RuntimeError: ")
-    return ConfigError(f"data: the dataset yields samples the default collate cannot batch "
+    return Unbatchable(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "
                        "them, or set data.collate_fn (to pad variable-length samples, say)")
 

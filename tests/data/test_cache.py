@@ -50,6 +50,22 @@ def test_cache_refuses_datasets_that_are_not_pairs():
         cache.cache_dataset(Triples(), "memory", tag="t")
 
 
+@pytest.mark.parametrize("mode", ["memory", "shm"])
+def test_cache_refuses_samples_the_default_collate_cannot_batch_in_its_own_words(mode):
+    """Varying-length token rows (which a data.collate_fn of one's own pads): the line says
+    what the cache needs, not the loader's advice to set data.collate_fn, which is set."""
+    from tests.helpers import PaddedTokens
+
+    with pytest.raises(ConfigError) as e:
+        cache.cache_dataset(PaddedTokens(num_samples=8), mode, tag="t")
+    assert str(e.value).startswith(
+        "data.cache and scripts/prepare_data.py need a dataset of (input, target) tensor "
+        "pairs, which the default collate batches: the dataset yields samples the default "
+        "collate cannot batch (")
+    assert str(e.value).endswith("); use data.cache=none for other samples")
+    assert "set data.collate_fn" not in str(e.value)
+
+
 class Counting(torch.utils.data.Dataset):
     """SyntheticDataset samples, counting how many were made (in this process)."""
 

@@ -260,8 +260,8 @@ def test_samples_that_are_not_input_target_pairs_are_one_line_in_either_format(
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.strip().splitlines() == [
         "stoker: error: data.cache and scripts/prepare_data.py need a dataset of (input, "
-        f"target) tensor pairs, not samples that batch to {held}; use data.cache=none for "
-        "other samples"], err
+        f"target) tensor pairs, which the default collate batches, not samples that batch to "
+        f"{held}; use data.cache=none for other samples"], err
     assert (out / "train" / "x.npy").read_text() == "the earlier one"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]  # no staging folder
 

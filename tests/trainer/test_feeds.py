@@ -101,6 +101,10 @@ def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path, ac
     (["+data.collate_fn={_target_:torch.utils.data.default_collate}"],
      "data.placement=device: the train set cannot be kept on the device: data.collate_fn is "
      "set"),
+    (["data=synthetic", "data.dataset.num_samples=32", "data.input_shape=[1,8,8]",
+      "+data.collate_fn={_target_:torch.utils.data.default_collate}"],  # the reason that fits
+     "data.placement=device: the train set cannot be kept on the device: data.collate_fn is "
+     "set"),
 ])
 def test_device_placement_that_cannot_be_had_is_one_line(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
