@@ -92,6 +92,7 @@ def _valid_keys(e: OmegaConfBaseException) -> str:
 # Hydra's and OmegaConf's wrappers around an error raised by the user's or our own code: the
 # wrapped message follows as the cause, so the wrapper is cut to what it adds
 _CALL = re.compile(r"^Error in call to target '([^']+)': \w+\(.*\)$")
+_COMPOSING = re.compile(r": \w+ raised while composing config: ")
 _RESOLVING = re.compile(r"^\w+ raised while resolving interpolation: ")
 
 
@@ -122,6 +123,13 @@ def describe(e: BaseException) -> str:
                 if where else None
             if said:  # (a _target_ node: what its target takes, not Hydra's wording)
                 return said
+        composing = _COMPOSING.search(text)
+        if composing and cur.__cause__ is None and \
+                isinstance(cur.__context__, OmegaConfBaseException):
+            # a config file of one's own with a misspelt key: Hydra raised while handling it
+            text = text[:composing.start()] + ": " + text[composing.end():]
+            if " not in " in text:
+                text += _valid_keys(cur.__context__)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _valid_keys(cur)
             if "not in struct" in text:

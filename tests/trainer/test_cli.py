@@ -118,6 +118,22 @@ def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_pat
     assert "hydra/_internal" not in out and "error_file: <N/A>" in out
 
 
+def test_a_misspelt_key_in_a_config_file_of_ones_own_lists_the_valid_keys(tmp_path):
+    """Hydra raises the file's error while handling OmegaConf's (its context, not its cause):
+    the line names the file and lists the keys, as the same typo on the command line does."""
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "typo.yaml").write_text(
+        "defaults:\n  - digits\n  - _self_\nbatchsize: 16\n")
+    proc = run_cli([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=typo",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(
+        "stoker: error: In 'data/typo': Key 'batchsize' not in 'DataConfig' (valid keys: "
+        "dataset, train_dataset, val_dataset, collate_fn, input_shape, num_classes, "
+        "batch_size, "), proc.stderr
+    assert "\n" not in proc.stderr.strip() and not (tmp_path / "run").exists()
+
+
 def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
     (tmp_path / "afile").write_text("mine")
     proc = run_cli([f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
