@@ -210,6 +210,15 @@ def final_weights(summary):
     return torch.load(summary["checkpoint"], weights_only=True)["model"]
 
 
+class TrainOnlyDigits(DigitsDataset):
+    """Digits whose val split cannot be built (a run that validates nothing must not ask)."""
+
+    def __init__(self, split: str = "train", **kw):
+        if split != "train":
+            raise RuntimeError(f"the {split} split was built")
+        super().__init__(split, **kw)
+
+
 class FailingOnRankDigits(DigitsDataset):
     """Digits whose `fail_index`-th sample raises on rank `fail_rank` (of a torchrun job)."""
 

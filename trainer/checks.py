@@ -95,9 +95,10 @@ def _check_trainer(cfg: DictConfig) -> None:
            "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps,
            "must be >= 1")
-    for key in ("limit_train_batches", "limit_val_batches"):
-        v = t[key]
-        _check(v is None or v >= 1, f"trainer.{key}", v, "must be >= 1 or null")
+    _check(t.limit_train_batches is None or t.limit_train_batches >= 1,
+           "trainer.limit_train_batches", t.limit_train_batches, "must be >= 1 or null")
+    _check(t.limit_val_batches is None or t.limit_val_batches >= 0, "trainer.limit_val_batches",
+           t.limit_val_batches, "must be >= 1, 0 (no validation) or null (all)")
     c = t.checkpoint
     for key in ("every_n_steps", "every_n_epochs"):
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")
@@ -293,9 +294,11 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]]) -> Opti
     c = cfg.trainer.checkpoint
     if c.monitor is None:
         return None
+    why = ("trainer.limit_val_batches=0" if cfg.trainer.limit_val_batches == 0
+           else "no validation set: data.val_dataset is null")
     _check(bool(directions), "trainer.checkpoint.monitor", c.monitor,
-           "nothing is validated in this run (no validation set: data.val_dataset is null), so "
-           "there is no value to monitor; set it to null, or give a validation set")
+           f"nothing is validated in this run ({why}), so there is no value to monitor; set "
+           "it to null, or validate")
     _check(c.monitor in directions, "trainer.checkpoint.monitor", c.monitor,
            "must be null or a logged validation key: " + ", ".join(directions))
     higher = directions[c.monitor]

@@ -39,8 +39,10 @@ UNINDEXABLE = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
-    """The train and val datasets the data config names (val may be None: no validation)."""
+    """The train and val datasets the data config names (val may be None: no validation, also
+    where trainer.limit_val_batches=0, which builds none)."""
     d = cfg.data
+    splits = ("train",) if cfg.trainer.limit_val_batches == 0 else ("train", "val")
     if d.dataset is not None:
         target = components.target_of(d.dataset, "data.dataset")
         if not components.accepts(target, "split"):
@@ -52,12 +54,12 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
                               "give data.train_dataset and data.val_dataset")
         sets = [components.build(d.dataset, "data.dataset", split=s,
                                  hint="; data=custom starts from no dataset keys")
-                for s in ("train", "val")]
+                if s in splits else None for s in ("train", "val")]
         keys = ("data.dataset",) * 2
     else:
         keys = ("data.train_dataset", "data.val_dataset")
-        sets = [None if node is None else components.build(node, key)
-                for node, key in zip((d.train_dataset, d.val_dataset), keys)]
+        sets = [None if node is None or s not in splits else components.build(node, key)
+                for node, key, s in zip((d.train_dataset, d.val_dataset), keys, ("train", "val"))]
     for ds, key in zip(sets, keys):
         if ds is None:
             continue

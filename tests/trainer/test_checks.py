@@ -31,7 +31,9 @@ from trainer.config import ConfigError, Precision, Strategy
                               "neither limit the run would not end"),
     ("trainer.max_steps=0", "trainer.max_steps=0"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
-    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0"),
+    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be >= 1 or null"),
+    ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1: must be >= 1, 0 (no "
+                                     "validation) or null (all)"),
     ("trainer.overfit_batches=-2", "trainer.overfit_batches=-2"),
     ("data.num_classes=1", "data.num_classes=1"),
     ("trainer.checkpoint.keep_last=0", "trainer.checkpoint.keep_last=0"),

@@ -3,6 +3,7 @@ on real runs, and the device-resident path training exactly like the loader path
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 
@@ -92,6 +93,22 @@ def test_augmented_device_run_resumes_mid_epoch_bit_exact(make_cfg, tmp_path, ac
     plain = train(make_cfg(*common[:-4], *common[-2:], "trainer.max_epochs=2",
                            run_dir=tmp_path / "plain"))
     assert not same_weights(final_weights(full), final_weights(plain))  # augmentation acted
+
+
+def test_limit_val_batches_0_validates_nothing_and_builds_no_val_split(make_cfg, tmp_path):
+    summary = train(make_cfg("data=custom", "+data.dataset._target_=tests.helpers."
+                             "TrainOnlyDigits", "data.input_shape=[64]", "data.num_classes=10",
+                             "trainer.limit_val_batches=0", "trainer.max_epochs=2",
+                             run_dir=tmp_path / "run"))
+    assert summary["steps"] == 46 and summary["run_val_s"] == 0.0
+    assert not any(k.startswith("val_") for k in summary)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert rows and {row["split"] for row in rows} == {"train"}
+    with pytest.raises(ConfigError, match=r"^trainer\.checkpoint\.monitor=val_loss: nothing is "
+                                          r"validated in this run \(trainer\.limit_val_batches=0"
+                                          r"\), so there is no value to monitor"):
+        train(make_cfg("trainer.limit_val_batches=0", "trainer.checkpoint.monitor=val_loss",
+                       run_dir=tmp_path / "monitored"))
 
 
 @pytest.mark.parametrize("overrides,message", [
