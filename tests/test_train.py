@@ -60,6 +60,13 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     assert "injected failure on rank 1" in proc.stderr
+    # rank 1's crash reaches rank 0's record and log, not only the console
+    error = json.loads((tmp_path / "run" / "status.json").read_text())["error"]
+    assert error.startswith("rank 0 lost a peer in a collective at step ") and \
+        ": rank 1's process ended, on its error: RuntimeError: injected failure on rank 1" \
+        in error, error
+    last = (tmp_path / "run" / "train.log").read_text().splitlines()[-1]
+    assert "[ERROR] failed at step " in last and last.endswith(error), last
 
 
 def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_path):

@@ -158,10 +158,18 @@ def refused_before_first_step(run_dir: Path, e: BaseException) -> None:
         except OSError:
             pass
         return
-    record = logging.LogRecord("stoker", logging.ERROR, __file__, 0,
-                               "stopped before the first step: %s", (describe(e),), None)
-    for handler in handlers:
-        handler.handle(record)
+    to_run_log(run_dir, f"stopped before the first step: {describe(e)}")
+
+
+def to_run_log(run_dir: Path, line: str) -> None:
+    """`line` as an error in the run's train.log alone (the console has said it: the error
+    line, a traceback), so that the log ends with why the run ended. Rank 0."""
+    log_file = os.path.abspath(run_dir / "train.log")
+    record = logging.LogRecord("stoker", logging.ERROR, __file__, 0, "%s", (line,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None and \
+                os.path.abspath(handler.baseFilename) == log_file:
+            handler.handle(record)
 
 
 def status_error(e: BaseException) -> str:

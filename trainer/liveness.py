@@ -195,6 +195,13 @@ def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Opt
         said or "a peer's process ended; its own error, if it had one, is in its output"))
 
 
+def from_a_lost_peer(error: BaseException) -> bool:
+    """Whether `error` is this rank's loss of a peer (said, or a backend's closed connection),
+    not an error of its own."""
+    return isinstance(error, PeerLost) or (isinstance(error, RuntimeError)
+                                            and _CLOSED.search(str(error)) is not None)
+
+
 def _store():
     """The default process group's store (shared by all ranks of the job)."""
     if not distributed.is_active():

@@ -279,8 +279,8 @@ def test_a_file_where_the_run_dir_should_be_is_one_line(tmp_path):
     proc = run_cli([*QUICK, f"hydra.run.dir={tmp_path / 'blocker' / 'run'}"])
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"stoker: error: {tmp_path / 'blocker' / 'run'}: a file is in the way where "
-                    "a folder must be (Not a directory)")
+    assert last == (f"stoker: error: hydra.run.dir={tmp_path / 'blocker' / 'run'}: a file is in "
+                    "the way where a folder must be (Not a directory)")
     assert "Traceback" not in proc.stderr
 
 

@@ -566,6 +566,8 @@ def test_a_sweep_job_that_crashes_stops_the_sweep_with_its_traceback(tmp_path):
     status = json.loads((sweep / "0" / "status.json").read_text())
     assert (status["status"], status["exit_code"]) == ("failed", 1)
     assert status["error"] == "RuntimeError: injected failure on rank None"
+    last = (sweep / "0" / "train.log").read_text().splitlines()[-1]  # the log says why it ended
+    assert last.endswith("[ERROR] failed at step 0: RuntimeError: injected failure on rank None")
 
 
 def test_with_full_tracebacks_a_refused_sweep_job_still_stops_the_sweep(tmp_path):
