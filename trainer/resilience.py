@@ -31,7 +31,9 @@ from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
 from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
+# SLURM sends SIGUSR1 before a time limit; a closed terminal or a dropped ssh session SIGHUP
+# (torchrun's agent passes it to the ranks)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 AGAIN_AFTER_S = 1.0  # a second Ctrl-C later than this stops at once (torchrun's forwarded
 # copy of the first one follows it within milliseconds)
 
@@ -113,7 +115,7 @@ def capture(loop, config: Dict[str, Any], env: DistEnv,
 
 
 class Preemption:
-    """Turns SIGTERM/SIGUSR1 and a Ctrl-C (SIGINT) into a flag that all ranks agree on at step
+    """Turns SIGTERM/SIGUSR1/SIGHUP and a Ctrl-C (SIGINT) into a flag that all ranks agree on at step
     boundaries. A second Ctrl-C (after AGAIN_AFTER_S) raises KeyboardInterrupt at once.
 
     The ranks may see the signal at different steps, so they compare flags with one tiny

@@ -219,8 +219,9 @@ def agreed(check, env) -> None:
 STATUS = "status.json"
 _STATUS_WORDS = {0: "completed", 2: "failed: configuration, data or checkpoint",
                  75: "preempted", 130: "interrupted",
-                 # a second SIGTERM or SIGUSR1 while the first waited for a step that never ended
-                 143: "stopped at once", 138: "stopped at once"}
+                 # a second SIGTERM, SIGUSR1 or SIGHUP while the first waited for a step that
+                 # never ended
+                 143: "stopped at once", 138: "stopped at once", 129: "stopped at once"}
 
 
 def write_running(run_dir: Path, source: Optional[str]) -> None:

@@ -195,15 +195,17 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_to_the_whole_process_group_reaches_the_loader_workers_too_and_still_saves(
-        tmp_path):
+        tmp_path, sig):
     """SLURM cancelling a job (or `kill -- -PGID`) sends SIGTERM to every process, the loader
     workers included: they let it pass, so the run ends its step, saves and exits 75 as on
-    a SIGTERM to it alone (torch's worker handler ended them, and the step failed on it)."""
+    a SIGTERM to it alone (torch's worker handler ended them, and the step failed on it). A
+    closed terminal's SIGHUP is a preemption too (the run died at once, unsaved)."""
     run_dir = tmp_path / "run"
     proc = start_and_wait(command(run_dir, ["data.num_workers=2", "trainer.max_epochs=50"]),
                           until=lambda: logged_step(run_dir) >= 5)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, out[-3000:]
     assert "stopped on a preemption signal" in out and "killed by signal" not in out
