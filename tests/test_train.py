@@ -80,19 +80,30 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_pa
                      "reads RANK, or files that differ between nodes?)"]
 
 
-def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path):
-    """An override that reads the rank's environment: rank 1 took other batches (gloo aborted
-    it on the mismatched collective: SIGABRT and a thread dump)."""
+@pytest.mark.parametrize("overrides, differ", [
+    # rank 1 took other batches (gloo aborted it on the mismatched collective: SIGABRT)
+    (["data.batch_size=1${oc.env:RANK}", "seed=${oc.env:RANK}"],
+     "seed (0 to 1), data.batch_size (10 to 11)"),
+    # replicas that drift apart, exit 0: another lr, warm-up, layer width, held-out split
+    (["optim.lr='${oc.decode:0.00${oc.env:RANK}1}'", "sched.warmup_steps=${oc.env:RANK}",
+      "model.hidden=[64,'${oc.decode:6${oc.env:RANK}}']",
+      "data.dataset.split_seed='${oc.decode:${oc.env:RANK}}'"],
+     "model.hidden.1 (60 to 61), optim.lr (0.0001 to 0.0011), sched.warmup_steps, "
+     "data.dataset.split_seed (0 to 1)"),
+    # each rank its own dir: a resume read other checkpoints on each (gloo aborted rank 0)
+    (["hydra.run.dir=${hydra:runtime.cwd}/run_${oc.env:RANK}"], "run_dir"),
+])
+def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path, overrides, differ):
+    """An override that reads the rank's environment."""
     proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "data.num_workers=0",
-                        "data.batch_size=1${oc.env:RANK}", "trainer.max_epochs=1",
-                        "seed=${oc.env:RANK}"],
-                    cwd=ROOT, timeout=120)
+                        "trainer.max_epochs=1", *overrides], cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "Fatal Python error" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
-    assert lines == ["stoker: error: the ranks run with different settings: seed (0 to 1), "
-                     "data.batch_size (10 to 11); every rank must have the same ones (an "
-                     "override that reads the rank's environment?)"]
+    assert lines == [f"stoker: error: the ranks run with different settings: {differ}; every "
+                     "rank must have the same ones (an override that reads the rank's "
+                     "environment?)"]
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not list(tmp_path.glob("run_*/checkpoints"))
 
 
 def test_sweep_runs_each_job_as_a_ddp_job_with_its_own_dir(tmp_path):

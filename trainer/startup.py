@@ -246,26 +246,69 @@ SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", "
 
 
 def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
-    """Every rank must run with the same `SHARED` settings (an override that reads the rank's
+    """Every rank must run with the same settings (an override that reads the rank's
     environment, `${oc.env:RANK}`, could give them different ones): ranks with different
-    batch sizes or limits take different numbers of steps, and gloo aborts the process on the
-    mismatched collective while NCCL hangs. One small all-reduce at start-up, before any other
-    collective of the run; ConfigError on every rank, naming the keys."""
+    batch sizes or limits take different numbers of steps (gloo aborts the process on the
+    mismatched collective while NCCL hangs), ranks with another lr, clipping, model or
+    dataset split train replicas that drift apart, and ranks with another run dir resume from
+    other checkpoints. Two small all-reduces at start-up, before any other collective of the
+    run; ConfigError on every rank, naming the keys."""
     if distributed.world_size() == 1:
         return
-    values = []
-    for key in SHARED:
-        v = OmegaConf.select(cfg, key)
-        v = getattr(v, "value", v)  # an enum's value
-        values.append(float(v) if isinstance(v, (int, float)) else  # (bools too)
-                      float(zlib.crc32(repr(v).encode())))  # (null: repr None's)
+    compared = _compared(cfg)
+    keys = list(compared)
+    # the same keys first (a list of another length on one rank): the values' all-reduce
+    # needs as many on every rank
+    shape = [float(len(keys)), float(zlib.crc32("\n".join(keys).encode()))]
+    if len(set(map(tuple, distributed.spread(shape, device)))) > 1:
+        raise ConfigError("the ranks run with different settings (other keys, or lists of "
+                          "other lengths); every rank must have the same ones (an override "
+                          "that reads the rank's environment?)")
+    values = [float(v) if isinstance(v, (int, float)) else  # (bools too)
+              float(zlib.crc32(repr(v).encode())) for v in compared.values()]  # (null too)
     low, high = distributed.spread(values, device)
-    differ = [f"{key} ({lo:g} to {hi:g})" if isinstance(OmegaConf.select(cfg, key), int)
-              else key for key, lo, hi in zip(SHARED, low, high) if lo != hi]
+    differ = [f"{key} ({lo:g} to {hi:g})" if _is_number(compared[key]) else key
+              for key, lo, hi in zip(keys, low, high) if lo != hi]
     if differ:
         raise ConfigError(f"the ranks run with different settings: {', '.join(differ)}; every "
                           "rank must have the same ones (an override that reads the rank's "
                           "environment?)")
+
+
+# what the ranks' training computes, beside SHARED: every value but paths and addresses
+# (which may differ between nodes: a node's own scratch folder)
+SAME_MATH = ("model", "optim", "sched", "task", "trainer.grad_clip", "data.dataset",
+             "data.train_dataset", "data.val_dataset", "data.augment", "data.normalize_mean",
+             "data.normalize_std", "data.input_shape", "data.num_classes", "data.channels_last")
+
+
+def _compared(cfg: DictConfig) -> Dict[str, Any]:
+    """The settings every rank must share, by key: SHARED and the run dir (every rank reads
+    its checkpoints) as they are, and the values under SAME_MATH but paths."""
+    out: Dict[str, Any] = {}
+    for key in (*SHARED, "run_dir"):
+        v = OmegaConf.select(cfg, key)
+        out[key] = getattr(v, "value", v)  # an enum's value
+    for root in SAME_MATH:
+        node = OmegaConf.select(cfg, root)
+        plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        for key, v in flat(_lists_as_dicts(plain), root).items():
+            if not (isinstance(v, str) and (os.sep in v or "://" in v)):
+                out[key] = v
+    return out
+
+
+def _lists_as_dicts(value: Any) -> Any:
+    """Lists as {index: item}, so that `flat` reaches their items (hidden sizes, means)."""
+    if isinstance(value, list):
+        value = dict(enumerate(value))
+    if isinstance(value, dict):
+        return {str(k): _lists_as_dicts(v) for k, v in value.items()}
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
