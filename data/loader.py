@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data import handover
 from data.resident import ResidentBatches, rows_of
 from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
@@ -298,9 +299,12 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
     stall the workers of `batches` (or of the loader `owner` that made them) are killed: a
     stuck one ignores the request to stop, and the loader's shutdown would wait 5 s for
     each (a silent minute with several workers and loaders)."""
+    token = handover.watch((batches, owner), handover.timeout_of(batches, owner)) \
+        if workers else None
     try:
         yield from batches  # delegated in C: nothing per batch on the training thread
     except (TypeError, RuntimeError, KeyError, ConfigError) as e:
+        _said_stall(token)
         error = loader_error(e)
         if isinstance(error, LoaderStalled):
             kill_workers(batches, owner)
@@ -310,5 +314,18 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
     except (ConnectionError, EOFError) as e:
         if not workers:  # (the dataset's own connection, in this process)
             raise
+        _said_stall(token)
         raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
                                f"was received ({type(e).__name__}: {e}): {_ENDED}") from None
+    finally:
+        handover.unwatch(token)
+
+
+def _said_stall(token: Optional[int]) -> None:
+    """LoaderStalled where the handover watch killed the workers (see data/handover.py): the
+    error that follows (a worker gone, a broken connection) is its doing."""
+    timeout = handover.stalled(token)
+    if timeout is not None:
+        raise LoaderStalled(f"data: a loader worker did not hand over its batch within "
+                            f"{timeout:g} s (data.timeout): stuck or stopped; raise "
+                            "data.timeout if single batches are that slow") from None

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 from torch.utils.data import TensorDataset
@@ -201,4 +202,52 @@ def test_a_stall_kills_the_stuck_workers_at_once():
     for worker in workers:
         worker.join(timeout=2)
     assert not any(w.is_alive() for w in workers)
+    batches._shutdown_workers()
+
+
+def test_a_worker_stopped_with_its_batch_queued_is_a_stall_not_a_hang():
+    """A worker stopped (SIGSTOP) after it queued its batches: the training thread took the
+    batch's message and asked the worker's sharing thread for its memory, which waits for ever
+    (data.timeout bounds only the wait for the message): the run hung, silent. The handover
+    watch kills the workers past the timeout, and the read fails in the stall's one line."""
+    import os
+    import signal
+
+    from data.loader import LoaderStalled, readable
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(64.0)),
+                                         batch_size=2, num_workers=2, timeout=1,
+                                         prefetch_factor=2)
+    batches = iter(loader)
+    workers = list(batches._workers)
+    said = readable(batches, workers=True, owner=loader)
+    next(said)
+    queued = time.monotonic() + 30
+    while batches._data_queue.qsize() < 1 and time.monotonic() < queued:  # a batch to take
+        time.sleep(0.05)
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGSTOP)
+
+    def gave_up(signum, frame):
+        raise TimeoutError("the read still waits on the stopped worker")
+
+    previous = signal.signal(signal.SIGALRM, gave_up)
+    signal.alarm(60)  # (without the watch: for ever)
+    try:
+        # (or, where the batches queued were all taken first, the wait for the next one)
+        with pytest.raises(LoaderStalled, match=r"^data: (a loader worker did not hand over "
+                                                r"its batch within 1 s|DataLoader timed out "
+                                                r"after 1 seconds) \(data.timeout\)"):
+            for _ in range(32):
+                next(said)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not any(w.is_alive() for w in workers)
+    said.close()
     batches._shutdown_workers()
