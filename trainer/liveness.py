@@ -102,7 +102,7 @@ class Heartbeat:
             if _TIMEOUT.search(str(error)):
                 return PeerLost(f"rank {self.rank} waited more than {key}={timeout_s:g} s "
                                 f"{where}: {self._slowest()}; stopped, stuck or gone")
-            if _CLOSED.search(str(error)):
+            if _CLOSED.search(str(error)) or isinstance(error, LeftTheBarrier):
                 return PeerLost(f"rank {self.rank} lost a peer {where}: {self._gone()}")
         except Exception:  # noqa: BLE001  (the store went with the job: say what is known)
             return None
@@ -198,8 +198,8 @@ def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Opt
 def from_a_lost_peer(error: BaseException) -> bool:
     """Whether `error` is this rank's loss of a peer (said, or a backend's closed connection),
     not an error of its own."""
-    return isinstance(error, PeerLost) or (isinstance(error, RuntimeError)
-                                            and _CLOSED.search(str(error)) is not None)
+    return isinstance(error, (PeerLost, LeftTheBarrier)) or (
+        isinstance(error, RuntimeError) and _CLOSED.search(str(error)) is not None)
 
 
 def _store():
@@ -207,6 +207,11 @@ def _store():
     if not distributed.is_active():
         return None
     return dist.distributed_c10d._get_default_store()
+
+
+class LeftTheBarrier(RuntimeError):
+    """The checkpoint write's barrier failed before its time ran out: a peer's process ended
+    (gloo words it as the ranks that "failed to pass" it, in the timeout's words)."""
 
 
 class WriteWaitTimedOut(RuntimeError):
@@ -236,8 +241,11 @@ def writer_barrier(write_s: float, arrive_s: float) -> None:
     except RuntimeError as e:
         # gloo words every failure of it so, a peer's closed connection too: only one that
         # waited its time out is a timeout (the rest explain() names as a lost peer)
-        if time.monotonic() - start < 0.9 * timeout or _CLOSED.search(str(e)):
+        if _CLOSED.search(str(e)):
             raise
+        if time.monotonic() - start < 0.9 * timeout:  # its time did not run out: a peer left
+            raise LeftTheBarrier(f"a peer left the checkpoint write's barrier (gloo: "
+                                 f"{str(e).splitlines()[0]})") from None
         raise WriteWaitTimedOut("trainer.ddp.timeout_s" if writer
                                 else "trainer.checkpoint.timeout_s", timeout, str(e),
                                 writer) from None

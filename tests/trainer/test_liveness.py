@@ -125,12 +125,15 @@ def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
     import torch.distributed as dist
 
     from trainer import distributed
-    from trainer.liveness import writer_barrier
+    from trainer.liveness import from_a_lost_peer, writer_barrier
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     done = Path(out, "rank0")
+    if rank == 1 and late == GONE:  # it ends before it comes, rank 0 waiting there
+        time.sleep(1)
+        os._exit(0)  # (0: mp.spawn would end rank 0 on another code)
     if rank == 1 and late < 0:
         while not done.exists():  # stopped: it never arrives while rank 0 waits
             time.sleep(0.1)
@@ -142,7 +145,7 @@ def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
         writer_barrier(write_s=60, arrive_s=2)
         result = "passed"
     except RuntimeError as e:
-        result = f"failed: {e}"
+        result = f"failed: {e}" + (" [a lost peer]" if from_a_lost_peer(e) else "")
     took = time.monotonic() - start
     Path(out, f"rank{rank}.tmp").write_text(f"{took}\n{result}")
     os.replace(Path(out, f"rank{rank}.tmp"), Path(out, f"rank{rank}"))
@@ -150,6 +153,9 @@ def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
     if rank == 0 and late < 0:
         os._exit(0)  # (a peer that never came: no clean shutdown with it)
     dist.destroy_process_group()
+
+
+GONE = -99.0  # `late`: rank 1's process ends while rank 0 waits in the barrier
 
 
 def _barrier(tmp_path, late: float):
@@ -160,6 +166,16 @@ def _barrier(tmp_path, late: float):
     mp.spawn(_at_the_writer_barrier, args=(free_port(), str(tmp_path), late), nprocs=2)
     took, result = (tmp_path / "rank0").read_text().split("\n", 1)
     return float(took), result
+
+
+def test_a_peer_gone_during_a_checkpoint_write_is_a_lost_peer_not_a_barrier_timeout(tmp_path):
+    """Rank 1's process ended while rank 0 waited for it in the barrier: gloo's barrier fails
+    before its time, worded as a timeout ("Ranks 1 failed to pass monitoredBarrier in 2000
+    ms"), which reached the console as that traceback; it is a lost peer, which the heartbeat
+    then names in one line."""
+    took, result = _barrier(tmp_path, late=GONE)
+    assert result.endswith(" [a lost peer]"), result
+    assert float(took) < 60  # not the write's timeout
 
 
 def test_the_ranks_wait_for_a_checkpoint_write_longer_than_a_collective(tmp_path):
