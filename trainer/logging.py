@@ -121,8 +121,13 @@ class RunLogger:
             self.before_first_write()  # the run's files, opened at its first row
         if self._jsonl is None:
             return
-        self._jsonl.write(json.dumps(json_safe({"split": split, "step": step, **values}),
-                                     allow_nan=False) + "\n")
+        try:
+            self._jsonl.write(json.dumps(json_safe({"split": split, "step": step, **values}),
+                                         allow_nan=False) + "\n")
+        except OSError as e:  # (a full disk, a file size limit: the line names the file)
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, self._jsonl.name) from None
         if self._tb is not None:
             self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)

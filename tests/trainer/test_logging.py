@@ -152,3 +152,28 @@ def test_write_whole_leaves_the_file_as_it_was_when_the_disk_is_full(tmp_path, m
     assert str(e.value) == f"[Errno 28] No space left on device: '{path}'"
     assert path.read_text() == '{"status": "running"}\n'
     assert os.listdir(tmp_path) == ["status.json"]  # (no temporary file left)
+
+
+def test_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path, monkeypatch):
+    """A file size limit (ulimit -f) or a full disk: `[Errno 27] File too large` named no
+    file; the line is the path and the cause."""
+    import errno
+
+    from trainer.cli import describe
+
+    monkeypatch.setattr("sys.argv", ["train.py"])  # (no override names the run dir)
+    logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False, progress_bar=False)
+    logger.open()
+
+    class Full:
+        name = str(tmp_path / "metrics.jsonl")
+
+        def write(self, text):
+            raise OSError(errno.EFBIG, "File too large")
+
+    real, logger._jsonl = logger._jsonl, Full()
+    with pytest.raises(OSError) as e:
+        logger.metrics("train", 1, {"loss": 1.0})
+    assert describe(e.value) == f"{tmp_path / 'metrics.jsonl'}: File too large"
+    logger._jsonl = real
+    logger.close()
