@@ -107,7 +107,22 @@ def _write_cause(e: BaseException, path: Path) -> str:
             return "no space left on device"
     except OSError:
         pass
+    limit = _file_size_limit()
+    if limit is not None and "unexpected pos" in str(e):  # (the limit's EFBIG, said so too)
+        return f"file too large: this process may write files of {limit} bytes at most " \
+               "(ulimit -f)"
     return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _file_size_limit() -> Optional[int]:
+    """The process's limit on a file's size in bytes (ulimit -f), None without one."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):  # (not on every platform)
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _unlink_quietly(path: str) -> None:

@@ -41,6 +41,33 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "new"]
 
 
+def test_a_file_size_limit_under_torch_s_own_message_is_named(tmp_path):
+    """`ulimit -f` (a batch system's file size limit): torch said 'enforce fail ... unexpected
+    pos'; the line says the limit, and the last good checkpoint stays."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = ("import resource, sys, torch; sys.path.insert(0, sys.argv[1])\n"
+              "from trainer import checkpoint\n"
+              "checkpoint.save({'model': {'w': torch.zeros(4)}, 'step': 1}, sys.argv[2])\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))\n"
+              "try:\n"
+              "    checkpoint.save({'model': {'w': torch.zeros(100_000)}, 'step': 2}, "
+              "sys.argv[2])\n"
+              "except checkpoint.CheckpointWriteError as e:\n"
+              "    print(e)\n")
+    path = tmp_path / "last.pt"
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT), str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (f"checkpoint {path}: the write failed (file too large: this "
+                                  "process may write files of 100000 bytes at most (ulimit "
+                                  "-f)); the previous checkpoints are kept"), out.stdout
+    assert checkpoint.load(path)["step"] == 1 and len(list(tmp_path.iterdir())) == 1
+
+
 def test_a_full_disk_under_torch_s_own_message_is_named(tmp_path, monkeypatch):
     """torch reports ENOSPC as 'enforce fail ... unexpected pos': the free space tells."""
     path = checkpoint.save({"model": {"w": torch.zeros(2)}, "step": 1}, tmp_path / "last.pt")
