@@ -145,6 +145,8 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # Python delivers signals to the main thread only
         for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started with nohup: a closed terminal is to change nothing
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

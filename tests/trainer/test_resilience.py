@@ -195,6 +195,20 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
 
 
+def test_a_run_started_with_nohup_trains_on_through_a_sighup(tmp_path):
+    """nohup ignores SIGHUP so that a closed terminal changes nothing: a preemption there
+    would stop the very run it was to keep."""
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(["nohup", *command(run_dir, ["data.num_workers=1",
+                                                       "trainer.max_epochs=3"])],
+                          until=lambda: logged_step(run_dir) >= 5)
+    os.killpg(proc.pid, signal.SIGHUP)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "preemption" not in out
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_to_the_whole_process_group_reaches_the_loader_workers_too_and_still_saves(
         tmp_path, sig):
