@@ -81,14 +81,21 @@ def _watch() -> None:
     since: Dict[int, Tuple[int, float]] = {}  # thread id: (its handover frame's id, first seen)
     from data.loader import kill_workers
 
+    last = time.monotonic()
     while True:
         time.sleep(POLL_S)
+        now, slept = time.monotonic(), time.monotonic() - last
+        last = now
         with _lock:
-            if not _watched:
-                continue
             watched = dict(_watched)
-        now = time.monotonic()
-        for thread, frame_id in _handovers({ident for ident, _, _ in watched.values()}).items():
+        threads = {ident for ident, _, _ in watched.values()}
+        for thread in set(since) - threads:  # (an id seen before must not count later)
+            del since[thread]
+        if slept > 5 * POLL_S:  # suspended (Ctrl-Z, a scheduler's suspend): its own time
+            since.clear()       # counts for no handover
+        if not watched:
+            continue
+        for thread, frame_id in _handovers(threads).items():
             if frame_id is None:
                 since.pop(thread, None)
                 continue

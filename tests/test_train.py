@@ -91,7 +91,7 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_pa
      "model.hidden.1 (60 to 61), optim.lr (0.0001 to 0.0011), sched.warmup_steps, "
      "data.dataset.split_seed (0 to 1)"),
     # each rank its own dir: a resume read other checkpoints on each (gloo aborted rank 0)
-    (["hydra.run.dir=${hydra:runtime.cwd}/run_${oc.env:RANK}"], "run_dir"),
+    (["hydra.run.dir=${hydra:runtime.cwd}/run_${oc.env:RANK}"], None),
 ])
 def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path, overrides, differ):
     """An override that reads the rank's environment."""
@@ -101,7 +101,10 @@ def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path, overrid
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
     assert lines == [f"stoker: error: the ranks run with different settings: {differ}; every "
                      "rank must have the same ones (an override that reads the rank's "
-                     "environment?)"]
+                     "environment?)" if differ else
+                     "stoker: error: the ranks run in different run dirs, and every rank reads "
+                     "the run's checkpoints: name one on a filesystem every node shares with "
+                     "hydra.run.dir=... (or launch torchrun with --rdzv-id)"]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not list(tmp_path.glob("run_*/checkpoints"))
 

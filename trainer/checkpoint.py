@@ -76,13 +76,14 @@ def save(state: Dict[str, Any], path: Path) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        cause = _write_cause(e, path, tmp)
         _unlink_quietly(tmp)
         try:  # (the tmp file is gone)
             kept = any(p.suffix == ".pt" for p in path.parent.iterdir())
         except OSError:  # the folder went too (a deleted dir, a stale NFS handle)
             kept = False
         raise CheckpointWriteError(f"checkpoint {path}: the write failed "
-                                   f"({_write_cause(e, path)}); " + (
+                                   f"({cause}); " + (
                                        "the previous checkpoints are kept" if kept else
                                        "no checkpoint was written before it")) from None
     except BaseException:
@@ -97,7 +98,7 @@ def save(state: Dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _write_cause(e: BaseException, path: Path) -> str:
+def _write_cause(e: BaseException, path: Path, tmp: str) -> str:
     """The real cause of a failed write: torch reports a full disk as "enforce fail ...
     unexpected pos", so the free space is asked directly."""
     if isinstance(e, OSError) and e.strerror:
@@ -108,7 +109,11 @@ def _write_cause(e: BaseException, path: Path) -> str:
     except OSError:
         pass
     limit = _file_size_limit()
-    if limit is not None and "unexpected pos" in str(e):  # (the limit's EFBIG, said so too)
+    try:  # (the limit's EFBIG, said so too: where the file being written reached it)
+        reached = limit is not None and os.path.getsize(tmp) >= limit
+    except OSError:
+        reached = False
+    if reached and "unexpected pos" in str(e):
         return f"file too large: this process may write files of {limit} bytes at most " \
                "(ulimit -f)"
     return str(e).splitlines()[0] if str(e) else type(e).__name__

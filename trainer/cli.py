@@ -166,8 +166,10 @@ def _override_of(path: str) -> str | None:
         folder = os.path.abspath(value)
         if folder in (os.getcwd(), os.sep):
             continue
-        if (target == folder or target.startswith(folder.rstrip(os.sep) + os.sep)) and \
-                len(folder) > depth:
+        # (a path under the value: only a folder the run writes into, hydra.run.dir,
+        # data.cache_dir; a dataset's root is not where outputs/ goes)
+        under = key.endswith("dir") and target.startswith(folder.rstrip(os.sep) + os.sep)
+        if (target == folder or under) and len(folder) > depth:
             found, depth = f"{key}={value}", len(folder)
     return found
 

@@ -125,9 +125,14 @@ class RunLogger:
             self._jsonl.write(json.dumps(json_safe({"split": split, "step": step, **values}),
                                          allow_nan=False) + "\n")
         except OSError as e:  # (a full disk, a file size limit: the line names the file)
+            jsonl, self._jsonl = self._jsonl, None  # (closed now: the buffered bytes would
+            try:                                    # fail again, unnamed, at the run's end)
+                jsonl.close()
+            except OSError:
+                pass
             if e.filename is not None:
                 raise
-            raise OSError(e.errno, e.strerror, self._jsonl.name) from None
+            raise OSError(e.errno, e.strerror, jsonl.name) from None
         if self._tb is not None:
             self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -120,7 +120,8 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
             # (rank 0 says its own; a peer's own, a one-line error or a crash's last line,
             # reaches rank 0's report of losing it and its status.json: not a loss of its own,
             # which another survivor would pass off as the lost rank's error)
-            if env.world_size > 1 and not liveness.from_a_lost_peer(e):
+            if env.world_size > 1 and not liveness.from_a_lost_peer(e) and \
+                    not isinstance(e, Preempted):
                 liveness.record_error(env.rank, ending.status_error(e))
             raise
 
@@ -407,7 +408,7 @@ def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optiona
         # before the first step, a crash or a lost peer (what is said in one line is said
         # on the console, and leaves no dir behind) into a dir with no run's record
         ending.record_failure(run_dir, e)
-        if isinstance(e, Exception):  # (an interrupted or preempted run says so itself)
+        if isinstance(e, Exception) and not isinstance(e, Preempted):  # (it says so itself)
             where = "before the first step" if outputs is None else f"at step {loop.state.step}"
             ending.to_run_log(run_dir, f"failed {where}: {ending.status_error(e)}")
     elif ours and isinstance(e, ending.ONE_LINE):

@@ -264,11 +264,15 @@ def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
         raise ConfigError("the ranks run with different settings (other keys, or lists of "
                           "other lengths); every rank must have the same ones (an override "
                           "that reads the rank's environment?)")
-    values = [float(v) if isinstance(v, (int, float)) else  # (bools too)
-              float(zlib.crc32(repr(v).encode())) for v in compared.values()]  # (null too)
+    values = [float(v) if isinstance(v, (int, float)) and v == v else  # (bools too)
+              float(zlib.crc32(repr(v).encode())) for v in compared.values()]  # (null, nan)
     low, high = distributed.spread(values, device)
     differ = [f"{key} ({lo:g} to {hi:g})" if _is_number(compared[key]) else key
               for key, lo, hi in zip(keys, low, high) if lo != hi]
+    if differ == ["run_dir"]:  # (each node named its own: a static launch with no run id)
+        raise ConfigError("the ranks run in different run dirs, and every rank reads the run's "
+                          "checkpoints: name one on a filesystem every node shares with "
+                          "hydra.run.dir=... (or launch torchrun with --rdzv-id)")
     if differ:
         raise ConfigError(f"the ranks run with different settings: {', '.join(differ)}; every "
                           "rank must have the same ones (an override that reads the rank's "

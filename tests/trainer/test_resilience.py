@@ -156,6 +156,7 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     assert f"resume with {resume}\n" in out
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
+    assert "failed at step" not in (run_dir / "train.log").read_text()  # (no failure)
     # saved on an optimizer-step boundary: whole windows of 2 batches of 32
     assert state["position"] % 64 == 0
 
