@@ -257,7 +257,8 @@ def _inner_key(node: Any, key: str, message: str) -> Optional[str]:
     return None
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -291,13 +292,13 @@ def _not_like_default(value: Any, param: inspect.Parameter, sized: bool) -> Opti
     if value is None:
         text = _annotation(param)
         takes_none = text is None or "None" in text or "Optional" in text
-        return None if takes_none or not _is_number(default) else "a number, not null"
-    if _is_number(default) and not _is_number(value):
+        return None if takes_none or not is_number(default) else "a number, not null"
+    if is_number(default) and not is_number(value):
         return "a number"
-    if sized and isinstance(default, tuple) and default and all(map(_is_number, default)):
+    if sized and isinstance(default, tuple) and default and all(map(is_number, default)):
         values = list(value) if OmegaConf.is_list(value) or isinstance(value, (list, tuple)) \
             else None
-        if values is None or not all(map(_is_number, values)) or len(values) != len(default):
+        if values is None or not all(map(is_number, values)) or len(values) != len(default):
             return f"{len(default)} numbers"
     return None
 
@@ -349,3 +350,20 @@ def build_callable(node: Any, key: str) -> Optional[Callable]:
         raise ConfigError(f"{key}: {node['_target_']} built a {type(obj).__name__}, which is "
                           "not callable; name a function, or set _partial_: true")
     return obj
+
+
+def build_model(cfg: Any) -> Any:
+    """The user's model (`cfg.model`) as a run builds it, offered `data.input_shape` and
+    `data.num_classes` where its `_target_` takes them; ConfigError for one that is no
+    torch.nn.Module."""
+    import torch
+
+    d = cfg.get("data") or {}
+    offered = {"input_shape": None if d.get("input_shape") is None else list(d.input_shape),
+               "num_classes": d.get("num_classes")}
+    model = build(cfg.model, "model", offered, hint="; model=custom starts from no keys but "
+                                                    "_target_")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
+                          f"{type(model).__name__}, not a torch.nn.Module")
+    return model

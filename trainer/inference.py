@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from trainer import components
 from trainer.checkpoint import CheckpointError, load
-from trainer.config import ConfigError
 
 
 def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu"
@@ -26,12 +25,6 @@ def load_model(path: Union[str, Path], device: Union[str, torch.device] = "cpu"
     if OmegaConf.select(cfg, "model._target_") is None:
         raise CheckpointError(f"checkpoint {path}: keeps no model config (model._target_) to "
                               "build the model from")
-    d = cfg.get("data") or {}
-    offered = {"input_shape": None if d.get("input_shape") is None else list(d.input_shape),
-               "num_classes": d.get("num_classes")}
-    model = components.build(cfg.model, "model", offered)
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
-                          f"{type(model).__name__}, not a torch.nn.Module")
+    model = components.build_model(cfg)
     model.load_state_dict(state["model"])
     return model.to(device).eval()

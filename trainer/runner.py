@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from torch import nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -185,15 +184,7 @@ def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
 def _model_and_task(cfg: DictConfig, spec: RunSpec):
     """The user's model (offered data.input_shape/num_classes where it takes them) on its
     device and wrapped for the strategy, and the task on the same device."""
-    d = cfg.data
-    offered = {"input_shape": None if d.input_shape is None else list(d.input_shape),
-               "num_classes": d.num_classes}
-    model = components.build(cfg.model, "model", offered,
-                             hint="; model=custom starts from no keys but _target_")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
-                          f"{type(model).__name__}, not a torch.nn.Module")
-    model = speed.memory_format(model, d.channels_last)
+    model = speed.memory_format(components.build_model(cfg), cfg.data.channels_last)
     task = components.build(cfg.task, "task")
     if not isinstance(task, Task):
         raise ConfigError(f"task._target_={cfg.task._target_}: builds a {type(task).__name__}; "

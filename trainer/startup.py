@@ -13,7 +13,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
-from trainer import checkpoint, distributed, ending, resumefiles, rundir, schedules
+from trainer import (checkpoint, components, distributed, ending, resumefiles, rundir,
+                     schedules)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
@@ -267,7 +268,7 @@ def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
     values = [float(v) if isinstance(v, (int, float)) and v == v else  # (bools too)
               float(zlib.crc32(repr(v).encode())) for v in compared.values()]  # (null, nan)
     low, high = distributed.spread(values, device)
-    differ = [f"{key} ({lo:g} to {hi:g})" if _is_number(compared[key]) else key
+    differ = [f"{key} ({lo:g} to {hi:g})" if components.is_number(compared[key]) else key
               for key, lo, hi in zip(keys, low, high) if lo != hi]
     if differ == ["run_dir"]:  # (each node named its own: a static launch with no run id)
         raise ConfigError("the ranks run in different run dirs, and every rank reads the run's "
@@ -309,10 +310,6 @@ def _lists_as_dicts(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _lists_as_dicts(v) for k, v in value.items()}
     return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def same_data_everywhere(train_feed, val_feed, device: torch.device) -> None:
