@@ -324,7 +324,7 @@ def _say(e: BaseException) -> int:
         line, code = e.line(), e.exit_code()
         if line is None:  # not a mistake it could say in a line: its last lines, for a report
             line = f"{prog()}: error: {e.summary()}"
-            tail = [f"  {ln}" for ln in e.output.splitlines() if ln.strip()][-25:]
+            tail = [f"  {ln}" for ln in e.last_lines(25)]
     else:  # OSError
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         line = f"{prog()}: error: {where}{getattr(e, 'strerror', None) or e}{_left()}"

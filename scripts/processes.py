@@ -63,6 +63,23 @@ def _raise_stopped(signum, frame) -> None:
 
 
 _ERROR_LINE = re.compile(r"^\S+: error: ")  # stoker's own, or a script's argparse line
+_TRACEBACK = "Traceback (most recent call last):"
+_TORCHRUN = os.path.join("torch", "distributed", "run.py")
+
+
+def _root_cause(account: List[str]) -> str:
+    """torchrun's box for a failed job as one line: the first failure's rank and exit."""
+    box = account[next((i for i, ln in enumerate(account) if ln.startswith("Root Cause")),
+                       0):]
+    said = {}
+    for ln in box:
+        key, sep, value = ln.strip().partition(":")
+        if sep and key.strip() in ("rank", "exitcode") and key.strip() not in said:
+            said[key.strip()] = " ".join(value.split())
+    if not said:
+        return "torchrun: the job failed"
+    return ("torchrun: the job failed; first failure: "
+            + ", ".join(f"{k} {v}" for k, v in said.items()))
 
 
 class ChildFailed(RuntimeError):
@@ -85,6 +102,17 @@ class ChildFailed(RuntimeError):
     def exit_code(self) -> int:
         """The script's exit code: the child's, or 1 when it died of a signal or timed out."""
         return self.code if self.code and self.code > 0 else 1
+
+    def last_lines(self, n: int = 25) -> List[str]:
+        """The child's last `n` non-empty lines for a report, torchrun's own account of a
+        failed rank (its launcher's traceback and its 25-line box) folded into one line: in
+        the last lines as printed, that account left out what the failing rank said."""
+        lines = [ln for ln in self.output.splitlines() if ln.strip()]
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(_TRACEBACK)
+                      and any(_TORCHRUN in later for later in lines[i + 1:i + 6])), None)
+        if start is not None:
+            lines = lines[:start] + [_root_cause(lines[start:])]
+        return lines[-n:]
 
 
 def _processes() -> Dict[int, Tuple[str, int, int]]:

@@ -94,6 +94,39 @@ def test_a_childs_one_line_error_is_said_as_it_is(tmp_path):
     assert proc.stderr.strip() == "stoker: error: data.batch_size=0: must be >= 1"
 
 
+# a rank that says many lines, then its error, and aborts (as gloo aborts a process)
+ABORTING_RANK = """
+import os, sys, time
+if os.environ["RANK"] == "0":
+    for i in range(40):
+        print(f"line {i}", file=sys.stderr, flush=True)
+    print("rank 0's own last words", file=sys.stderr, flush=True)
+    os.abort()
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_torchrun_job_is_reported_by_its_ranks_lines_not_torchruns(tmp_path):
+    """torchrun's launcher traceback and box (45 lines) would fill the report's last 25
+    lines: they fold into one line, and the failing rank's own lines stay in."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(ABORTING_RANK)
+    child = (f"import os, sys; os.execv(sys.executable, [sys.executable, '-m', "
+             f"'torch.distributed.run', '--standalone', '--nproc_per_node=2', {str(rank)!r}])")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(scripts=str(ROOT / "scripts"), child=child, setup=""))
+    proc = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True,
+                          timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines[0] == "driver.py: error: the child failed (exit 1)"
+    assert "  rank 0's own last words" in lines and "  line 39" in lines
+    assert lines[-1].startswith("  torchrun: the job failed; first failure: rank 0 "
+                                "(local_rank: 0), exitcode -6"), lines[-1]
+    assert len(lines) == 26 and not any("Traceback" in ln for ln in lines), lines
+
+
 # a child that takes half a second to end on SIGTERM, and says it did
 GRACEFUL = """
 import signal, sys, time
