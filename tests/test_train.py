@@ -29,6 +29,8 @@ def test_ddp_two_ranks_match_one_process_and_share_one_run_dir(tmp_path):
     assert proc.stdout.count("global batch 32 = per-rank batch 16 x accumulation 1 x "
                              "world size 2") == 1  # rank 1 says nothing at INFO
     assert "[rank 1]" not in (run / "train.log").read_text()
+    said = proc.stdout + proc.stderr  # a warning of the settings, which every rank shares
+    assert said.count("sched.warmup_steps=20 is not fewer than the run's 20 optimizer") == 1
     s = summary_of(run)
     assert s["world_size"] == 2 and s["strategy"] == "ddp" and s["steps"] == 20
     ddp = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]

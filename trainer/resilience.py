@@ -276,11 +276,11 @@ class Checkpointing(Callback):
                                 and self.saved_validated == loop.state.validated_step):
             return True
         if not loop.losses_finite():  # agreed: no rank goes into capture's gather alone
-            distributed.warn(self.env, "not saving a checkpoint at step %d: the loss is not "
-                             "finite; %s", loop.state.step,
-                             "the last good checkpoint stays" if self.saver.last_saved_step
-                             is not None or resumefiles.candidates(self.run_dir)
-                             else "no checkpoint was saved before it")
+            self.logger.warning(  # (agreed: said once)
+                "not saving a checkpoint at step %d: the loss is not finite; %s",
+                loop.state.step, "the last good checkpoint stays" if
+                self.saver.last_saved_step is not None or resumefiles.candidates(self.run_dir)
+                else "no checkpoint was saved before it")
             return False
         phase, loop.phase = loop.phase, "checkpointing"
         start = time.perf_counter()

@@ -261,8 +261,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
               and not cfg.trainer.early_stopping.patience else [])
-    for line in [*too_big, *unused, *warnings]:
-        distributed.warn(env, "%s", line)
+    for line in [*too_big, *unused, *warnings]:  # every rank's alike (same_settings_everywhere,
+        logger.warning("%s", line)  # same_data_everywhere, one checkpoint): said once
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
                      "without reading its inf flag to the host each step "
