@@ -361,9 +361,48 @@ def build_model(cfg: Any) -> Any:
     d = cfg.get("data") or {}
     offered = {"input_shape": None if d.get("input_shape") is None else list(d.input_shape),
                "num_classes": d.get("num_classes")}
-    model = build(cfg.model, "model", offered, hint="; model=custom starts from no keys but "
-                                                    "_target_")
+    try:
+        model = build(cfg.model, "model", offered, hint="; model=custom starts from no keys "
+                                                        "but _target_")
+    except InstantiationException as e:  # (a size of the model's too big for the machine)
+        if e.__cause__ is None or not _NO_MEMORY.search(
+                f"{type(e.__cause__).__name__}: {e.__cause__}"):
+            raise
+        raise ConfigError(_too_big(cfg.model, offered, e.__cause__)) from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
                           f"{type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+_NO_MEMORY = re.compile(r"can't allocate memory|out of memory|MemoryError", re.IGNORECASE)
+_ASKED = re.compile(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)")
+
+
+def _too_big(node: Any, offered: Dict[str, Any], cause: BaseException) -> str:
+    """The one line for a model whose building ran out of memory: what it asked for, and the
+    sizes it was built with (the data config's that it took, its node's own numbers)."""
+    asked = _ASKED.search(str(cause))
+    amount = "" if asked is None else \
+        f" (it asked for {asked.group(2) or _bytes(int(asked.group(1)))} at once)"
+    params = parameters(target_of(node, "model")) or {}
+    sizes = [f"data.{k}={v}" for k, v in offered.items()
+             if v is not None and k in params and k not in node]
+    for k, v in node.items():
+        plain = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
+        if is_number(plain) or (isinstance(plain, list) and plain and all(map(is_number, plain))):
+            sizes.append(f"model.{k}={plain}")
+    return (f"model._target_={node['_target_']}: building the model ran out of memory{amount}; "
+            f"are its sizes right? {', '.join(sizes) or 'its node sets none'}")
+
+
+def _bytes(count: int) -> str:
+    """A byte count in binary units: 5120000000000 -> '4.7 TiB'."""
+    if count < 1024:
+        return f"{count} bytes"
+    n = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024:
+            break
+    return f"{n:.1f} {unit}"

@@ -177,3 +177,31 @@ def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
                "b": dict(_target_="tests.helpers.BrokenMetric", _args_=["update", 2])}
     with pytest.raises(ConfigError, match=r"^task.metrics.b: tests.helpers.BrokenMetric refused"):
         build(node(_target_="trainer.tasks.Classification", metrics=metrics), "task")
+
+
+def test_a_model_too_big_for_the_machine_names_the_sizes_it_was_built_with():
+    """More classes than any address space holds (a typo's extra zeros): one line with the
+    sizes, not the allocator's enforce text."""
+    from trainer.components import build_model
+
+    cfg = OmegaConf.create({"model": {"_target_": "trainer.models.MLP", "hidden": [128]},
+                            "data": {"input_shape": [1, 8, 8], "num_classes": 10**13}})
+    with pytest.raises(ConfigError) as e:
+        build_model(cfg)
+    said = str(e.value)
+    assert said.startswith("model._target_=trainer.models.MLP: building the model ran out of "
+                           "memory (it asked for "), said
+    assert said.endswith("at once); are its sizes right? data.input_shape=[1, 8, 8], "
+                         "data.num_classes=10000000000000, model.hidden=[128]"), said
+
+
+def test_a_model_that_fails_otherwise_is_not_called_too_big():
+    from hydra.errors import InstantiationException
+
+    from trainer.components import build_model
+
+    cfg = OmegaConf.create({"model": {"_target_": "trainer.models.MLP", "hidden": [-5]},
+                            "data": {"input_shape": [1, 8, 8], "num_classes": 10}})
+    with pytest.raises((ConfigError, InstantiationException)) as e:
+        build_model(cfg)
+    assert "ran out of memory" not in str(e.value)
