@@ -68,9 +68,16 @@ def logged_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def _hangup_by_default() -> None:
+    """A child's SIGHUP as in a terminal's run, also where the suite itself runs under
+    nohup (which the child would inherit: it would train on through the test's SIGHUP)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start_and_wait(cmd, until, timeout=120):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_hangup_by_default)
     deadline = time.monotonic() + timeout
     while not until() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
