@@ -8,7 +8,9 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 from __future__ import annotations
 
 import atexit
+import gc
 import math
+import os
 import re
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
@@ -98,6 +100,30 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
         _WITH_WORKERS.add(loader)
     return loader
 
+
+_FROZE = False  # whether the fork's freeze below was ours to undo
+
+
+def _freeze_before_fork() -> None:
+    """The objects a loader worker inherits are kept from its garbage collector: garbage of
+    the training process's not collected yet (a finished loader iterator in a reference
+    cycle) would otherwise be collected in the worker, torch's worker start-up allocating
+    before any code of ours runs there, and that iterator's `__del__` would shut down
+    workers that are not the worker's children (an `AssertionError: can only test a child
+    process` traceback on stderr, a few a run with shard streams on a loaded machine).
+    Frozen, they also stay on the pages the fork shares. The training process thaws at once
+    what it froze (one list splice each way)."""
+    global _FROZE
+    _FROZE = gc.get_freeze_count() == 0  # (a freeze of the user's own stays as it was)
+    gc.freeze()
+
+
+def _thaw_after_fork() -> None:
+    if _FROZE:
+        gc.unfreeze()
+
+
+os.register_at_fork(before=_freeze_before_fork, after_in_parent=_thaw_after_fork)
 
 # DataLoaders whose workers (`worker_signals`) are ended before Python's own exit hook
 _WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()

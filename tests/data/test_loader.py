@@ -124,6 +124,46 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
     assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]
 
 
+# an iterator with running workers left as garbage in a reference cycle at the next loader's
+# fork (collection is off until then), and that loader's worker collecting at once
+GARBAGE_AT_FORK = """
+import gc, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+if sys.argv[1] == "stoker":
+    import data.loader  # noqa: F401
+class Collecting(TensorDataset):
+    def __getitem__(self, i):
+        gc.collect()
+        return super().__getitem__(i)
+gc.disable()
+first = iter(DataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=1))
+next(first)  # (not run out: its workers still up)
+cycle = {"iterator": first}
+cycle["cycle"] = cycle
+del first, cycle
+print(len(list(DataLoader(Collecting(torch.arange(8)), batch_size=4, num_workers=1))))
+gc.enable()
+gc.collect()
+"""
+
+
+@pytest.mark.parametrize("imported,said", [("stoker", False), ("torch alone", True)])
+def test_a_workers_collector_leaves_what_it_inherited_alone(imported, said):
+    """Garbage of the training process's at a worker's fork (an iterator dropped in a
+    cycle) is not collected in the worker, where its __del__ shut down workers that are not
+    the worker's children and printed a traceback; torch alone shows the case is real."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", GARBAGE_AT_FORK, imported], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "2\n", proc.stderr[-2000:]
+    assert ("can only test a child process" in proc.stderr) == said, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("sig", ["KILL", "SEGV"])
 def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, sig):
     """The training process's DataLoader tells only that the worker ended: the line names
