@@ -76,10 +76,12 @@ _LAUNCH_VARS = {"torchrun": ([("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0),
                           ("SLURM_PROCID", "SLURM_NTASKS"))}
 
 
-def check_launch(environ: Mapping[str, str] = os.environ) -> None:
+def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) -> None:
     """LaunchError for launcher variables `detect` would read that cannot describe a job: a
     value that is not a whole number, or below its least, or a rank at or past the world
-    size (a job script that sets them by hand, or an srun outside its allocation)."""
+    size (a job script that sets them by hand, or an srun outside its allocation); with
+    `meeting`, also a torchrun-style job without the address its ranks meet at, and a port
+    that is no port (the process group's start raised them, a 68-line traceback)."""
     launcher = ("torchrun" if "RANK" in environ and "WORLD_SIZE" in environ else
                 "slurm" if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ else None)
     if launcher is None:
@@ -95,13 +97,32 @@ def check_launch(environ: Mapping[str, str] = os.environ) -> None:
     if int(environ[rank]) >= int(environ[world]):
         raise LaunchError(f"{rank}={environ[rank]}: must be below {world}={environ[world]} "
                           "(the job's ranks are 0 to one less than its size)")
+    if meeting:
+        _check_meeting_point(environ, launcher, environ[rank], environ[world])
+
+
+def _check_meeting_point(environ: Mapping[str, str], launcher: str, rank: str,
+                         world: str) -> None:
+    if launcher == "torchrun" and int(world) > 1:  # (SLURM's has defaults)
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not environ.get(name, "").strip():
+                raise LaunchError(
+                    f"RANK={rank} and WORLD_SIZE={world} are set but {name} "
+                    "is not: the job's processes meet at MASTER_ADDR:MASTER_PORT (torchrun "
+                    "sets all four; launch with torchrun, or unset RANK and WORLD_SIZE to run "
+                    "one process)")
+    port = environ.get("MASTER_PORT", "").strip()
+    if port and launcher == "torchrun" and not re.fullmatch(r"[0-9]+", port) or \
+            port.isdigit() and int(port) > 65535:
+        raise LaunchError(f"MASTER_PORT={environ['MASTER_PORT']}: must be a port number, 1 to "
+                          "65535")
 
 
 def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
     """Reads torchrun's variables, else SLURM's (`srun python train.py`), else one process;
     variables `check_launch` refuses read as one process, so that the refusal can be said."""
     try:
-        check_launch(environ)
+        check_launch(environ, meeting=False)
     except LaunchError:
         return DistEnv()
     return _detect(environ)

@@ -116,6 +116,28 @@ def test_launcher_variables_that_cannot_describe_a_job_are_one_line(env, message
     distributed.check_launch({})
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK=0 and WORLD_SIZE=2 are set but MASTER_ADDR is "
+                                       "not: the job's processes meet at"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost"},
+     "RANK=0 and WORLD_SIZE=2 are set but MASTER_PORT is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "99999"},
+     "MASTER_PORT=99999: must be a port number, 1 to 65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"},
+     "MASTER_PORT=http: must be a port number"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_PORT": "70000"},
+     "MASTER_PORT=70000: must be a port number, 1 to 65535"),
+])
+def test_a_job_without_a_meeting_point_is_one_line(env, message):
+    """Variables set by hand without torchrun: the process group's start raised a ValueError
+    (a 68-line traceback)."""
+    with pytest.raises(distributed.LaunchError, match=f"^{message}"):
+        distributed.check_launch(env)
+    distributed.check_launch({"RANK": "0", "WORLD_SIZE": "1"})  # one process needs none
+    distributed.check_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                              "MASTER_PORT": "29500"})
+
+
 def test_a_rank_whose_peers_never_join_says_so_in_one_line(make_cfg, monkeypatch, tmp_path):
     """The first of two SLURM tasks, alone: torch's DistStoreError with C++ frames before."""
     from tests.helpers import free_port
