@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -17,7 +18,7 @@ from trainer import distributed, resumefiles, stamp, sweep
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.logging import write_whole
-from trainer.runlock import job_id
+from trainer.runlock import LOCK, job_id
 
 # what a run that wrote anything leaves behind (train.log aside: this launch's own warnings
 # may be in it before the checks; .hydra/ aside: Hydra writes it before them where
@@ -101,6 +102,27 @@ def _check_same_sweep(run_dir: Path) -> None:
 def _outputs_in(run_dir: Path) -> List[str]:
     """The names of the files a run writes (OUTPUTS) that `run_dir` holds with content."""
     return [name for name in OUTPUTS if _written(run_dir / name)]
+
+
+_SPECIAL = ((stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+            (stat.S_ISSOCK, "a socket"))
+
+
+def check_plain_files(run_dir: Path) -> None:
+    """A file the run opens in its dir (train.log, metrics.jsonl, status.json, its lock) that
+    is a pipe, a device or a socket is refused before the first line is logged: opening or
+    reading a pipe blocks until another process opens its other end, a hang no single
+    SIGTERM ended."""
+    for name in ("train.log", "metrics.jsonl", STATUS, "summary.json", "config.yaml", LOCK):
+        try:
+            mode = os.stat(Path(run_dir) / name).st_mode
+        except OSError:  # (none, or a dangling link: written as usual)
+            continue
+        kind = next((what for test, what in _SPECIAL if test(mode)), None)
+        if kind is not None:
+            raise ConfigError(f"{dir_key()}={run_dir}: its {name} is {kind}, not a regular "
+                              "file: the run would block on it or write into it; move it "
+                              f"away, or start in a new dir ({dir_key()}=...)")
 
 
 def check_dev_run_dir(run_dir: Path) -> None:

@@ -100,6 +100,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         raise ConfigError(f"{empty} is empty: name the {what}'s directory "
                           f"({empty}=outputs/my-{what}), or leave the key out for a new dated "
                           "one")
+    rundir.check_plain_files(Path(cfg.run_dir))
     if env is None:
         distributed.check_launch()
         env = distributed.detect()

@@ -413,3 +413,28 @@ def test_a_fresh_run_that_crashes_at_its_first_batch_says_so_in_status_json(make
     assert status["error"] == "RuntimeError: injected failure on rank None"
     assert not (run_dir / "config.yaml").exists()  # (the run's files come with its first step)
     assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4  # the fixed run goes on
+
+
+@pytest.mark.parametrize("name", ["train.log", "metrics.jsonl", "status.json", ".stoker.lock"])
+def test_a_pipe_in_place_of_a_run_file_is_refused_not_a_hang(tmp_path, name):
+    """Hydra's log handler opening train.log, the metrics file opened for appending, the
+    status read at start-up: each blocked on a pipe for ever (one SIGTERM did not end it)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / name)
+    proc = run_cli([*QUICK, f"hydra.run.dir={run_dir}"], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: hydra.run.dir={run_dir}: its {name} is a pipe, not a regular file: "
+        "the run would block on it or write into it; move it away, or start in a new dir "
+        "(hydra.run.dir=...)")
+    assert sorted(p.name for p in run_dir.iterdir()) == [name]  # nothing written
+
+
+def test_a_device_is_named_and_a_dangling_link_is_no_refusal(tmp_path):
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/null")
+    with pytest.raises(rundir.ConfigError, match="its metrics.jsonl is a device, not a regular"):
+        rundir.check_plain_files(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "train.log").symlink_to(tmp_path / "nowhere")
+    rundir.check_plain_files(tmp_path)
