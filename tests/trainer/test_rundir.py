@@ -438,3 +438,16 @@ def test_a_device_is_named_and_a_dangling_link_is_no_refusal(tmp_path):
     (tmp_path / "metrics.jsonl").unlink()
     (tmp_path / "train.log").symlink_to(tmp_path / "nowhere")
     rundir.check_plain_files(tmp_path)
+
+
+def test_a_run_dir_set_apart_from_hydras_is_refused_not_split(tmp_path):
+    """run_dir=B beside hydra.run.dir=A put the run's files in B and its train.log lines
+    into A's (another run's) log."""
+    proc = run_cli([*QUICK, f"hydra.run.dir={tmp_path / 'a'}", f"run_dir={tmp_path / 'b'}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: run_dir={tmp_path / 'b'}: differs from the dir Hydra writes this "
+        f"launch's train.log in ({tmp_path / 'a'}); under train.py name the run's dir with "
+        f"hydra.run.dir={tmp_path / 'b'} and leave run_dir out (it is for configs composed "
+        "outside train.py)")
+    assert not (tmp_path / "b").exists() and not any((tmp_path / "a").iterdir())
