@@ -188,12 +188,27 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     """Reads a checkpoint written by `save`; CheckpointError if missing, truncated or foreign."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path}: no such file")
+        raise CheckpointError(f"checkpoint {path}: {_not_a_file(path)}")
     verify(path)
     state = read(path, map_location)
     if not isinstance(state, dict) or "format_version" not in state or "model" not in state:
-        raise CheckpointError(f"checkpoint {path}: not a Stoker checkpoint")
+        weights = isinstance(state, dict) and state and all(
+            isinstance(v, torch.Tensor) for v in state.values())
+        raise CheckpointError(f"checkpoint {path}: not a Stoker checkpoint" + (
+            " but weights alone (a state_dict); trainer.init_from=PATH starts a run from "
+            "them" if weights else ""))
     return state
+
+
+def _not_a_file(path: Path) -> str:
+    """Why `path` is no checkpoint file: a folder (with the checkpoints it holds), something
+    that is not a regular file, or nothing."""
+    if path.is_dir():
+        held = [str(p) for p in (path / "checkpoints" / "best.pt", path / "checkpoints" /
+                                 "last.pt", path / "best.pt", path / "last.pt") if p.is_file()]
+        return "a directory, not a file" + (f"; it holds {', '.join(held)}" if held else "")
+    return ("not a regular file (a device, a pipe or a socket)" if path.exists()
+            else "no such file")
 
 
 SAFE_GLOBALS_HINT = ("allow it with torch.serialization.add_safe_globals if you trust the "

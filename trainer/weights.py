@@ -123,6 +123,8 @@ def _not_a_file(path: Path) -> str:
                 "+model.pretrained_model_name_or_path=<folder>"
                 if (path / "model.safetensors.index.json").is_file() else "")
         return f"a directory, not a file{near} ({_GIVE})"
+    if path.exists():  # (neither a file nor a folder)
+        return f"not a regular file (a device, a pipe or a socket; {_GIVE})"
     there = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
     hint = f"; {path.parent} holds {', '.join(there[:4])}" if there else ""
     if path.name == BEST and LAST in there:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 
@@ -130,8 +131,27 @@ def test_damaged_file_is_one_line_naming_it(tmp_path, content):
 def test_foreign_pickle_is_refused(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"weights": 1}, path)
-    with pytest.raises(CheckpointError, match="not a Stoker checkpoint"):
+    with pytest.raises(CheckpointError, match="not a Stoker checkpoint$"):
         checkpoint.load(path)
+
+
+def test_what_is_no_checkpoint_file_says_what_would_be(tmp_path):
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), weights)
+    with pytest.raises(CheckpointError, match=r"not a Stoker checkpoint but weights alone \(a "
+                                              r"state_dict\); trainer.init_from=PATH starts"):
+        checkpoint.load(weights)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"checkpoint {run}: a directory, not a file$"):
+        checkpoint.load(run)
+    torch.save({}, run / "checkpoints" / "last.pt")
+    with pytest.raises(CheckpointError, match=f"a directory, not a file; it holds "
+                                              f"{run}/checkpoints/last.pt$"):
+        checkpoint.load(run)
+    os.mkfifo(tmp_path / "pipe.pt")  # (reading it would block)
+    with pytest.raises(CheckpointError, match="pipe.pt: not a regular file"):
+        checkpoint.load(tmp_path / "pipe.pt")
 
 
 @pytest.mark.parametrize("changes,reason", [

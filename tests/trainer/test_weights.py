@@ -4,6 +4,7 @@ layouts other code saves, a .safetensors file), strict or not, and never over a 
 from __future__ import annotations
 
 import logging
+import os
 import zipfile
 from pathlib import Path
 
@@ -179,6 +180,7 @@ class Pickled:
 @pytest.mark.parametrize("content, said", [
     ("dir", "a directory, not a file (give a Stoker checkpoint"),
     ("missing", "no such file"),
+    ("fifo", "not a regular file (a device, a pipe or a socket; give a Stoker checkpoint"),
     ("text", "not a file torch.save wrote nor a safetensors file"),
     ("dict", "holds no model weights (a dict of epoch, lr)"),
     ("list", "holds no model weights (a list)"),
@@ -195,6 +197,8 @@ def test_a_file_without_weights_is_one_line_naming_the_key(tmp_path, content, sa
     path = tmp_path / ("model.safetensors.index.json" if content == "index" else "w.pt")
     if content == "dir":
         path.mkdir()
+    elif content == "fifo":  # (it said "no such file; <its folder> holds w.pt")
+        os.mkfifo(path)
     elif content == "text":
         path.write_text("not weights\n")
     elif content == "index":
