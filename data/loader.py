@@ -101,29 +101,15 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     return loader
 
 
-_FROZE = False  # whether the fork's freeze below was ours to undo
-
-
-def _freeze_before_fork() -> None:
-    """The objects a loader worker inherits are kept from its garbage collector: garbage of
-    the training process's not collected yet (a finished loader iterator in a reference
-    cycle) would otherwise be collected in the worker, torch's worker start-up allocating
-    before any code of ours runs there, and that iterator's `__del__` would shut down
-    workers that are not the worker's children (an `AssertionError: can only test a child
-    process` traceback on stderr, a few a run with shard streams on a loaded machine).
-    Frozen, they also stay on the pages the fork shares. The training process thaws at once
-    what it froze (one list splice each way)."""
-    global _FROZE
-    _FROZE = gc.get_freeze_count() == 0  # (a freeze of the user's own stays as it was)
-    gc.freeze()
-
-
-def _thaw_after_fork() -> None:
-    if _FROZE:
-        gc.unfreeze()
-
-
-os.register_at_fork(before=_freeze_before_fork, after_in_parent=_thaw_after_fork)
+# What a loader worker inherits at its fork is kept from its garbage collector (frozen in
+# the new process, before any other code runs there): garbage of the training process's not
+# collected yet (a dropped loader iterator in a reference cycle) would otherwise be collected
+# in the worker, torch's worker start-up allocating before any code of ours runs there, and
+# that iterator's `__del__` would shut down workers that are not the worker's children (an
+# `AssertionError: can only test a child process` traceback on stderr, a few a run with shard
+# streams on a loaded machine). Frozen, they also stay on the pages the fork shares. The
+# training process's own collector is left as it was.
+os.register_at_fork(after_in_child=gc.freeze)
 
 # DataLoaders whose workers (`worker_signals`) are ended before Python's own exit hook
 _WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
