@@ -26,6 +26,16 @@ def _subfolders(folder: Path) -> List[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def check_root(root: Path) -> None:
+    """FileNotFoundError naming `data.dataset.root` itself where there is no such folder (not
+    the train/ folder of one layout, where the other was meant)."""
+    if not Path(root).is_dir():
+        raise FileNotFoundError(
+            f"data.dataset.root: no folder {root} (expected <root>/train/<class>/<image> and "
+            "<root>/val/<class>/<image>, or <root>/<class>/<image> with "
+            "data.dataset.val_fraction)")
+
+
 def find_classes(folder: Path) -> List[str]:
     """The sorted names of `folder`'s subfolders: class i is the i-th name."""
     if not folder.is_dir():
@@ -161,6 +171,7 @@ def image_lists(root: Path, split: str, val_fraction: Optional[float], split_see
                 ) -> Tuple[List[str], List[Tuple[str, int]]]:
     """(classes, samples) of `split` of the folder `root`: its train/ and val/ folders, or,
     with `val_fraction`, a folder of classes alone, split by `hold_out`."""
+    check_root(root)
     if val_fraction is None:
         if not (root / SPLIT_DIRS["train"]).is_dir() and root.is_dir() and _subfolders(root):
             raise FileNotFoundError(

@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from data.batchpool import batch_buffer, hand_out
-from data.imagefiles import SPLIT_DIRS, find_classes, image_lists
+from data.imagefiles import SPLIT_DIRS, check_root, find_classes, image_lists
 from trainer.config import ConfigError
 
 ON_ERROR = ("skip", "fail")
@@ -286,5 +286,6 @@ class ImageFolder(Dataset):
 def image_classes(root: str) -> int:
     """The number of classes of an image folder (the config's `data.num_classes`): of its
     train/ folder, or of the folder itself where it has none (`val_fraction`)."""
+    check_root(Path(root))
     train = Path(root) / SPLIT_DIRS["train"]
-    return len(find_classes(train if train.is_dir() or not Path(root).is_dir() else Path(root)))
+    return len(find_classes(train if train.is_dir() else Path(root)))

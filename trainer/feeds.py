@@ -101,7 +101,8 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
     # arrays mapped from files: on CPU too, reading them all is bounded by the budget
     mapped = tensors is None and (tensors := rows_of(dataset)) is not None
     why_not = None
-    if has_collate:  # (first: samples a collate of one's own batches are not rows anyway)
+    if has_collate and d.get("collate_fn"):  # (first: what one's own collate batches is not
+        # rows anyway; a dataset's own, an image folder's, is said below)
         why_not = "data.collate_fn is set, and device batches are formed by indexing"
     elif tensors is None and isinstance(dataset, TensorDataset):
         why_not = (f"{type(dataset).__name__} overrides TensorDataset.__getitem__, so its "
@@ -110,6 +111,9 @@ def placement(d: DictConfig, dataset: Dataset, device: torch.device,
         why_not = (f"{type(dataset).__name__} is not a set of tensors (a TensorDataset, "
                    "which data.cache=memory makes, or memory-mapped arrays: data=memmap, "
                    "data.cache=shm or disk)")
+    elif has_collate:
+        why_not = (f"{type(dataset).__name__} batches with a collate_fn of its own, and device "
+                   "batches are formed by indexing")
     elif any(t.dtype in UNINDEXABLE for t in tensors):
         dtypes = sorted({str(t.dtype) for t in tensors if t.dtype in UNINDEXABLE})
         why_not = (f"its {'arrays' if mapped else 'tensors'} hold {', '.join(dtypes)}, which "

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data import images
-from data.images import ImageError, ImageFolder, SkipCollate, decode
+from data.images import ImageError, ImageFolder, SkipCollate, decode, image_classes
 from data.prefetch import DevicePrefetcher
 from scripts.make_images import write_images
 
@@ -131,8 +131,14 @@ def test_jpeg_draft_decoding_matches_a_full_decode_closely(tmp_path):
 
 
 def test_unknown_val_classes_and_empty_or_missing_roots_are_one_line(folder, tmp_path):
-    with pytest.raises(FileNotFoundError, match="data.dataset.root: no folder"):
-        ImageFolder("train", str(tmp_path / "missing"))
+    missing = tmp_path / "missing"
+    for kwargs in ({}, {"val_fraction": 0.2}):  # the root named, whichever layout was meant
+        with pytest.raises(FileNotFoundError, match=f"^data.dataset.root: no folder {missing} "
+                                                    r"\(expected <root>/train/<class>/<image> "
+                                                    "and .* or <root>/<class>/<image> with "):
+            ImageFolder("train", str(missing), **kwargs)
+    with pytest.raises(FileNotFoundError, match=f"no folder {missing} "):
+        image_classes(str(missing))
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(ValueError, match="no class subfolders"):
         ImageFolder("train", str(tmp_path / "empty"))

@@ -468,3 +468,26 @@ def test_ranks_waiting_for_a_cache_writer_that_was_killed_stop_in_one_line(tmp_p
         "local rank 0, which was writing it, ended before it finished; its own error, if it "
         "had one, is in its output"), outs[1][-2000:]
     assert "Traceback" not in outs[1]
+
+
+def test_device_placement_names_the_collate_that_stops_it(tmp_path):
+    """An image folder's own collate is no `data.collate_fn is set` (it was not): the line
+    says its samples are not tensors; one's own collate is named as set."""
+    from omegaconf import OmegaConf
+    from PIL import Image
+
+    from data.datasets import DigitsDataset
+    from data.images import ImageFolder
+    from trainer.config import DataConfig
+    from trainer.feeds import placement
+
+    for name in ("a", "b"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "train" / name / "x.png")
+    images = ImageFolder("train", str(tmp_path), size=8)
+    d = OmegaConf.structured(DataConfig(placement="device"))
+    where, why_not = placement(d, images, torch.device("cpu"), True)
+    assert where == "host" and why_not.startswith("ImageFolder is not a set of tensors"), why_not
+    d.collate_fn = {"_target_": "torch.utils.data.default_collate", "_partial_": True}
+    assert placement(d, DigitsDataset("train"), torch.device("cpu"), True)[1] == (
+        "data.collate_fn is set, and device batches are formed by indexing")
