@@ -309,7 +309,7 @@ class Checkpointing(Callback):
             self.save(loop)
             self.finish()
             ctrl_c = self.preemption.kind == 2
-            saved = (f"checkpoint saved, resume with {resumefiles.resume_args(self.run_dir)}"
+            saved = (f"checkpoint saved, resume with {resumefiles.resume_said(self.run_dir)}"
                      if self.enabled else "no checkpoint saved (trainer.save_checkpoint=false)")
             sweep = resumefiles.sweep_resume_args() if self.enabled else None
             if sweep:  # (the jobs after this one never ran)

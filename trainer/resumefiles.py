@@ -129,8 +129,25 @@ def resume_args(run_dir: Path) -> str:
     the run and sweep dirs, mode, launcher and sweeper) with `trainer.resume=auto
     hydra.run.dir=<run dir>` (the default run dir is a new one per launch: trainer.resume=auto
     alone would start afresh elsewhere)."""
-    args = [*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={_hydra_quoted(run_dir)}"]
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():  # composed in Python: the caller's config, and where
+        args = ["trainer.resume=auto", f"run_dir={_hydra_quoted(run_dir)}"]
+    else:
+        args = [*_launch_args(), "trainer.resume=auto",
+                f"hydra.run.dir={_hydra_quoted(run_dir)}"]
     return " ".join(shlex.quote(a) for a in args)
+
+
+def resume_said(run_dir: Path) -> str:
+    """How to resume the run in `run_dir`, for its last line: the command line's arguments;
+    from Python, the overrides to add to the config it was composed from."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return resume_args(run_dir)
+    overrides = ["trainer.resume=auto", f"run_dir={_hydra_quoted(run_dir)}"]
+    return f"the config this run was composed from and the overrides {overrides}"
 
 
 def sweep_resume_args() -> Optional[str]:

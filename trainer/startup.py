@@ -108,21 +108,48 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> s
     """For a checkpoint whose model does not fit: the model settings its run had that this
     launch has not (a short `trainer.resume=auto hydra.run.dir=...` that left out the
     run's own overrides), and where its whole resume command is."""
-    saved = (state.get("config") or {}).get("model")
+    config = state.get("config") or {}
+    saved = config.get("model")
     if not isinstance(saved, dict):
         return ""
     now = OmegaConf.to_container(cfg.model, resolve=True)
     theirs, ours = flat(saved, "model"), flat(now, "model")
+    kept = OmegaConf.create(config)
+    for key in _SIZES_THE_MODEL:  # (the data the model was sized for: another dataset's)
+        theirs[key], ours[key] = (_plain(OmegaConf.select(c, key, default=None))
+                                  for c in (kept, cfg))
     differ = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
     if not differ:
         return ""
-    status = path.parent.parent / rundir.STATUS
-    command = (f"; {status}'s \"resume\" gives its whole command"
-               if path.parent.name == checkpoint.CHECKPOINT_DIR and status.is_file() else "")
     return (" (its run had other model settings: " + ", ".join(
         f"{k}={theirs.get(k, '(not set)')}" for k in differ[:3])
         + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
-        + f"; resume it with the overrides it was launched with{command})")
+        + f"; resume it with the overrides it was launched with{_its_command(path)})")
+
+
+# the data settings a model is sized by (offered as its input_shape and num_classes)
+_SIZES_THE_MODEL = ("data.input_shape", "data.num_classes", "data.dataset._target_",
+                    "data.train_dataset._target_")
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _its_command(path: Path) -> str:
+    """Where a checkpoint's run keeps the overrides it was launched with: its status.json's
+    `resume` (a stopped run's), else Hydra's record of them (a finished run's too)."""
+    if path.parent.name != checkpoint.CHECKPOINT_DIR:
+        return ""
+    run = path.parent.parent
+    try:
+        said = json.loads((run / rundir.STATUS).read_text()).get("resume")
+    except (OSError, ValueError, AttributeError):
+        said = None
+    if said:
+        return f"; {run / rundir.STATUS}'s \"resume\" gives its whole command"
+    overrides = run / ".hydra" / "overrides.yaml"
+    return f"; {overrides} lists them" if overrides.is_file() else ""
 
 
 def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[str]

@@ -61,8 +61,13 @@ def test_the_resume_overrides_are_the_launchs_own(tmp_path):
     from tests.helpers import CONF
 
     run_dir = tmp_path / "my run"
-    assert shlex.split(resumefiles.resume_args(run_dir)) == [  # from Python: where, no more
-        "trainer.resume=auto", f"hydra.run.dir='{run_dir}'"]
+    # from Python: where, no more, as the overrides of a composed config (run_dir: there is
+    # no Hydra run dir; hydra.run.dir named none, and train.py trained another run)
+    assert shlex.split(resumefiles.resume_args(run_dir)) == [
+        "trainer.resume=auto", f"run_dir='{run_dir}'"]
+    assert resumefiles.resume_said(run_dir) == (
+        "the config this run was composed from and the overrides ['trainer.resume=auto', "
+        f"\"run_dir='{run_dir}'\"]")
     job_dir = tmp_path / "optim.lr=0.1,seed=1"  # a sweep's job dir named by its overrides
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", return_hydra_config=True, overrides=[

@@ -134,11 +134,29 @@ def test_a_checkpoint_of_another_model_names_the_settings_its_run_was_launched_w
     said = str(e.value)
     assert said.startswith(f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'last.pt'} does "
                            "not fit this model; missing: ")
-    assert said.endswith(
+    assert said.endswith(  # (a finished run's status.json keeps no resume command)
         "(its run had other model settings: model._target_=trainer.models.SmallCNN, "
         "model.channels=[32, 64], model.batch_norm=True (+1 more); resume it with the "
-        f"overrides it was launched with; {tmp_path / 'run' / 'status.json'}'s \"resume\" "
-        "gives its whole command)")
+        "overrides it was launched with)")
+    hydra = tmp_path / "run" / ".hydra"
+    hydra.mkdir()
+    (hydra / "overrides.yaml").write_text("- model=cnn\n")  # as train.py's launch keeps them
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
+    assert str(e.value).endswith(f"launched with; {hydra / 'overrides.yaml'} lists them)")
+
+
+def test_a_checkpoint_of_a_model_sized_for_other_data_names_the_data_settings(make_cfg,
+                                                                              tmp_path):
+    """The same model for another dataset (data=... left out of a resume): its sizes come
+    from the data config, so those are named."""
+    from trainer.runner import train
+
+    train(make_cfg("data=synthetic", "trainer.max_steps=2"))
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
+    said = str(e.value)
+    assert "(its run had other model settings: data.input_shape=[3, 32, 32], " in said, said
 
 
 def test_a_dataset_whose_classes_are_not_names_trains_and_writes_no_classes_json(make_cfg,
