@@ -4,11 +4,17 @@
     python train.py debug=default                          # one process, debug settings
     torchrun --standalone --nproc_per_node=4 train.py data.num_workers=8
 """
-import hydra
-from omegaconf import DictConfig
+try:  # (importing torch takes seconds: a Ctrl-C then is no traceback either)
+    import hydra
+    from omegaconf import DictConfig
 
-import trainer
-from trainer.cli import exit_on_error
+    import trainer
+    from trainer.cli import exit_on_error
+except KeyboardInterrupt:
+    import sys
+
+    print("stoker: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

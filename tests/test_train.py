@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -146,3 +147,18 @@ def test_srun_style_slurm_launch_without_torchrun(tmp_path):
     assert codes == [0, 0], outs
     s = summary_of(tmp_path / "outputs" / "slurm-4242")
     assert s["world_size"] == 2 and s["strategy"] == "ddp"
+
+
+def test_a_ctrl_c_while_importing_is_one_line(tmp_path):
+    """A Ctrl-C in the seconds torch takes to import was a 30-line traceback."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # (Python's own start-up is done; importing torch is not)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "stoker: interrupted", err[-2000:]
+
