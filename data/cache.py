@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -313,9 +314,13 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     return cached
 
 
+_PACKED_WAY_OUT = re.compile(r";\s*write (it again|them) with scripts/prepare_data\.py")
+
+
 def _damaged(root: Path, e: BaseException) -> ConfigError:
     """A disk cache whose files were changed or cut after it was written."""
     reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    reason = _PACKED_WAY_OUT.sub("", reason)  # (a packed array's own way out: not this)
     return ConfigError(f"data.cache=disk: the cache {root} is damaged ({type(e).__name__}: "
                        f"{reason[:200]}); delete that folder and the next run writes it again")
 

@@ -250,7 +250,7 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
         what = "tensors" if tensors_of(dataset) is not None else "memory-mapped arrays"
         return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of {what} kept on "
                 f"{device}, batched by indexing (data.placement={d.placement}){unused}")
-    source = f"streamed from {len(dataset.urls)} tar shards " \
+    source = f"streamed from {count_of(len(dataset.urls), 'tar shard')} " \
         if isinstance(dataset, ShardStream) else ""
     why = f"; not batched on the device: {why_not}" \
         if why_not and d.placement != "host" and rows_of(dataset) is not None else ""
