@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import socket
 import time
@@ -54,14 +55,21 @@ def json_safe(value: Any) -> Any:
 
 class WarningCount(logging.Handler):
     """Counts the warnings said on rank 0's console during a run: the done line names how
-    many, since the start-up's config dump may have pushed them off the screen."""
+    many, since the start-up's config dump may have pushed them off the screen. The count is
+    in shared memory: a loader worker forked from the process has this handler too, and the
+    warnings it says (an unreadable file skipped) count with the rest."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.count = 0
+        self._count = multiprocessing.Value("q", 0)
+
+    @property
+    def count(self) -> int:
+        return int(self._count.value)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
+        with self._count.get_lock():
+            self._count.value += 1
 
 
 class RunLogger:

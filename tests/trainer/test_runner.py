@@ -496,6 +496,10 @@ def test_an_image_folder_run_writes_its_classes_and_counts_skipped_files(make_cf
     assert json.loads((tmp_path / "a" / "classes.json").read_text()) == [
         "class_00", "class_01", "class_02"]
     assert summary["skipped_files"] == 1 and summary["steps"] == 2
+    # the warning naming the file, said in a loader worker, counts as the same one said in
+    # the training process does (the count was the training process's alone)
+    inline = train(make_cfg(*common, "data.num_workers=0", run_dir=tmp_path / "inline"))
+    assert summary["warnings"] == inline["warnings"] >= 2, (summary, inline)
     # the disk cache: written by the first run, read by the second (no decoding, same result)
     cached = [*common, "data.cache=disk", f"data.cache_dir={tmp_path / 'cache'}"]
     first = train(make_cfg(*cached, run_dir=tmp_path / "b"))
