@@ -244,7 +244,8 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
     elif signal_name and signal_name.lower().startswith("bus"):
         what = (f"was killed by signal {signal_name} (shared memory, /dev/shm, ran out, "
                 "usually: a larger /dev/shm (docker --shm-size), fewer data.num_workers or a "
-                "smaller data.prefetch_factor)")
+                "smaller data.prefetch_factor; or a memory-mapped data file was cut short "
+                "while the run read it)")
     elif signal_name and signal_name.lower() != "killed":
         what = (f"was killed by signal {signal_name} (a crash in native code the dataset "
                 "calls, a decoder's say); data.num_workers=0 runs it in the training process, "

@@ -191,7 +191,11 @@ def test_a_loader_worker_that_dies_is_one_line_saying_the_usual_cause(tmp_path, 
      "data: loader worker (pid 78) was killed by signal Segmentation fault (a crash in native"),
     ("DataLoader worker (pid 80) is killed by signal: Bus error. It is possible that dataloader's "
      "workers are out of shared memory.", "data: loader worker (pid 80) was killed by signal Bus "
-                                          "error (shared memory, /dev/shm, ran out, usually"),
+                                          "error (shared memory, /dev/shm, ran out, usually: "
+                                          "a larger /dev/shm (docker --shm-size), fewer "
+                                          "data.num_workers or a smaller data.prefetch_factor; "
+                                          "or a memory-mapped data file was cut short while "
+                                          "the run read it)"),
     ("DataLoader worker (pid 79) exited unexpectedly with exit code 3. Details are lost due to "
      "multiprocessing.", "data: loader worker (pid 79) exited with code 3 (sys.exit or os._exit"),
 ])
