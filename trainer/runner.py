@@ -176,11 +176,17 @@ def _empty_hydra_dir() -> Optional[str]:
 
 def _check_run_dir_is_hydras(cfg: DictConfig) -> None:
     """Under train.py, `run_dir` is Hydra's output dir: one set apart split the run, its
-    files in one dir and its train.log (and .hydra/) added to whatever the other held."""
+    files in one dir and its train.log (and .hydra/) added to whatever the other held. Nor
+    may Hydra change the working folder to it (relative paths would name other files)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return  # (composed for the Python API: run_dir names the dir)
+    if HydraConfig.get().job.chdir:
+        raise ConfigError("hydra.job.chdir=true: not supported; it runs the job in its run dir, "
+                          "where the relative paths of the launch (data.dataset.root, "
+                          "trainer.resume, trainer.init_from, data.cache_dir) name other files "
+                          "or none; leave it out (the run's files go to its run dir anyway)")
     hydras = str(HydraConfig.get().runtime.output_dir)
     if os.path.abspath(str(cfg.run_dir)) != os.path.abspath(hydras):
         raise ConfigError(f"run_dir={cfg.run_dir}: differs from the dir Hydra writes this "

@@ -451,3 +451,13 @@ def test_a_run_dir_set_apart_from_hydras_is_refused_not_split(tmp_path):
         f"hydra.run.dir={tmp_path / 'b'} and leave run_dir out (it is for configs composed "
         "outside train.py)")
     assert not (tmp_path / "b").exists() and not any((tmp_path / "a").iterdir())
+
+
+def test_hydras_chdir_is_refused_not_a_run_reading_other_files(tmp_path):
+    """hydra.job.chdir=true ran the job in its run dir: a relative trainer.resume was 'no
+    such checkpoint file' and a relative data root another folder."""
+    proc = run_cli([*QUICK, f"hydra.run.dir={tmp_path / 'run'}", "hydra.job.chdir=true"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "stoker: error: hydra.job.chdir=true: not supported; it runs the job in its run dir")
+    assert not any((tmp_path / "run").iterdir())
