@@ -305,6 +305,10 @@ class Checkpointing(Callback):
         n = self.c.every_n_steps
         if n and loop.state.step % n == 0:
             self.save(loop)
+        self._stop_if_agreed(loop)
+
+    def _stop_if_agreed(self, loop) -> None:
+        """Saves and raises Preempted once the ranks agree a stop was asked for."""
         if self.preemption is not None and self.preemption.agreed():
             self.save(loop)
             self.finish()
@@ -321,6 +325,9 @@ class Checkpointing(Callback):
     def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
         n = self.c.every_n_epochs
         self.save_ranked(loop, val, periodic=bool(n and loop.state.epoch % n == 0))
+        # a signal during the epoch's validation stops here, at the epoch's end, not a step
+        # into the next epoch (one process; ranks agree a step later, as after a step)
+        self._stop_if_agreed(loop)
 
     def save_ranked(self, loop, val: Optional[Dict[str, float]], periodic: bool) -> None:
         """Saves the state where `val` makes a new best.pt, or where `periodic`. The end of

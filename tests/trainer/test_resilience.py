@@ -477,3 +477,23 @@ def test_the_last_validation_after_the_last_epoch_is_ranked_for_best_pt(make_cfg
                            f"trainer.resume={first['checkpoint']}", run_dir=tmp_path / "again"))
     assert again["best"] == {"monitor": "val_score", "value": pytest.approx(0.4), "step": 30}
     assert (tmp_path / "again" / "checkpoints" / "best.pt").is_file()
+
+
+def test_a_ctrl_c_during_an_epochs_validation_stops_at_that_epochs_end(make_cfg, tmp_path):
+    """The signal came after the epoch's last step (in its validation or its callbacks): the
+    run stopped a step into the next epoch, an extra step of waiting past the signal."""
+    from trainer.loop import Callback
+    from trainer.resilience import Preempted
+    from trainer.runner import train
+
+    class CtrlCAtEpochEnd(Callback):
+        def after_epoch(self, loop, val):
+            self.step = loop.state.step
+            os.kill(os.getpid(), signal.SIGINT)
+
+    at = CtrlCAtEpochEnd()
+    with pytest.raises(Preempted, match=r"^stopped on a Ctrl-C at step (\d+);") as e:
+        train(make_cfg("trainer.max_epochs=3", "trainer.progress_bar=false",
+                       run_dir=tmp_path / "run"), callbacks=[at])
+    assert f"at step {at.step};" in str(e.value)
+    assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == at.step
