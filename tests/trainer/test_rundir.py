@@ -396,6 +396,14 @@ def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_asi
     again = train(make_cfg("trainer.max_epochs=2", *best, "trainer.resume=auto",
                            run_dir=run_dir))
     assert again["complete"] and again["steps"] == 46  # the new timeline's, not step 69
+    # the set-aside timeline is not this dir's to go back to: said as what it is (it was
+    # "a checkpoint outside run dir ..., which holds another run's checkpoints")
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"a state of this run's that a resume set aside "
+                                              r"\(the timeline after step 23 it rolled back\)"):
+        train(make_cfg("trainer.max_epochs=4", *best,
+                       f"trainer.resume={aside / 'step-00000069.pt'}", run_dir=run_dir))
+    assert snapshot(run_dir) == before
 
 
 def test_a_fresh_run_that_crashes_at_its_first_batch_says_so_in_status_json(make_cfg,
