@@ -103,7 +103,9 @@ def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) 
 
 def _check_meeting_point(environ: Mapping[str, str], launcher: str, rank: str,
                          world: str) -> None:
-    if launcher == "torchrun" and int(world) > 1:  # (SLURM's has defaults)
+    if int(world) == 1:
+        return  # (one process meets no one)
+    if launcher == "torchrun":  # (SLURM's has defaults)
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not environ.get(name, "").strip():
                 raise LaunchError(
@@ -112,8 +114,7 @@ def _check_meeting_point(environ: Mapping[str, str], launcher: str, rank: str,
                     "sets all four; launch with torchrun, or unset RANK and WORLD_SIZE to run "
                     "one process)")
     port = environ.get("MASTER_PORT", "").strip()
-    if port and launcher == "torchrun" and not re.fullmatch(r"[0-9]+", port) or \
-            port.isdigit() and int(port) > 65535:
+    if port and (not re.fullmatch(r"[0-9]+", port) or not 1 <= int(port) <= 65535):
         raise LaunchError(f"MASTER_PORT={environ['MASTER_PORT']}: must be a port number, 1 to "
                           "65535")
 

@@ -127,6 +127,10 @@ def test_launcher_variables_that_cannot_describe_a_job_are_one_line(env, message
      "MASTER_PORT=http: must be a port number"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_PORT": "70000"},
      "MASTER_PORT=70000: must be a port number, 1 to 65535"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "0"},
+     "MASTER_PORT=0: must be a port number"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "²"},
+     "MASTER_PORT=²: must be a port number"),
 ])
 def test_a_job_without_a_meeting_point_is_one_line(env, message):
     """Variables set by hand without torchrun: the process group's start raised a ValueError
@@ -134,6 +138,7 @@ def test_a_job_without_a_meeting_point_is_one_line(env, message):
     with pytest.raises(distributed.LaunchError, match=f"^{message}"):
         distributed.check_launch(env)
     distributed.check_launch({"RANK": "0", "WORLD_SIZE": "1"})  # one process needs none
+    distributed.check_launch({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "junk"})
     distributed.check_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
                               "MASTER_PORT": "29500"})
 
