@@ -133,6 +133,27 @@ def check_plain_files(run_dir: Path) -> None:
                               f"away, or start in a new dir ({dir_key()}=...)")
 
 
+def check_is_hydras(cfg: DictConfig) -> None:
+    """Under train.py, `run_dir` is Hydra's output dir: one set apart split the run, its
+    files in one dir and its train.log (and .hydra/) added to whatever the other held. Nor
+    may Hydra change the working folder to it (relative paths would name other files)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return  # (composed for the Python API: run_dir names the dir)
+    if HydraConfig.get().job.chdir:
+        raise ConfigError("hydra.job.chdir=true: not supported; it runs the job in its run dir, "
+                          "where the relative paths of the launch (data.dataset.root, "
+                          "trainer.resume, trainer.init_from, data.cache_dir) name other files "
+                          "or none; leave it out (the run's files go to its run dir anyway)")
+    hydras = str(HydraConfig.get().runtime.output_dir)
+    if os.path.abspath(str(cfg.run_dir)) != os.path.abspath(hydras):
+        raise ConfigError(f"run_dir={cfg.run_dir}: differs from the dir Hydra writes this "
+                          f"launch's train.log in ({hydras}); under train.py name the run's dir "
+                          f"with {dir_key()}={cfg.run_dir} and leave run_dir out (it is "
+                          "for configs composed outside train.py)")
+
+
 def check_dev_run_dir(run_dir: Path) -> None:
     """A fast dev run saves nothing but the lines of its train.log: refused where they would
     go into another run's log (a dir holding a run's checkpoints or files)."""

@@ -100,7 +100,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         raise ConfigError(f"{empty} is empty: name the {what}'s directory "
                           f"({empty}=outputs/my-{what}), or leave the key out for a new dated "
                           "one")
-    _check_run_dir_is_hydras(cfg)
+    rundir.check_is_hydras(cfg)
     rundir.check_plain_files(Path(cfg.run_dir))
     if env is None:
         distributed.check_launch()
@@ -172,27 +172,6 @@ def _empty_hydra_dir() -> Optional[str]:
     key, value = (("hydra.sweep.dir", h.sweep.dir) if ending.in_sweep()
                   else ("hydra.run.dir", h.run.dir))
     return key if not str(value or "").strip() else None
-
-
-def _check_run_dir_is_hydras(cfg: DictConfig) -> None:
-    """Under train.py, `run_dir` is Hydra's output dir: one set apart split the run, its
-    files in one dir and its train.log (and .hydra/) added to whatever the other held. Nor
-    may Hydra change the working folder to it (relative paths would name other files)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return  # (composed for the Python API: run_dir names the dir)
-    if HydraConfig.get().job.chdir:
-        raise ConfigError("hydra.job.chdir=true: not supported; it runs the job in its run dir, "
-                          "where the relative paths of the launch (data.dataset.root, "
-                          "trainer.resume, trainer.init_from, data.cache_dir) name other files "
-                          "or none; leave it out (the run's files go to its run dir anyway)")
-    hydras = str(HydraConfig.get().runtime.output_dir)
-    if os.path.abspath(str(cfg.run_dir)) != os.path.abspath(hydras):
-        raise ConfigError(f"run_dir={cfg.run_dir}: differs from the dir Hydra writes this "
-                          f"launch's train.log in ({hydras}); under train.py name the run's dir "
-                          f"with {rundir.dir_key()}={cfg.run_dir} and leave run_dir out (it is "
-                          "for configs composed outside train.py)")
 
 
 def _limits(cfg: DictConfig) -> Tuple[Optional[int], Optional[int]]:
