@@ -200,15 +200,23 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> Dict[str, Any]
     return state
 
 
+NOT_REGULAR = "not a regular file (a device, a pipe or a socket)"
+
+
+def checkpoints_in(folder: Path) -> List[Path]:
+    """The checkpoints a run dir, or its checkpoints/ folder, holds by name: best.pt, then
+    last.pt."""
+    return [p for p in (folder / CHECKPOINT_DIR / BEST, folder / CHECKPOINT_DIR / LAST,
+                        folder / BEST, folder / LAST) if p.is_file()]
+
+
 def _not_a_file(path: Path) -> str:
     """Why `path` is no checkpoint file: a folder (with the checkpoints it holds), something
     that is not a regular file, or nothing."""
     if path.is_dir():
-        held = [str(p) for p in (path / "checkpoints" / "best.pt", path / "checkpoints" /
-                                 "last.pt", path / "best.pt", path / "last.pt") if p.is_file()]
-        return "a directory, not a file" + (f"; it holds {', '.join(held)}" if held else "")
-    return ("not a regular file (a device, a pipe or a socket)" if path.exists()
-            else "no such file")
+        held = ", ".join(map(str, checkpoints_in(path)))
+        return "a directory, not a file" + (f"; it holds {held}" if held else "")
+    return NOT_REGULAR if path.exists() else "no such file"
 
 
 SAFE_GLOBALS_HINT = ("allow it with torch.serialization.add_safe_globals if you trust the "

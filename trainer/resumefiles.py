@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, STEP_FILE, CheckpointError, load,
-                                resumable, step_files)
+from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, NOT_REGULAR, STEP_FILE,
+                                CheckpointError, load, resumable, step_files)
 
 
 def candidates(run_dir: Path) -> List[Path]:
@@ -94,7 +94,7 @@ def find_resume(resume: Optional[str], run_dir: Path
                                   "auto, or null)")
         if not path.is_file():
             what = ("a directory, not a checkpoint file" if path.is_dir() else
-                    "not a regular file (a device, a pipe or a socket)" if path.exists() else
+                    NOT_REGULAR if path.exists() else
                     "no such checkpoint file")
             if (path / CHECKPOINT_DIR).is_dir():  # a run dir: what continuing it takes
                 raise CheckpointError(

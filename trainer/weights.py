@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer.checkpoint import BEST, CHECKPOINT_DIR, LAST, CheckpointError, read, verify
+from trainer.checkpoint import BEST, LAST, CheckpointError, checkpoints_in, read, verify
 
 # where trainers keep a model's weights inside a saved dict of their own
 _CONTAINERS = ("model", "state_dict", "model_state_dict")
@@ -114,9 +114,8 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
 def _not_a_file(path: Path) -> str:
     """Why `path` is not a weights file, and which file nearby would be."""
     if path.is_dir():
-        found = [p for p in (path / CHECKPOINT_DIR / BEST, path / CHECKPOINT_DIR / LAST,
-                             path / BEST, path / LAST, path / "model.safetensors")
-                 if p.is_file()]
+        found = checkpoints_in(path) + [p for p in (path / "model.safetensors",)
+                                        if p.is_file()]
         near = (f"; it holds {', '.join(map(str, found[:2]))}" if found else
                 "; for a Hugging Face save_pretrained folder of several files, load the model "
                 "with model._target_=<class>.from_pretrained "
