@@ -129,25 +129,30 @@ def resume_args(run_dir: Path) -> str:
     the run and sweep dirs, mode, launcher and sweeper) with `trainer.resume=auto
     hydra.run.dir=<run dir>` (the default run dir is a new one per launch: trainer.resume=auto
     alone would start afresh elsewhere)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():  # composed in Python: the caller's config, and where
-        args = ["trainer.resume=auto", f"run_dir={_hydra_quoted(run_dir)}"]
-    else:
-        args = [*_launch_args(), "trainer.resume=auto",
-                f"hydra.run.dir={_hydra_quoted(run_dir)}"]
+    args = ([*_launch_args(), "trainer.resume=auto", f"hydra.run.dir={_hydra_quoted(run_dir)}"]
+            if _launched() else _composed_overrides(run_dir))
     return " ".join(shlex.quote(a) for a in args)
 
 
 def resume_said(run_dir: Path) -> str:
     """How to resume the run in `run_dir`, for its last line: the command line's arguments;
     from Python, the overrides to add to the config it was composed from."""
+    if _launched():
+        return resume_args(run_dir)
+    return ("the config this run was composed from and the overrides "
+            f"{_composed_overrides(run_dir)}")
+
+
+def _launched() -> bool:
+    """Whether this run was launched through Hydra (train.py), not composed in Python."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        return resume_args(run_dir)
-    overrides = ["trainer.resume=auto", f"run_dir={_hydra_quoted(run_dir)}"]
-    return f"the config this run was composed from and the overrides {overrides}"
+    return HydraConfig.initialized()
+
+
+def _composed_overrides(run_dir: Path) -> List[str]:
+    """What resumes a run composed in Python: its config, with these (no Hydra run dir)."""
+    return ["trainer.resume=auto", f"run_dir={_hydra_quoted(run_dir)}"]
 
 
 def sweep_resume_args() -> Optional[str]:
@@ -175,9 +180,7 @@ _PLAIN = re.compile(r"[\w/.\-+:@%]+")
 def _launch_args() -> List[str]:
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized():
-        return []  # called from Python: the caller's config is the caller's to keep
-    h = HydraConfig.get()
+    h = HydraConfig.get()  # (launched: a config composed in Python has its own overrides)
     args = [] if h.job.config_name in (None, "train") else ["--config-name", h.job.config_name]
     for source in h.runtime.config_sources:
         if source.schema == "file" and source.provider == "command-line":

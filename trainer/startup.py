@@ -322,9 +322,7 @@ def _compared(cfg: DictConfig) -> Dict[str, Any]:
         v = OmegaConf.select(cfg, key)
         out[key] = getattr(v, "value", v)  # an enum's value
     for root in SAME_MATH:
-        node = OmegaConf.select(cfg, root)
-        plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-        for key, v in flat(_lists_as_dicts(plain), root).items():
+        for key, v in flat(_lists_as_dicts(_plain(OmegaConf.select(cfg, root))), root).items():
             if not (isinstance(v, str) and (os.sep in v or "://" in v)):
                 out[key] = v
     return out
