@@ -61,13 +61,27 @@ def abandoned(run_dir: Path, resumed: Path, step: int) -> List[Path]:
     return later + [p for p in links if _step_of(p, steps) > step]
 
 
+SET_ASIDE = "abandoned-after-step-"  # + the step rolled back to (+ "-N" for a later one)
+_SET_ASIDE = re.compile(re.escape(SET_ASIDE) + r"(\d+)(?:-\d+)?")
+
+
+def set_aside_step(path: Path, run_dir: Path) -> Optional[int]:
+    """The step whose roll-back set `path` aside, where it is in one of `run_dir`'s folders
+    of set-aside states (see `set_aside`); None for any other path."""
+    folder = Path(path).resolve().parent
+    match = _SET_ASIDE.fullmatch(folder.name)
+    if match is None or folder.parent != (Path(run_dir) / CHECKPOINT_DIR).resolve():
+        return None
+    return int(match.group(1))
+
+
 def set_aside(paths: List[Path], step: int) -> Optional[Path]:
     """Moves `paths` (see `abandoned`) into `checkpoints/abandoned-after-step-NNNNNNNN/`, out of
     the way of `trainer.resume=auto` and `keep_last` (which would have kept them, the newest
     by name, over the new timeline's), and returns that folder; nothing is deleted."""
     if not paths:
         return None
-    base = paths[0].parent / f"abandoned-after-step-{step:08d}"
+    base = paths[0].parent / f"{SET_ASIDE}{step:08d}"
     folder, n = base, 1
     while folder.exists():
         n += 1

@@ -72,12 +72,11 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
                          f"one): {where}")
     if resume is None:
         raise CheckpointError(f"run dir {run_dir} {held}")
-    set_aside = Path(resume).resolve().parent
-    if set_aside.parent == (run_dir / resumefiles.CHECKPOINT_DIR).resolve() and \
-            set_aside.name.startswith("abandoned-after-step-"):
+    rolled_back_to = resumefiles.set_aside_step(Path(resume), run_dir)
+    if rolled_back_to is not None:
         raise CheckpointError(
             f"trainer.resume={resume}: a state of this run's that a resume set aside (the "
-            f"timeline after step {int(set_aside.name.rsplit('-', 1)[1])} it rolled back), "
+            f"timeline after step {rolled_back_to} it rolled back), "
             "which this dir's run does not go back to; continue it as a new run in a new dir "
             f"({dir_key()}=... trainer.resume={resume}); nothing was changed")
     raise CheckpointError(f"trainer.resume={resume}: a new run from a checkpoint outside run "

@@ -91,3 +91,15 @@ def test_a_resume_path_that_is_no_regular_file_says_what_it_is(tmp_path):
         resumefiles.find_resume("/dev/null", tmp_path)
     with pytest.raises(CheckpointError, match=r": no such checkpoint file \(give a path"):
         resumefiles.find_resume(str(tmp_path / "nope.pt"), tmp_path)
+
+
+def test_a_set_aside_state_is_known_by_the_step_its_roll_back_went_to(tmp_path):
+    """A second roll-back to the same step sets aside into `...-00000023-2`: its step is 23
+    (the name's last number was read as the step)."""
+    folder = tmp_path / "checkpoints"
+    for name in ("abandoned-after-step-00000023", "abandoned-after-step-00000023-2"):
+        (folder / name).mkdir(parents=True)
+        assert resumefiles.set_aside_step(folder / name / "last.pt", tmp_path) == 23
+    assert resumefiles.set_aside_step(folder / "last.pt", tmp_path) is None
+    elsewhere = tmp_path / "other" / "checkpoints" / "abandoned-after-step-00000023"
+    assert resumefiles.set_aside_step(elsewhere / "last.pt", tmp_path) is None
