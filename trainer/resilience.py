@@ -115,8 +115,9 @@ def capture(loop, config: Dict[str, Any], env: DistEnv,
 
 
 class Preemption:
-    """Turns SIGTERM/SIGUSR1/SIGHUP and a Ctrl-C (SIGINT) into a flag that all ranks agree on at step
-    boundaries. A second Ctrl-C (after AGAIN_AFTER_S) raises KeyboardInterrupt at once.
+    """Turns SIGTERM/SIGUSR1/SIGHUP and a Ctrl-C (SIGINT) into a flag that all ranks agree on
+    at step boundaries and epoch ends. A second Ctrl-C (after AGAIN_AFTER_S) raises
+    KeyboardInterrupt at once.
 
     The ranks may see the signal at different steps, so they compare flags with one tiny
     all-reduce per optimizer step on a CPU (gloo) group, which never syncs the GPU stream.
