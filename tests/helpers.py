@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers train_schema)
 from data.datasets import DigitsDataset
-from scripts.processes import kill_session
+from scripts.processes import descendants, kill_session
 from trainer.models import MLP
 from trainer.task import Task
 from trainer.tasks import Classification
@@ -54,8 +54,57 @@ def run_cli(args: List[str], cwd: Path = ROOT, timeout: float = 240,
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "STOKER_TRACEBACK")}
     env.update({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=preexec_fn)
+    return bounded(cmd + args, cwd, env, timeout, preexec_fn)
+
+
+# On PYTHONPATH of every process `bounded` starts: its sitecustomize makes SIGUSR2 dump stacks.
+STACKS = ROOT / "tests" / "stacks"
+
+
+class Hung(AssertionError):
+    """A process still running at its timeout: the message holds what each of its processes
+    was doing (state, kernel wait channel, Python stacks) when it was killed."""
+
+
+def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own, ended
+    within `timeout` seconds: past it, every process of its tree is asked for its stacks
+    (SIGUSR2, see STACKS), then killed, and Hung is raised with what they said."""
+    env = {**env, "PYTHONPATH": os.pathsep.join(
+        [str(STACKS), *filter(None, [env.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=preexec_fn)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid, *descendants(proc.pid)]
+        states = "; ".join(_doing(pid) for pid in tree)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except OSError:
+                pass
+        time.sleep(3)  # (the dumps written; the pipes are read below)
+        kill_session(proc.pid, tree)
+        out, err = proc.communicate(timeout=30)
+        raise Hung(f"still running after {timeout} s: {' '.join(map(str, cmd))}\n"
+                   f"its processes: {states}\nits stdout's end:\n{out[-2000:]}\n"
+                   f"its stderr's end (stacks after SIGUSR2):\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _doing(pid: int) -> str:
+    """`pid (name) state wchan=...`: what the kernel says a process waits in, or why not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return f"{pid} (gone)"
+    state = stat[stat.rindex(")") + 2:].split()[0]
+    return f"{pid} {stat[stat.index('('):stat.rindex(')') + 1]} {state} wchan={wchan} " \
+           f"threads={threads}"
 
 
 def read_metrics(run_dir: Path) -> List[dict]:
@@ -166,8 +215,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 def launch(cmd, cwd, timeout=180, env=None):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))},
            "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return bounded(cmd, cwd, env, timeout)
 
 
 def slurm_tasks(tmp_path, ntasks, args, timeout=180):

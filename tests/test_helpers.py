@@ -1,0 +1,43 @@
+"""The test harness itself: a process a test starts that hangs is ended, tree and all, and
+the failure says where each of its processes was."""
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers import Hung, bounded
+
+
+def test_a_hung_tree_is_killed_and_says_where_it_waited(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+
+        def wait_here():
+            child = subprocess.Popen([sys.executable, "-c",
+                                      "import time\\nwhile True: time.sleep(1)"])
+            print(child.pid, flush=True)
+            time.sleep(600)
+
+        wait_here()
+    """))
+    start = time.monotonic()
+    with pytest.raises(Hung) as hung:
+        bounded([sys.executable, str(script)], tmp_path, dict(os.environ), timeout=5)
+    message = str(hung.value)
+    assert time.monotonic() - start < 60
+    assert message.startswith(f"still running after 5 s: {sys.executable} {script}")
+    # both processes' states and stacks: the parent's names the function it waits in
+    assert message.count(" S wchan=") + message.count(" R wchan=") == 2, message
+    assert 'line 8 in wait_here' in message and 'File "<string>", line 2' in message, message
+    child = int(message.split("its stdout's end:\n")[1].split()[0])
+    assert not os.path.exists(f"/proc/{child}") or \
+        open(f"/proc/{child}/stat").read().split(") ")[1].startswith("Z"), "child outlived"
+
+
+def test_a_process_that_ends_in_time_is_unchanged(tmp_path):
+    proc = bounded([sys.executable, "-c", "import sys; print('out'); sys.exit('err')"],
+                   tmp_path, dict(os.environ), timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "out\n", "err\n")
