@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 from benchlib import (at_least, check_out, default_out, die, machine, median,  # noqa: E402
                       publish, run_main, table, unwritable)
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, state_bytes  # noqa: E402
+from trainer.checkpoint import CheckpointWriteError, state_bytes  # noqa: E402
+from trainer.saver import Checkpointer  # noqa: E402
 from trainer.models import MLP  # noqa: E402
 
 COLUMNS = ["mode", "state_mb", "stall_s", "write_s", "stall_vs_sync"]

@@ -17,7 +17,8 @@ from hydra.errors import HydraException
 from torch.distributed.elastic.multiprocessing.errors import record
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.checkpoint import CheckpointError, writing_in_background
+from trainer.checkpoint import CheckpointError
+from trainer.saver import writing_in_background
 from trainer.config import ConfigError
 from trainer import components, stamp
 from trainer.distributed import LaunchError, detect

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, distributed, resumefiles
+from trainer import checkpoint, distributed, resumefiles, saver
 from trainer.distributed import DistEnv
 from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
@@ -222,7 +222,7 @@ class Checkpointing(Callback):
             raise checkpoint.CheckpointWriteError(
                 f"checkpoints cannot be written in {folder}: a file is in the way of the "
                 "folder; move it, or set trainer.save_checkpoint=false")
-        self.saver = checkpoint.Checkpointer(run_dir, c.keep_last, False,
+        self.saver = saver.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode
         self.run_dir = run_dir

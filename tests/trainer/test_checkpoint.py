@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.helpers import DROP, whole
-from trainer import checkpoint, resumefiles
+from trainer import checkpoint, resumefiles, saver
 from trainer.checkpoint import CheckpointError
 
 
@@ -105,16 +105,6 @@ def test_a_flipped_bit_in_a_stored_weight_is_detected(tmp_path):
         checkpoint.load(path)
 
 
-def test_leftover_temp_files_are_removed_on_the_next_start(tmp_path):
-    folder = tmp_path / checkpoint.CHECKPOINT_DIR
-    folder.mkdir()
-    (folder / ".step-00000010.pt.abc123.tmp").write_bytes(b"half")
-    (folder / ".last.pt.link").write_bytes(b"half")
-    keep = checkpoint.save({"model": {}, "step": 1}, folder / "step-00000001.pt")
-    checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=False, enabled=True)
-    assert sorted(p.name for p in folder.iterdir()) == [keep.name]
-
-
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, None])
 def test_damaged_file_is_one_line_naming_it(tmp_path, content):
     path = tmp_path / "bad.pt"
@@ -176,54 +166,6 @@ def test_a_checkpoint_that_is_not_a_whole_training_state_is_refused(tmp_path, ch
         resumefiles.find_resume(str(bad), tmp_path)
     path, _, skipped = resumefiles.find_resume("auto", tmp_path)
     assert path == good and len(skipped) == 1 and reason in skipped[0]
-
-
-def test_checkpointer_keeps_the_last_k_and_links_last_and_best(tmp_path):
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
-    for step in (1, 2, 3, 4):
-        saver.save({"model": {"w": torch.full((2,), float(step))}, "step": step}, step,
-                   best=step == 2)
-    folder = tmp_path / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "best.pt", "last.pt", "step-00000003.pt", "step-00000004.pt"]
-    assert checkpoint.load(folder / "last.pt")["step"] == 4
-    assert checkpoint.load(folder / "best.pt")["step"] == 2  # outlives its step file
-
-
-def test_retention_goes_by_step_number_and_leaves_the_users_own_files(tmp_path):
-    """Past step 99,999,999 the names (8 digits, padded) no longer sort as the steps do; and
-    a file of the user's named like a checkpoint is neither counted nor removed."""
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    mine = [folder / "step-00000046-keep.pt", folder / "step-manual.pt"]
-    for path in mine:
-        path.write_bytes(b"the user's")
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
-    for step in (99_999_998, 99_999_999, 100_000_000, 100_000_001):
-        saver.save({"model": {}, "step": step}, step)
-    assert [p.name for p in checkpoint.step_files(folder)] == [
-        "step-100000000.pt", "step-100000001.pt"]  # the newest two, by number
-    assert all(p.read_bytes() == b"the user's" for p in mine)
-    assert resumefiles.candidates(tmp_path) == [folder / "last.pt", folder / "step-100000001.pt",
-                                               folder / "step-100000000.pt"]
-
-
-def test_async_save_copies_first_and_writes_in_the_background(tmp_path):
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=True, enabled=True)
-    w = torch.zeros(1000)
-    saver.save({"model": {"w": w}}, 1)
-    w += 1  # training goes on: the checkpoint must hold the values at save time
-    saver.wait()
-    assert torch.equal(checkpoint.load(tmp_path / "checkpoints" / "last.pt")["model"]["w"],
-                       torch.zeros(1000))
-
-
-def test_async_write_errors_surface_on_the_next_wait(tmp_path, monkeypatch):
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=3, async_save=True, enabled=True)
-    monkeypatch.setattr(checkpoint, "save", lambda *a: (_ for _ in ()).throw(OSError("disk")))
-    saver.save({"model": {}}, 1)
-    with pytest.raises(OSError, match="disk"):
-        saver.wait()
 
 
 def test_a_checkpoint_gets_the_mode_of_any_file_the_user_writes(tmp_path):
@@ -298,13 +240,13 @@ def test_a_state_a_safe_load_would_refuse_is_named_before_it_is_saved(tmp_path):
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1,
              "callbacks": {"Mine": {"seen": {1, 2}, "shape": torch.Size([2]), "name": "x"}}}
     checkpoint.check_loadable(state)  # tensors and plain data: taken back
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
+    writer = saver.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
     for bad, where, what in [
             (np.arange(3.0), "state['callbacks']['Mine']['stats'][0]", "a numpy.ndarray"),
             (lambda: 1, "state['callbacks']['Mine']['stats'][0]", "a builtins.function")]:
         state["callbacks"]["Mine"]["stats"] = [bad]
         with pytest.raises(CheckpointError) as info:
-            saver.save(state, step=2)
+            writer.save(state, step=2)
         assert str(info.value).startswith(
             f"checkpoint: {where} holds {what}, which a checkpoint cannot load back"), info.value
         assert "\n" not in str(info.value)
@@ -336,38 +278,3 @@ def test_a_model_whose_extra_state_cannot_be_loaded_back_is_refused_before_train
                    "trainer.save_checkpoint=false", "trainer.max_steps=1"))  # nothing saved
 
 
-def test_a_folder_in_the_way_of_last_pt_is_one_line_and_leaves_no_link_behind(tmp_path):
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=False, enabled=True)
-    (saver.folder / checkpoint.LAST).mkdir(parents=True)
-    with pytest.raises(checkpoint.CheckpointWriteError,
-                       match=r"checkpoint .*last\.pt: cannot point it at step-00000003\.pt \(a "
-                             r"folder is in the way\); .*step-00000003\.pt was written"):
-        saver.save({"model": {}, "step": 3}, step=3)
-    assert sorted(p.name for p in saver.folder.iterdir()) == ["last.pt", "step-00000003.pt"]
-
-
-def test_a_background_write_is_seen_running_after_a_ctrl_c_stopped_the_wait_for_it(
-        tmp_path, monkeypatch):
-    """A Ctrl-C inside the wait for a background write marks the thread stopped while it still
-    writes (Python up to 3.12): whether a write is running is counted by the writers
-    themselves, so a run stopped at once still knows to leave through os._exit."""
-    import os
-    import signal
-    import threading
-    import time
-
-    real = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda state, path: (time.sleep(1.0),
-                                                                   real(state, path)))
-    saver = checkpoint.Checkpointer(tmp_path, keep_last=2, async_save=True, enabled=True)
-    saver.save(whole(3), 3)
-    assert checkpoint.writing_in_background()
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # (a Ctrl-C)
-    with pytest.raises(KeyboardInterrupt):
-        saver.wait()
-    assert checkpoint.writing_in_background()
-    deadline = time.monotonic() + 30
-    while checkpoint.writing_in_background() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not checkpoint.writing_in_background()
-    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == 3
