@@ -75,11 +75,21 @@ def _hangup_by_default() -> None:
 
 
 def start_and_wait(cmd, until, timeout=120):
+    """The run started in a session of its own, once `until()` holds (the point a test stops
+    it at); a run that ended first, or did not get there in `timeout` s, fails the test with
+    its output (killed first, tree and all)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_hangup_by_default)
     deadline = time.monotonic() + timeout
-    while not until() and proc.poll() is None and time.monotonic() < deadline:
+    while not until():
+        ended = proc.poll() is not None
+        if ended or time.monotonic() > deadline:
+            kill_tree(proc)  # (what is left of it: its pipe's other holders among them)
+            out, _ = proc.communicate(timeout=30)
+            raise AssertionError(("ended (exit %d)" % proc.returncode if ended else
+                                  f"not there after {timeout} s") + " before the point the "
+                                 f"test stops it at: {' '.join(cmd)}\n{out[-3000:]}")
         time.sleep(0.01)
     return proc
 
