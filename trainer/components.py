@@ -9,12 +9,15 @@ never receives an argument it does not know.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +26,7 @@ from trainer.config import ConfigError
 
 RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 _OURS = ("data", "trainer", "tests")  # Stoker's top-level packages
+log = logging.getLogger(__name__)
 
 
 def target_of(node: Any, key: str) -> Callable:
@@ -176,6 +180,8 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
                 given_text = "null" if node[k] is None else node[k]  # as the user wrote it
                 raise ConfigError(f"{key}.{k}={given_text}: must be {wrong} ({name}'s default is "
                                   f"{params[k].default})")
+    else:
+        _check_settings(target, name, given, key)
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
     extra.update(kwargs)
@@ -187,6 +193,35 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
             raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
                               f"{key}.{missing[0]}")
     return extra
+
+
+def _check_settings(target: Callable, name: str, given: List[str], key: str) -> None:
+    """A Hugging Face config takes any keyword and keeps it as an attribute, so a misspelt
+    setting (`num_hiden_layers`) built a model of the default size, silently: one close to a
+    setting of the class is refused, naming it; another is kept, with a warning."""
+    if not (inspect.isclass(target) and any(
+            c.__name__ in ("PretrainedConfig", "PreTrainedConfig")
+            and c.__module__.startswith("transformers.") for c in target.__mro__)):
+        return
+    try:
+        default = target()
+        known = set(default.to_dict()) | set(getattr(target, "attribute_map", {}))
+        for fn in _inits(target):
+            known |= set(inspect.signature(fn).parameters) - {"self", "kwargs"}
+    except Exception:  # noqa: BLE001  (one that needs arguments: nothing to compare with)
+        return
+    for k in given:
+        if k in known or hasattr(default, k):
+            continue
+        close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{key}.{k}: {name} has no setting '{k}'; did you mean "
+                              f"{close[0]}? (it would be kept as an extra attribute, and "
+                              f"{close[0]} left at its default, "
+                              f"{getattr(default, close[0], None)!r})")
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            log.warning("%s.%s: not one of %s's settings; kept on the config as an extra "
+                        "attribute, which only a model of your own would read", key, k, name)
 
 
 def _inner_nodes(node: Any, key: str) -> List[Tuple[str, Any]]:

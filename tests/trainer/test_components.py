@@ -56,6 +56,27 @@ def test_an_init_wrapped_to_take_any_keyword_is_not_held_to_the_signature_it_sho
     assert isinstance(config, transformers.BertConfig) and config.num_labels == 3
 
 
+def test_a_hugging_face_configs_misspelt_setting_is_refused_and_an_extra_one_said(caplog):
+    """BertConfig keeps any keyword as an attribute: `num_hiden_layers: 1` built 12 layers."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError) as e:
+        build(node(_target_="transformers.BertConfig", num_hiden_layers=1, hidden_size=8),
+              "model.config")
+    assert str(e.value) == ("model.config.num_hiden_layers: transformers.BertConfig has no "
+                            "setting 'num_hiden_layers'; did you mean num_hidden_layers? (it "
+                            "would be kept as an extra attribute, and num_hidden_layers left "
+                            "at its default, 12)")
+    # settings by their other names (GPT-2's n_layer is num_hidden_layers), a base class's
+    # keyword (num_labels) and one of the user's own, kept and said
+    with caplog.at_level("WARNING"):
+        config = build(node(_target_="transformers.GPT2Config", n_layer=1, num_hidden_layers=1,
+                            num_labels=3, n_embd=8, my_head_width=5), "model.config")
+    assert (config.n_layer, config.num_labels, config.my_head_width) == (1, 3, 5)
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.config.my_head_width: not one of transformers.GPT2Config's settings; kept on "
+        "the config as an extra attribute, which only a model of your own would read"]
+
+
 def test_unknown_and_missing_arguments_are_named():
     with pytest.raises(ConfigError, match=r"^model.hiden: trainer.models.MLP takes no argument "
                                           r"'hiden' \(it takes: input_shape, num_classes"):
