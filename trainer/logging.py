@@ -231,8 +231,13 @@ class EventFile:
                               session_log=SessionLog(status=SessionLog.START)))
 
     def _write(self, event) -> None:
-        self._records.write(event.SerializeToString())
-        self._file.flush()
+        try:
+            self._records.write(event.SerializeToString())
+            self._file.flush()
+        except OSError as e:  # (a full disk, a file size limit: named, as metrics.jsonl is)
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, self._file.name) from None
 
     def scalars(self, step: int, values: Dict[str, float]) -> None:
         """One event holding `values` (tag -> number) at `step`."""

@@ -112,14 +112,15 @@ def _outputs_in(run_dir: Path) -> List[str]:
 
 
 _SPECIAL = ((stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
-            (stat.S_ISSOCK, "a socket"))
+            (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
 
 
 def check_plain_files(run_dir: Path) -> None:
     """A file the run opens in its dir (train.log, metrics.jsonl, status.json, its lock) that
-    is a pipe, a device or a socket is refused before the first line is logged: opening or
-    reading a pipe blocks until another process opens its other end, a hang no single
-    SIGTERM ended."""
+    is a pipe, a device, a socket or a folder is refused before the first line is logged:
+    opening or reading a pipe blocks until another process opens its other end, a hang no
+    single SIGTERM ended; a folder in place of summary.json failed the run after all its
+    training."""
     for name in ("train.log", "metrics.jsonl", STATUS, "summary.json", "config.yaml", LOCK):
         try:
             mode = os.stat(Path(run_dir) / name).st_mode
@@ -127,8 +128,10 @@ def check_plain_files(run_dir: Path) -> None:
             continue
         kind = next((what for test, what in _SPECIAL if test(mode)), None)
         if kind is not None:
+            why = "the run could not write it" if kind == "a folder" else \
+                "the run would block on it or write into it"
             raise ConfigError(f"{dir_key()}={run_dir}: its {name} is {kind}, not a regular "
-                              "file: the run would block on it or write into it; move it "
+                              f"file: {why}; move it "
                               f"away, or start in a new dir ({dir_key()}=...)")
 
 

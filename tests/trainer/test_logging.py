@@ -180,3 +180,19 @@ def test_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path, monkeypat
     assert describe(e.value) == f"{tmp_path / 'metrics.jsonl'}: File too large"
     logger.close()  # (the run's end: no second, unnamed error from the file)
     real.close()
+
+
+def test_an_event_file_that_cannot_be_written_names_the_file(tmp_path):
+    """A full disk under the TensorBoard writer: `[Errno 28] No space left on device`, alone,
+    named no file and no key (its flush is what fails: /dev/full fails each one)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from trainer.cli import describe
+
+    events = EventFile(tmp_path / "tb")
+    real, events._file = events._file, open("/dev/full", "wb")
+    events._records = RecordWriter(events._file)
+    with pytest.raises(OSError) as e:
+        events.scalars(1, {"train/loss": 1.0})
+    assert describe(e.value) == "/dev/full: No space left on device"
+    real.close()

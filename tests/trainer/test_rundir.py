@@ -440,11 +440,16 @@ def test_a_pipe_in_place_of_a_run_file_is_refused_not_a_hang(tmp_path, name):
     assert sorted(p.name for p in run_dir.iterdir()) == [name]  # nothing written
 
 
-def test_a_device_is_named_and_a_dangling_link_is_no_refusal(tmp_path):
+def test_a_device_or_folder_is_named_and_a_dangling_link_is_no_refusal(tmp_path):
     (tmp_path / "metrics.jsonl").symlink_to("/dev/null")
     with pytest.raises(rundir.ConfigError, match="its metrics.jsonl is a device, not a regular"):
         rundir.check_plain_files(tmp_path)
     (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "summary.json").mkdir()  # (found only at the end of the run's training)
+    with pytest.raises(rundir.ConfigError, match=r"its summary.json is a folder, not a regular "
+                                                 r"file: the run could not write it; move it"):
+        rundir.check_plain_files(tmp_path)
+    (tmp_path / "summary.json").rmdir()
     (tmp_path / "train.log").symlink_to(tmp_path / "nowhere")
     rundir.check_plain_files(tmp_path)
 
