@@ -632,7 +632,11 @@ class Scripted(torch.nn.Module):
 
 
 class BrokenMetric(torch.nn.Module):
-    """A metric whose update (`fails="update"`) or compute raises inside its own code."""
+    """A metric whose update (`fails="update"`) or compute raises inside its own code; or,
+    with `fails="first_compute"`, whose first compute in the process fails (a metric that
+    needs more samples than the first training batch has)."""
+
+    computed = [0]  # computes in this process, over copies too
 
     def __init__(self, fails: str = "update"):
         super().__init__()
@@ -647,6 +651,11 @@ class BrokenMetric(torch.nn.Module):
         self.updates = 0
 
     def compute(self) -> torch.Tensor:
+        BrokenMetric.computed[0] += 1
+        if self.fails == "first_compute":
+            if BrokenMetric.computed[0] == 1:
+                raise ValueError("needs more samples")
+            return torch.tensor(float(self.updates))
         return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
 
 

@@ -64,6 +64,17 @@ def _collective_failed(e: BaseException) -> bool:
         word in text for word in ("/gloo/", "NCCL", "ProcessGroup")))
 
 
+def _ranks() -> int:
+    """The job's world size (1 outside a process group)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _note(e: BaseException, line: str) -> None:
     """A line under an error's traceback (Python 3.11's notes) saying what Stoker gave the
     code that raised it."""
@@ -218,13 +229,48 @@ class Task:
                 except Exception as e:  # noqa: BLE001
                     if _collective_failed(e):  # its sync over the ranks met a lost peer:
                         raise  # the run names that rank, not the metric
-                    log.warning("task.metrics.%s: %s.compute() failed on the first training "
-                                "batch (%s: %s); validation computes it over the whole set",
-                                name, type(metric).__name__, type(e).__name__,
-                                str(e).splitlines()[0] if str(e) else "")
+                    if _rank() == 0:  # (every rank meets it alike: said once)
+                        log.warning("task.metrics.%s: %s.compute() failed on the first "
+                                    "training batch (%s: %s); validation computes it over the "
+                                    "whole set", name, type(metric).__name__, type(e).__name__,
+                                    str(e).splitlines()[0] if str(e) else "")
                     # (the same failure over the validation set names these inputs)
                     self.__dict__.setdefault("_compute_failed", {})[name] = (
                         type(e), describe((preds, target)))
+
+    def check_compute_again(self, output: Any, batch: Any) -> None:
+        """The metrics whose compute() failed on the first training batch, tried again on a
+        copy given the first validation batch (the sanity check's, before the first step):
+        failing alike there too, the metric would fail at the first validation, after an
+        epoch of training that no checkpoint kept. Under several ranks, only metrics whose
+        compute can be kept from syncing over them (torchmetrics'): a rank without a
+        validation batch skips this, and must not be waited for."""
+        failed = self.__dict__.get("_compute_failed", {})
+        if not failed:
+            return
+        ranks = _ranks() > 1
+        with torch.no_grad():
+            preds, target = self._metric_pair(output, batch)
+            preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
+            for name in failed:
+                metric = self.metrics[name]
+                if ranks and not hasattr(metric, "sync_on_compute"):
+                    continue
+                trial = copy.deepcopy(metric)
+                if hasattr(trial, "sync_on_compute"):
+                    trial.sync_on_compute = trial._to_sync = False
+                self._update(name, trial, preds, target, trial=True)
+                try:
+                    trial.compute()
+                except Exception as e:
+                    if type(e) is not failed[name][0]:
+                        continue  # (another failure: validation over the whole set decides)
+                    _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
+                             "failed on the first training batch and again on the first "
+                             "validation batch: it would fail at the first validation, after "
+                             "an epoch of training (trainer.sanity_check=false skips this "
+                             "check)")
+                    raise
 
     def _update(self, name: str, metric: Any, preds: Any, target: Any,
                 trial: bool = False) -> None:

@@ -54,6 +54,7 @@ def sanity_check(loop: "Loop") -> None:
                 check_count(task, count, batch)
                 task.loss(output, batch)
             task.check_metrics(output, batch, compute=False)
+            task.check_compute_again(output, batch)
     except ConfigError as e:  # the task's or a metric's line: say which split it met
         if "trainer.sanity_check" in str(e):
             raise

@@ -382,29 +382,52 @@ def test_a_metric_whose_update_fails_stops_the_run_at_its_first_step_naming_it(m
 
 
 def test_a_metric_whose_compute_fails_on_one_batch_only_warns_at_the_first_step(make_cfg,
-                                                                                caplog):
-    """Some metrics need more samples than one batch has (R2 needs two): the trial's
-    compute() warns, and validation computes it over the whole set (where this one fails for
-    good, with a line naming it)."""
+                                                                                caplog,
+                                                                                monkeypatch):
+    """Some metrics need more samples than one batch has: the trial's compute() warns, and
+    validation computes it over the whole set."""
+    from tests.helpers import BrokenMetric
+
+    monkeypatch.setattr(BrokenMetric, "computed", [0])
+    summary = train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
+                             "+task.metrics.bad.fails=first_compute", "trainer.max_epochs=1"))
+    assert summary["steps"] == 23 and "val_bad" in summary
+    warned = [r.getMessage() for r in caplog.records if "on the first training" in r.getMessage()]
+    assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
+                      "batch (ValueError: needs more samples); validation computes it over the "
+                      "whole set"]
+
+
+def test_a_metric_whose_compute_fails_on_a_training_and_a_validation_batch_stops_at_once(
+        make_cfg, tmp_path):
+    """It failed for good at the first validation, after an epoch of training that no
+    checkpoint kept; tried again in the sanity check, it stops the run before its first step,
+    its traceback and a line naming it kept. trainer.sanity_check=false leaves it to the
+    validation, where the inputs it was given are named."""
     seen = []
 
     class Steps(Callback):
         def after_step(self, loop):
             seen.append(loop.state.step)
 
+    metric = ["+task.metrics.bad._target_=tests.helpers.BrokenMetric",
+              "+task.metrics.bad.fails=compute"]
     with pytest.raises(ZeroDivisionError) as info:
-        train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
-                       "+task.metrics.bad.fails=compute"), callbacks=[Steps()])
-    assert seen == list(range(1, 24))  # a whole epoch trained: the trial did not stop it
+        train(make_cfg(*metric), callbacks=[Steps()])
+    assert seen == []
+    assert info.value.__notes__[0] == (
+        "stoker: task.metrics.bad: BrokenMetric.compute() failed on the first training batch "
+        "and again on the first validation batch: it would fail at the first validation, after "
+        "an epoch of training (trainer.sanity_check=false skips this check)")
+    with pytest.raises(ZeroDivisionError) as info:
+        train(make_cfg(*metric, "trainer.sanity_check=false", run_dir=tmp_path / "unchecked"),
+              callbacks=[Steps()])
+    assert seen == list(range(1, 24))  # a whole epoch trained
     assert info.value.__notes__[-1] == (  # (the same failure twice: the inputs are named)
         "stoker: task.metrics.bad: BrokenMetric.compute() failed over the validation set as on "
         "the first training batch, given tuple(tensor(64, 10) float32, tensor(64,) int64): does "
         "the metric take these? (a binary metric takes one score per sample, a multiclass one a "
         "score per class)")
-    warned = [r.getMessage() for r in caplog.records if "on the first training" in r.getMessage()]
-    assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
-                      "batch (ZeroDivisionError: float division by zero); validation computes "
-                      "it over the whole set"]
 
 
 def test_a_metric_trial_whose_sync_meets_a_lost_peer_raises_it_not_a_metric_warning(caplog):
