@@ -81,6 +81,16 @@ def made_here(path: str) -> bool:
     return os.path.abspath(path) in _made
 
 
+def is_launch_stamp(path: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `path` is (or is inside) the dated dir this launch's config named for itself
+    (hydra.run.dir or hydra.sweep.dir left at its default), new with every launch, so never
+    one to resume; not in a torchrun restart, whose dir is its job's first attempt's."""
+    path = os.path.abspath(path)
+    return attempt(environ) == 0 and any(
+        path == d or path.startswith(d + os.sep)
+        for d in (os.path.abspath(v) for v in _claimed.values()))
+
+
 def nothing_launched(records: Tuple[str, ...] = ("multirun.yaml",)) -> None:
     """A sweep refused before its first job (hydra/launcher=slurm without SLURM): Hydra's
     record of it goes from the dirs this process made, where nothing else is, so that the

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
 from trainer import (checkpoint, components, distributed, ending, resumefiles, rundir,
-                     schedules)
+                     schedules, stamp)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
@@ -69,7 +69,13 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     file it resumed from."""
     found = resumefiles.find_resume(resume, run_dir)
     if found is None:
-        return [], _fresh_start(cfg, run_dir, loop, resume), None
+        lines = _fresh_start(cfg, run_dir, loop, resume)
+        if resume == "auto" and stamp.is_launch_stamp(str(run_dir)):  # (a mistake, surely)
+            key = rundir.dir_key()
+            return [f"trainer.resume=auto: nothing to resume in {run_dir}, a new dir: {key} "
+                    f"was left at its default (a new dated dir for every launch); name the run "
+                    f"to continue with {key}=..."], lines[1:], None
+        return [], lines, None
     path, state, skipped = found
     if cfg.trainer.fast_dev_run:  # (its one step is the run's first: resumed, it trained none)
         raise ConfigError(f"trainer.fast_dev_run=true (debug=fdr) trains a run's first step "

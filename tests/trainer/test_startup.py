@@ -219,3 +219,24 @@ def test_a_resume_under_a_schedule_of_another_kind_is_refused_naming_both(make_c
     line = next(r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("resuming with changed settings"))
     assert "trainer.precision fp32 -> bf16" in line and "trainer.grad_clip None -> 1.0" in line
+
+
+def test_resume_auto_in_a_new_dated_dir_is_a_warning_naming_the_key(tmp_path):
+    """Without hydra.run.dir a launch gets a new dated dir, where resume=auto can never find
+    anything: it started afresh with one INFO line, uncounted among the warnings."""
+    from tests.helpers import run_cli
+
+    quick = ["trainer.max_steps=1", "trainer.progress_bar=false", "data.num_workers=0",
+             "trainer.resume=auto"]
+    proc = run_cli(quick, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [ln for ln in proc.stdout.splitlines() if "trainer.resume=auto" in ln]
+    assert len(said) == 1 and said[0].endswith(
+        ", a new dir: hydra.run.dir was left at its default (a new dated dir for every launch); "
+        "name the run to continue with hydra.run.dir=..."), said
+    assert "nothing to resume in " + str(tmp_path / "outputs") in said[0]
+    assert proc.stdout.splitlines()[-1].endswith("2 warnings above")  # (and warmup's)
+    proc = run_cli([*quick, f"hydra.run.dir={tmp_path / 'named'}"], cwd=tmp_path)
+    said = [ln for ln in proc.stdout.splitlines() if "trainer.resume=auto" in ln]
+    assert len(said) == 1 and "a fresh start (the run to continue is named by hydra.run.dir)" \
+        in said[0] and proc.stdout.splitlines()[-1].endswith("1 warning above"), proc.stdout
