@@ -216,7 +216,17 @@ def _not_a_file(path: Path) -> str:
     if path.is_dir():
         held = ", ".join(map(str, checkpoints_in(path)))
         return "a directory, not a file" + (f"; it holds {held}" if held else "")
-    return NOT_REGULAR if path.exists() else "no such file"
+    return NOT_REGULAR if path.exists() else f"no such file{nearby(path)}"
+
+
+def nearby(path: Path) -> str:
+    """For a file that is not there (a misspelt name): the .pt files beside where it would be,
+    as `; <folder> holds a.pt, b.pt`; "" where there are none."""
+    there = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
+    hint = f"; {path.parent} holds {', '.join(there[:4])}" if there else ""
+    if path.name == BEST and LAST in there:
+        hint += f" (a run keeps {BEST} only with trainer.checkpoint.monitor)"
+    return hint
 
 
 SAFE_GLOBALS_HINT = ("allow it with torch.serialization.add_safe_globals if you trust the "

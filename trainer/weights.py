@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from trainer.checkpoint import BEST, LAST, CheckpointError, checkpoints_in, read, verify
+from trainer.checkpoint import CheckpointError, checkpoints_in, nearby, read, verify
 
 # where trainers keep a model's weights inside a saved dict of their own
 _CONTAINERS = ("model", "state_dict", "model_state_dict")
@@ -124,11 +124,7 @@ def _not_a_file(path: Path) -> str:
         return f"a directory, not a file{near} ({_GIVE})"
     if path.exists():  # (neither a file nor a folder)
         return f"not a regular file (a device, a pipe or a socket; {_GIVE})"
-    there = sorted(p.name for p in path.parent.glob("*.pt")) if path.parent.is_dir() else []
-    hint = f"; {path.parent} holds {', '.join(there[:4])}" if there else ""
-    if path.name == BEST and LAST in there:
-        hint += f" (a run keeps {BEST} only with trainer.checkpoint.monitor)"
-    return f"no such file{hint}"
+    return f"no such file{nearby(path)}"
 
 
 def _kind(path: Path) -> str:

@@ -36,5 +36,10 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path):
     torch.save(torch.nn.Linear(2, 2).state_dict(), weights)
     with pytest.raises(CheckpointError, match=rf"^checkpoint {weights}: not a Stoker checkpoint"):
         load_model(weights)
-    with pytest.raises(CheckpointError, match=r"no such file"):
-        load_model(tmp_path / "gone.pt")
+    with pytest.raises(CheckpointError) as e:  # a misspelt name: the files beside it
+        load_model(tmp_path / "wieghts.pt")
+    assert str(e.value) == f"checkpoint {tmp_path / 'wieghts.pt'}: no such file; {tmp_path} " \
+        "holds weights.pt"
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "gone" / "last.pt")
+    assert str(e.value).endswith("last.pt: no such file")
