@@ -8,13 +8,15 @@ keep their full traceback. A user who sets HYDRA_FULL_ERROR=1 gets Hydra's own o
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import sys
-from typing import Callable, List, NoReturn
+from typing import Callable, List, NoReturn, Optional
 
 from hydra.errors import HydraException
 from torch.distributed.elastic.multiprocessing.errors import record
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.checkpoint import CheckpointError
@@ -90,6 +92,33 @@ def _valid_keys(e: OmegaConfBaseException) -> str:
     return ""
 
 
+def _node_keys(e: OmegaConfBaseException, key: Optional[str]) -> str:
+    """The keys a config node of no schema has (` (model.config has: a, b)`), for a key it
+    lacks; "" where the node is not known."""
+    node = getattr(e, "parent_node", None)
+    if not key or "." not in key or not isinstance(node, DictConfig):
+        return ""
+    names = [str(k) for k in node.keys() if not str(k).startswith("_")]
+    return f" ({key.rpartition('.')[0]} has: {', '.join(names)})" if names else ""
+
+
+def _close_key(e: OmegaConfBaseException, key: Optional[str]) -> Optional[str]:
+    """The key of the node (its schema's, or its own) that the key it lacks is close to (a
+    misspelling), dotted."""
+    node, obj = getattr(e, "parent_node", None), getattr(e, "object_type", None)
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+        names = [f.name for f in dataclasses.fields(obj)]
+    elif isinstance(node, DictConfig):
+        names = [str(k) for k in node.keys()]
+    else:
+        return None
+    if not key or "." not in key:
+        return None
+    where, _, arg = key.rpartition(".")
+    close = difflib.get_close_matches(arg, names, n=1, cutoff=0.8)
+    return f"{where}.{close[0]}" if close else None
+
+
 # Hydra's and OmegaConf's wrappers around an error raised by the user's or our own code: the
 # wrapped message follows as the cause, so the wrapper is cut to what it adds
 _CALL = re.compile(r"^Error in call to target '([^']+)': \w+\(.*\)$")
@@ -132,8 +161,12 @@ def describe(e: BaseException) -> str:
             if " not in " in text:
                 text += _valid_keys(cur.__context__)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
-            text += _valid_keys(cur)
-            if "not in struct" in text:
+            valid = _valid_keys(cur)
+            close = _close_key(cur, key)
+            text += valid or _node_keys(cur, key)
+            if close:  # a misspelt key of the node: not one to add
+                text += f"; did you mean {close}?"
+            elif "not in struct" in text:
                 text += " (a key the config does not have yet is added with +key=value)"
         if text and text not in parts:
             parts.append(text)

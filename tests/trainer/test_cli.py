@@ -217,3 +217,28 @@ def test_a_sweep_flag_among_the_overrides_is_one_line_saying_where_it_goes(capsy
         "train.py -m trainer.max_steps=3 optim.lr=1e-3,3e-3\n")
     for fine in (["-m", "a=1", "b=2,3"], ["a=1", "b=2,3", "--multirun"], ["a=1"], []):
         _check_flag_order(fine)
+
+
+def test_a_key_a_node_lacks_names_the_keys_it_has_and_the_one_it_is_close_to():
+    """`model.config.num_hiden_layers=1` said only to add it with +, which then trained a model
+    of the default size: a key close to one the node has is a misspelling, named so."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import TrainConfig
+
+    cfg = OmegaConf.create({"model": {"config": {"_target_": "transformers.BertConfig",
+                                                 "num_hidden_layers": 2, "hidden_size": 8}}})
+    OmegaConf.set_struct(cfg, True)
+    said = []
+    for name in ("num_hiden_layers", "dropout"):
+        with pytest.raises(Exception) as e:
+            cfg.model.config[name] = 1
+        said.append(describe(e.value))
+    has = "(model.config has: num_hidden_layers, hidden_size)"
+    assert said[0].endswith(f"{has}; did you mean model.config.num_hidden_layers?"), said[0]
+    assert said[1].endswith(f"{has} (a key the config does not have yet is added with "
+                            "+key=value)"), said[1]
+    typed = OmegaConf.structured(TrainConfig)
+    with pytest.raises(Exception) as e:
+        typed.data.num_worker = 8
+    assert describe(e.value).endswith(", augment); did you mean data.num_workers?")
