@@ -118,6 +118,12 @@ class Heartbeat:
             return f"rank {missing[0]} never reported progress"
         if not peers:
             return "the other ranks stopped"
+        silent = {r: b for r, b in peers.items() if now - b["time"] > 2 * BEAT_S}
+        if silent:  # stopped (SIGSTOP) or cut off: its own thread beats no more either
+            r, b = min(silent.items(), key=lambda kv: kv[1]["time"])
+            return (f"rank {r} stopped beating {now - b['time']:.0f} s ago (its process is "
+                    f"stopped, or cut off; its last heartbeat, up to {BEAT_S:g} s before "
+                    f"that, said step {b['step']}, {b['phase']})")
         r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["since"]))
         # (a change is seen at the next beat: the time since is a lower bound)
         return (f"rank {r} made no progress for at least {now - b['since']:.0f} s (last "
