@@ -12,9 +12,7 @@ from trainer.components import build
 from trainer.checks import resolve
 
 GROUPS = ["data", "model", "task", "optim", "sched", "trainer", "debug", "experiment"]
-# files starting with "_" are bases the options include, not options
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))
-           if not p.stem.startswith("_")]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 # options that need a key of the user's own before they can build anything
 USER_OPTIONS = {("model", "custom"): ["model._target_=trainer.models.MLP"],
                 ("data", "custom"): ["+data.dataset._target_=data.datasets.DigitsDataset",
@@ -23,6 +21,17 @@ USER_OPTIONS = {("model", "custom"): ["model._target_=trainer.models.MLP"],
 
 def test_every_group_has_options():
     assert {g for g, _ in OPTIONS} == set(GROUPS)
+
+
+def test_help_lists_only_the_options_of_each_group():
+    """The keys every task takes are a file the tasks include, outside conf/task/: --help
+    listed it as `task: _base`, which gave `task: needs a _target_`."""
+    from tests.helpers import run_cli
+
+    proc = run_cli(["--help"])
+    assert proc.returncode == 0
+    assert "task: classification, language_model, model_loss, regression\n" in proc.stdout
+    assert not [g for g in GROUPS for p in (CONF / g).glob("_*.yaml")]
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

@@ -17,7 +17,7 @@ from trainer.cli import describe
     ("trainer.resume=/no/such/file.pt", "trainer.resume"),
     ("trainer.resume=/tmp", "trainer.resume=/tmp: a directory, not a checkpoint file"),
     ("task=classifcation", "Available options in 'task': classification language_model "
-                           "model_loss regression"),  # (not _base, a shared base file)
+                           "model_loss regression"),
     ("task.num_classes=abc", "task.num_classes='abc': must be an integer >= 2 or null"),
     ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
                                      "torch.nn.Module"),
