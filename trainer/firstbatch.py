@@ -135,5 +135,7 @@ def _input_fix(text: str, embedding: bool, batch: Any, model: nn.Module,
                 f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
                 "make the dataset return tensors of the model's dtype (numpy arrays are "
                 "float64: torch.as_tensor(x, dtype=torch.float32))")
-    return (f"check data.input_shape={None if input_shape is None else list(input_shape)}"
-            " and the model's arguments")
+    if input_shape is None:  # (nothing of the data config sized the model)
+        return ("do the batch's sizes fit the model's arguments? (a sequence longer than its "
+                "position embeddings, another feature count than its first layer's)")
+    return f"check data.input_shape={list(input_shape)} and the model's arguments"

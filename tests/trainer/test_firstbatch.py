@@ -26,6 +26,11 @@ def test_forward_error_names_a_first_batch_the_model_cannot_take_and_nothing_lat
     assert str(error).startswith("model: Linear cannot take the first batch (tuple(tensor(3, "
                                  "5) float32"), str(error)
     assert str(error).endswith("check data.input_shape=[5] and the model's arguments")
+    # no data.input_shape sized the model (a Hugging Face config of one's own): not named
+    error = forward_error(shape, batch, model, first=True, input_shape=None, find_unused=False)
+    assert str(error).endswith("; do the batch's sizes fit the model's arguments? (a sequence "
+                               "longer than its position embeddings, another feature count "
+                               "than its first layer's)"), str(error)
     # float64 inputs (numpy's default) for float32 weights: the dtype, not the shape, is named
     doubles = (torch.zeros(3, 4, dtype=torch.float64), batch[1])
     dtype = RuntimeError("mat1 and mat2 must have the same dtype, but got Double and Float")
