@@ -258,12 +258,23 @@ def exit_on_error(main: Callable[[], None]) -> None:
     if os.environ.get("HYDRA_FULL_ERROR"):
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
+    _escape_what_the_console_cannot_show()
     _check_flag_order(sys.argv[1:])
     import_from_cwd()
     # under torchrun, record() writes a crash's traceback where the agent reports it; the
     # errors said in one line are turned into SystemExit inside it, which it does not record
     # (torchrun printed a rank's whole traceback for a misspelt key)
     record(lambda: _one_line_errors(main))()
+
+
+def _escape_what_the_console_cannot_show() -> None:
+    """A console of a non-UTF-8 locale (LC_ALL=C, without Python's UTF-8 mode) could not
+    encode a line naming a non-ASCII path: logging printed its traceback and lost the line
+    (train.log is UTF-8 whatever the locale). Such characters are written escaped instead."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
+        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _check_flag_order(args: List[str]) -> None:

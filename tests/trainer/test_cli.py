@@ -242,3 +242,18 @@ def test_a_key_a_node_lacks_names_the_keys_it_has_and_the_one_it_is_close_to():
     with pytest.raises(Exception) as e:
         typed.data.num_worker = 8
     assert describe(e.value).endswith(", augment); did you mean data.num_workers?")
+
+
+def test_a_non_ascii_run_dir_under_the_c_locale_loses_no_line(tmp_path):
+    """Without Python's UTF-8 mode, the C locale's console (ascii) could not encode a line
+    naming the dir: logging printed its traceback and lost the line, in train.log too."""
+    run_dir = tmp_path / "r\u00fcn"
+    proc = run_cli(["trainer.max_steps=1", "trainer.progress_bar=false", "data.num_workers=0",
+                    f"hydra.run.dir='{run_dir}'"],
+                   env_extra={"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "Logging error" not in out and "Traceback" not in out, out[-2000:]
+    assert f"run dir {tmp_path}/r\\udcc3\\udcbcn | device cpu" in out  # escaped on the console
+    log = (run_dir / "train.log").read_text(encoding="utf-8")
+    assert f"run dir {run_dir} | device cpu" in log and "] done: " in log  # as it is, in the file
