@@ -92,6 +92,24 @@ def _valid_keys(e: OmegaConfBaseException) -> str:
     return ""
 
 
+_LEXER = "LexerNoViableAltException: "
+
+
+def _unquoted(text: str) -> Optional[str]:
+    """Hydra's lexer refusing a character of an override (a non-ASCII letter in a path), which
+    it shows with a caret under a copy of the override: the character, and the quoting that
+    takes it."""
+    lines = text.splitlines()
+    if len(lines) < 2 or not lines[0].startswith(_LEXER) or not lines[1].strip() == "^":
+        return None
+    override, at = lines[0][len(_LEXER):], lines[1].index("^") - len(_LEXER)
+    key, eq, value = override.partition("=")
+    if not eq or not 0 <= at < len(override) or "'" in value:
+        return None
+    return (f"{override}: Hydra's override grammar does not take {override[at]!r} unquoted; "
+            f"quote the value: {key}='{value}' (in a shell: \"{key}='{value}'\")")
+
+
 def _node_keys(e: OmegaConfBaseException, key: Optional[str]) -> str:
     """The keys a config node of no schema has (` (model.config has: a, b)`), for a key it
     lacks; "" where the node is not known."""
@@ -131,6 +149,9 @@ def describe(e: BaseException) -> str:
     parts: List[str] = []
     cur: BaseException | None = e
     while cur is not None:
+        unquoted = _unquoted(str(cur))
+        if unquoted:
+            return unquoted
         lines = _lines(str(cur))
         if isinstance(cur, OSError) and cur.filename and cur.strerror and \
                 getattr(cur, "filename2", None) is None:

@@ -19,6 +19,10 @@ from trainer.cli import describe
     ("task=classifcation", "Available options in 'task': classification language_model "
                            "model_loss regression"),
     ("task.num_classes=abc", "task.num_classes='abc': must be an integer >= 2 or null"),
+    # Hydra's lexer takes no non-ASCII letter unquoted: it showed a caret under the override
+    ("data.cache_dir=/x/d\u00fcr", "data.cache_dir=/x/d\u00fcr: Hydra's override grammar does "
+                                   "not take '\u00fc' unquoted; quote the value: "
+                                   "data.cache_dir='/x/d\u00fcr'"),
     ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
                                      "torch.nn.Module"),
 ])
