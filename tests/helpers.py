@@ -717,6 +717,15 @@ class ExitingMLP(MLP):
         return super().forward(x)
 
 
+class ReshapedDigits(DigitsDataset):
+    """Digits whose 64 pixels come as (4, 16) samples, not data.input_shape's [1, 8, 8]."""
+
+    def __init__(self, split: str = "train", **kw):
+        super().__init__(split, **kw)
+        self.tensors = (self.x.reshape(len(self.x), 4, 16), self.y)
+        self.x = self.tensors[0]
+
+
 class RankSizedDigits(torch.utils.data.Dataset):
     """Digits cut to a length that depends on the rank: a dataset that differs between ranks."""
 

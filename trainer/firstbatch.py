@@ -9,7 +9,9 @@ nothing. Later batches run unchecked: the hot loop pays for none of this.
   `forward_error` says it (inputs of a shape or dtype the model cannot take);
 - `check_count`, `check_loss`: the task's count and loss are what the loop can weigh and
   start backward from;
-- `check_batch`: a batch of more items than a two-item task reads warns that the rest is unused.
+- `check_batch`: a batch of more items than a two-item task reads warns that the rest is unused;
+- `check_input_shape`: samples of another shape than data.input_shape, which sized the model,
+  warn (a model that flattens them takes them silently).
 """
 from __future__ import annotations
 
@@ -45,6 +47,24 @@ def check_batch(task: Task, batch: Any) -> None:
                     "its entries, task=model_loss passes them all to the model, and a task "
                     "of your own reads what it needs: README \"Bring your own\")",
                     task.name, len(batch), len(batch) - 2)
+
+
+def check_input_shape(task: Task, batch: Any, input_shape: Optional[Any]) -> None:
+    """Inputs whose sample shape is not data.input_shape, which sized the model, warn: a model
+    that flattens them ((4, 5) samples into an MLP built for [20]) trains on without a word."""
+    if input_shape is None or task.whole_batch:
+        return
+    try:
+        inputs = task.split(batch)[0]
+    except Exception:  # noqa: BLE001  (a batch the task reads otherwise: its own business)
+        return
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+        return
+    sample, expected = tuple(inputs.shape[1:]), tuple(int(n) for n in input_shape)
+    if sample != expected and distributed.detect().is_main:
+        log.warning("data.input_shape=%s, which sized the model, but the first batch's samples "
+                    "are %s (inputs %s): the model took them, reshaped; is data.input_shape "
+                    "the samples' shape?", list(expected), sample, describe(inputs))
 
 
 def reads_two_items(task: Task) -> bool:

@@ -27,7 +27,8 @@ from trainer import checkpoint, devicewait, distributed, validation, windowlog
 from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
-from trainer.firstbatch import check_batch, check_count, check_loss, checked_forward
+from trainer.firstbatch import (check_batch, check_count, check_input_shape, check_loss,
+                                checked_forward)
 from trainer.ledger import Ledger, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
@@ -321,6 +322,7 @@ class Loop:
         first = not self._loss_checked
         if first:
             check_batch(self.task, batch)
+            check_input_shape(self.task, batch, self.input_shape)
             check_loss(self.task, loss)
             self.task.check_metrics(output, batch)
             self._loss_checked = True

@@ -110,3 +110,18 @@ def test_a_loss_is_one_floating_number_that_depends_on_the_parameters():
         with pytest.raises(TaskError, match=r"^task classification: Classification\.loss") as e:
             check_loss(task, wrong)
         assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_samples_of_another_shape_than_the_model_was_sized_by_warn(make_cfg, caplog, tmp_path):
+    """An MLP flattens whatever it is given: (4, 16) samples for a model built for [1, 8, 8]
+    trained without a word."""
+    from trainer.runner import train
+
+    train(make_cfg("trainer.max_steps=1", "data.dataset._target_=tests.helpers.ReshapedDigits"))
+    said = [r.getMessage() for r in caplog.records if "data.input_shape" in r.getMessage()]
+    assert said == ["data.input_shape=[1, 8, 8], which sized the model, but the first batch's "
+                    "samples are (4, 16) (inputs tensor(64, 4, 16) float32): the model took "
+                    "them, reshaped; is data.input_shape the samples' shape?"]
+    caplog.clear()
+    train(make_cfg("trainer.max_steps=1", run_dir=tmp_path / "plain"))
+    assert not [r for r in caplog.records if "data.input_shape" in r.getMessage()]
