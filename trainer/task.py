@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import inspect
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -62,6 +63,21 @@ def _collective_failed(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
         word in text for word in ("/gloo/", "NCCL", "ProcessGroup")))
+
+
+def _raised_in_own_code(e: BaseException) -> str:
+    """` (raised at FILE:LINE)` where the innermost frame of `e` is code of one's own (not an
+    installed package's, nor Python's): there the refusal may be a bug, and that is where."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    path = tb.tb_frame.f_code.co_filename
+    if "-packages" in path or path.startswith(sys.prefix) or path.startswith(sys.base_prefix) \
+            or path.startswith("<"):
+        return ""
+    return f" (raised at {path}:{tb.tb_lineno})"
 
 
 def _ranks() -> int:
@@ -267,9 +283,11 @@ class Task:
                         continue  # (another failure: validation over the whole set decides)
                     _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
                              "failed on the first training batch and again on the first "
-                             "validation batch: it would fail at the first validation, after "
-                             "an epoch of training (trainer.sanity_check=false skips this "
-                             "check)")
+                             "validation batch, before the first step, given "
+                             f"{describe((preds, target))}: does the metric take these? (a "
+                             "binary metric takes one score per sample, a multiclass one a "
+                             "score per class); trainer.sanity_check=false leaves it to the "
+                             "validation after the first epoch")
                     raise
 
     def _update(self, name: str, metric: Any, preds: Any, target: Any,
@@ -292,7 +310,7 @@ class Task:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                            ) from None
+                            f"{_raised_in_own_code(e)}") from None
         except Exception as e:  # inside the metric's own code: its traceback stays
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "
                      f"given {describe((preds, target))}")

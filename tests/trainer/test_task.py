@@ -417,8 +417,10 @@ def test_a_metric_whose_compute_fails_on_a_training_and_a_validation_batch_stops
     assert seen == []
     assert info.value.__notes__[0] == (
         "stoker: task.metrics.bad: BrokenMetric.compute() failed on the first training batch "
-        "and again on the first validation batch: it would fail at the first validation, after "
-        "an epoch of training (trainer.sanity_check=false skips this check)")
+        "and again on the first validation batch, before the first step, given "
+        "tuple(tensor(256, 10) float32, tensor(256,) int64): does the metric take these? (a "
+        "binary metric takes one score per sample, a multiclass one a score per class); "
+        "trainer.sanity_check=false leaves it to the validation after the first epoch")
     with pytest.raises(ZeroDivisionError) as info:
         train(make_cfg(*metric, "trainer.sanity_check=false", run_dir=tmp_path / "unchecked"),
               callbacks=[Steps()])
@@ -480,8 +482,19 @@ def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
 
     task = Task(metrics={"later": Later(), "never": Never()})
     x = torch.randn(4, 3)
-    with pytest.raises(TaskError, match=r"^task\.metrics\.never: Never refused the task's"):
+    with pytest.raises(TaskError, match=r"^task\.metrics\.never: Never refused the task's") \
+            as refused:
         task._update("never", task.metrics["never"], x, x)
+    # where it is code of one's own, the line that raised is named (a bug reads as a refusal)
+    line = Never.update.__code__.co_firstlineno + 1
+    assert str(refused.value).endswith(f": wrong shapes (raised at {__file__}:{line})")
+    import torchmetrics  # an installed package's own check names no line of its code
+
+    task = Task(metrics={"acc": torchmetrics.classification.BinaryAccuracy()})
+    with pytest.raises(TaskError) as refused:
+        task._update("acc", task.metrics["acc"], torch.rand(4, 3), torch.ones(5))
+    assert "(raised at" not in str(refused.value)
+    task = Task(metrics={"later": Later(), "never": Never()})
     task._update("later", task.metrics["later"], x, x, trial=True)  # the first training batch's
     task._update("later", task.metrics["later"], x, x)
     with pytest.raises(RuntimeError, match="boom in the metric") as info:
