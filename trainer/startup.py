@@ -72,9 +72,10 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         lines = _fresh_start(cfg, run_dir, loop, resume)
         if resume == "auto" and stamp.is_launch_stamp(str(run_dir)):  # (a mistake, surely)
             key = rundir.dir_key()
+            what = "sweep" if key == "hydra.sweep.dir" else "run"
             return [f"trainer.resume=auto: nothing to resume in {run_dir}, a new dir: {key} "
-                    f"was left at its default (a new dated dir for every launch); name the run "
-                    f"to continue with {key}=..."], lines[1:], None
+                    f"was left at its default (a new dated dir for every launch); name the "
+                    f"{what} to continue with {key}=..."], lines[1:], None
         return [], lines, None
     path, state, skipped = found
     if cfg.trainer.fast_dev_run:  # (its one step is the run's first: resumed, it trained none)

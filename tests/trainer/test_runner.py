@@ -548,6 +548,12 @@ def test_a_sweep_job_resumed_with_nothing_to_resume_names_the_sweeps_dir_key(tmp
     proc = run_cli(["-m", "trainer.resume=auto", "trainer.max_steps=1",
                     "trainer.progress_bar=false", "trainer.limit_val_batches=1"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # (left at its default, the sweep's dir is a new one: nothing to resume there, surely)
+    assert "a new dir: hydra.sweep.dir was left at its default (a new dated dir for every " \
+        "launch); name the sweep to continue with hydra.sweep.dir=..." in proc.stdout
+    proc = run_cli(["-m", "trainer.resume=auto", "trainer.max_steps=1",
+                    "trainer.progress_bar=false", "trainer.limit_val_batches=1",
+                    f"hydra.sweep.dir={tmp_path / 'named'}"], cwd=tmp_path)
     assert "a fresh start (the run to continue is named by hydra.sweep.dir)" in proc.stdout
 
 
