@@ -632,11 +632,7 @@ class Scripted(torch.nn.Module):
 
 
 class BrokenMetric(torch.nn.Module):
-    """A metric whose update (`fails="update"`) or compute raises inside its own code; or,
-    with `fails="first_compute"`, whose first compute in the process fails (a metric that
-    needs more samples than the first training batch has)."""
-
-    computed = [0]  # computes in this process, over copies too
+    """A metric whose update (`fails="update"`) or compute raises inside its own code."""
 
     def __init__(self, fails: str = "update"):
         super().__init__()
@@ -651,12 +647,26 @@ class BrokenMetric(torch.nn.Module):
         self.updates = 0
 
     def compute(self) -> torch.Tensor:
-        BrokenMetric.computed[0] += 1
-        if self.fails == "first_compute":
-            if BrokenMetric.computed[0] == 1:
-                raise ValueError("needs more samples")
-            return torch.tensor(float(self.updates))
         return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
+
+
+class NeedsSamples(torch.nn.Module):
+    """A metric whose compute needs `least` samples (more than a training batch has)."""
+
+    def __init__(self, least: int = 100):
+        super().__init__()
+        self.least, self.seen = least, 0
+
+    def update(self, preds, target) -> None:
+        self.seen += len(target)
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def compute(self) -> torch.Tensor:
+        if self.seen < self.least:
+            raise ValueError(f"needs {self.least} samples, has {self.seen}")
+        return torch.tensor(float(self.seen))
 
 
 class PerSampleLoss(Classification):

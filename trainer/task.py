@@ -250,14 +250,16 @@ class Task:
                                     "training batch (%s: %s); validation computes it over the "
                                     "whole set", name, type(metric).__name__, type(e).__name__,
                                     str(e).splitlines()[0] if str(e) else "")
-                    # (the same failure over the validation set names these inputs)
+                    # (the same failure over the validation set names these inputs; the copy,
+                    # holding this batch, is given the sanity check's too: check_compute_again)
                     self.__dict__.setdefault("_compute_failed", {})[name] = (
-                        type(e), describe((preds, target)))
+                        type(e), describe((preds, target)), trial)
 
     def check_compute_again(self, output: Any, batch: Any) -> None:
-        """The metrics whose compute() failed on the first training batch, tried again on a
-        copy given the first validation batch (the sanity check's, before the first step):
-        failing alike there too, the metric would fail at the first validation, after an
+        """The metrics whose compute() failed on the first training batch, tried again once
+        their copy holding that batch is given the first validation batch too (the sanity
+        check's, before the first step; a metric that needs more samples than one batch has
+        gets them): failing alike there, it would fail at the first validation, after an
         epoch of training that no checkpoint kept. Under several ranks, only metrics whose
         compute can be kept from syncing over them (torchmetrics'): a rank without a
         validation batch skips this, and must not be waited for."""
@@ -269,10 +271,9 @@ class Task:
             preds, target = self._metric_pair(output, batch)
             preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
             for name in failed:
-                metric = self.metrics[name]
+                metric, trial = self.metrics[name], failed[name][2]
                 if ranks and not hasattr(metric, "sync_on_compute"):
                     continue
-                trial = copy.deepcopy(metric)
                 if hasattr(trial, "sync_on_compute"):
                     trial.sync_on_compute = trial._to_sync = False
                 self._update(name, trial, preds, target, trial=True)
@@ -282,9 +283,9 @@ class Task:
                     if type(e) is not failed[name][0]:
                         continue  # (another failure: validation over the whole set decides)
                     _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
-                             "failed on the first training batch and again on the first "
-                             "validation batch, before the first step, given "
-                             f"{describe((preds, target))}: does the metric take these? (a "
+                             "failed on the first training batch and again given the first "
+                             "validation batch too, before the first step (this one "
+                             f"{describe((preds, target))}): does the metric take these? (a "
                              "binary metric takes one score per sample, a multiclass one a "
                              "score per class); trainer.sanity_check=false leaves it to the "
                              "validation after the first epoch")

@@ -382,20 +382,17 @@ def test_a_metric_whose_update_fails_stops_the_run_at_its_first_step_naming_it(m
 
 
 def test_a_metric_whose_compute_fails_on_one_batch_only_warns_at_the_first_step(make_cfg,
-                                                                                caplog,
-                                                                                monkeypatch):
-    """Some metrics need more samples than one batch has: the trial's compute() warns, and
-    validation computes it over the whole set."""
-    from tests.helpers import BrokenMetric
-
-    monkeypatch.setattr(BrokenMetric, "computed", [0])
-    summary = train(make_cfg("+task.metrics.bad._target_=tests.helpers.BrokenMetric",
-                             "+task.metrics.bad.fails=first_compute", "trainer.max_epochs=1"))
-    assert summary["steps"] == 23 and "val_bad" in summary
+                                                                                caplog):
+    """Some metrics need more samples than one batch has: the trial's compute() warns, the
+    sanity check's, given the first validation batch too, passes, and validation computes it
+    over the whole set (the validation batch alone is too few: 256)."""
+    summary = train(make_cfg("+task.metrics.many._target_=tests.helpers.NeedsSamples",
+                             "+task.metrics.many.least=300", "trainer.max_epochs=1"))
+    assert summary["steps"] == 23 and summary["val_many"] == 359  # (the whole validation set)
     warned = [r.getMessage() for r in caplog.records if "on the first training" in r.getMessage()]
-    assert warned == ["task.metrics.bad: BrokenMetric.compute() failed on the first training "
-                      "batch (ValueError: needs more samples); validation computes it over the "
-                      "whole set"]
+    assert warned == ["task.metrics.many: NeedsSamples.compute() failed on the first training "
+                      "batch (ValueError: needs 300 samples, has 64); validation computes it "
+                      "over the whole set"]
 
 
 def test_a_metric_whose_compute_fails_on_a_training_and_a_validation_batch_stops_at_once(
@@ -417,8 +414,8 @@ def test_a_metric_whose_compute_fails_on_a_training_and_a_validation_batch_stops
     assert seen == []
     assert info.value.__notes__[0] == (
         "stoker: task.metrics.bad: BrokenMetric.compute() failed on the first training batch "
-        "and again on the first validation batch, before the first step, given "
-        "tuple(tensor(256, 10) float32, tensor(256,) int64): does the metric take these? (a "
+        "and again given the first validation batch too, before the first step (this one "
+        "tuple(tensor(256, 10) float32, tensor(256,) int64)): does the metric take these? (a "
         "binary metric takes one score per sample, a multiclass one a score per class); "
         "trainer.sanity_check=false leaves it to the validation after the first epoch")
     with pytest.raises(ZeroDivisionError) as info:
