@@ -8,7 +8,6 @@ keep their full traceback. A user who sets HYDRA_FULL_ERROR=1 gets Hydra's own o
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import re
 import sys
@@ -85,11 +84,37 @@ def _lines(text: str) -> List[str]:
     return out
 
 
-def _valid_keys(e: OmegaConfBaseException) -> str:
+def _schema_keys(e: OmegaConfBaseException) -> Optional[List[str]]:
+    """The keys of the schema (a dataclass) a key was not found in; None for a node of none."""
     obj = getattr(e, "object_type", None)
     if isinstance(obj, type) and dataclasses.is_dataclass(obj):
-        return " (valid keys: " + ", ".join(f.name for f in dataclasses.fields(obj)) + ")"
-    return ""
+        return [f.name for f in dataclasses.fields(obj)]
+    return None
+
+
+def _node_keys(e: OmegaConfBaseException) -> Optional[List[str]]:
+    """The keys a config node of no schema has, for a key it lacks; None where not known."""
+    node = getattr(e, "parent_node", None)
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else None
+
+
+def _missing_key(e: OmegaConfBaseException, key: Optional[str], text: str) -> str:
+    """What to add to the line of a key the config lacks: the keys there are (the schema's, or
+    the node's own), the one it misspells, and, in a node of no schema, how to add a key."""
+    schema = _schema_keys(e)
+    names = schema if schema is not None else _node_keys(e)
+    where, _, arg = (key or "").rpartition(".")
+    if schema is not None:
+        said = " (valid keys: " + ", ".join(schema) + ")"
+    else:
+        shown = [k for k in names or () if not k.startswith("_")]
+        said = f" ({where} has: {', '.join(shown)})" if shown and where else ""
+    close = components.closest(arg, names) if names and where else None
+    if close:
+        said += f"; did you mean {where}.{close}?"
+    if "not in struct" in text:  # (a node of no schema: a key of one's own may be new)
+        said += " (a key the config does not have yet is added with +key=value)"
+    return said
 
 
 _LEXER = "LexerNoViableAltException: "
@@ -108,33 +133,6 @@ def _unquoted(text: str) -> Optional[str]:
         return None
     return (f"{override}: Hydra's override grammar does not take {override[at]!r} unquoted; "
             f"quote the value: {key}='{value}' (in a shell: \"{key}='{value}'\")")
-
-
-def _node_keys(e: OmegaConfBaseException, key: Optional[str]) -> str:
-    """The keys a config node of no schema has (` (model.config has: a, b)`), for a key it
-    lacks; "" where the node is not known."""
-    node = getattr(e, "parent_node", None)
-    if not key or "." not in key or not isinstance(node, DictConfig):
-        return ""
-    names = [str(k) for k in node.keys() if not str(k).startswith("_")]
-    return f" ({key.rpartition('.')[0]} has: {', '.join(names)})" if names else ""
-
-
-def _close_key(e: OmegaConfBaseException, key: Optional[str]) -> Optional[str]:
-    """The key of the node (its schema's, or its own) that the key it lacks is close to (a
-    misspelling), dotted."""
-    node, obj = getattr(e, "parent_node", None), getattr(e, "object_type", None)
-    if isinstance(obj, type) and dataclasses.is_dataclass(obj):
-        names = [f.name for f in dataclasses.fields(obj)]
-    elif isinstance(node, DictConfig):
-        names = [str(k) for k in node.keys()]
-    else:
-        return None
-    if not key or "." not in key:
-        return None
-    where, _, arg = key.rpartition(".")
-    close = difflib.get_close_matches(arg, names, n=1, cutoff=0.8)
-    return f"{where}.{close[0]}" if close else None
 
 
 # Hydra's and OmegaConf's wrappers around an error raised by the user's or our own code: the
@@ -180,15 +178,10 @@ def describe(e: BaseException) -> str:
             # a config file of one's own with a misspelt key: Hydra raised while handling it
             text = text[:composing.start()] + ": " + text[composing.end():]
             if " not in " in text:
-                text += _valid_keys(cur.__context__)
+                text += _missing_key(cur.__context__,
+                                     getattr(cur.__context__, "full_key", None), text)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
-            valid = _valid_keys(cur)
-            close = _close_key(cur, key)
-            text += valid or _node_keys(cur, key)
-            if close:  # a misspelt key of the node: not one to add
-                text += f"; did you mean {close}?"
-            elif "not in struct" in text:
-                text += " (a key the config does not have yet is added with +key=value)"
+            text += _missing_key(cur, key, text)
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__

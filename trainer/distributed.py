@@ -304,6 +304,10 @@ def world_size() -> int:
     return dist.get_world_size() if is_active() else 1
 
 
+def rank() -> int:
+    return dist.get_rank() if is_active() else 0
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sums a tensor across ranks in place (no-op in a single process) and returns it."""
     if is_active():

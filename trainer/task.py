@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from trainer import distributed
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -78,17 +79,6 @@ def _raised_in_own_code(e: BaseException) -> str:
             or path.startswith("<"):
         return ""
     return f" (raised at {path}:{tb.tb_lineno})"
-
-
-def _ranks() -> int:
-    """The job's world size (1 outside a process group)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _note(e: BaseException, line: str) -> None:
@@ -245,7 +235,7 @@ class Task:
                 except Exception as e:  # noqa: BLE001
                     if _collective_failed(e):  # its sync over the ranks met a lost peer:
                         raise  # the run names that rank, not the metric
-                    if _rank() == 0:  # (every rank meets it alike: said once)
+                    if distributed.rank() == 0:  # (every rank meets it alike: said once)
                         log.warning("task.metrics.%s: %s.compute() failed on the first "
                                     "training batch (%s: %s); validation computes it over the "
                                     "whole set", name, type(metric).__name__, type(e).__name__,
@@ -266,7 +256,7 @@ class Task:
         failed = self.__dict__.get("_compute_failed", {})
         if not failed:
             return
-        ranks = _ranks() > 1
+        ranks = distributed.world_size() > 1
         with torch.no_grad():
             preds, target = self._metric_pair(output, batch)
             preds = preds.detach() if isinstance(preds, torch.Tensor) else preds

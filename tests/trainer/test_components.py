@@ -67,14 +67,32 @@ def test_a_hugging_face_configs_misspelt_setting_is_refused_and_an_extra_one_sai
                             "would be kept as an extra attribute, and num_hidden_layers left "
                             "at its default, 12)")
     # settings by their other names (GPT-2's n_layer is num_hidden_layers), a base class's
-    # keyword (num_labels) and one of the user's own, kept and said
-    with caplog.at_level("WARNING"):
+    # keyword (num_labels), token ids of any name (sep_token_id is no misspelt pad_token_id),
+    # one the config reads into others (Llama's rope_theta), and one of the user's own, kept
+    # and said
+    with caplog.at_level("WARNING", logger="trainer.components"):
         config = build(node(_target_="transformers.GPT2Config", n_layer=1, num_hidden_layers=1,
-                            num_labels=3, n_embd=8, my_head_width=5), "model.config")
+                            num_labels=3, n_embd=8, sep_token_id=3, my_head_width=5),
+                       "model.config")
+        build(node(_target_="transformers.LlamaConfig", rope_theta=5e5, hidden_size=8,
+                   intermediate_size=8, num_attention_heads=2, num_key_value_heads=2),
+              "model.config")
     assert (config.n_layer, config.num_labels, config.my_head_width) == (1, 3, 5)
     assert [r.getMessage() for r in caplog.records] == [
-        "model.config.my_head_width: not one of transformers.GPT2Config's settings; kept on "
-        "the config as an extra attribute, which only a model of your own would read"]
+        "model.config.my_head_width: not a setting transformers.GPT2Config reads; kept on the "
+        "config as an extra attribute, for code that reads it (is it misspelt?)"]
+
+
+def test_a_misspelling_is_letters_within_a_word_not_a_word_for_another():
+    from trainer.components import closest
+
+    assert closest("num_hiden_layers", ["num_hidden_layers", "hidden_size"]) == \
+        "num_hidden_layers"
+    assert closest("numhidden_layers", ["num_hidden_layers"]) == "num_hidden_layers"
+    assert closest("lrr", ["lr", "betas"]) == "lr"
+    assert closest("bos_token_id", ["eos_token_id"]) is None  # (a word for another)
+    assert closest("sep_token_id", ["pad_token_id"]) is None
+    assert closest("encoder_layers", ["num_decoder_layers"]) is None
 
 
 def test_unknown_and_missing_arguments_are_named():
