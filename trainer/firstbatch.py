@@ -10,12 +10,13 @@ nothing. Later batches run unchecked: the hot loop pays for none of this.
 - `check_count`, `check_loss`: the task's count and loss are what the loop can weigh and
   start backward from;
 - `check_batch`: a batch of more items than a two-item task reads warns that the rest is unused;
-- `check_input_shape`: samples of another shape than data.input_shape, which sized the model,
-  warn (a model that flattens them takes them silently).
+- `check_input_shape`: samples of data.input_shape's size but another shape warn (a model
+  that flattens them takes them silently).
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -50,8 +51,9 @@ def check_batch(task: Task, batch: Any) -> None:
 
 
 def check_input_shape(task: Task, batch: Any, input_shape: Optional[Any]) -> None:
-    """Inputs whose sample shape is not data.input_shape, which sized the model, warn: a model
-    that flattens them ((4, 5) samples into an MLP built for [20]) trains on without a word."""
+    """Samples of data.input_shape's size but another shape warn: a model that flattens them
+    ((4, 5) samples into an MLP built for [20]) trained on without a word. (Other sizes are
+    no mistake of this kind: a sequence shorter than the longest a transformer takes.)"""
     if input_shape is None or task.whole_batch:
         return
     try:
@@ -61,10 +63,11 @@ def check_input_shape(task: Task, batch: Any, input_shape: Optional[Any]) -> Non
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         return
     sample, expected = tuple(inputs.shape[1:]), tuple(int(n) for n in input_shape)
-    if sample != expected and distributed.detect().is_main:
-        log.warning("data.input_shape=%s, which sized the model, but the first batch's samples "
-                    "are %s (inputs %s): the model took them, reshaped; is data.input_shape "
-                    "the samples' shape?", list(expected), sample, describe(inputs))
+    if sample != expected and math.prod(sample) == math.prod(expected) and \
+            distributed.detect().is_main:
+        log.warning("data.input_shape=%s, but the first batch's samples are %s (inputs %s): "
+                    "the model took them, reshaped; is data.input_shape the samples' shape?",
+                    list(expected), sample, describe(inputs))
 
 
 def reads_two_items(task: Task) -> bool:

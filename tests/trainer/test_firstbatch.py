@@ -119,9 +119,13 @@ def test_samples_of_another_shape_than_the_model_was_sized_by_warn(make_cfg, cap
 
     train(make_cfg("trainer.max_steps=1", "data.dataset._target_=tests.helpers.ReshapedDigits"))
     said = [r.getMessage() for r in caplog.records if "data.input_shape" in r.getMessage()]
-    assert said == ["data.input_shape=[1, 8, 8], which sized the model, but the first batch's "
-                    "samples are (4, 16) (inputs tensor(64, 4, 16) float32): the model took "
-                    "them, reshaped; is data.input_shape the samples' shape?"]
+    assert said == ["data.input_shape=[1, 8, 8], but the first batch's samples are (4, 16) "
+                    "(inputs tensor(64, 4, 16) float32): the model took them, reshaped; is "
+                    "data.input_shape the samples' shape?"]
     caplog.clear()
     train(make_cfg("trainer.max_steps=1", run_dir=tmp_path / "plain"))
+    # sequences shorter than the longest the transformer takes (its input_shape): no mistake
+    train(make_cfg("trainer.max_steps=1", "data=tokens", "model=transformer",
+                   "task=language_model", "data.input_shape=[64]", "data.dataset.tokens=32",
+                   run_dir=tmp_path / "lm"))
     assert not [r for r in caplog.records if "data.input_shape" in r.getMessage()]
