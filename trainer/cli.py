@@ -129,10 +129,11 @@ def _unquoted(text: str) -> Optional[str]:
         return None
     override, at = lines[0][len(_LEXER):], lines[1].index("^") - len(_LEXER)
     key, eq, value = override.partition("=")
-    if not eq or not 0 <= at < len(override) or "'" in value:
+    # (in the key, or in a list or sweep, whose elements are quoted one by one: Hydra's words)
+    if not eq or not len(key) < at < len(override) or any(c in value for c in "'\",[]{}"):
         return None
     return (f"{override}: Hydra's override grammar does not take {override[at]!r} unquoted; "
-            f"quote the value: {key}='{value}' (in a shell: \"{key}='{value}'\")")
+            f"quote the value: {key}=\"{value}\" (in a shell: '{key}=\"{value}\"')")
 
 
 # Hydra's and OmegaConf's wrappers around an error raised by the user's or our own code: the

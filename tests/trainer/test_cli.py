@@ -22,7 +22,9 @@ from trainer.cli import describe
     # Hydra's lexer takes no non-ASCII letter unquoted: it showed a caret under the override
     ("data.cache_dir=/x/d\u00fcr", "data.cache_dir=/x/d\u00fcr: Hydra's override grammar does "
                                    "not take '\u00fc' unquoted; quote the value: "
-                                   "data.cache_dir='/x/d\u00fcr'"),
+                                   "data.cache_dir=\"/x/d\u00fcr\" (in a shell: "
+                                   "'data.cache_dir=\"/x/d\u00fcr\"')"),
+    ("d\u00fcr=1", "LexerNoViableAltException: d\u00fcr=1"),  # (in the key: no quoting helps)
     ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
                                      "torch.nn.Module"),
 ])
