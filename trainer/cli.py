@@ -284,11 +284,12 @@ def exit_on_error(main: Callable[[], None]) -> None:
 
 def _escape_what_the_console_cannot_show() -> None:
     """A console of a non-UTF-8 locale (LC_ALL=C, without Python's UTF-8 mode) could not
-    encode a line naming a non-ASCII path: logging printed its traceback and lost the line
-    (train.log is UTF-8 whatever the locale). Such characters are written escaped instead."""
+    encode a line naming a non-ASCII path, nor a UTF-8 one a path's bytes that are not UTF-8:
+    logging printed its traceback and lost the line (train.log is UTF-8 whatever the
+    locale). Such characters are written escaped instead."""
     for stream in (sys.stdout, sys.stderr):
-        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
-        if encoding != "utf8" and hasattr(stream, "reconfigure"):
+        if getattr(stream, "errors", None) in ("strict", "surrogateescape") and \
+                hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
 
 

@@ -122,8 +122,9 @@ class Heartbeat:
         if silent:  # stopped (SIGSTOP) or cut off: its own thread beats no more either
             r, b = min(silent.items(), key=lambda kv: kv[1]["time"])
             return (f"rank {r} stopped beating {now - b['time']:.0f} s ago (its process is "
-                    f"stopped, or cut off; its last heartbeat, up to {BEAT_S:g} s before "
-                    f"that, said step {b['step']}, {b['phase']})")
+                    f"stopped, cut off, or stuck where its threads cannot run; its last "
+                    f"heartbeat, up to {BEAT_S:g} s before that, said step {b['step']}, "
+                    f"{b['phase']})")
         r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["since"]))
         # (a change is seen at the next beat: the time since is a lower bound)
         return (f"rank {r} made no progress for at least {now - b['since']:.0f} s (last "

@@ -24,7 +24,8 @@ import copy
 import dataclasses
 import inspect
 import logging
-import sys
+import os
+import sysconfig
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -74,9 +75,11 @@ def _raised_in_own_code(e: BaseException) -> str:
         tb = tb.tb_next
     if tb is None:
         return ""
-    path = tb.tb_frame.f_code.co_filename
-    if "-packages" in path or path.startswith(sys.prefix) or path.startswith(sys.base_prefix) \
-            or path.startswith("<"):
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    installed = {os.path.abspath(v) for k, v in sysconfig.get_paths().items()
+                 if k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if tb.tb_frame.f_code.co_filename.startswith("<") or any(
+            path.startswith(folder + os.sep) for folder in installed):
         return ""
     return f" (raised at {path}:{tb.tb_lineno})"
 

@@ -1,7 +1,8 @@
-"""Imported by every Python process the tests start (tests/helpers.py puts this folder on
-PYTHONPATH): SIGUSR2 then writes the stacks of all its threads to its stderr, which a test
-whose process hangs past its timeout sends before killing it (`helpers.bounded`). Nothing
-else changes: no other signal, no output unless SIGUSR2 comes."""
+"""Imported by every Python process `helpers.bounded` starts (run_cli's and torchrun's: it puts
+this folder on PYTHONPATH), and the processes those start: SIGUSR2 then writes the stacks of
+all its threads to its stderr, which `bounded` sends to a process tree that outlived its
+timeout before killing it. Nothing else changes: no other signal, no output unless SIGUSR2
+comes."""
 import faulthandler
 import signal
 

@@ -24,9 +24,10 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     assert len(lines) == 1, "\n".join(err[-40:])
     assert "rank 0 waited more than trainer.ddp.timeout_s=10 s in a collective" in lines[0]
     # (a stopped process beats no more: its last beat's step may be seconds behind)
-    stopped = re.search(r"rank 1 stopped beating (\d+) s ago \(its process is stopped, or cut "
-                        r"off; its last heartbeat, up to 5 s before that, said step \d+, "
-                        r"training\); stopped, stuck or gone", lines[0])
+    stopped = re.search(r"rank 1 stopped beating (\d+) s ago \(its process is stopped, cut off, "
+                        r"or stuck where its threads cannot run; its last heartbeat, up to 5 s "
+                        r"before that, said step \d+, training\); stopped, stuck or gone",
+                        lines[0])
     assert stopped and int(stopped.group(1)) >= 5, lines[0]
 
 
