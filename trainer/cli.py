@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.checkpoint import CheckpointError
 from trainer.saver import writing_in_background
 from trainer.config import ConfigError
-from trainer import components, stamp
+from trainer import components, spelling, stamp
 from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
@@ -109,7 +109,7 @@ def _missing_key(e: OmegaConfBaseException, key: Optional[str], text: str) -> st
     else:
         shown = [k for k in names or () if not k.startswith("_")]
         said = f" ({where} has: {', '.join(shown)})" if shown and where else ""
-    close = components.closest(arg, names) if names and where else None
+    close = spelling.closest(arg, names) if names and where else None
     if close:
         said += f"; did you mean {where}.{close}?"
     if "not in struct" in text:  # (a node of no schema: a key of one's own may be new)

@@ -9,24 +9,21 @@ never receives an argument it does not know.
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
-import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import distributed
+from trainer import spelling
 from trainer.config import ConfigError
 
 RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 _OURS = ("data", "trainer", "tests")  # Stoker's top-level packages
-log = logging.getLogger(__name__)
 
 
 def target_of(node: Any, key: str) -> Callable:
@@ -181,7 +178,7 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
                 raise ConfigError(f"{key}.{k}={given_text}: must be {wrong} ({name}'s default is "
                                   f"{params[k].default})")
     else:
-        _check_settings(target, name, node, given, key)
+        spelling.check_keyword_config(target, name, node, given, key, _inits(target))
     extra = {k: v for k, v in (offered or {}).items()
              if v is not None and k not in given and params is not None and k in params}
     extra.update(kwargs)
@@ -193,64 +190,6 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
             raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
                               f"{key}.{missing[0]}")
     return extra
-
-
-def closest(name: str, names: Iterable[str]) -> Optional[str]:
-    """The one of `names` that `name` misspells: the same words (split at `_`) but for letters
-    within one (`num_hiden_layers`, `lrr`), not a word for another (`sep_token_id` is no
-    misspelt `pad_token_id`, nor `bos` of `eos`); None if none is."""
-    words = name.split("_")
-    for other in difflib.get_close_matches(name, list(names), n=3, cutoff=0.8):
-        theirs = other.split("_")
-        if len(theirs) != len(words):  # (an underscore left out or added: the same letters)
-            if other.replace("_", "") == name.replace("_", ""):
-                return other
-            continue
-        if all(a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
-               for a, b in zip(words, theirs)):
-            return other
-    return None
-
-
-def _check_settings(target: Callable, name: str, node: Any, given: List[str], key: str) -> None:
-    """A Hugging Face config takes any keyword and keeps it as an attribute, so a misspelt
-    setting (`num_hiden_layers`) built a model of the default size, silently: one that
-    misspells a setting of the class is refused, naming it; another the config does not read
-    (it stays an attribute of its own) is kept, with a warning. Token ids (`sep_token_id`) are
-    kept as they are: tokenizers' and generation's, which configs carry."""
-    if not (inspect.isclass(target) and any(
-            c.__name__ in ("PretrainedConfig", "PreTrainedConfig")
-            and c.__module__.startswith("transformers.") for c in target.__mro__)):
-        return
-    try:
-        default = target()
-        known = set(default.to_dict()) | set(getattr(target, "attribute_map", {}))
-        for fn in _inits(target):
-            known |= set(inspect.signature(fn).parameters) - {"self", "kwargs"}
-    except Exception:  # noqa: BLE001  (one that needs arguments: nothing to compare with)
-        return
-    for k in given:
-        if k in known or hasattr(default, k) or k.endswith("_token_id") or \
-                _read_by(target, k, node[k]):
-            continue
-        close = closest(k, sorted(known))
-        if close:
-            raise ConfigError(f"{key}.{k}: {name} has no setting '{k}'; did you mean "
-                              f"{close}? (it would be kept as an extra attribute, and "
-                              f"{close} left at its default, {getattr(default, close, None)!r})")
-        if not distributed.is_active() or distributed.rank() == 0:
-            log.warning("%s.%s: not a setting %s reads; kept on the config as an extra "
-                        "attribute, for code that reads it (is it misspelt?)", key, k, name)
-
-
-def _read_by(target: Callable, k: str, value: Any) -> bool:
-    """Whether the config class reads keyword `k` (turns it into settings of its own, as
-    Llama's reads rope_theta into rope_parameters) rather than keeping it as it is."""
-    try:
-        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        return not hasattr(target(**{k: plain}), k)
-    except Exception:  # noqa: BLE001  (a value it refuses: the build says so, named)
-        return True
 
 
 def _inner_nodes(node: Any, key: str) -> List[Tuple[str, Any]]:

@@ -70,7 +70,7 @@ def test_a_hugging_face_configs_misspelt_setting_is_refused_and_an_extra_one_sai
     # keyword (num_labels), token ids of any name (sep_token_id is no misspelt pad_token_id),
     # one the config reads into others (Llama's rope_theta), and one of the user's own, kept
     # and said
-    with caplog.at_level("WARNING", logger="trainer.components"):
+    with caplog.at_level("WARNING", logger="trainer.spelling"):
         config = build(node(_target_="transformers.GPT2Config", n_layer=1, num_hidden_layers=1,
                             num_labels=3, n_embd=8, sep_token_id=3, my_head_width=5),
                        "model.config")
@@ -81,18 +81,6 @@ def test_a_hugging_face_configs_misspelt_setting_is_refused_and_an_extra_one_sai
     assert [r.getMessage() for r in caplog.records] == [
         "model.config.my_head_width: not a setting transformers.GPT2Config reads; kept on the "
         "config as an extra attribute, for code that reads it (is it misspelt?)"]
-
-
-def test_a_misspelling_is_letters_within_a_word_not_a_word_for_another():
-    from trainer.components import closest
-
-    assert closest("num_hiden_layers", ["num_hidden_layers", "hidden_size"]) == \
-        "num_hidden_layers"
-    assert closest("numhidden_layers", ["num_hidden_layers"]) == "num_hidden_layers"
-    assert closest("lrr", ["lr", "betas"]) == "lr"
-    assert closest("bos_token_id", ["eos_token_id"]) is None  # (a word for another)
-    assert closest("sep_token_id", ["pad_token_id"]) is None
-    assert closest("encoder_layers", ["num_decoder_layers"]) is None
 
 
 def test_unknown_and_missing_arguments_are_named():

@@ -1,0 +1,13 @@
+"""trainer/spelling.py: a misspelling told from another word (the Hugging Face config check
+itself is tested through components.build, in test_components.py)."""
+from trainer.spelling import closest
+
+
+def test_a_misspelling_is_letters_within_a_word_not_a_word_for_another():
+    assert closest("num_hiden_layers", ["num_hidden_layers", "hidden_size"]) == \
+        "num_hidden_layers"
+    assert closest("numhidden_layers", ["num_hidden_layers"]) == "num_hidden_layers"
+    assert closest("lrr", ["lr", "betas"]) == "lr"
+    assert closest("bos_token_id", ["eos_token_id"]) is None  # (a word for another)
+    assert closest("sep_token_id", ["pad_token_id"]) is None
+    assert closest("encoder_layers", ["num_decoder_layers"]) is None
