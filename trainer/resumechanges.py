@@ -11,6 +11,7 @@ what the run used.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -121,3 +122,25 @@ def record_kept(cfg: DictConfig, kept: Dict[str, Any]) -> None:
     with open_dict(cfg):
         for key, value in kept.items():
             OmegaConf.update(cfg, key, value, force_add=True)
+
+
+def check_schedule_kind(cfg: DictConfig, state: Dict[str, Any], scheduler: Any,
+                         path: Path) -> None:
+    """A resume under another schedule (sched=...) whose scheduler is of another kind: the
+    checkpoint's state would be loaded into it (a LambdaLR's into StepLR, silently) or fail on
+    a key of its own. Schedules of one kind (those built on LambdaLR) take each other's."""
+    old = ((state.get("config") or {}).get("sched") or {}).get("_target_")
+    saved = state.get("scheduler")
+    if old is None or old == cfg.sched.get("_target_") or not isinstance(saved, dict):
+        return
+
+    def public(keys):  # (torch adds private keys, and dropped `verbose`, across versions)
+        return {k for k in keys if not k.startswith("_") and k != "verbose"}
+
+    theirs, mine = public(saved), public(scheduler.state_dict())
+    if theirs != mine:
+        raise checkpoint.CheckpointError(
+            f"sched._target_={cfg.sched._target_}: the checkpoint's scheduler state is of "
+            f"another kind ({old}'s, holding {', '.join(sorted(theirs - mine or theirs))}), "
+            f"which this schedule cannot continue; resume with sched._target_={old}, or start "
+            f"a new run dir from its weights (trainer.init_from={path})")

@@ -23,7 +23,8 @@ from trainer.loop import Callback, Loop
 from trainer.progress import steps_left, total_steps
 from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
-from trainer.resumechanges import changes_line, flat, record_kept, resume_changes
+from trainer.resumechanges import (changes_line, check_schedule_kind, flat, record_kept,
+                                   resume_changes)
 from trainer.strategy import unwrap
 
 
@@ -44,28 +45,6 @@ def _restartable() -> bool:
     first attempt saved: torchrun --max-restarts, a SLURM job (its requeues keep its id)."""
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 or \
         "SLURM_JOB_ID" in os.environ
-
-
-def _check_schedule_kind(cfg: DictConfig, state: Dict[str, Any], scheduler: Any,
-                         path: Path) -> None:
-    """A resume under another schedule (sched=...) whose scheduler is of another kind: the
-    checkpoint's state would be loaded into it (a LambdaLR's into StepLR, silently) or fail on
-    a key of its own. Schedules of one kind (those built on LambdaLR) take each other's."""
-    old = ((state.get("config") or {}).get("sched") or {}).get("_target_")
-    saved = state.get("scheduler")
-    if old is None or old == cfg.sched.get("_target_") or not isinstance(saved, dict):
-        return
-
-    def public(keys):  # (torch adds private keys, and dropped `verbose`, across versions)
-        return {k for k in keys if not k.startswith("_") and k != "verbose"}
-
-    theirs, mine = public(saved), public(scheduler.state_dict())
-    if theirs != mine:
-        raise CheckpointError(
-            f"sched._target_={cfg.sched._target_}: the checkpoint's scheduler state is of "
-            f"another kind ({old}'s, holding {', '.join(sorted(theirs - mine or theirs))}), "
-            f"which this schedule cannot continue; resume with sched._target_={old}, or start "
-            f"a new run dir from its weights (trainer.init_from={path})")
 
 
 def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
@@ -98,7 +77,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         check_model_state(unwrap(loop.model), state, path)
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_launched_otherwise(cfg, state, path)}") from None
-    _check_schedule_kind(cfg, state, loop.scheduler, path)
+    check_schedule_kind(cfg, state, loop.scheduler, path)
     try:
         loop.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit

@@ -68,3 +68,32 @@ def test_another_optimizer_is_refused():
     with pytest.raises(checkpoint.CheckpointError, match=r"^optim\._target_=torch\.optim\.SGD: "
                                                          r"the checkpoint holds the state of"):
         resume_changes(state, cfg, 1, 1)
+
+
+def test_a_resume_under_a_schedule_of_another_kind_is_refused_naming_both(make_cfg, tmp_path,
+                                                                         caplog):
+    """warmup_cosine's LambdaLR state was loaded into StepLR without a word; StepLR's into a
+    LambdaLR failed on `KeyError: 'lr_lambdas'`. Schedules of one kind take each other's, and
+    a change of precision or clipping is said with the other changed settings."""
+    quick = ["trainer.max_steps=2", "trainer.progress_bar=false"]
+    train(make_cfg(*quick, run_dir=tmp_path / "cos"))
+    train(make_cfg(*quick, "sched=step", run_dir=tmp_path / "step"))
+    for there, now, old in (("cos", "sched=step", "trainer.schedules.warmup_cosine"),
+                            ("step", "sched=warmup_cosine", "torch.optim.lr_scheduler.StepLR")):
+        path = tmp_path / there / "checkpoints" / "last.pt"
+        with pytest.raises(CheckpointError) as e:
+            train(make_cfg("trainer.max_steps=4", now, f"trainer.resume={path}",
+                           run_dir=tmp_path / f"{there}-2"))
+        assert str(e.value).endswith(
+            f"the checkpoint's scheduler state is of another kind ({old}'s, holding "
+            + ("lr_lambdas" if there == "cos" else "gamma, step_size") + "), which this "
+            f"schedule cannot continue; resume with sched._target_={old}, or start a new run "
+            f"dir from its weights (trainer.init_from={path})"), e.value
+    caplog.set_level("INFO", logger="stoker")
+    path = tmp_path / "cos" / "checkpoints" / "last.pt"
+    train(make_cfg("trainer.max_steps=4", "sched=constant", "trainer.precision=bf16",
+                   "trainer.grad_clip=1.0", f"trainer.resume={path}",
+                   run_dir=tmp_path / "constant"))
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("resuming with changed settings"))
+    assert "trainer.precision fp32 -> bf16" in line and "trainer.grad_clip None -> 1.0" in line

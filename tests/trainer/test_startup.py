@@ -190,37 +190,6 @@ def test_a_schedule_that_cannot_move_and_would_step_past_its_end_is_refused_at_s
                        run_dir=tmp_path / "b"))
 
 
-def test_a_resume_under_a_schedule_of_another_kind_is_refused_naming_both(make_cfg, tmp_path,
-                                                                         caplog):
-    """warmup_cosine's LambdaLR state was loaded into StepLR without a word; StepLR's into a
-    LambdaLR failed on `KeyError: 'lr_lambdas'`. Schedules of one kind take each other's, and
-    a change of precision or clipping is said with the other changed settings."""
-    from trainer.runner import train
-
-    quick = ["trainer.max_steps=2", "trainer.progress_bar=false"]
-    train(make_cfg(*quick, run_dir=tmp_path / "cos"))
-    train(make_cfg(*quick, "sched=step", run_dir=tmp_path / "step"))
-    for there, now, old in (("cos", "sched=step", "trainer.schedules.warmup_cosine"),
-                            ("step", "sched=warmup_cosine", "torch.optim.lr_scheduler.StepLR")):
-        path = tmp_path / there / "checkpoints" / "last.pt"
-        with pytest.raises(CheckpointError) as e:
-            train(make_cfg("trainer.max_steps=4", now, f"trainer.resume={path}",
-                           run_dir=tmp_path / f"{there}-2"))
-        assert str(e.value).endswith(
-            f"the checkpoint's scheduler state is of another kind ({old}'s, holding "
-            + ("lr_lambdas" if there == "cos" else "gamma, step_size") + "), which this "
-            f"schedule cannot continue; resume with sched._target_={old}, or start a new run "
-            f"dir from its weights (trainer.init_from={path})"), e.value
-    caplog.set_level("INFO", logger="stoker")
-    path = tmp_path / "cos" / "checkpoints" / "last.pt"
-    train(make_cfg("trainer.max_steps=4", "sched=constant", "trainer.precision=bf16",
-                   "trainer.grad_clip=1.0", f"trainer.resume={path}",
-                   run_dir=tmp_path / "constant"))
-    line = next(r.getMessage() for r in caplog.records
-                if r.getMessage().startswith("resuming with changed settings"))
-    assert "trainer.precision fp32 -> bf16" in line and "trainer.grad_clip None -> 1.0" in line
-
-
 def test_resume_auto_in_a_new_dated_dir_is_a_warning_naming_the_key(tmp_path):
     """Without hydra.run.dir a launch gets a new dated dir, where resume=auto can never find
     anything: it started afresh with one INFO line, uncounted among the warnings."""
