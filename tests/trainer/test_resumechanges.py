@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers import read_metrics
 from trainer import checkpoint
+from trainer.checkpoint import CheckpointError
 from trainer.resumechanges import APPLIED, changes_line, held, resume_changes
 from trainer.runner import train
 
