@@ -80,12 +80,13 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
     except subprocess.TimeoutExpired:
         tree = [proc.pid, *descendants(proc.pid)]
         states = "; ".join(_doing(pid) for pid in tree)
-        for pid in tree:
+        for pid in tree:  # one at a time: their dumps share a pipe, and would interleave
             try:
                 os.kill(pid, signal.SIGUSR2)
             except OSError:
                 pass
-        time.sleep(3)  # (the dumps written; the pipes are read below)
+            time.sleep(0.5)
+        time.sleep(2)  # (the dumps written; the pipes are read below)
         kill_session(proc.pid, tree)
         out, err = proc.communicate(timeout=30)
         raise Hung(f"still running after {timeout} s: {' '.join(map(str, cmd))}\n"
