@@ -204,8 +204,14 @@ def test_resume_auto_in_a_new_dated_dir_is_a_warning_naming_the_key(tmp_path):
         ", a new dir: hydra.run.dir was left at its default (a new dated dir for every launch); "
         "name the run to continue with hydra.run.dir=..."), said
     assert "nothing to resume in " + str(tmp_path / "outputs") in said[0]
-    assert proc.stdout.splitlines()[-1].endswith("2 warnings above")  # (and warmup's)
+    counted = proc.stdout.splitlines()[-1]
     proc = run_cli([*quick, f"hydra.run.dir={tmp_path / 'named'}"], cwd=tmp_path)
     said = [ln for ln in proc.stdout.splitlines() if "trainer.resume=auto" in ln]
     assert len(said) == 1 and "a fresh start (the run to continue is named by hydra.run.dir)" \
-        in said[0] and proc.stdout.splitlines()[-1].endswith("1 warning above"), proc.stdout
+        in said[0], proc.stdout
+
+    def warnings(last_line: str) -> int:  # "N warning(s) above", or none said
+        words = last_line.split("] ")[-1].split()
+        return int(words[0]) if words[1:2] in (["warning"], ["warnings"]) else 0
+
+    assert warnings(counted) == warnings(proc.stdout.splitlines()[-1]) + 1  # (counted)
