@@ -158,13 +158,18 @@ class Task:
 
     def forward(self, model: nn.Module, batch: Any) -> Any:
         """The model's output for `batch` (dict inputs become keyword arguments)."""
-        inputs, _ = self.split(batch)
+        inputs, target = self.split(batch)
         if type(inputs) is torch.Tensor and self._call_checked:
             return model(inputs)  # the common case, before the slower Mapping check
         if isinstance(inputs, Mapping):
             return self.call(model, kwargs=inputs, hint="set task.input_key to the batch entry "
                              "the model takes, or task.target_key to the target's entry")
-        return self.call(model, args=(inputs,))
+        swapped = isinstance(inputs, torch.Tensor) and isinstance(target, torch.Tensor) and \
+            target.dim() > inputs.dim() and target.is_floating_point() and \
+            not inputs.is_floating_point()
+        return self.call(model, args=(inputs,), also=(
+            f" (and the target {describe(target)}: are the dataset's (inputs, target) in that "
+            "order?)" if swapped else ""))
 
     def count(self, batch: Any) -> Count:
         """Units the loss of `batch` averages over; the batch's samples by default."""
@@ -344,9 +349,10 @@ class Task:
 
     # -- helpers for subclasses --------------------------------------------------------------
     def call(self, model: nn.Module, args: tuple = (), kwargs: Optional[Mapping] = None,
-             hint: str = "") -> Any:
+             hint: str = "", also: str = "") -> Any:
         """`model(*args, **kwargs)`; on the first call, arguments the model's `forward` cannot
-        take are reported in one line (with `hint`) instead of a traceback from inside it."""
+        take are reported in one line (with `hint`) instead of a traceback from inside it, and
+        a failure inside it gets a note naming what it was given (and `also`)."""
         kwargs = kwargs or {}
         if self._call_checked:
             return model(*args, **kwargs)
@@ -370,8 +376,8 @@ class Task:
             # inside the model: its traceback stays, with what it was given
             if not isinstance(e, torch.OutOfMemoryError):
                 _note(e, f"stoker: task {self.label}: the model's first forward failed, given "
-                         f"{describe(got)}: do the data (data=...) and the model (model=...) "
-                         "fit together?")
+                         f"{describe(got)}{also}: do the data (data=...) and the model "
+                         "(model=...) fit together?")
             raise
 
     def split(self, batch: Any) -> Tuple[Any, Any]:

@@ -497,3 +497,20 @@ def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
     with pytest.raises(RuntimeError, match="boom in the metric") as info:
         task._update("later", task.metrics["later"], x, x)
     assert not isinstance(info.value, TaskError)
+
+
+def test_a_first_forward_failing_on_swapped_inputs_and_target_asks_about_their_order():
+    """A dataset returning (label, features): the model's error and a note naming the integer
+    inputs only; the float target of more dimensions is named too, with the question."""
+    model = torch.nn.Linear(20, 3)
+    swapped = (torch.zeros(4, dtype=torch.long), torch.randn(4, 20))
+    with pytest.raises(RuntimeError) as info:
+        Classification().forward(model, swapped)
+    assert info.value.__notes__[-1] == (
+        "stoker: task classification: the model's first forward failed, given "
+        "tuple(tensor(4,) int64) (and the target tensor(4, 20) float32: are the dataset's "
+        "(inputs, target) in that order?): do the data (data=...) and the model (model=...) "
+        "fit together?")
+    with pytest.raises(RuntimeError) as info:  # inputs of another size: no such question
+        Classification().forward(model, (torch.randn(4, 7), torch.zeros(4, dtype=torch.long)))
+    assert "in that order" not in info.value.__notes__[-1]
