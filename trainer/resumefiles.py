@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, NOT_REGULAR, STEP_FILE,
-                                CheckpointError, load, resumable, step_files)
+                                CheckpointError, load, nearby, resumable, step_files)
 
 
 def candidates(run_dir: Path) -> List[Path]:
@@ -116,7 +116,7 @@ def find_resume(resume: Optional[str], run_dir: Path
                     f"trainer.resume=auto hydra.run.dir={resume}, or start a new run from one "
                     f"of its checkpoints: trainer.resume={path / CHECKPOINT_DIR / LAST}")
             raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
-                                  "file, auto, or null)")
+                                  f"file, auto, or null){nearby(path)}")
         return path, resumable(load(path), path), []
     found, skipped, failed = candidates(run_dir), [], []
     for path in found:

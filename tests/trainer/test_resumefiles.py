@@ -91,6 +91,11 @@ def test_a_resume_path_that_is_no_regular_file_says_what_it_is(tmp_path):
         resumefiles.find_resume("/dev/null", tmp_path)
     with pytest.raises(CheckpointError, match=r": no such checkpoint file \(give a path"):
         resumefiles.find_resume(str(tmp_path / "nope.pt"), tmp_path)
+    (tmp_path / "last.pt").write_bytes(b"")  # a misspelt name: the files beside it
+    with pytest.raises(CheckpointError) as e:
+        resumefiles.find_resume(str(tmp_path / "lats.pt"), tmp_path)
+    assert str(e.value).endswith(f"(give a path to a .pt file, auto, or null); {tmp_path} "
+                                 "holds last.pt"), e.value
 
 
 def test_a_set_aside_state_is_known_by_the_step_its_roll_back_went_to(tmp_path):
