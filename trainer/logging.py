@@ -53,6 +53,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def _named(e: OSError, path: str) -> OSError:
+    """`e`, or, where it names no file (a buffered write's flush on a full disk), the same error
+    naming `path`: the run's line is then the file and the cause."""
+    return e if e.filename is not None else OSError(e.errno, e.strerror, path)
+
+
 class WarningCount(logging.Handler):
     """Counts the warnings said on rank 0's console during a run: the done line names how
     many, since the start-up's config dump may have pushed them off the screen. The count is
@@ -138,9 +144,7 @@ class RunLogger:
                 jsonl.close()
             except OSError:
                 pass
-            if e.filename is not None:
-                raise
-            raise OSError(e.errno, e.strerror, jsonl.name) from None
+            raise _named(e, jsonl.name) from None
         if self._tb is not None:
             self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
                                     if isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -235,9 +239,7 @@ class EventFile:
             self._records.write(event.SerializeToString())
             self._file.flush()
         except OSError as e:  # (a full disk, a file size limit: named, as metrics.jsonl is)
-            if e.filename is not None:
-                raise
-            raise OSError(e.errno, e.strerror, self._file.name) from None
+            raise _named(e, self._file.name) from None
 
     def scalars(self, step: int, values: Dict[str, float]) -> None:
         """One event holding `values` (tag -> number) at `step`."""
