@@ -83,12 +83,18 @@ def made_here(path: str) -> bool:
 
 def is_launch_stamp(path: str, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether `path` is (or is inside) the dated dir this launch's config named for itself
-    (hydra.run.dir or hydra.sweep.dir left at its default), new with every launch, so never
-    one to resume; not in a torchrun restart, whose dir is its job's first attempt's."""
+    (hydra.run.dir or hydra.sweep.dir left at its default) and no other attempt of its job
+    names too, so never one to resume. Attempts share a stamp where it is their job's id (a
+    SLURM job's, which its requeues keep; a rendezvous id), or its torchrun agent's start
+    (its --max-restarts restarts)."""
+    name, shared = _stamp(environ, "%Y-%m-%d/%H-%M-%S")
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if attempt(environ) > 0 or shared and (name.startswith(("slurm-", "rdzv-")) or (
+            restarts.isdigit() and int(restarts) > 0)):
+        return False
     path = os.path.abspath(path)
-    return attempt(environ) == 0 and any(
-        path == d or path.startswith(d + os.sep)
-        for d in (os.path.abspath(v) for v in _claimed.values()))
+    return any(path == d or path.startswith(d + os.sep)
+               for d in (os.path.abspath(v) for v in _claimed.values()))
 
 
 def nothing_launched(records: Tuple[str, ...] = ("multirun.yaml",)) -> None:

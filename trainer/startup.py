@@ -40,13 +40,6 @@ def resume_setting(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     return resume
 
 
-def _restartable() -> bool:
-    """A job whose later attempts reuse its dated dir, so resume=auto finds there what its
-    first attempt saved: torchrun --max-restarts, a SLURM job (its requeues keep its id)."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 or \
-        "SLURM_JOB_ID" in os.environ
-
-
 def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
              resume: Optional[str], gpus: List[torch.device]
              ) -> Tuple[List[str], List[str], Optional[Path]]:
@@ -56,7 +49,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     found = resumefiles.find_resume(resume, run_dir)
     if found is None:
         lines = _fresh_start(cfg, run_dir, loop, resume)
-        if resume == "auto" and stamp.is_launch_stamp(str(run_dir)) and not _restartable():
+        if resume == "auto" and stamp.is_launch_stamp(str(run_dir)):  # (a mistake, surely)
             key = rundir.dir_key()
             what = "sweep" if key == "hydra.sweep.dir" else "run"
             return [f"trainer.resume=auto: nothing to resume in {run_dir}, a new dir: {key} "

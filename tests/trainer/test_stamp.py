@@ -77,3 +77,21 @@ def test_a_launch_that_ran_nothing_leaves_no_claimed_dir(tmp_path):
 def test_a_count_that_is_not_a_number_names_no_shared_stamp_and_does_not_fail():
     """The resolver runs before the run can refuse the variable in one line."""
     assert stamp._stamp({"SLURM_JOB_ID": "9", "SLURM_NTASKS": "abc"}, "%Y")[1] is False
+
+
+def test_a_launch_stamp_is_one_no_other_attempt_of_the_job_names(tmp_path, monkeypatch):
+    """resume=auto in such a dir finds nothing, surely a mistake; not where a requeue or a
+    restart names the same dir (the job's id, or the torchrun agent that restarts)."""
+    monkeypatch.setattr(stamp, "_claimed", {("outputs", "x"): str(tmp_path / "d")})
+    plain, job = str(tmp_path / "d"), str(tmp_path / "d" / "0")  # (a sweep's job inside)
+    assert stamp.is_launch_stamp(plain, {}) and stamp.is_launch_stamp(job, {})
+    assert not stamp.is_launch_stamp(str(tmp_path / "named"), {})
+    torchrun = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "0"}
+    assert stamp.is_launch_stamp(plain, {**torchrun, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    for reused in ({**torchrun, "TORCHELASTIC_MAX_RESTARTS": "3"},
+                   {**torchrun, "GROUP_WORLD_SIZE": "2"},  # (the rendezvous id)
+                   {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "2"},
+                   {**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"}):
+        assert not stamp.is_launch_stamp(plain, reused), reused
+    # one SLURM task: its stamp is the launch's time, which a requeue does not keep
+    assert stamp.is_launch_stamp(plain, {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"})
