@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import spelling
-from trainer.config import ConfigError
+from trainer.config import ConfigError, plain
 
 RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 _OURS = ("data", "trainer", "tests")  # Stoker's top-level packages
@@ -392,9 +392,9 @@ def _too_big(node: Any, offered: Dict[str, Any], cause: BaseException) -> str:
     sizes = [f"data.{k}={v}" for k, v in offered.items()
              if v is not None and k in params and k not in node]
     for k, v in node.items():
-        plain = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
-        if is_number(plain) or (isinstance(plain, list) and plain and all(map(is_number, plain))):
-            sizes.append(f"model.{k}={plain}")
+        value = plain(v)
+        if is_number(value) or (isinstance(value, list) and value and all(map(is_number, value))):
+            sizes.append(f"model.{k}={value}")
     return (f"model._target_={node['_target_']}: building the model ran out of memory{amount}; "
             f"are its sizes right? {', '.join(sizes) or 'its node sets none'}")
 

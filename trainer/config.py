@@ -204,6 +204,11 @@ def async_checkpoints(c: CheckpointConfig, device: torch.device, state_bytes: in
     return device.type == "cuda" or state_bytes > ASYNC_MIN_CPU_BYTES
 
 
+def plain(value: Any, resolve: bool = False) -> Any:
+    """A config node's value as plain Python (dicts, lists); any other value as it is."""
+    return OmegaConf.to_container(value, resolve=resolve) if OmegaConf.is_config(value) else value
+
+
 def tri_state(value: Any) -> Any:
     """auto, True or False for a tri-state key (a bool, or a string from an interpolation);
     None when it is none of them."""

@@ -8,10 +8,8 @@ import inspect
 import logging
 from typing import Any, Callable, Iterable, List, Optional
 
-from omegaconf import OmegaConf
-
 from trainer import distributed
-from trainer.config import ConfigError
+from trainer.config import ConfigError, plain
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ def check_keyword_config(target: Callable, name: str, node: Any, given: List[str
             raise ConfigError(f"{key}.{k}: {name} has no setting '{k}'; did you mean "
                               f"{close}? (it would be kept as an extra attribute, and "
                               f"{close} left at its default, {getattr(default, close, None)!r})")
-        if not distributed.is_active() or distributed.rank() == 0:
+        if distributed.rank() == 0:  # (0 outside a process group too)
             log.warning("%s.%s: not a setting %s reads; kept on the config as an extra "
                         "attribute, for code that reads it (is it misspelt?)", key, k, name)
 
@@ -69,7 +67,6 @@ def _read_by(target: Callable, k: str, value: Any) -> bool:
     """Whether the config class reads keyword `k` (turns it into settings of its own, as
     Llama's reads rope_theta into rope_parameters) rather than keeping it as it is."""
     try:
-        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        return not hasattr(target(**{k: plain}), k)
+        return not hasattr(target(**{k: plain(value)}), k)
     except Exception:  # noqa: BLE001  (a value it refuses: the build says so, named)
         return True

@@ -16,7 +16,7 @@ from data.advice import count_of
 from trainer import (checkpoint, components, distributed, ending, resumefiles, rundir,
                      schedules, stamp)
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError
+from trainer.config import ConfigError, plain
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
@@ -125,7 +125,7 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> s
     theirs, ours = flat(saved, "model"), flat(now, "model")
     kept = OmegaConf.create(config)
     for key in _SIZES_THE_MODEL:  # (the data the model was sized for: another dataset's)
-        theirs[key], ours[key] = (_plain(OmegaConf.select(c, key, default=None))
+        theirs[key], ours[key] = (plain(OmegaConf.select(c, key, default=None), resolve=True)
                                   for c in (kept, cfg))
     differ = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
     if not differ:
@@ -139,10 +139,6 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> s
 # the data settings a model is sized by (offered as its input_shape and num_classes)
 _SIZES_THE_MODEL = ("data.input_shape", "data.num_classes", "data.dataset._target_",
                     "data.train_dataset._target_")
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _its_command(path: Path) -> str:
@@ -331,7 +327,8 @@ def _compared(cfg: DictConfig) -> Dict[str, Any]:
         v = OmegaConf.select(cfg, key)
         out[key] = getattr(v, "value", v)  # an enum's value
     for root in SAME_MATH:
-        for key, v in flat(_lists_as_dicts(_plain(OmegaConf.select(cfg, root))), root).items():
+        values = plain(OmegaConf.select(cfg, root), resolve=True)
+        for key, v in flat(_lists_as_dicts(values), root).items():
             if not (isinstance(v, str) and (os.sep in v or "://" in v)):
                 out[key] = v
     return out
