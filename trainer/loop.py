@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
 
 from data.prefetch import DevicePrefetcher
-from trainer import checkpoint, devicewait, distributed, validation, windowlog
+from trainer import checkpoint, devicewait, distributed, metricchecks, validation, windowlog
 from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
@@ -324,7 +324,7 @@ class Loop:
             check_batch(self.task, batch)
             check_input_shape(self.task, batch, self.input_shape)
             check_loss(self.task, loss)
-            self.task.check_metrics(output, batch)
+            metricchecks.check_metrics(self.task, output, batch)
             self._loss_checked = True
         output = None  # (held no longer than the graph holds it)
         # a full window of samples in one process weighs 1: no multiplication in the graph

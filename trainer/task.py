@@ -20,7 +20,6 @@ trainer/tasks.py. A task of your own subclasses `Task` and overrides what differ
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import logging
@@ -32,7 +31,6 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from trainer import distributed
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
 
@@ -56,15 +54,6 @@ def describe(obj: Any) -> str:
             return f"{type(obj).__name__}({len(items)} x {items[0]})"
         return type(obj).__name__ + "(" + ", ".join(items) + ")"
     return type(obj).__name__
-
-
-def _collective_failed(e: BaseException) -> bool:
-    """Whether `e` is a collective's failure (a peer gone mid-sync), not the code's own."""
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
-        word in text for word in ("/gloo/", "NCCL", "ProcessGroup")))
 
 
 def _raised_in_own_code(e: BaseException) -> str:
@@ -216,78 +205,6 @@ class Task:
                              "(preds, target) pair", pair,
                              expected="a tuple (preds, target) for the metrics' update")
         return pair[0], pair[1]
-
-    def check_metrics(self, output: Any, batch: Any, compute: bool = True) -> None:
-        """Every metric tried once, on the first training batch (a copy of it, whose state is
-        thrown away): a metric that cannot take the task's inputs stops the run at its first
-        step, not after the first epoch's training, at validation. A compute() that fails on
-        one batch only warns: some need more samples than a batch has (R2 needs two).
-        `compute=False`: updates alone (compute syncs over the ranks: a collective)."""
-        if not self.metrics:
-            return
-        with torch.no_grad():
-            preds, target = self._metric_pair(output, batch)
-            preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
-            for name, metric in self.metrics.items():
-                try:
-                    trial = copy.deepcopy(metric)
-                except Exception:  # noqa: BLE001  (a metric that cannot be copied: validation
-                    continue  # tries it)
-                self._update(name, trial, preds, target, trial=True)
-                if not compute:
-                    continue
-                try:
-                    self.compute_metric(name, trial)
-                except TaskError:
-                    raise  # (not one number: so on the whole set too)
-                except Exception as e:  # noqa: BLE001
-                    if _collective_failed(e):  # its sync over the ranks met a lost peer:
-                        raise  # the run names that rank, not the metric
-                    if distributed.rank() == 0:  # (every rank meets it alike: said once)
-                        log.warning("task.metrics.%s: %s.compute() failed on the first "
-                                    "training batch (%s: %s); validation computes it over the "
-                                    "whole set", name, type(metric).__name__, type(e).__name__,
-                                    str(e).splitlines()[0] if str(e) else "")
-                    # (the same failure over the validation set names these inputs; the copy,
-                    # holding this batch, is given the sanity check's too: check_compute_again)
-                    self.__dict__.setdefault("_compute_failed", {})[name] = (
-                        type(e), describe((preds, target)), trial)
-
-    def check_compute_again(self, output: Any, batch: Any) -> None:
-        """The metrics whose compute() failed on the first training batch, tried again once
-        their copy holding that batch is given the first validation batch too (the sanity
-        check's, before the first step; a metric that needs more samples than one batch has
-        gets them): failing alike there, it would fail at the first validation, after an
-        epoch of training that no checkpoint kept. Under several ranks, only metrics whose
-        compute can be kept from syncing over them (torchmetrics'): a rank without a
-        validation batch skips this, and must not be waited for."""
-        failed = self.__dict__.get("_compute_failed", {})
-        if not failed:
-            return
-        ranks = distributed.world_size() > 1
-        with torch.no_grad():
-            preds, target = self._metric_pair(output, batch)
-            preds = preds.detach() if isinstance(preds, torch.Tensor) else preds
-            for name in failed:
-                metric, trial = self.metrics[name], failed[name][2]
-                if ranks and not hasattr(metric, "sync_on_compute"):
-                    continue
-                if hasattr(trial, "sync_on_compute"):
-                    trial.sync_on_compute = trial._to_sync = False
-                self._update(name, trial, preds, target, trial=True)
-                try:
-                    trial.compute()
-                except Exception as e:
-                    if type(e) is not failed[name][0]:
-                        continue  # (another failure: validation over the whole set decides)
-                    _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
-                             "failed on the first training batch and again given the first "
-                             "validation batch too, before the first step (this one "
-                             f"{describe((preds, target))}): does the metric take these? (a "
-                             "binary metric takes one score per sample, a multiclass one a "
-                             "score per class); trainer.sanity_check=false leaves it to the "
-                             "validation after the first epoch")
-                    raise
 
     def _update(self, name: str, metric: Any, preds: Any, target: Any,
                 trial: bool = False) -> None:

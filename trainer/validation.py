@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from data.prefetch import map_tensors
-from trainer import distributed
+from trainer import distributed, metricchecks
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
@@ -53,8 +53,8 @@ def sanity_check(loop: "Loop") -> None:
                 count = task.count(batch)
                 check_count(task, count, batch)
                 task.loss(output, batch)
-            task.check_metrics(output, batch, compute=False)
-            task.check_compute_again(output, batch)
+            metricchecks.check_metrics(task, output, batch, compute=False)
+            metricchecks.check_compute_again(task, output, batch)
     except ConfigError as e:  # the task's or a metric's line: say which split it met
         if "trainer.sanity_check" in str(e):
             raise
