@@ -13,6 +13,7 @@ are formed (README "The input pipeline"):
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -169,6 +170,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     caller writes once every check passed."""
     d = cfg.data
     collate = components.build_callable(d.collate_fn, "data.collate_fn")
+    # (too_many_workers says it once, in a line naming the key)
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     if env.local_rank == 0:  # caches of runs that died without cleaning up (SIGKILL)
         reclaim_shm(runlock.owner_alive)
     sources = build_datasets(cfg)
@@ -257,6 +260,27 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
     return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with "
             f"{count_of(workers, 'worker')} (data.num_workers={d.num_workers}, "
             f"data.placement={d.placement}){why}")
+
+
+def too_many_workers(d: DictConfig, feed: DevicePrefetcher, local_world_size: int) -> List[str]:
+    """A warning where the training loader has more workers per rank than even samples that
+    wait on storage would use: more than 4 per CPU of the rank's share (8 at least), the most
+    the stall advice asks for (data/advice.py). Between that and the CPUs, the stall advice
+    at the end says, measured, whether they competed for the cores; PyTorch's own warning,
+    a paragraph by each loader at every epoch against any worker past the CPUs, is left unsaid
+    for these two."""
+    workers = getattr(feed.loader, "num_workers", 0)
+    cpus = distributed.cpus_per_rank(local_world_size)
+    if workers <= max(4 * cpus, 8):
+        return []
+    node = distributed.cpus_per_rank(1)
+    share = (f"its {count_of(cpus, 'CPU')} (the node's {node} shared by {local_world_size} "
+             f"ranks)" if local_world_size > 1 else f"this node's {count_of(cpus, 'CPU')}")
+    return [f"data.num_workers={d.num_workers}: {workers} loader workers per rank for {share}: "
+            "more than 4 per CPU (8 at least), past what even samples that wait on storage use, "
+            "and each holds its copy of the dataset and batches in flight; "
+            f"data.num_workers=auto gives {distributed.auto_num_workers(local_world_size)} "
+            "(scripts/tune_loader.py measures others)"]
 
 
 def feed_advice(d: DictConfig, feed: DevicePrefetcher, device: torch.device, wait_frac: float,

@@ -26,7 +26,7 @@ from trainer import (checkpoint, components, distributed, ending, liveness, resu
 from trainer.checks import monitor_mode, resolve
 from trainer.cli import SignalledAgain, describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
-from trainer.feeds import build_feeds
+from trainer.feeds import build_feeds, too_many_workers
 from trainer.distributed import DistEnv
 from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
@@ -263,7 +263,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
               and not cfg.trainer.early_stopping.patience else [])
-    for line in [*too_big, *unused, *warnings]:  # every rank's alike (same_settings_everywhere,
+    for line in [*too_big, *unused, *too_many_workers(cfg.data, loop.train_feed,
+                                                       env.local_world_size), *warnings]:  # every rank's alike (same_settings_everywhere,
         logger.warning("%s", line)  # same_data_everywhere, one checkpoint): said once
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -274,13 +275,13 @@ def test_run_on_workers_end_when_training_fails(make_cfg):
 
 
 @contextlib.contextmanager
-def two_cores():
-    """This process (and the loader workers it forks) on two CPU cores, so `cores` in the
-    advice is 2 on any machine."""
-    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs two CPU cores and sched_setaffinity")
+def two_cores(n: int = 2):
+    """This process (and the loader workers it forks) on `n` CPU cores, so `cores` in the
+    advice is `n` on any machine."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < n:
+        pytest.skip(f"needs {n} CPU cores and sched_setaffinity")
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, sorted(before)[:2])
+    os.sched_setaffinity(0, sorted(before)[:n])
     try:
         yield
     finally:
@@ -491,3 +492,52 @@ def test_device_placement_names_the_collate_that_stops_it(tmp_path):
     d.collate_fn = {"_target_": "torch.utils.data.default_collate", "_partial_": True}
     assert placement(d, DigitsDataset("train"), torch.device("cpu"), True)[1] == (
         "data.collate_fn is set, and device batches are formed by indexing")
+
+
+def test_more_workers_than_any_sample_uses_is_one_warning_naming_the_key(make_cfg, caplog,
+                                                                       tmp_path):
+    """data.num_workers=32 carried to a smaller machine: PyTorch said a paragraph per loader
+    (twice on the first epoch) in no words of the key, and at any worker past the CPUs, which
+    the stall advice itself asks for where samples wait on storage. One warning names the key
+    past the most that advice asks for (4 per CPU, 8 at least); none below it."""
+    args = ("data=synthetic", "data.dataset.num_samples=64", "data.input_shape=[1,8,8]",
+            "data.placement=host", "trainer.max_epochs=2", "trainer.progress_bar=false",
+            "sched=constant", "data.batch_size=4", "trainer.max_steps=2")
+    said = {}
+    with two_cores(1), warnings.catch_warnings(record=True) as torch_said, \
+            caplog.at_level(logging.INFO, logger="stoker"):
+        warnings.simplefilter("always")
+        for workers in ("9", "8", "auto"):
+            caplog.clear()
+            train(make_cfg(*args, f"data.num_workers={workers}", run_dir=tmp_path / workers))
+            said[workers] = [r.getMessage() for r in caplog.records
+                             if r.levelno == logging.WARNING]
+    assert said == {"9": ["data.num_workers=9: 9 loader workers per rank for this node's 1 CPU: "
+                          "more than 4 per CPU (8 at least), past what even samples that wait "
+                          "on storage use, and each holds its copy of the dataset and batches "
+                          "in flight; data.num_workers=auto gives 1 (scripts/tune_loader.py "
+                          "measures others)"],
+                    "8": [], "auto": []}
+    assert not [w for w in torch_said if "worker processes in total" in str(w.message)]
+
+
+def test_workers_past_the_ranks_share_of_cpus_name_the_share(monkeypatch):
+    """Under torchrun the node's CPUs are shared by its ranks: 4 ranks of 24 workers on 16
+    CPUs are past 4 per CPU of a rank's 4 (16, as 8 at least is not more)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from trainer import distributed
+    from trainer.feeds import too_many_workers
+
+    monkeypatch.setattr(distributed, "cpus_per_rank", lambda ranks: max(1, 16 // ranks))
+    d = OmegaConf.create({"num_workers": 24})
+    feed = SimpleNamespace(loader=SimpleNamespace(num_workers=24))
+    assert too_many_workers(d, feed, 4) == [
+        "data.num_workers=24: 24 loader workers per rank for its 4 CPUs (the node's 16 shared "
+        "by 4 ranks): more than 4 per CPU (8 at least), past what even samples that wait on "
+        "storage use, and each holds its copy of the dataset and batches in flight; "
+        "data.num_workers=auto gives 4 (scripts/tune_loader.py measures others)"]
+    assert too_many_workers(d, feed, 1) == []  # 24 for 16 CPUs: waiting samples may use them
+    assert too_many_workers(d, SimpleNamespace(loader=SimpleNamespace(num_workers=0)), 4) == []
