@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.checkpoint import CheckpointError
 from trainer.saver import writing_in_background
 from trainer.config import ConfigError
-from trainer import components, spelling, stamp
+from trainer import components, resumeargs, spelling, stamp
 from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
@@ -275,6 +275,8 @@ def exit_on_error(main: Callable[[], None]) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     _escape_what_the_console_cannot_show()
     _check_flag_order(sys.argv[1:])
+    # (before Hydra composes: a run resumed in place keeps the overrides it was launched with)
+    sys.argv[1:] = resumeargs.with_runs_own(sys.argv[1:])
     import_from_cwd()
     # under torchrun, record() writes a crash's traceback where the agent reports it; the
     # errors said in one line are turned into SystemExit inside it, which it does not record

@@ -21,8 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import WriterGone
 from data.loader import worker_died
-from trainer import (checkpoint, components, distributed, ending, liveness, resumefiles,
-                     rundir, schedules, speed, startup)
+from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
+                     resumefiles, rundir, schedules, speed, startup)
 from trainer.checks import monitor_mode, resolve
 from trainer.cli import SignalledAgain, describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
@@ -270,7 +270,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
                      "without reading its inf flag to the host each step "
                      "(optim.foreach=true keeps PyTorch's CUDA default)")
-    for line in [*data_lines, *lines]:
+    carried = resumeargs.said()
+    for line in [*data_lines, *([carried] if carried else []), *lines]:
         logger.info("%s", line)
     return loop, checkpointing
 

@@ -142,8 +142,9 @@ def test_ddp_training_on_shards_stops_mid_epoch_and_resumes_bit_exactly(tmp_path
     part = torchrun(2, [*job, f"hydra.run.dir={run_dir}", "trainer.max_steps=30"], ROOT,
                     timeout=300)
     assert part.returncode == 0, part.stderr[-3000:]
-    rest = torchrun(2, [*job, f"hydra.run.dir={run_dir}", "trainer.resume=auto"], ROOT,
-                    timeout=300)
+    # (its own trainer.max_steps=30 would be carried to the resume: lifted on the command line)
+    rest = torchrun(2, [*job, f"hydra.run.dir={run_dir}", "trainer.resume=auto",
+                        "trainer.max_steps=-1"], ROOT, timeout=300)
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert "resumed from" in rest.stdout and "step 30" in rest.stdout
     a = checkpoint.load(tmp_path / "ref" / "checkpoints" / "last.pt")

@@ -1,0 +1,85 @@
+"""trainer/resumeargs.py: a run resumed in its own dir keeps the overrides it was launched with."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import ROOT, run_cli
+from trainer import resumeargs
+from trainer.resumeargs import with_runs_own
+
+
+def launched_with(run_dir, *overrides):
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return run_dir
+
+
+def test_the_runs_own_overrides_come_where_the_command_leaves_them_out(tmp_path):
+    run = launched_with(tmp_path / "run", "model=cnn", "model.width=32", "optim.lr=1e-3",
+                        "+model.num_classes=1", "trainer.max_epochs=60", "trainer.resume=auto",
+                        "~trainer.early_stopping")
+    args = ["--config-name", "train", "trainer.resume=auto", f"hydra.run.dir={run}",
+            "trainer.max_epochs=100"]
+    assert with_runs_own(args) == [
+        "--config-name", "train", "model=cnn", "model.width=32", "optim.lr=1e-3",
+        "+model.num_classes=1", "~trainer.early_stopping", "trainer.resume=auto",
+        f"hydra.run.dir={run}", "trainer.max_epochs=100"]  # (the command's max_epochs wins)
+    assert resumeargs.said() == (
+        "resume: the run's own overrides that this command does not set again apply: "
+        "model=cnn model.width=32 optim.lr=1e-3 +model.num_classes=1 ~trainer.early_stopping "
+        f"(from {run / '.hydra' / 'overrides.yaml'}; a key set on the command line wins)")
+
+
+def test_a_group_chosen_again_leaves_out_the_runs_settings_inside_it(tmp_path):
+    run = launched_with(tmp_path / "run", "model=cnn", "model.width=32", "optim=sgd",
+                        "optim.momentum=0.5", "data.batch_size=32")
+    args = ["model=mlp", "trainer.resume=auto", f"hydra.run.dir={run}", "optim.lr=0.1"]
+    assert with_runs_own(args) == ["optim=sgd", "optim.momentum=0.5", "data.batch_size=32",
+                                   *args]
+
+
+@pytest.mark.parametrize("how", ["sweep", "no run dir", "another run's checkpoint", "fresh",
+                                 "no record", "not a list", "not overrides"])
+def test_nothing_is_carried_where_the_command_does_not_resume_a_run_in_place(tmp_path, how):
+    run = launched_with(tmp_path / "run", "optim.lr=1e-3")
+    args = {"sweep": ["-m", "trainer.resume=auto", f"hydra.run.dir={run}"],
+            "no run dir": ["trainer.resume=auto"],
+            "another run's checkpoint": [f"trainer.resume={tmp_path / 'other' / 'last.pt'}",
+                                         f"hydra.run.dir={run}"],
+            "fresh": [f"hydra.run.dir={run}"],
+            "no record": ["trainer.resume=auto", f"hydra.run.dir={tmp_path / 'none'}"],
+            "not a list": ["trainer.resume=auto", f"hydra.run.dir={run}"],
+            "not overrides": ["trainer.resume=auto", f"hydra.run.dir={run}"]}[how]
+    if how == "not a list":
+        (run / ".hydra" / "overrides.yaml").write_text("optim: {lr: 1}\n")
+    if how == "not overrides":
+        (run / ".hydra" / "overrides.yaml").write_text("- 'optim.lr=[1,'\n")
+    assert with_runs_own(list(args)) == args
+    assert resumeargs.said() is None
+
+
+def test_a_checkpoint_inside_the_run_dir_resumes_it_in_place(tmp_path):
+    run = launched_with(tmp_path / "run", "optim.lr=1e-3")
+    args = [f"trainer.resume={run / 'checkpoints' / 'step-00000010.pt'}", f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == ["optim.lr=1e-3", *args]
+
+
+def test_the_short_resume_command_continues_the_run_it_names(tmp_path):
+    """The README's `trainer.resume=auto hydra.run.dir=...` after a run of its own settings:
+    it ended at the default trainer.max_epochs=20 (exit 0, an info line), and a run of another
+    model was refused for its checkpoint; both continue as launched."""
+    run = tmp_path / "run"
+    first = run_cli(["model=cnn", "model.channels=[4,8]", "trainer.max_epochs=3", "trainer.max_steps=30",
+                     "trainer.progress_bar=false", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(["trainer.resume=auto", f"hydra.run.dir={run}", "trainer.max_steps=40",
+                     "trainer.progress_bar=false"], cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["warnings"] == 0
+    assert ("resume: the run's own overrides that this command does not set again apply: "
+            "model=cnn model.channels=[4,8] trainer.max_epochs=3 (from ") in again.stdout
+    assert "resuming with changed settings: trainer.max_steps 30 -> 40" in again.stdout
+    assert "model=cnn" in (run / ".hydra" / "overrides.yaml").read_text()  # (for the next one)
