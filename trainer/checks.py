@@ -75,7 +75,8 @@ def _check_data(d: DictConfig) -> None:
                d.augment.crop_padding, f"must be under the image's side ({min(shape[1:])} "
                f"px, data.input_shape={shape}): crops of more padding than image teach nothing")
     _check(d.num_classes is None or d.num_classes >= 2, "data.num_classes", d.num_classes,
-           "must be null or >= 2")
+           "must be null or >= 2 (the classes of a classification; a "
+           "regression's outputs are the model's: +model.num_classes=1)")
     _check_datasets(d)
 
 

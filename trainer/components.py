@@ -186,9 +186,13 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
         missing = [n for n, p in params.items() if p.default is p.empty
                    and n not in given and n not in extra]
         if missing:
-            where = f"data.{missing[0]} or " if missing[0] in (offered or {}) else ""
-            raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}"
-                              f"{key}.{missing[0]}")
+            # (a key the node lacks is added with +: Hydra's config is closed to new keys)
+            arg = f"+{key}.{missing[0]}=..."
+            where = f"data.{missing[0]} or {arg}" if missing[0] in (offered or {}) else arg
+            if missing[0] == "num_classes" and missing[0] in (offered or {}):
+                where = ("data.num_classes (the classes of a classification) or "
+                         f"+{key}.num_classes=N (its outputs: 1 for one regression target)")
+            raise ConfigError(f"{key}: {name} needs '{missing[0]}': set {where}")
     return extra
 
 

@@ -88,7 +88,9 @@ def test_unknown_and_missing_arguments_are_named():
                                           r"'hiden' \(it takes: input_shape, num_classes"):
         build(node(_target_="trainer.models.MLP", hiden=[4]), "model", {"input_shape": [3]})
     with pytest.raises(ConfigError, match=r"^model: trainer.models.MLP needs 'num_classes': set "
-                                          r"data.num_classes or model.num_classes$"):
+                                          r"data.num_classes \(the classes of a classification\) "
+                                          r"or \+model.num_classes=N \(its outputs: 1 for one "
+                                          r"regression target\)$"):
         build(node(_target_="trainer.models.MLP"), "model",
               {"input_shape": [3], "num_classes": None})
     positional = build(node(_target_="torch.nn.Linear", _args_=[3, 2]), "model")
@@ -188,7 +190,7 @@ def test_a_function_is_a_collate_as_it_stands():
      r"^task.metrics.acc.ignore_indx: trainer.metrics.Accuracy takes no argument 'ignore_indx'"),
     (dict(_target_="torch.nn.Linear", in_features=3),
      r"^task.metrics.acc: torch.nn.Linear needs 'out_features': set "
-     r"task.metrics.acc.out_features$"),
+     r"\+task.metrics.acc.out_features=...$"),
     (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=["update", 2]),
      r"^task.metrics.acc: tests.helpers.BrokenMetric refused its arguments \(TypeError: "),
 ])

@@ -176,7 +176,7 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
      "data.dataset: Stream is an iterable dataset; Stoker needs a map-style dataset"),
     (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits"],
      "model: trainer.models.MLP needs 'input_shape': set data.input_shape or "
-     "model.input_shape"),
+     "+model.input_shape=..."),
     (["+model.num_classes=3"], "logits with 3 classes but data.num_classes=10"),
     (["data=custom", "+data.dataset._target_=torch.utils.data.TensorDataset"],
      "data.dataset: torch.utils.data.TensorDataset takes no split argument; give "
