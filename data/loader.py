@@ -190,8 +190,11 @@ def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
     batch_size = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
     plan = ShardPlan(len(stream), world_size, rank, train,
                      cfg.shuffle if shuffle is None else shuffle, cfg.drop_last, seed, batch_size)
-    return ShardLoader(stream, plan, workers, cfg.pin_memory and device.type == "cuda",
-                       generator, **_loader_options(cfg, workers))
+    loader = ShardLoader(stream, plan, workers, cfg.pin_memory and device.type == "cuda",
+                         generator, **_loader_options(cfg, workers))
+    if workers:
+        _WITH_WORKERS.add(loader)
+    return loader
 
 
 def _raised_in_collate(e: BaseException) -> bool:

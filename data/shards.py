@@ -41,6 +41,7 @@ import math
 import posixpath
 import re
 import tarfile
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -190,9 +191,7 @@ class ShardStream:
     def decode(self, sample: Dict) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """A raw sample as (input, target); None for an unreadable image with on_error=skip."""
         if self.kind == "npy":
-            x = np.load(io.BytesIO(sample["x.npy"]))
-            y = np.load(io.BytesIO(sample["y.npy"]))
-            return torch.from_numpy(x), torch.from_numpy(y)
+            return self._arrays(sample)
         ext = next((e for e in (x.lstrip(".") for x in IMAGE_EXTENSIONS) if e in sample), None)
         where = f"{sample.get('__url__')}:{sample.get('__key__')}" + (
             f" ({sample['path'].decode()})" if "path" in sample else "")  # the file it was
@@ -208,6 +207,28 @@ class ShardStream:
             self.unreadable.handle(e, int(key) if key.isdigit() else None, where)
             return None
         return image, torch.tensor(int(text))
+
+
+    def _arrays(self, sample: Dict) -> Tuple[torch.Tensor, torch.Tensor]:
+        """An npy sample's (x, y) arrays; a member missing or not an array is one line naming
+        the shard, the sample and the member (a machine-written set: damaged, as a shard that
+        cannot be read is, whatever data.dataset.on_error says)."""
+        arrays = []
+        for member in ("x.npy", "y.npy"):
+            data = sample.get(member)
+            try:
+                if data is None:
+                    has = sorted(k for k in sample if not k.startswith("__"))
+                    raise ValueError(f"no {member} member (it has {', '.join(has)})")
+                if not data.startswith(b"\x93NUMPY"):
+                    raise ValueError(f"its {member} member is not a .npy array (no NumPy header)")
+                arrays.append(torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False)))
+            except (ValueError, OSError, EOFError) as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ConfigError(f"data: shard {sample.get('__url__')}: sample "
+                                  f"{sample.get('__key__')} cannot be read ({reason}); write the "
+                                  "set again (scripts/prepare_data.py --format shards)") from None
+        return arrays[0], arrays[1]
 
 
 class ShardPlan:
@@ -361,6 +382,16 @@ class ShardLoader:
         # workers are started per pass: each must know the pass's epoch and position
         self.loader_kwargs = {k: v for k, v in loader_kwargs.items()
                               if k not in ("persistent_workers",)}
+        self._pass: Optional["weakref.ref"] = None  # the latest pass's iterator
+
+    def close(self) -> None:
+        """Ends the workers of the latest pass, if they run: the run's end, also where an
+        error's traceback still holds the pass (its workers let a first SIGTERM pass, and
+        Python's exit, which sends one and waits, would wait on them for ever)."""
+        it = self._pass() if self._pass is not None else None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)
@@ -370,7 +401,9 @@ class ShardLoader:
         loader = DataLoader(epoch, batch_size=None, num_workers=self.num_workers,
                             pin_memory=self.pin_memory, generator=self.generator,
                             **self.loader_kwargs)
-        return iter(loader)
+        it = iter(loader)
+        self._pass = weakref.ref(it)
+        return it
 
 
 def shards_meta(root: str, key: str, size: int) -> Any:

@@ -328,7 +328,10 @@ def _one_line_errors(main: Callable[[], None]) -> None:
         fail(ConfigError("hydra/launcher=slurm: this machine has no SLURM (no srun on the "
                          "PATH); submit from a cluster's login node, or leave the launcher out "
                          "to run the sweep here"))
-    except SystemExit:
+    except SystemExit:  # (a sweep job's crash ends the sweep so: ending.end_sweep)
+        # loader workers forked under the run's SIGTERM handler would outlive the
+        # terminate() that Python's exit sends them, and the exit waits on them for ever
+        reap_children()
         raise
     except SignalledAgain as e:
         reap_children()

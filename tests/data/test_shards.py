@@ -255,3 +255,55 @@ def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, work
         assert "holds more samples than the 7 its index says" in message
         assert "cannot be read" not in message, message
     shutil.rmtree(root)
+
+
+def test_an_npy_sample_whose_member_is_damaged_or_missing_is_one_line_naming_it(shards):
+    """A garbage x.npy was a worker's traceback about pickled data; a missing y.npy a bare
+    KeyError: neither named the shard or the sample."""
+    import io
+
+    import numpy as np
+
+    from trainer.config import ConfigError
+
+    stream = ShardStream("train", str(shards))
+    array = io.BytesIO()
+    np.save(array, np.zeros(2, np.float32))
+    good = {"__url__": "train/shard-000000.tar", "__key__": "000000007"}
+    x, y = stream.decode({**good, "x.npy": array.getvalue(), "y.npy": array.getvalue()})
+    assert x.shape == y.shape == (2,)
+    with pytest.raises(ConfigError, match=r"^data: shard train/shard-000000.tar: sample "
+                                          r"000000007 cannot be read \(its x.npy member is not "
+                                          r"a .npy array \(no NumPy header\)\); write the set "
+                                          r"again \(scripts/prepare_data.py --format shards\)$"):
+        stream.decode({**good, "x.npy": b"garbage!", "y.npy": array.getvalue()})
+    with pytest.raises(ConfigError, match=r"sample 000000007 cannot be read \(no y.npy member "
+                                          r"\(it has x.npy\)\)"):
+        stream.decode({**good, "x.npy": array.getvalue()})
+
+
+def test_a_pass_still_held_at_exit_has_its_workers_ended(shards, tmp_path):
+    """Workers let a first SIGTERM pass (data/loader.py:worker_signals), so a pass whose
+    iterator an error's traceback still held at exit (a sweep job's crash in a shard worker)
+    kept Python's exit waiting on its workers for ever: its loader ends them first."""
+    import sys
+
+    from tests.helpers import ROOT, bounded
+
+    script = tmp_path / "held.py"
+    script.write_text(f"""
+import sys
+from data.loader import build_loader
+from data.shards import ShardStream
+from trainer.config import DataConfig
+
+cfg = DataConfig(batch_size=4, num_workers=1)
+loader = build_loader(ShardStream("train", {str(shards)!r}), cfg, train=True, rank=0,
+                      world_size=1, seed=0)
+held = iter(loader)  # (as a traceback holds it)
+next(held)
+print("a batch", flush=True)
+sys.exit(3)
+""")
+    proc = bounded([sys.executable, str(script)], ROOT, {"PYTHONPATH": str(ROOT)}, 60)
+    assert (proc.returncode, proc.stdout) == (3, "a batch\n"), proc.stderr[-2000:]

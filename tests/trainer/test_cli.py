@@ -264,3 +264,32 @@ def test_a_non_ascii_run_dir_under_the_c_locale_loses_no_line(tmp_path):
     assert f"run dir {tmp_path}/r\\udcc3\\udcbcn | device cpu" in out  # escaped on the console
     log = (run_dir / "train.log").read_text(encoding="utf-8")
     assert f"run dir {run_dir} | device cpu" in log and "] done: " in log  # as it is, in the file
+
+
+def test_an_exit_raised_in_the_run_ends_children_that_let_sigterm_pass(tmp_path):
+    """A sweep job's crash ends the sweep with SystemExit (trainer/ending.py:end_sweep), which
+    passed on without ending the process's children: a loader worker lets Python's one exit
+    SIGTERM pass, and the exit waited on it for ever."""
+    import sys
+
+    from tests.helpers import ROOT, bounded
+
+    script = tmp_path / "exits.py"
+    script.write_text("""
+import multiprocessing, signal, time
+from trainer.cli import exit_on_error
+
+def child():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (as a worker lets the first one pass)
+    time.sleep(600)
+
+def main():
+    worker = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    worker.start()
+    raise SystemExit(3)
+
+if __name__ == "__main__":
+    exit_on_error(main)
+""")
+    proc = bounded([sys.executable, str(script)], ROOT, {"PYTHONPATH": str(ROOT)}, 60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
