@@ -37,6 +37,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run recorded (a folder of the user's own: no status.json of a run)."""
     run_dir = Path(run_dir)
     _check_not_a_sweep(run_dir)
+    _check_subdir_names_the_job()
     found = resumefiles.candidates(run_dir)
     outputs = _outputs_in(run_dir) + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
@@ -86,6 +87,25 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
 class AnotherSweep(CheckpointError):
     """A sweep job's dir holds a job of another sweep: the fix is another sweep dir, not a
     resume of this one."""
+
+
+def _check_subdir_names_the_job() -> None:
+    """A sweep of several values whose `hydra.sweep.subdir` names no part of the job (no
+    interpolation: `hydra.sweep.subdir=same`) is refused at its first job: its jobs share one
+    dir, and a relaunch with trainer.resume=auto, as the second job's refusal advised, had
+    every job continue the first one's run (the other values never trained, exit 0)."""
+    if dir_key() != "hydra.sweep.dir":
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    h = HydraConfig.get()
+    subdir = OmegaConf.to_container(h.sweep, resolve=False).get("subdir")
+    if isinstance(subdir, str) and "${" not in subdir and \
+            sweep.swept(Path(h.sweep.dir) / sweep.RECORD):
+        raise ConfigError(f"hydra.sweep.subdir={subdir}: names one dir for every job of the "
+                          f"sweep ({Path(h.sweep.dir) / subdir}), where each job would "
+                          "continue the one before; name the job in it: ${hydra.job.num} (the "
+                          "default) or ${hydra.job.override_dirname}")
 
 
 def _check_same_sweep(run_dir: Path) -> None:

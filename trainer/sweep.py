@@ -112,9 +112,11 @@ def _job_num(job_dir: Path) -> Optional[int]:
         return None
 
 
-def _job_dirs(sweep_dir: Path, depth: int = 3) -> List[Path]:
+def _job_dirs(sweep_dir: Path, depth: int = 16) -> List[Path]:
     """The dirs under `sweep_dir` (to `depth` levels: hydra.sweep.subdir may nest, as
-    runs/${hydra.job.num} does) that hold a run's status.json or Hydra's record of a job."""
+    runs/${hydra.job.num} does; a job's own dirs are not searched) that hold a run's
+    status.json or Hydra's record of a job. (Three levels were searched: a sweep of
+    `a/b/c/${hydra.job.num}` had no table, and sweep_summary.py said no job had started.)"""
     found, level = [], [sweep_dir]
     for _ in range(depth):
         level = [p for d in level for p in sorted(d.iterdir())
@@ -178,7 +180,7 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
     recorded = _overrides(job_dir)
     if not recorded:
         return None
-    keys = _swept(kept_record(sweep_dir))
+    keys = swept(kept_record(sweep_dir))
     if keys is None:
         jobs = [job for job in jobs_of(sweep_dir) if job["overrides"]]
         keys = varying(jobs) if len(jobs) > 1 else []
@@ -196,17 +198,25 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
                      "job" for k in differ) or None
 
 
-def _swept(record: Path) -> Optional[List[str]]:
-    """The keys a sweep's multirun.yaml sweeps (`key=a,b`, `key=range(...)`), as its jobs'
-    overrides name them; None where it cannot be read."""
+def swept(record: Path) -> Optional[List[str]]:
+    """The keys a sweep's multirun.yaml sweeps, on its command line (`key=a,b`,
+    `key=range(...)`) or in its config (`hydra.sweeper.params`, an experiment's sweep), as its
+    jobs' overrides name them; None where it cannot be read, or names none (then its jobs'
+    records tell: a sweep of the config's params alone compared its jobs on nothing, and a
+    relaunch of another one continued job 0's run under its own lr)."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        typed = list(OmegaConf.load(record).hydra.overrides.task)
+        hydra = OmegaConf.load(record).hydra
+        typed = list(hydra.overrides.task)
         parsed = OverridesParser.create().parse_overrides([str(o) for o in typed])
+        params = OmegaConf.select(hydra, "sweeper.params")
+        params = list(params) if isinstance(params, DictConfig) else []
     except Exception:  # noqa: BLE001  (no record kept, or not one Hydra wrote)
         return None
-    return [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    keys = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    keys += [str(k) for k in params if str(k) not in keys]
+    return keys or None
 
 
 def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:

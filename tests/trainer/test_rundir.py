@@ -64,6 +64,24 @@ def test_one_run_into_a_sweeps_dir_is_refused_with_nothing_written(tmp_path, res
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "10", "2", "3", "multirun.yaml"]
 
 
+def test_a_sweep_subdir_naming_no_job_is_refused_at_the_first_job(tmp_path):
+    """hydra.sweep.subdir=same: job 1 was refused for job 0's checkpoints, and the relaunch
+    with trainer.resume=auto it advised had job 1 continue job 0's run (lr 0.01 never
+    trained, exit 0). A sweep of one value has one job: its subdir is its own."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "optim.lr=0.1,0.01", *QUICK, f"hydra.sweep.dir={sweep}",
+                    "hydra.sweep.subdir=same"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"stoker: error: hydra.sweep.subdir=same: names one dir for every job of the sweep "
+            f"({sweep / 'same'}), where each job would continue the one before; name the job "
+            "in it: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}\n"
+            "stoker: the sweep stopped at job 0") in proc.stderr
+    assert not (sweep / "same" / "checkpoints").exists()
+    one = run_cli(["-m", "optim.lr=0.1", *QUICK, f"hydra.sweep.dir={tmp_path / 'one'}",
+                   "hydra.sweep.subdir=same"], cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
 def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(make_cfg,
                                                                                  tmp_path, name):

@@ -157,6 +157,11 @@ def test_nested_subdirs_are_jobs_in_launch_order(tmp_path):
         job(sweep, name, [f"optim.lr={name[7:]}"], "completed", {"val_loss": 1.0 - num})
         (sweep / name / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  job:\n    num: {num}\n")
     assert [j["job"] for j in jobs_of(sweep)] == ["runs/lr0.001", "runs/lr-1"]
+    deep = tmp_path / "deep"  # (three levels were searched: a/b/c/0 had no table)
+    for num in (0, 1):
+        job(deep, f"a/b/c/{num}", [f"optim.lr={num}"], "completed", {"val_loss": 1.0})
+    (deep / "a" / "b" / "c" / "0" / "checkpoints" / "x" / "status.json").mkdir(parents=True)
+    assert [j["job"] for j in jobs_of(deep)] == ["a/b/c/0", "a/b/c/1"]  # (not inside a job)
 
 
 def test_the_best_follows_the_monitored_key_and_its_mode(tmp_path):
@@ -291,6 +296,45 @@ def test_a_job_that_stopped_early_says_so_in_its_row(tmp_path):
     assert lines[2].split()[:5] == ["0", "1", "completed", "(stopped", "early)"]
     assert lines[3].split()[:3] == ["1", "3", "completed"]
     assert best_job(jobs_of(sweep)) == (1, "val_loss", "min")  # a stopped job ranks as any
+
+
+def test_a_relaunch_that_resumes_finds_its_jobs_dirs_named_by_their_overrides(tmp_path):
+    """hydra.sweep.subdir=${hydra.job.override_dirname}: the relaunch with trainer.resume=auto
+    that a stopped sweep names put every job in a new dir (its name held trainer.resume=auto),
+    and trained the finished ones again beside their first dirs."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "optim.lr=0.1", "trainer.max_steps=2", "trainer.progress_bar=false",
+            f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=${hydra.job.override_dirname}"]
+    first = run_cli(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli([*args, "trainer.resume=auto"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
+        "optim.lr=0.1,trainer.max_steps=2,trainer.progress_bar=False"]
+    assert "nothing to train" in again.stdout
+
+
+def test_a_sweep_of_its_configs_params_is_told_by_them_and_else_by_its_jobs(tmp_path):
+    """A sweep of `hydra.sweeper.params` (an experiment's sweep) has no sweep on its command
+    line: its record named no key, job 0 was compared on nothing, and another sweep's
+    relaunch continued job 0's run under its own lr (its checkpoint and summary overwritten).
+    The params name the keys; a record that sweeps nothing leaves it to the jobs' records."""
+    from trainer.sweep import kept_record
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, ["optim.lr=0.1", "experiment=a", "trainer.max_epochs=1"], "completed")
+    job(sweep, 1, ["optim.lr=0.01", "experiment=a", "trainer.max_epochs=1"], "completed")
+    kept_record(sweep).write_text("hydra:\n  sweeper:\n    params:\n      optim.lr: 0.1,0.01\n"
+                                  "  overrides:\n    task:\n    - experiment=a\n"
+                                  "    - trainer.max_epochs=1\n")
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.5", "experiment=b",
+                                                 "trainer.max_epochs=2"]) == \
+        "optim.lr=0.1 there, 0.5 in this job"
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.1", "experiment=a",
+                                                 "trainer.max_epochs=2"]) is None
+    kept_record(sweep).write_text("hydra:\n  overrides:\n    task:\n    - experiment=a\n")
+    assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.5", "experiment=a"]) == \
+        "optim.lr=0.1 there, 0.5 in this job"  # (the jobs' records: lr is what varied)
 
 
 def test_the_keys_a_sweep_varied_come_from_its_kept_record_when_it_has_one(tmp_path):
