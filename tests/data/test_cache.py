@@ -339,3 +339,29 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [] and root.exists()
     monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [root]
+
+
+def test_a_disk_cache_of_arrays_written_again_is_rebuilt(tmp_path):
+    """Memory-mapped arrays were keyed by their config alone: after prepare_data.py wrote them
+    again (another split), the cache kept serving the old rows. Their files key it too."""
+    import numpy as np
+
+    def arrays(n, value, when=None):
+        folder = tmp_path / "data" / "train"
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / "x.npy", np.full((n, 3), value, np.float32))
+        np.save(folder / "y.npy", np.zeros(n, np.int64))
+        if when is not None:  # (a time of its own: two writes may share a clock tick)
+            os.utime(folder / "x.npy", ns=(when, when))
+        return MemmapDataset("train", str(tmp_path / "data"))
+
+    where = str(tmp_path / "cache")
+    first = cache.cache_dataset(arrays(8, 1.0, when=10**18), "disk", tag="cfg", cache_dir=where)
+    again = cache.cache_dataset(MemmapDataset("train", str(tmp_path / "data")), "disk",
+                                tag="cfg", cache_dir=where)
+    assert again.x.path == first.x.path  # (the same files: read, not written again)
+    same_size = cache.cache_dataset(arrays(8, 2.0, when=2 * 10**18), "disk", tag="cfg",
+                                    cache_dir=where)
+    assert float(same_size[0][0][0]) == 2.0
+    fewer = cache.cache_dataset(arrays(5, 3.0), "disk", tag="cfg", cache_dir=where)
+    assert len(fewer) == 5 and float(fewer[0][0][0]) == 3.0
