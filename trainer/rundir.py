@@ -38,6 +38,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     run_dir = Path(run_dir)
     _check_not_a_sweep(run_dir)
     _check_subdir_names_the_job()
+    _check_sweep_resume(run_dir, resume)
     found = resumefiles.candidates(run_dir)
     outputs = _outputs_in(run_dir) + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
@@ -106,6 +107,20 @@ def _check_subdir_names_the_job() -> None:
                           f"sweep ({Path(h.sweep.dir) / subdir}), where each job would "
                           "continue the one before; name the job in it: ${hydra.job.num} (the "
                           "default) or ${hydra.job.override_dirname}")
+
+
+def _check_sweep_resume(run_dir: Path, resume: Optional[str]) -> None:
+    """`trainer.resume=PATH` in a sweep, of a file outside the job's dir, is refused: every
+    job would continue that one run, its optimizer state keeping its lr (a swept optim.lr
+    gave the same result in every job, a table of a comparison that was none)."""
+    if dir_key() != "hydra.sweep.dir" or resume in (None, "auto"):
+        return
+    if Path(run_dir).resolve() in Path(resume).resolve().parents:
+        return  # (the job's own checkpoint: its run, rolled back)
+    raise ConfigError(f"trainer.resume={resume}: in a sweep every job would continue that one "
+                      "run, whose optimizer state keeps its lr (a swept optim.lr would change "
+                      f"nothing); trainer.init_from={resume} starts each job from its weights, "
+                      "or trainer.resume=auto continues each job's own run")
 
 
 def _check_same_sweep(run_dir: Path) -> None:

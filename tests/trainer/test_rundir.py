@@ -82,6 +82,21 @@ def test_a_sweep_subdir_naming_no_job_is_refused_at_the_first_job(tmp_path):
     assert one.returncode == 0, one.stderr[-2000:]
 
 
+def test_a_sweep_resuming_one_checkpoint_in_every_job_is_refused(make_cfg, tmp_path):
+    """-m optim.lr=0.1,0.01 trainer.resume=PATH: both jobs continued PATH's run at its own lr
+    (kept by its optimizer state), and the table compared two equal results."""
+    first = tmp_path / "first"
+    train(make_cfg(*QUICK, run_dir=first))
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "optim.lr=0.1,0.01", *QUICK, f"hydra.sweep.dir={sweep}",
+                    f"trainer.resume={first / 'checkpoints' / 'last.pt'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"stoker: error: trainer.resume={first / 'checkpoints' / 'last.pt'}: in a sweep "
+            "every job would continue that one run, whose optimizer state keeps its lr (a "
+            "swept optim.lr would change nothing); trainer.init_from=") in proc.stderr
+    assert not (sweep / "0" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
 def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(make_cfg,
                                                                                  tmp_path, name):
