@@ -108,3 +108,16 @@ def test_debug_runs_go_to_their_own_folder():
     # unresolved: the launch stamp resolves only inside a running job
     assert OmegaConf.to_container(plain.hydra.run)["dir"] == "${stoker_stamp:outputs}"
     assert OmegaConf.to_container(debug.hydra.run)["dir"] == "${stoker_stamp:outputs/debug}"
+
+
+def test_a_debug_mode_applies_over_an_experiment():
+    """`experiment=synthetic_cnn debug=overfit` kept the experiment's 3 epochs (the experiment
+    came after the debug mode in the defaults): the overfit ran 12 steps of its 240."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=x", "experiment=synthetic_cnn",
+                                          "debug=overfit"])
+    assert cfg.trainer.max_epochs == 60 and cfg.trainer.overfit_batches == 4
+    assert cfg.model._target_ == "trainer.models.SmallCNN" and cfg.data.dataset._target_ \
+        == "data.datasets.SyntheticDataset"  # (the experiment's model and data, debugged)
