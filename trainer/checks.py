@@ -143,6 +143,24 @@ def _check_trainer(cfg: DictConfig) -> None:
            "batches of every epoch itself; set one of them")
 
 
+def _check_validate_only(t: DictConfig) -> None:
+    """trainer.validate_only validates trainer.init_from's weights: without them it would
+    report the initial weights' numbers, which nobody asks for by that key."""
+    if not t.validate_only:
+        return
+    _check(t.init_from is not None, "trainer.validate_only", True,
+           "validates the weights of trainer.init_from=PATH (a run's checkpoint such as "
+           "outputs/my-run/checkpoints/best.pt, a state dict or a .safetensors file), which is "
+           "not set")
+    _check(t.resume is None, "trainer.validate_only", True,
+           f"cannot be combined with trainer.resume={t.resume}, which continues a training; "
+           "give the checkpoint to validate as trainer.init_from=PATH")
+    _check(t.limit_val_batches != 0, "trainer.validate_only", True,
+           "has nothing to validate with trainer.limit_val_batches=0")
+    _check(not t.fast_dev_run, "trainer.validate_only", True,
+           "cannot be combined with trainer.fast_dev_run (a training's dry run); set one")
+
+
 def _check_datasets(d: DictConfig) -> None:
     has_pair = d.train_dataset is not None or d.val_dataset is not None
     _check(not (d.dataset is not None and has_pair), "data.dataset", "...",
@@ -252,6 +270,7 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
     _check_schema_keys(cfg, TrainConfig, "")
     _check_data(cfg.data)
     _check_trainer(cfg)
+    _check_validate_only(cfg.trainer)
     device = _pick_device(cfg, local_rank)
     strategy = _pick_strategy(cfg, world_size, launched)
     prec = cfg.trainer.precision

@@ -168,6 +168,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # null | auto | path to a checkpoint
     init_from: Optional[str] = None  # a fresh start's model weights from this file (fine-tuning)
     init_strict: bool = True  # every tensor of init_from must fit; false: load those that fit
+    validate_only: bool = False  # validate init_from's weights once, train nothing
     max_bad_steps: int = 20  # stop after this many optimizer steps in a row with a non-finite loss; 0: never
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (Ampere+)
     cudnn_benchmark: bool = True  # CUDA: time cuDNN's algorithms per shape, keep the fastest

@@ -304,8 +304,14 @@ def peak_memory_mb(spec: RunSpec) -> float:
 def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
     if not env.is_main:
         return
-    val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
-        or "no validation"
+    val = " ".join(f"{k} {v:.4f}" for k, v in s.items()
+                   if k.startswith("val_") and k != "val_samples") or "no validation"
+    if s.get("validate_only"):
+        log.info("validated %s: %s over %s in %.1fs (validation %.1fs)", s["weights"], val,
+                 count_of(s["val_samples"], "sample"), s["wall_s"], s["run_val_s"])
+        if s.get("warnings"):
+            log.info("%s above", count_of(s["warnings"], "warning"))
+        return
     gpu = (f" (GPU idle for data {100 * s['run_device_wait_frac']:.1f}%)"
            if "run_device_wait_frac" in s else "")
     # (by its time, not its samples: a batch of one's own whose size cannot be told counts 0)

@@ -24,6 +24,7 @@ from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
                      resumefiles, rundir, schedules, speed, startup)
 from trainer.checks import monitor_mode, resolve
+from trainer.validation import validate_once
 from trainer.cli import SignalledAgain, describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds, too_many_workers
@@ -332,6 +333,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 Preemption(env, saving=t.save_checkpoint and not t.fast_dev_run) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
                                          resume, callbacks)
+            if t.validate_only and loop.val_feed is None:
+                raise ConfigError("trainer.validate_only=true: the data has no validation set "
+                                  "(data.dataset's val split, or data.val_dataset)")
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record
                 return ending.nothing_to_do(cfg, run_dir, loop, logger)
             # the run's files come once its first optimizer step succeeded (or before the
@@ -374,6 +378,8 @@ def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     heartbeat = Heartbeat(env.rank, env.world_size, lambda: (loop.state.step, loop.phase))
     with heartbeat:
         try:
+            if cfg.trainer.validate_only:
+                return validate_once(loop, cfg.trainer.init_from)
             summary = loop.fit()
             ending.save_final(loop, checkpointing, run_dir, cfg.trainer.max_bad_steps)
             return summary

@@ -21,7 +21,7 @@ from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
 from trainer.progress import steps_left, total_steps
-from trainer.weights import check_model_state, init_weights, not_read_line
+from trainer.weights import FRESH, check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import (changes_line, check_schedule_kind, flat, record_kept,
                                    resume_changes)
@@ -165,8 +165,10 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
               f"a fresh start (the run to continue is named by {rundir.dir_key()})"]
              if resume == "auto" else [])
     if cfg.trainer.init_from is not None:
-        lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,
-                                  cfg.trainer.init_strict))
+        line = init_weights(unwrap(loop.model), cfg.trainer.init_from, cfg.trainer.init_strict)
+        if cfg.trainer.validate_only:  # (no training: nothing else starts)
+            line = line.removesuffix(FRESH)
+        lines.append(line)
         distributed.broadcast_weights(unwrap(loop.model))  # (one model, whatever each read)
         # config.yaml and the checkpoints name the file wherever a later launch runs from
         # (a requeue compares it: not_read_line)

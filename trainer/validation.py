@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 from torch import nn
 
 from data.prefetch import map_tensors
-from trainer import distributed, metricchecks
+from trainer import distributed, metricchecks, windowlog
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
@@ -89,6 +89,7 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
             raise ConfigError(f"data: {line}; check the validation files")
         loop.logger.warning("data: validation at step %d: %s", loop.state.step, line)
     loop.val_read = loop.val_read or samples > 0
+    loop.val_samples = int(samples)
     values = {"val_loss": loss_sum / count if count else math.nan}
     for name, metric in loop.task.metrics.items():  # torchmetrics gathers every rank's state
         values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
@@ -133,3 +134,12 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
                                 batch)
     sums[2], sums[3] = samples, len(skipped_files(loop.val_feed))
     return sums
+
+
+def validate_once(loop: "Loop", weights: str) -> Dict[str, Any]:
+    """trainer.validate_only: the validation set once through the model as
+    trainer.init_from (`weights`) loaded it, and no training; the run's summary values
+    (`validate_only`, the weights, the samples read and the validation's numbers)."""
+    values = evaluate(loop, 0)
+    return {"epochs": 0, "steps": 0, "validate_only": True, "weights": str(weights),
+            "val_samples": loop.val_samples, **values, **windowlog.run_rates(loop)}

@@ -108,7 +108,10 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
         line += (f"; left as initialised: {_first(left)}" if left else "") + (
             f"; the file's keys the model lacks: {_first(misfits['unexpected'])}"
             if misfits["unexpected"] else "")
-    return line + "; the optimizer, schedule and step count start fresh"
+    return line + FRESH
+
+
+FRESH = "; the optimizer, schedule and step count start fresh"  # (init_weights's line ends so)
 
 
 def _not_a_file(path: Path) -> str:

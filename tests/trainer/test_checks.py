@@ -204,3 +204,20 @@ def test_init_from_is_a_path_and_not_a_second_start_beside_a_resumed_checkpoint(
                                           r"trainer\.resume=a/last\.pt, which continues"):
         resolve(make_cfg("trainer.init_from=w.pt", "trainer.resume=a/last.pt"))
     resolve(make_cfg("trainer.init_from=w.pt", "trainer.resume=auto"))  # a requeued job's
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["trainer.validate_only=true"], "trainer.validate_only=true: validates the weights of "
+                                     "trainer.init_from=PATH (a run's checkpoint such as "
+                                     "outputs/my-run/checkpoints/best.pt"),
+    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.resume=auto"],
+     "trainer.validate_only=true: cannot be combined with trainer.resume=auto"),
+    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.limit_val_batches=0"],
+     "trainer.validate_only=true: has nothing to validate with trainer.limit_val_batches=0"),
+    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.fast_dev_run=true"],
+     "trainer.validate_only=true: cannot be combined with trainer.fast_dev_run"),
+])
+def test_validate_only_needs_weights_and_a_validation(make_cfg, overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        resolve(make_cfg(*overrides))
+    assert str(info.value).startswith(fragment)

@@ -114,3 +114,44 @@ def test_the_sanity_check_leaves_no_trace_in_training(make_cfg, tmp_path):
     (loader, python, numpy), (loader_off, python_off, numpy_off) = generators
     assert torch.equal(loader, loader_off) and python == python_off
     assert (numpy == numpy_off).all()
+
+
+def test_validate_only_gives_a_checkpoints_numbers_and_trains_nothing(make_cfg, tmp_path):
+    """trainer.validate_only with trainer.init_from: the run's own validation numbers of the
+    checkpoint, exactly, with no step, no checkpoint and a summary saying so; the command
+    line's last line names the weights and the samples."""
+    import json
+
+    from tests.helpers import ROOT, run_cli
+
+    run = train(make_cfg("trainer.max_epochs=2", "sched=constant", run_dir=tmp_path / "run"))
+    weights = tmp_path / "run" / "checkpoints" / "last.pt"
+    checked = train(make_cfg("trainer.validate_only=true", f"trainer.init_from={weights}",
+                             run_dir=tmp_path / "checked"))
+    assert (checked["val_loss"], checked["val_acc"]) == (run["val_loss"], run["val_acc"])
+    assert checked["steps"] == 0 and checked["validate_only"] and checked["val_samples"] == 359
+    assert checked["weights"] == str(weights) and checked["checkpoint"] is None
+    assert not (tmp_path / "checked" / "checkpoints").exists()
+    assert [r["split"] for r in read_metrics(tmp_path / "checked")] == ["val"]
+    assert json.loads((tmp_path / "checked" / "status.json").read_text())["status"] \
+        == "completed"
+    proc = run_cli(["trainer.validate_only=true", f"trainer.init_from={weights}",
+                    f"hydra.run.dir={tmp_path / 'cli'}"], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert f"validated {weights}: val_loss {run['val_loss']:.4f} val_acc " \
+           f"{run['val_acc']:.4f} over 359 samples in " in last
+    assert "start fresh" not in proc.stdout  # (the weights line: nothing else starts)
+
+
+def test_validate_only_without_a_validation_set_is_one_line_leaving_no_dir(make_cfg, tmp_path):
+    weights = tmp_path / "w.pt"
+    torch.save(torch.nn.Linear(10, 1).state_dict(), weights)
+    with pytest.raises(ConfigError, match=r"^trainer.validate_only=true: the data has no "
+                                          r"validation set"):
+        train(make_cfg("data=custom", "data.input_shape=[10]", "task=regression",
+                       "+data.train_dataset._target_=tests.helpers.Diabetes", "model=custom",
+                       "+model._target_=torch.nn.Linear", "+model.in_features=10",
+                       "+model.out_features=1", "trainer.validate_only=true",
+                       f"trainer.init_from={weights}", run_dir=tmp_path / "none"))
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
