@@ -157,6 +157,10 @@ def describe(e: BaseException) -> str:
             lines = [_os_error(cur)]
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
+        override = getattr(cur, "override", None)
+        if isinstance(override, str) and override and override not in text:
+            # (Hydra's grammar error names no override: `mismatched input '=' ...`)
+            text = f"{override}: {text}"
         text = _OPTIONS.sub(lambda m: m.group(1) + " ".join(
             o for o in m.group(2).split() if not o.startswith("_")), text)
         call = _CALL.match(text)

@@ -27,6 +27,10 @@ from trainer.cli import describe
     ("d\u00fcr=1", "LexerNoViableAltException: d\u00fcr=1"),  # (in the key: no quoting helps)
     ("model._target_=builtins.dict", "model._target_=builtins.dict: builds a dict, not a "
                                      "torch.nn.Module"),
+    # Hydra's grammar errors named no override: two run together by a missing space
+    ("data.cache_dir=/x/a-trainer.max_epochs=0", "stoker: error: data.cache_dir=/x/a-trainer."
+                                                 "max_epochs=0: mismatched input '='"),
+    ("optim.lr=[1,", "stoker: error: optim.lr=[1,: no viable alternative at input"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     proc = run_cli([f"hydra.run.dir={tmp_path}", override])
