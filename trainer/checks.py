@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -192,12 +193,26 @@ def _pick_device(cfg: DictConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def _set_by_debug() -> str:
+    """Where a debug mode (conf/debug/, one process) chose the strategy: which one, so that a
+    torchrun job of debug=default is not told of a key it never set."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return ""
+    mode = HydraConfig.get().runtime.choices.get("debug")
+    stated = any(a.lstrip("+").startswith("trainer.strategy=") for a in sys.argv[1:])
+    return "" if mode in (None, "null") or stated else (
+        f" (debug={mode} sets it, for one process: add trainer.strategy=auto to debug this "
+        "job's ranks with its other settings)")
+
+
 def _pick_strategy(cfg: DictConfig, world_size: int, launched: bool) -> Strategy:
     s = cfg.trainer.strategy
     if s == Strategy.auto:
         return Strategy.ddp if launched and world_size > 1 else Strategy.single
     _check(not (s == Strategy.single and world_size > 1), "trainer.strategy", "single",
-           f"cannot run in a job of {world_size} ranks; use auto or ddp")
+           f"cannot run in a job of {world_size} ranks; use auto or ddp{_set_by_debug()}")
     _check(not (s == Strategy.dp and world_size > 1), "trainer.strategy", "dp",
            f"DataParallel is one process over all GPUs, but this job has {world_size} ranks; "
            "launch with plain `python train.py` or use trainer.strategy=ddp")

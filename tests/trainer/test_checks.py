@@ -221,3 +221,18 @@ def test_validate_only_needs_weights_and_a_validation(make_cfg, overrides, fragm
     with pytest.raises(ConfigError) as info:
         resolve(make_cfg(*overrides))
     assert str(info.value).startswith(fragment)
+
+
+def test_a_debug_modes_single_strategy_under_torchrun_names_the_mode(tmp_path):
+    """debug=default under torchrun: `trainer.strategy=single: cannot run in a job of 2 ranks`
+    named a key its user never set."""
+    from tests.helpers import ROOT, torchrun
+
+    proc = torchrun(2, ["debug=default", f"hydra.run.dir={tmp_path / 'run'}"], ROOT,
+                    timeout=120)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert lines == ["stoker: error: trainer.strategy=single: cannot run in a job of 2 ranks; "
+                     "use auto or ddp (debug=default sets it, for one process: add "
+                     "trainer.strategy=auto to debug this job's ranks with its other "
+                     "settings)"], proc.stderr[-2000:]
