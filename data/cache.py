@@ -276,6 +276,13 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         cache_dir.mkdir(parents=True, exist_ok=True)
         _reclaim_tmp(cache_dir)
         failed.unlink(missing_ok=True)
+        if root.exists():  # (a write is renamed into place whole, done.json in it: not ours,
+            # or cut since; the whole set was decoded again, then the rename failed on it)
+            incomplete = ConfigError(f"data.cache=disk: the cache {root} is incomplete (no "
+                                     "done.json, which a finished write leaves in it); delete "
+                                     "that folder and the next run writes it again")
+            failed.write_text(str(incomplete))
+            raise incomplete
         tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
         writer.write_text(json.dumps(owner or {}))

@@ -243,6 +243,21 @@ def test_a_damaged_disk_cache_is_one_line_naming_it_and_what_to_delete(tmp_path,
     assert "prepare_data" not in str(e.value)  # (a packed array's own way out: one way here)
 
 
+def test_a_disk_cache_without_its_done_record_is_one_line_before_any_sample_is_made(tmp_path):
+    """A folder of the cache's name without done.json (cut, or not a run's): the whole set was
+    made again, then `[Errno 39] Directory not empty` where it was to be renamed into place."""
+    cache.cache_dataset(source(), "disk", tag="cfg", cache_dir=str(tmp_path))
+    [root] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (root / "done.json").unlink()
+    again = Counting()
+    with pytest.raises(ConfigError, match=rf"^data.cache=disk: the cache {root} is incomplete "
+                                          r"\(no done.json, which a finished write leaves in "
+                                          r"it\); delete that folder and the next run writes it "
+                                          r"again$"):
+        cache.cache_dataset(again, "disk", tag="cfg", cache_dir=str(tmp_path))
+    assert again.made == 0 and (root / "train" / "x.npy").is_file()  # (nothing deleted)
+
+
 @pytest.mark.parametrize("mode", ["memory", "disk"])
 def test_a_dataset_of_which_nothing_can_be_read_is_one_line_not_an_empty_cache(tmp_path, mode):
     from torch.utils.data import default_collate
