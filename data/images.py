@@ -211,6 +211,17 @@ class SkipCollate:
                 torch.empty((0,), dtype=torch.int64)]
 
 
+def _stamp(path: str) -> Tuple[Optional[int], Optional[int]]:
+    """A file's (size, modification time); (None, None) for one that cannot be read (a broken
+    link: skipped or refused when it is decoded, by data.dataset.on_error, as without a
+    cache; the disk cache's key failed on it first, in a line naming no key)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None, None
+    return st.st_size, st.st_mtime_ns
+
+
 class ImageFolder(Dataset):
     """(uint8 (3, size, size) image, int64 class) pairs from `root/<split>/<class>/<file>`,
     or, with `val_fraction`, from `root/<class>/<file>` with that share of each class held out
@@ -242,7 +253,7 @@ class ImageFolder(Dataset):
     def fingerprint(self) -> str:
         """What identifies the decoded samples: the files (names, sizes, times) and settings;
         a cache keyed by it is rebuilt when any of them changes."""
-        files = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p, _ in self.samples]
+        files = [(p, *_stamp(p)) for p, _ in self.samples]
         return repr((DECODER, self.classes, self.size, self.resize, files))
 
     def __getitem__(self, i: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

@@ -227,6 +227,23 @@ def test_fingerprint_changes_with_the_files_and_the_settings(folder, tmp_path):
     assert ImageFolder("train", str(root), size=16).fingerprint() != before
 
 
+def test_a_broken_link_is_skipped_under_a_disk_cache_as_without_one(folder, tmp_path):
+    """The disk cache's key stats every file: a broken link failed it first (`...: No such
+    file or directory`, no key named), though on_error=skip skips that file without a cache."""
+    import shutil
+
+    from data import cache
+
+    root = tmp_path / "copy"
+    shutil.copytree(folder, root)
+    (root / "train" / "class_00" / "zz_broken.jpg").symlink_to(root / "nowhere.jpg")
+    ds = ImageFolder("train", str(root), size=16, on_error="skip")
+    assert "zz_broken.jpg', None, None)" in ds.fingerprint()
+    cached = cache.cache_dataset(ds, "disk", tag="cfg", cache_dir=str(tmp_path / "c"))
+    assert len(cached) == len(ds) - 1 and [p.rsplit("/", 1)[1] for p in ds.skipped()] \
+        == ["zz_broken.jpg"]
+
+
 def test_the_config_reads_classes_and_shape_from_the_folder(folder, tmp_path):
     from tests.helpers import compose_cfg
 
