@@ -44,3 +44,14 @@ def test_sbatch_script_trains_with_two_tasks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
+
+
+def test_the_script_outside_a_slurm_job_is_one_line():
+    """Run with bash outside SLURM it said `SLURM_JOB_NODELIST: unbound variable`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", "scripts/slurm/train.sbatch", "optim.lr=0.1"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == ("stoker: error: scripts/slurm/train.sbatch runs inside a SLURM job: "
+                           "submit it with sbatch scripts/slurm/train.sbatch ARGS (outside "
+                           "SLURM: torchrun --standalone --nproc_per_node=N train.py ARGS)\n")
