@@ -271,6 +271,27 @@ def dir_key() -> str:
     return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
 
 
+def unused_dir_key() -> List[str]:
+    """A warning where the command line names the dir key of the other mode: Hydra ignores
+    `hydra.run.dir` in a sweep (-m), whose jobs go under `hydra.sweep.dir`, and
+    `hydra.sweep.dir` in a run without -m (with trainer.resume=auto that was a fresh start in
+    a new dated dir, the named sweep's job untouched)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    h = HydraConfig.get()
+    given = {a.lstrip("+").split("=", 1)[0]: a for a in list(h.overrides.hydra)}
+    if dir_key() == "hydra.sweep.dir" and "hydra.run.dir" in given:
+        return [f"{given['hydra.run.dir']}: not used in a sweep (-m), whose jobs go under "
+                f"hydra.sweep.dir ({h.sweep.dir})"]
+    if dir_key() == "hydra.run.dir" and "hydra.sweep.dir" in given:
+        return [f"{given['hydra.sweep.dir']}: not used without -m; this run's dir is "
+                f"hydra.run.dir ({h.run.dir}); a sweep's job is continued with "
+                "hydra.run.dir=<sweep dir>/<job>"]
+    return []
+
+
 def record_hydra(run_dir: Path, cfg: Optional[DictConfig]) -> None:
     """Hydra's record of the run (`.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`),
     written by rank 0 once the run dir is known to be this run's (Hydra's own writing of it,

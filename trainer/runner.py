@@ -264,8 +264,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
               and not cfg.trainer.early_stopping.patience else [])
-    for line in [*too_big, *unused, *too_many_workers(cfg.data, loop.train_feed,
-                                                       env.local_world_size), *warnings]:  # every rank's alike (same_settings_everywhere,
+    for line in [*rundir.unused_dir_key(), *too_big, *unused,
+                 *too_many_workers(cfg.data, loop.train_feed, env.local_world_size), *warnings]:  # every rank's alike (same_settings_everywhere,
         logger.warning("%s", line)  # same_data_everywhere, one checkpoint): said once
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "

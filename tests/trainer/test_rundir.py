@@ -508,3 +508,20 @@ def test_hydras_chdir_is_refused_not_a_run_reading_other_files(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "stoker: error: hydra.job.chdir=true: not supported; it runs the job in its run dir")
     assert not any((tmp_path / "run").iterdir())
+
+
+def test_the_dir_key_of_the_other_mode_is_a_warning_naming_the_one_used(tmp_path):
+    """Hydra ignores hydra.run.dir in a sweep and hydra.sweep.dir without -m: a run of
+    `hydra.sweep.dir=<sweep> trainer.resume=auto` started afresh in a new dated dir."""
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    one = run_cli([*QUICK, f"hydra.sweep.dir={sweep}", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert (f"hydra.sweep.dir={sweep}: not used without -m; this run's dir is hydra.run.dir "
+            f"({run}); a sweep's job is continued with hydra.run.dir=<sweep dir>/<job>") \
+        in one.stdout
+    many = run_cli(["-m", *QUICK, f"hydra.sweep.dir={sweep}", f"hydra.run.dir={run}"],
+                   cwd=tmp_path)
+    assert many.returncode == 0, many.stderr[-2000:]
+    assert (f"hydra.run.dir={run}: not used in a sweep (-m), whose jobs go under "
+            f"hydra.sweep.dir ({sweep})") in many.stdout
+    assert json.loads((sweep / "0" / "summary.json").read_text())["warnings"] == 2  # (+ warmup)
