@@ -82,7 +82,8 @@ def main(argv: Optional[List[str]] = None) -> None:
              for label in range(a.classes)}  # files per class
     if a.val_fraction > 0 and any(not 1 <= round(n * a.val_fraction) < n for n in sizes):
         p.error(f"--count {a.count} --classes {a.classes} --val-fraction {a.val_fraction}: "
-                f"each class needs a file in train/ and in val/ ({min(sizes)} files a class); "
+                f"each class needs a file in train/ and in val/ ({min(sizes)} "
+                f"file{'' if min(sizes) == 1 else 's'} a class); "
                 "raise --count or change --val-fraction (0: train/ alone)")
     refusal = out_refusal(a.out, a.overwrite)
     if refusal:
