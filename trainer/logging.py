@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -157,9 +158,13 @@ class RunLogger:
                         json.dumps(json_safe(values), indent=2, allow_nan=False) + "\n")
 
     def progress(self, total: Optional[int], desc: str):
-        """A tqdm bar on rank 0 (when enabled), else a silent stand-in with the same methods."""
+        """A tqdm bar on rank 0 (when enabled) where the console is a terminal; where it is not
+        (a SLURM output file, a pipe) a line at each logging boundary instead, as a bar's
+        redraws leave there only `0%|...` fragments; else a silent stand-in."""
         if not self.show_progress:
             return _NoBar()
+        if not _is_terminal(sys.stderr):
+            return _LineBar(total, desc)
         return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, unit="batch")
 
     def close(self) -> None:
@@ -264,6 +269,29 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # (no isatty, or closed)
+        return False
+
+
+class _LineBar(_NoBar):
+    """The progress of an epoch as a line at each logging boundary, for a console that is no
+    terminal: `epoch 3: batch 150/230, loss 0.4321, 85540 samples/s, waiting for data 3%`."""
+
+    def __init__(self, total: Optional[int], desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        of = f"/{self.total}" if self.total else ""
+        log.info("%s: batch %d%s, loss %s, %s samples/s, waiting for data %s", self.desc,
+                 self.done, of, kwargs.get("loss"), kwargs.get("sps"), kwargs.get("wait"))
 
 
 class _NoProfiler(contextlib.nullcontext):

@@ -196,3 +196,35 @@ def test_an_event_file_that_cannot_be_written_names_the_file(tmp_path):
         events.scalars(1, {"train/loss": 1.0})
     assert describe(e.value) == "/dev/full: No space left on device"
     real.close()
+
+
+def test_progress_is_a_line_a_logging_boundary_where_the_console_is_no_terminal(
+        tmp_path, monkeypatch, caplog):
+    """A SLURM output file or a pipe kept only a bar's `0%| 0/23` fragments: no loss, rate or
+    wait. There a line at each logging boundary says them; on a terminal, the bar."""
+    import io
+    import logging
+    import sys
+
+    from tqdm import tqdm
+
+    logger = RunLogger(tmp_path, main=True, write=False, tensorboard=False, progress_bar=True)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # (isatty: False)
+    bar = logger.progress(23, "epoch 3")
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        bar.update(10)
+        bar.set_postfix(loss="0.4321", sps="85540", wait="3%", refresh=False)
+        bar.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "epoch 3: batch 10/23, loss 0.4321, 85540 samples/s, waiting for data 3%"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    terminal = logger.progress(23, "epoch 3")
+    assert isinstance(terminal, tqdm)
+    terminal.close()
+    assert not isinstance(RunLogger(tmp_path, main=True, write=False, tensorboard=False,
+                                    progress_bar=False).progress(23, "epoch 3"), tqdm)
