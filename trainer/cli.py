@@ -240,7 +240,9 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
     "Error executing job" line.
     """
     if any_rank or detect().is_main:
-        print(f"stoker: error: {describe(e)}", file=sys.stderr, flush=True)
+        took = (f" (this launch took the run's own overrides {' '.join(resumeargs.CARRIED)} "
+                f"from {resumeargs.RECORD})") if resumeargs.CARRIED else ""
+        print(f"stoker: error: {describe(e)}{took}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)
 

@@ -32,12 +32,42 @@ def test_the_runs_own_overrides_come_where_the_command_leaves_them_out(tmp_path)
         f"(from {run / '.hydra' / 'overrides.yaml'}; a key set on the command line wins)")
 
 
-def test_a_group_chosen_again_leaves_out_the_runs_settings_inside_it(tmp_path):
+def test_a_group_chosen_otherwise_leaves_out_the_runs_settings_inside_it(tmp_path):
     run = launched_with(tmp_path / "run", "model=cnn", "model.width=32", "optim=sgd",
                         "optim.momentum=0.5", "data.batch_size=32")
     args = ["model=mlp", "trainer.resume=auto", f"hydra.run.dir={run}", "optim.lr=0.1"]
     assert with_runs_own(args) == ["optim=sgd", "optim.momentum=0.5", "data.batch_size=32",
                                    *args]
+    assert resumeargs.said().endswith("; left out, in a config group chosen otherwise: "
+                                      f"model.width=32 (from {run / '.hydra' / 'overrides.yaml'}"
+                                      "; a key set on the command line wins)")
+    # the same choice again keeps them (they were dropped: the resume then refused the model)
+    again = ["model=cnn", "trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(again) == ["model.width=32", "optim=sgd", "optim.momentum=0.5",
+                                    "data.batch_size=32", *again]
+    # the run's default choice (its .hydra/hydra.yaml), named on the command line: the same
+    (run / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n"
+                                               "      sched: warmup_cosine\n")
+    (run / ".hydra" / "overrides.yaml").write_text("- sched.warmup_steps=5\n")
+    same = ["sched=warmup_cosine", "trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(same) == ["sched.warmup_steps=5", *same]
+
+
+def test_a_deletion_on_the_command_line_comes_after_the_runs_key(tmp_path):
+    """`~model.num_classes` against the run's `+model.num_classes=1`: the carry left the +
+    out, and Hydra could then delete no such key; carried first, it is deleted after."""
+    run = launched_with(tmp_path / "run", "+model.num_classes=1", "optim.lr=0.1")
+    args = ["trainer.resume=auto", f"hydra.run.dir={run}", "~model.num_classes"]
+    assert with_runs_own(args) == ["+model.num_classes=1", "optim.lr=0.1", *args]
+
+
+def test_a_flags_value_is_no_override_and_a_sweep_by_its_mode_carries_nothing(tmp_path):
+    run = launched_with(tmp_path / "run", "optim.lr=0.1", "hydra_x=1")
+    args = ["--config-dir", "conf=x", "trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == ["--config-dir", "conf=x", "optim.lr=0.1", "hydra_x=1",
+                                   "trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(["hydra.mode=MULTIRUN", *args[2:]]) == ["hydra.mode=MULTIRUN",
+                                                                 *args[2:]]
 
 
 @pytest.mark.parametrize("how", ["sweep", "no run dir", "another run's checkpoint", "fresh",
@@ -58,6 +88,20 @@ def test_nothing_is_carried_where_the_command_does_not_resume_a_run_in_place(tmp
         (run / ".hydra" / "overrides.yaml").write_text("- 'optim.lr=[1,'\n")
     assert with_runs_own(list(args)) == args
     assert resumeargs.said() is None
+
+
+def test_a_checkpoint_validated_takes_its_runs_overrides(tmp_path):
+    """trainer.validate_only of <run>/checkpoints/X.pt: the run's model and data, as it was
+    launched (the model=cnn it was trained as was refused as another model's weights)."""
+    run = launched_with(tmp_path / "run", "model=cnn", "trainer.max_epochs=3",
+                        "trainer.init_from=base.pt")
+    args = ["trainer.validate_only=true", f"trainer.init_from={run}/checkpoints/last.pt",
+            f"hydra.run.dir={tmp_path / 'checked'}"]
+    assert with_runs_own(args) == ["model=cnn", "trainer.max_epochs=3", *args]
+    assert resumeargs.said().startswith("trainer.validate_only: the run's own overrides that "
+                                        "this command does not set again apply: model=cnn")
+    elsewhere = ["trainer.validate_only=true", f"trainer.init_from={tmp_path / 'w.pt'}"]
+    assert with_runs_own(elsewhere) == elsewhere
 
 
 def test_a_checkpoint_inside_the_run_dir_resumes_it_in_place(tmp_path):
@@ -83,3 +127,13 @@ def test_the_short_resume_command_continues_the_run_it_names(tmp_path):
             "model=cnn model.channels=[4,8] trainer.max_epochs=3 (from ") in again.stdout
     assert "resuming with changed settings: trainer.max_steps 30 -> 40" in again.stdout
     assert "model=cnn" in (run / ".hydra" / "overrides.yaml").read_text()  # (for the next one)
+    bad = run_cli(["trainer.resume=auto", f"hydra.run.dir={run}", "trainer.grad_clip=0"],
+                  cwd=ROOT)  # (an error names what the launch took: a key may be the run's)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "(this launch took the run's own overrides model=cnn model.channels=[4,8] "
+        "trainer.max_epochs=3 trainer.max_steps=40 trainer.progress_bar=false from "
+        f"{run / '.hydra' / 'overrides.yaml'})")
+    checked = run_cli(["trainer.validate_only=true", f"hydra.run.dir={tmp_path / 'checked'}",
+                       f"trainer.init_from={run / 'checkpoints' / 'last.pt'}"], cwd=ROOT)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert f"val_loss {summary['val_loss']:.4f}" in checked.stdout.strip().splitlines()[-1]
