@@ -153,9 +153,10 @@ def _check_validate_only(t: DictConfig) -> None:
            "validates the weights of trainer.init_from=PATH (a run's checkpoint such as "
            "outputs/my-run/checkpoints/best.pt, a state dict or a .safetensors file), which is "
            "not set")
-    _check(t.resume is None, "trainer.validate_only", True,
-           f"cannot be combined with trainer.resume={t.resume}, which continues a training; "
-           "give the checkpoint to validate as trainer.init_from=PATH")
+    # (trainer.resume=PATH with init_from is refused above; auto, as the SLURM script passes
+    # it, is taken: a validation goes into a new dir, where it finds nothing to continue)
+    _check(not t.profile, "trainer.validate_only", True,
+           "cannot be combined with trainer.profile, which traces training steps; set one")
     _check(t.limit_val_batches != 0, "trainer.validate_only", True,
            "has nothing to validate with trainer.limit_val_batches=0")
     _check(not t.fast_dev_run, "trainer.validate_only", True,

@@ -228,7 +228,7 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     final_summary_line(summary, env)
     # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
     gpu_idle = "run_device_wait_frac" in summary
-    stalled = summary["run_device_wait_frac" if gpu_idle else "run_data_wait_frac"]
+    stalled = summary.get("run_device_wait_frac" if gpu_idle else "run_data_wait_frac", 0.0)
     if stalled > STALL_ADVICE_ABOVE and loop.state.step >= STALL_ADVICE_STEPS \
             and not t.fast_dev_run and env.is_main:  # (it times a few samples: rank 0's line)
         logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
@@ -304,11 +304,11 @@ def peak_memory_mb(spec: RunSpec) -> float:
 def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
     if not env.is_main:
         return
-    val = " ".join(f"{k} {v:.4f}" for k, v in s.items()
-                   if k.startswith("val_") and k != "val_samples") or "no validation"
+    val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
+        or "no validation"
     if s.get("validate_only"):
         log.info("validated %s: %s over %s in %.1fs (validation %.1fs)", s["weights"], val,
-                 count_of(s["val_samples"], "sample"), s["wall_s"], s["run_val_s"])
+                 count_of(s["validated_samples"], "sample"), s["wall_s"], s["run_val_s"])
         if s.get("warnings"):
             log.info("%s above", count_of(s["warnings"], "warning"))
         return

@@ -28,13 +28,14 @@ HYDRA_RECORD = ".hydra/"  # Hydra's record of a launch before this one (another 
 RECORDS = ("config.yaml", "status.json", HYDRA_RECORD)  # an attempt's own: no result in them
 
 
-def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
+def check_fresh_start(run_dir: Path, resume: Optional[str], validating: bool = False) -> None:
     """A launch that does not continue the dir's own run must not write over another run's
     checkpoints or outputs: a fresh run (`resume` null), or a new run from a checkpoint outside
     the dir (`resume=PATH`; one of the dir's own continues its run, rolled back). Nor may a
     `resume=auto` that finds no checkpoint start over where a finished run left its summary
     (one run with trainer.save_checkpoint=false: its metrics would go), or over files that no
-    run recorded (a folder of the user's own: no status.json of a run)."""
+    run recorded (a folder of the user's own: no status.json of a run). A validation
+    (trainer.validate_only, `validating`) writes a record of its own: into a new dir only."""
     run_dir = Path(run_dir)
     _check_not_a_sweep(run_dir)
     _check_subdir_names_the_job()
@@ -45,6 +46,10 @@ def check_fresh_start(run_dir: Path, resume: Optional[str]) -> None:
     status = _status(run_dir)
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
+    if validating and (outputs or found):  # (not "continue it with trainer.resume=auto")
+        raise ConfigError(f"trainer.validate_only=true: {dir_key()}={run_dir} holds a run's "
+                          f"files; validate into a new dir ({dir_key()}=...); nothing was "
+                          "changed")
     if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
     _check_same_sweep(run_dir)

@@ -264,8 +264,9 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
               and not cfg.trainer.early_stopping.patience else [])
-    for line in [*rundir.unused_dir_key(), *too_big, *unused,
-                 *too_many_workers(cfg.data, loop.train_feed, env.local_world_size), *warnings]:  # every rank's alike (same_settings_everywhere,
+    training = [] if cfg.trainer.validate_only else [  # (of a training's steps and saves)
+        *too_big, *unused, *too_many_workers(cfg.data, loop.train_feed, env.local_world_size)]
+    for line in [*rundir.unused_dir_key(), *training, *warnings]:  # every rank's alike (same_settings_everywhere,
         logger.warning("%s", line)  # same_data_everywhere, one checkpoint): said once
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
@@ -324,8 +325,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     try:
         startup.same_settings_everywhere(cfg, spec.device)  # (the first collective of the run)
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
-            rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(run_dir, resume)),
-                          env)
+            rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(
+                run_dir, resume, t.validate_only)), env)
             ours = env.is_main
         else:  # (but its train.log lines: not into another run's log)
             rundir.agreed(lambda: rundir.check_dev_run_dir(run_dir), env)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from data.prefetch import map_tensors
-from trainer import distributed, metricchecks, windowlog
+from trainer import distributed, metricchecks
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
@@ -139,7 +139,8 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
 def validate_once(loop: "Loop", weights: str) -> Dict[str, Any]:
     """trainer.validate_only: the validation set once through the model as
     trainer.init_from (`weights`) loaded it, and no training; the run's summary values
-    (`validate_only`, the weights, the samples read and the validation's numbers)."""
+    (`validate_only`, the weights, the samples read and the validation's numbers; no
+    training rates: a sweep's table of validations shows none)."""
     values = evaluate(loop, 0)
     return {"epochs": 0, "steps": 0, "validate_only": True, "weights": str(weights),
-            "val_samples": loop.val_samples, **values, **windowlog.run_rates(loop)}
+            "validated_samples": loop.val_samples, **values, "run_val_s": loop.run_val_s}

@@ -210,8 +210,8 @@ def test_init_from_is_a_path_and_not_a_second_start_beside_a_resumed_checkpoint(
     (["trainer.validate_only=true"], "trainer.validate_only=true: validates the weights of "
                                      "trainer.init_from=PATH (a run's checkpoint such as "
                                      "outputs/my-run/checkpoints/best.pt"),
-    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.resume=auto"],
-     "trainer.validate_only=true: cannot be combined with trainer.resume=auto"),
+    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.profile=true"],
+     "trainer.validate_only=true: cannot be combined with trainer.profile"),
     (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.limit_val_batches=0"],
      "trainer.validate_only=true: has nothing to validate with trainer.limit_val_batches=0"),
     (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.fast_dev_run=true"],

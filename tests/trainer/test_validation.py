@@ -129,7 +129,9 @@ def test_validate_only_gives_a_checkpoints_numbers_and_trains_nothing(make_cfg, 
     checked = train(make_cfg("trainer.validate_only=true", f"trainer.init_from={weights}",
                              run_dir=tmp_path / "checked"))
     assert (checked["val_loss"], checked["val_acc"]) == (run["val_loss"], run["val_acc"])
-    assert checked["steps"] == 0 and checked["validate_only"] and checked["val_samples"] == 359
+    assert checked["steps"] == 0 and checked["validate_only"]
+    assert checked["validated_samples"] == 359 and "run_samples_per_s" not in checked
+    assert checked["warnings"] == 0  # (no training's: sched.warmup_steps past its 0 steps)
     assert checked["weights"] == str(weights) and checked["checkpoint"] is None
     assert not (tmp_path / "checked" / "checkpoints").exists()
     assert [r["split"] for r in read_metrics(tmp_path / "checked")] == ["val"]
@@ -142,6 +144,15 @@ def test_validate_only_gives_a_checkpoints_numbers_and_trains_nothing(make_cfg, 
     assert f"validated {weights}: val_loss {run['val_loss']:.4f} val_acc " \
            f"{run['val_acc']:.4f} over 359 samples in " in last
     assert "start fresh" not in proc.stdout  # (the weights line: nothing else starts)
+    into_run = run_cli(["trainer.validate_only=true", f"trainer.init_from={weights}",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT)
+    assert into_run.returncode == 2 and into_run.stderr.startswith(
+        f"stoker: error: trainer.validate_only=true: hydra.run.dir={tmp_path / 'run'} holds "
+        "a run's files; validate into a new dir (hydra.run.dir=...); nothing was changed")
+    # trainer.resume=auto, as scripts/slurm/train.sbatch passes it: nothing to continue
+    auto = train(make_cfg("trainer.validate_only=true", f"trainer.init_from={weights}",
+                          "trainer.resume=auto", run_dir=tmp_path / "auto"))
+    assert auto["val_loss"] == run["val_loss"]
 
 
 def test_validate_only_without_a_validation_set_is_one_line_leaving_no_dir(make_cfg, tmp_path):
