@@ -276,8 +276,9 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         cache_dir.mkdir(parents=True, exist_ok=True)
         _reclaim_tmp(cache_dir)
         failed.unlink(missing_ok=True)
-        if root.exists():  # (a write is renamed into place whole, done.json in it: not ours,
-            # or cut since; the whole set was decoded again, then the rename failed on it)
+        if root.exists() and not done.is_file():  # (a write is renamed into place whole,
+            # done.json in it: not ours, or cut since; the whole set was decoded again, then
+            # the rename failed on it. Asked again: another node may have just renamed its own)
             incomplete = ConfigError(f"data.cache=disk: the cache {root} is incomplete (no "
                                      "done.json, which a finished write leaves in it); delete "
                                      "that folder and the next run writes it again")
