@@ -170,13 +170,27 @@ def end_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     return True
 
 
-def cpus_per_rank(local_world_size: int) -> int:
-    """This process's CPUs shared among the ranks on the node (at least 1)."""
+def _affinity() -> int:
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, local_world_size))
+        return os.cpu_count() or 1
+
+
+def bound_to_task() -> bool:
+    """Whether srun bound this task to CPUs of its own (`--cpus-per-task` with task binding):
+    its affinity is then its share already, not the node's that its ranks share (torchrun's
+    ranks all inherit the launcher's)."""
+    return detect().launcher == "slurm" and _affinity() < (os.cpu_count() or _affinity())
+
+
+def cpus_per_rank(local_world_size: int) -> int:
+    """This process's CPUs shared among the ranks on the node (at least 1); under srun's
+    binding of each task to its own CPUs, those (divided again, 4 tasks of 8 CPUs each
+    counted 2)."""
+    if bound_to_task():
+        return max(1, _affinity())
+    return max(1, _affinity() // max(1, local_world_size))
 
 
 def auto_num_workers(local_world_size: int) -> int:

@@ -274,7 +274,9 @@ def too_many_workers(d: DictConfig, feed: DevicePrefetcher, local_world_size: in
     if workers <= max(4 * cpus, 8):
         return []
     node = distributed.cpus_per_rank(1)
-    share = (f"its {count_of(cpus, 'CPU')} (the node's {node} shared by {local_world_size} "
+    share = (f"its {count_of(cpus, 'CPU')} (bound to its task by srun)"
+             if distributed.bound_to_task() else
+             f"its {count_of(cpus, 'CPU')} (the node's {node} shared by {local_world_size} "
              f"ranks)" if local_world_size > 1 else f"this node's {count_of(cpus, 'CPU')}")
     return [f"data.num_workers={d.num_workers}: {workers} loader workers per rank for {share}: "
             "more than 4 per CPU (8 at least), past what even samples that wait on storage use, "

@@ -157,3 +157,29 @@ def test_a_rank_whose_peers_never_join_says_so_in_one_line(make_cfg, monkeypatch
                                                      r"trainer.ddp.timeout_s=3 s \(Dist"):
         train(make_cfg("trainer.ddp.timeout_s=3", run_dir=tmp_path / "run"))
     assert not distributed.is_active()
+
+
+def test_a_task_srun_bound_to_its_own_cpus_counts_them_as_its_share(monkeypatch):
+    """srun --cpus-per-task=8, 4 tasks a node: each task's affinity is its 8 CPUs, which were
+    divided again by the 4 ranks (2 each: data.num_workers=auto gave 2, and the workers
+    warning named `the node's 8`); torchrun's ranks share the launcher's CPUs."""
+    import os
+
+    from trainer import distributed
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert distributed.bound_to_task() and distributed.cpus_per_rank(4) == 8
+    for key in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert not distributed.bound_to_task() and distributed.cpus_per_rank(4) == 2
