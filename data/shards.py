@@ -208,7 +208,6 @@ class ShardStream:
             return None
         return image, torch.tensor(int(text))
 
-
     def _arrays(self, sample: Dict) -> Tuple[torch.Tensor, torch.Tensor]:
         """An npy sample's (x, y) arrays; a member missing or not an array is one line naming
         the shard, the sample and the member (a machine-written set: damaged, as a shard that

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -201,8 +200,9 @@ def _set_by_debug() -> str:
 
     if not HydraConfig.initialized():
         return ""
-    mode = HydraConfig.get().runtime.choices.get("debug")
-    stated = any(a.lstrip("+").startswith("trainer.strategy=") for a in sys.argv[1:])
+    h = HydraConfig.get()
+    mode = h.runtime.choices.get("debug")
+    stated = any(a.lstrip("+").startswith("trainer.strategy=") for a in h.overrides.task)
     return "" if mode in (None, "null") or stated else (
         f" (debug={mode} sets it, for one process: add trainer.strategy=auto to debug this "
         "job's ranks with its other settings)")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.advice import count_of
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
-from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp
+from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs
 from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe,
                          exit_now, fail)
 from trainer.config import RunSpec
@@ -117,7 +117,7 @@ def say_sweep_stopped(e: Optional[BaseException] = None) -> None:
               + (f" ({h.runtime.output_dir})"  # a hydra.sweep.subdir of one's own
                  if str(h.job.num) != Path(h.runtime.output_dir).name else "")
               + "; the jobs after it were not run"
-              + ("" if isinstance(e, rundir.AnotherSweep) else
+              + ("" if isinstance(e, sweepdirs.AnotherSweep) else
                  " (once fixed, the same command with "
                  f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
                  + ("keeps the finished ones)" if h.job.num else "runs them all)")),

@@ -61,6 +61,7 @@ def check_metrics(task: Task, output: Any, batch: Any, compute: bool = True) -> 
                 task.__dict__.setdefault("_compute_failed", {})[name] = (
                     type(e), describe((preds, target)), trial)
 
+
 def check_compute_again(task: Task, output: Any, batch: Any) -> None:
     """The metrics whose compute() failed on the first training batch, tried again once
     their copy holding that batch is given the first validation batch too (the sanity

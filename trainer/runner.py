@@ -259,15 +259,11 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     _start_banner(cfg, env, spec, logger, run_dir, len(train_loader.dataset))
     if task.note:
         logger.info("%s", task.note)
-    monitor = cfg.trainer.checkpoint.monitor
-    unused = ([f"trainer.checkpoint.monitor={monitor} keeps no best.pt: "
-               "trainer.save_checkpoint=false saves no checkpoint"]
-              if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
-              and not cfg.trainer.early_stopping.patience else [])
-    training = [] if cfg.trainer.validate_only else [  # (of a training's steps and saves)
-        *too_big, *unused, *too_many_workers(cfg.data, loop.train_feed, env.local_world_size)]
-    for line in [*rundir.unused_dir_key(), *training, *warnings]:  # every rank's alike (same_settings_everywhere,
-        logger.warning("%s", line)  # same_data_everywhere, one checkpoint): said once
+    # every rank's alike (same_settings_everywhere, same_data_everywhere, one checkpoint):
+    # said once
+    for line in [*rundir.unused_dir_key(), *_training_warnings(cfg, env, loop, too_big),
+                 *warnings]:
+        logger.warning("%s", line)
     if chosen:
         lines.append("optim.fused=null -> true: fp16's GradScaler steps a fused optimizer "
                      "without reading its inf flag to the host each step "
@@ -276,6 +272,21 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     for line in [*data_lines, *([carried] if carried else []), *lines]:
         logger.info("%s", line)
     return loop, checkpointing
+
+
+def _training_warnings(cfg: DictConfig, env: DistEnv, loop: Loop, too_big: List[str]
+                       ) -> List[str]:
+    """The start-up warnings of a training's steps and saves (none for trainer.validate_only):
+    `too_big` (limits and a warmup past the run's steps), a monitor with nothing saved, more
+    loader workers than the CPUs take."""
+    if cfg.trainer.validate_only:
+        return []
+    monitor = cfg.trainer.checkpoint.monitor
+    unused = ([f"trainer.checkpoint.monitor={monitor} keeps no best.pt: "
+               "trainer.save_checkpoint=false saves no checkpoint"]
+              if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
+              and not cfg.trainer.early_stopping.patience else [])
+    return [*too_big, *unused, *too_many_workers(cfg.data, loop.train_feed, env.local_world_size)]
 
 
 def _early_stopping(cfg: DictConfig, mode: Optional[str]) -> List[Callback]:
