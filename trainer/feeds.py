@@ -184,8 +184,12 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
                           "they come, not cached; use data.cache=none, or scripts/"
                           "prepare_data.py --format npy and data=memmap for data that fits")
     _check_cache_dir(d)
+    # trainer.validate_only reads no training sample: that split is neither cached (a whole
+    # decode of it, to validate) nor put on the device
+    unread = "train" if cfg.trainer.validate_only else None
     sets = [None if ds is None else cache_dataset(
-        ds, d.cache, _cache_tag(cfg, split), local_rank=env.local_rank,
+        ds, "none" if split == unread else d.cache, _cache_tag(cfg, split),
+        local_rank=env.local_rank,
         num_workers=cpu_workers(d, env.local_world_size), wait=distributed.barrier,
         owner=runlock.owner(), cache_dir=d.cache_dir, cache_mb=d.cache_mb,
         alive=runlock.owner_alive, start_s=cfg.trainer.ddp.timeout_s)
@@ -199,8 +203,9 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
             feeds.append(None)
             continue
         split_collate = collate_for(ds, collate)
-        where, why_not = placement(d, ds, device, split_collate is not None, reserved_mb)
-        where = _agreed(d, where, why_not, split, device)
+        where, why_not = ("host", None) if split == unread else \
+            placement(d, ds, device, split_collate is not None, reserved_mb)
+        where = where if split == unread else _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
         loader = build_loader(ds, d, train=split == "train", rank=env.rank,
                               world_size=env.world_size, seed=cfg.seed, device=device,
@@ -209,7 +214,9 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if getattr(loader, "gathered", False):  # kept from epoch to epoch (data/resident.py)
             reserved_mb += nbytes(loader.tensors) / 2**20
         lines.append("data: " + describe_feed(split, ds, where, workers, device, d, why_not))
-        if d.cache != "none":
+        if split == unread:
+            lines[-1] = f"data: {split} set: {len(ds)} samples, not read (trainer.validate_only)"
+        elif d.cache != "none":
             lines[-1] += f"; data.cache={d.cache}" + (
                 f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
         augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \

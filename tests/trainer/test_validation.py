@@ -166,3 +166,19 @@ def test_validate_only_without_a_validation_set_is_one_line_leaving_no_dir(make_
                        "+model.out_features=1", "trainer.validate_only=true",
                        f"trainer.init_from={weights}", run_dir=tmp_path / "none"))
     assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+
+
+def test_validate_only_neither_caches_nor_places_the_training_split(make_cfg, tmp_path, caplog):
+    """The training split is built (the loop holds its feed) but never read: it was decoded
+    whole into a disk cache, to validate."""
+    import logging
+
+    run = train(make_cfg("trainer.max_steps=2", run_dir=tmp_path / "run"))
+    weights = tmp_path / "run" / "checkpoints" / "last.pt"
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        checked = train(make_cfg("trainer.validate_only=true", f"trainer.init_from={weights}",
+                                 "data.cache=disk", f"data.cache_dir={tmp_path / 'cache'}",
+                                 run_dir=tmp_path / "checked"))
+    assert checked["val_loss"] == run["val_loss"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # (the validation split's alone)
+    assert "data: train set: 1438 samples, not read (trainer.validate_only)" in caplog.text
