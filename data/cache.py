@@ -26,7 +26,6 @@ import shutil
 import socket
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -37,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from data.advice import count_of
 from data.datasets import MemmapDataset
 from data.loader import Unbatchable, readable
+from data.lrucache import LRUCache
 from trainer.config import ConfigError
 
 log = logging.getLogger("stoker")
@@ -331,56 +331,6 @@ def _damaged(root: Path, e: BaseException) -> ConfigError:
     reason = _PACKED_WAY_OUT.sub("", reason)  # (a packed array's own way out: not this)
     return ConfigError(f"data.cache=disk: the cache {root} is damaged ({type(e).__name__}: "
                        f"{reason[:200]}); delete that folder and the next run writes it again")
-
-
-def _sample_bytes(sample: Any) -> int:
-    if isinstance(sample, torch.Tensor):
-        return sample.element_size() * sample.nelement() + 64
-    if isinstance(sample, dict):
-        return sum(_sample_bytes(v) for v in sample.values()) + 64
-    if isinstance(sample, (list, tuple)):
-        return sum(_sample_bytes(v) for v in sample) + 64
-    if isinstance(sample, np.ndarray):
-        return sample.nbytes + 64
-    return 64
-
-
-class LRUCache(Dataset):
-    """`dataset`'s samples as they are made, the most recently used up to `max_bytes` (tensor
-    bytes plus a small per-object allowance) in each process: every loader worker holds its
-    own. A sample bigger than the whole budget is passed through uncached."""
-
-    def __init__(self, dataset: Dataset, max_bytes: int):
-        self.dataset, self.max_bytes = dataset, max_bytes
-        self.collate_fn = getattr(dataset, "collate_fn", None)
-        self._items: "OrderedDict[int, Tuple[Any, int]]" = OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:  # classes, skipped(), ... of the dataset
-        if name.startswith("__") or name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __getitem__(self, i: int) -> Any:
-        found = self._items.get(i)
-        if found is not None:
-            self._items.move_to_end(i)
-            self.hits += 1
-            return found[0]
-        self.misses += 1
-        sample = self.dataset[i]
-        size = _sample_bytes(sample)
-        if sample is not None and size <= self.max_bytes:
-            self._items[i] = (sample, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, freed) = self._items.popitem(last=False)
-                self.bytes -= freed
-        return sample
 
 
 def cache_key(tag: str, dataset: Dataset) -> str:

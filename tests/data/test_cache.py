@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from data import cache
+from data import cache, lrucache
 from data.datasets import MemmapDataset, SyntheticDataset
 from trainer.config import ConfigError
 
@@ -96,8 +96,8 @@ def test_lru_serves_hits_without_making_the_sample_again():
 
 def test_lru_evicts_the_least_recently_used_by_bytes_not_items():
     ds = Counting()
-    per_sample = cache._sample_bytes(ds.inner[0])  # 2x4x4 float32 + an int64 and allowances
-    lru = cache.LRUCache(ds, max_bytes=3 * per_sample)
+    per_sample = lrucache._sample_bytes(ds.inner[0])  # 2x4x4 float32 + an int64 and allowances
+    lru = lrucache.LRUCache(ds, max_bytes=3 * per_sample)
     for i in (0, 1, 2):
         lru[i]
     lru[0]  # 0 is now the most recently used: 1 goes first
@@ -106,7 +106,7 @@ def test_lru_evicts_the_least_recently_used_by_bytes_not_items():
     made = ds.made
     lru[1]  # evicted: made again
     assert ds.made == made + 1
-    big = cache.LRUCache(Counting(), max_bytes=per_sample - 1)  # nothing fits: pass-through
+    big = lrucache.LRUCache(Counting(), max_bytes=per_sample - 1)  # nothing fits: pass-through
     big[0]
     assert not big._items and big.bytes == 0
 
@@ -114,7 +114,7 @@ def test_lru_evicts_the_least_recently_used_by_bytes_not_items():
 def test_lru_keeps_the_datasets_attributes_and_collate():
     ds = Counting()
     ds.classes, ds.collate_fn = ["a", "b"], torch.utils.data.default_collate
-    lru = cache.LRUCache(ds, 2**20)
+    lru = lrucache.LRUCache(ds, 2**20)
     assert lru.classes == ["a", "b"] and lru.collate_fn is ds.collate_fn
     import pickle
 

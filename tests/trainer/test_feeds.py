@@ -211,7 +211,7 @@ def test_memory_mapped_arrays_that_cannot_be_indexed_are_read_by_workers(tmp_pat
     import numpy as np
     from omegaconf import OmegaConf
 
-    from data.cache import LRUCache
+    from data.lrucache import LRUCache
     from data.datasets import MemmapDataset
     from data.resident import rows_of
     from tests.helpers import make_memmap_root
