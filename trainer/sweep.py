@@ -95,7 +95,7 @@ def _summary(job_dir: Path, damaged: List[str]) -> Dict[str, Any]:
     return summary or {}
 
 
-def _overrides(job_dir: Path) -> List[str]:
+def job_overrides(job_dir: Path) -> List[str]:
     try:
         value = OmegaConf.to_container(OmegaConf.load(job_dir / ".hydra" / "overrides.yaml"))
     except Exception:  # noqa: BLE001  (missing or not YAML: a job that never started)
@@ -140,14 +140,14 @@ def jobs_of(sweep_dir: Path) -> List[Dict[str, Any]]:
         damaged: List[str] = []
         jobs.append({"job": name if numbered is None else numbered,
                      "num": numbered if num is None else num,
-                     "dir": str(job_dir), "overrides": _overrides(job_dir),
+                     "dir": str(job_dir), "overrides": job_overrides(job_dir),
                      "status": _status(job_dir, damaged),
                      "summary": _summary(job_dir, damaged), "damaged": damaged})
     jobs.sort(key=lambda j: (j["num"] is None, j["num"] or 0, str(j["job"])))
     return jobs
 
 
-def _given(job: Dict[str, Any]) -> Dict[str, str]:
+def given_overrides(job: Dict[str, Any]) -> Dict[str, str]:
     """A job's overrides as key -> value (`key=value`; `~key` as key -> "")."""
     return dict(o.split("=", 1) if "=" in o else (o, "") for o in job["overrides"])
 
@@ -159,64 +159,11 @@ _NOT_COMPARED = ("trainer.resume", "hydra.", "+hydra.")
 def varying(jobs: List[Dict[str, Any]]) -> List[str]:
     """The override keys whose values are not the same in every job whose overrides are known,
     in first-seen order (all of them for a sweep of one job)."""
-    given = [_given(job) for job in jobs if job["overrides"]]
+    given = [given_overrides(job) for job in jobs if job["overrides"]]
     order = [key for key in dict.fromkeys(key for g in given for key in g)
              if not key.lstrip("+~").startswith(_NOT_COMPARED)]
     keys = [key for key in order if len({g.get(key) for g in given}) > 1]
     return keys if keys or len(given) != 1 else order
-
-
-# a sweep relaunched to train on: its lengths may change, as one run's may on a resume
-_LENGTHS = ("trainer.max_epochs", "trainer.max_steps")
-
-
-def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Optional[str]:
-    """Where `job_dir` holds a job of another sweep than the one that gives it `overrides`
-    (a relaunch into the dir with other values of the keys its sweep varied: Hydra numbers
-    the new jobs alike), those keys as `key=<recorded> there, <new> in this job`; None where they
-    agree, or the dir holds no job's record. The keys a sweep varied are its record's sweeps
-    (the multirun.yaml this launch kept: `optim.lr=1e-3,3e-3`), else told from its jobs'
-    records (of a sweep of one job, none: it resumes as one run does, its changes said)."""
-    recorded = _overrides(job_dir)
-    if not recorded:
-        return None
-    keys = swept(kept_record(sweep_dir))
-    if keys is None:
-        jobs = [job for job in jobs_of(sweep_dir) if job["overrides"]]
-        keys = varying(jobs) if len(jobs) > 1 else []
-    keys = [k for k in keys if k.lstrip("+~") not in _LENGTHS]
-    old, new = _given({"overrides": recorded}), _given({"overrides": overrides})
-
-    def value(v: Optional[str]) -> Any:  # (1e-3 and 0.001 are one value)
-        try:
-            return float(v) if v is not None else None
-        except ValueError:
-            return v
-
-    differ = [k for k in keys if value(old.get(k)) != value(new.get(k))]
-    return ", ".join(f"{k}={old.get(k, '(not set)')} there, {new.get(k, '(not set)')} in this "
-                     "job" for k in differ) or None
-
-
-def swept(record: Path) -> Optional[List[str]]:
-    """The keys a sweep's multirun.yaml sweeps, on its command line (`key=a,b`,
-    `key=range(...)`) or in its config (`hydra.sweeper.params`, an experiment's sweep), as its
-    jobs' overrides name them; None where it cannot be read, or names none (then its jobs'
-    records tell: a sweep of the config's params alone compared its jobs on nothing, and a
-    relaunch of another one continued job 0's run under its own lr)."""
-    try:
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        hydra = OmegaConf.load(record).hydra
-        typed = list(hydra.overrides.task)
-        parsed = OverridesParser.create().parse_overrides([str(o) for o in typed])
-        params = OmegaConf.select(hydra, "sweeper.params")
-        params = list(params) if isinstance(params, DictConfig) else []
-    except Exception:  # noqa: BLE001  (no record kept, or not one Hydra wrote)
-        return None
-    keys = [o.get_key_element() for o in parsed if o.is_sweep_override()]
-    keys += [str(k) for k in params if str(k) not in keys]
-    return keys or None
 
 
 def best_job(jobs: List[Dict[str, Any]]) -> Tuple[Optional[Any], str, str]:
@@ -267,7 +214,7 @@ def summarise(sweep_dir: Path) -> Dict[str, Any]:
         results.insert(len(RESULTS), f"best_{key}")
     rows = []
     for job in jobs:
-        given = _given(job)
+        given = given_overrides(job)
         values = {k: job["summary"].get(k) for k in results}
         if kept:
             values[f"best_{key}"] = _kept_best(job["summary"], key)

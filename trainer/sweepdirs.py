@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from trainer import sweep
 from trainer.checkpoint import CheckpointError
@@ -50,7 +50,7 @@ def check_subdir_names_the_job(run_dir: Path) -> None:
     subdir, num = raw.get("subdir"), h.job.num
     fix = "name the job in it: ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
     if "${" not in str(subdir) and "${" not in _STAMP.sub("", str(raw.get("dir"))) and \
-            sweep.swept(Path(h.sweep.dir) / sweep.RECORD):
+            swept(Path(h.sweep.dir) / sweep.RECORD):
         raise ConfigError(f"hydra.sweep.subdir={subdir}: names one dir for every job of the "
                           f"sweep ({Path(h.sweep.dir) / str(subdir)}), where each job would "
                           f"continue the one before; {fix}")
@@ -78,7 +78,7 @@ def check_sweep_resume(run_dir: Path, resume: Optional[str]) -> None:
 
     from trainer.resumechanges import IMPLEMENTATION_KEYS
 
-    keys = [k.lstrip("+") for k in sweep.swept(Path(HydraConfig.get().sweep.dir) / sweep.RECORD)
+    keys = [k.lstrip("+") for k in swept(Path(HydraConfig.get().sweep.dir) / sweep.RECORD)
             or []]
     kept = [k for k in keys if k == "seed" or (k.startswith(("optim.", "sched."))
                                                and k not in IMPLEMENTATION_KEYS)]
@@ -102,9 +102,62 @@ def check_same_sweep(run_dir: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     h = HydraConfig.get()
-    differ = sweep.other_sweeps_job(run_dir, Path(h.sweep.dir), list(h.overrides.task))
+    differ = other_sweeps_job(run_dir, Path(h.sweep.dir), list(h.overrides.task))
     if differ:
         raise AnotherSweep(f"hydra.sweep.dir={h.sweep.dir}: job dir {run_dir} holds a run of "
                            f"another sweep's job ({differ}): launch this sweep in a new "
                            "hydra.sweep.dir, or continue that one with its own values; "
                            "nothing was changed")
+
+
+# a sweep relaunched to train on: its lengths may change, as one run's may on a resume
+_LENGTHS = ("trainer.max_epochs", "trainer.max_steps")
+
+
+def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Optional[str]:
+    """Where `job_dir` holds a job of another sweep than the one that gives it `overrides`
+    (a relaunch into the dir with other values of the keys its sweep varied: Hydra numbers
+    the new jobs alike), those keys as `key=<recorded> there, <new> in this job`; None where they
+    agree, or the dir holds no job's record. The keys a sweep varied are its record's sweeps
+    (the multirun.yaml this launch kept: `optim.lr=1e-3,3e-3`), else told from its jobs'
+    records (of a sweep of one job, none: it resumes as one run does, its changes said)."""
+    recorded = sweep.job_overrides(job_dir)
+    if not recorded:
+        return None
+    keys = swept(sweep.kept_record(sweep_dir))
+    if keys is None:
+        jobs = [job for job in sweep.jobs_of(sweep_dir) if job["overrides"]]
+        keys = sweep.varying(jobs) if len(jobs) > 1 else []
+    keys = [k for k in keys if k.lstrip("+~") not in _LENGTHS]
+    old, new = sweep.given_overrides({"overrides": recorded}), sweep.given_overrides({"overrides": overrides})
+
+    def value(v: Optional[str]) -> Any:  # (1e-3 and 0.001 are one value)
+        try:
+            return float(v) if v is not None else None
+        except ValueError:
+            return v
+
+    differ = [k for k in keys if value(old.get(k)) != value(new.get(k))]
+    return ", ".join(f"{k}={old.get(k, '(not set)')} there, {new.get(k, '(not set)')} in this "
+                     "job" for k in differ) or None
+
+
+def swept(record: Path) -> Optional[List[str]]:
+    """The keys a sweep's multirun.yaml sweeps, on its command line (`key=a,b`,
+    `key=range(...)`) or in its config (`hydra.sweeper.params`, an experiment's sweep), as its
+    jobs' overrides name them; None where it cannot be read, or names none (then its jobs'
+    records tell: a sweep of the config's params alone compared its jobs on nothing, and a
+    relaunch of another one continued job 0's run under its own lr)."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        hydra = OmegaConf.load(record).hydra
+        typed = list(hydra.overrides.task)
+        parsed = OverridesParser.create().parse_overrides([str(o) for o in typed])
+        params = OmegaConf.select(hydra, "sweeper.params")
+        params = list(params) if isinstance(params, DictConfig) else []
+    except Exception:  # noqa: BLE001  (no record kept, or not one Hydra wrote)
+        return None
+    keys = [o.get_key_element() for o in parsed if o.is_sweep_override()]
+    keys += [str(k) for k in params if str(k) not in keys]
+    return keys or None

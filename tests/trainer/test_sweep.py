@@ -6,7 +6,8 @@ import json
 import pytest
 
 from tests.helpers import run_cli
-from trainer.sweep import best_job, jobs_of, other_sweeps_job, summarise, table, varying
+from trainer.sweep import best_job, jobs_of, summarise, table, varying
+from trainer.sweepdirs import other_sweeps_job
 
 
 def job(sweep, num, overrides, status=None, summary=None):
