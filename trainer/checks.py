@@ -151,7 +151,11 @@ def _check_validate_only(t: DictConfig) -> None:
     _check(t.init_from is not None, "trainer.validate_only", True,
            "validates the weights of trainer.init_from=PATH (a run's checkpoint such as "
            "outputs/my-run/checkpoints/best.pt, a state dict or a .safetensors file), which is "
-           "not set")
+           "not set" + (f"; trainer.resume={t.resume} continues a training: give that file as "
+                        "trainer.init_from" if t.resume not in (None, "auto") else ""))
+    _check(t.init_strict, "trainer.validate_only", True,
+           "validates the file's model as it is, and trainer.init_strict=false would leave the "
+           "tensors that do not fit as initialised; give the model settings its run had")
     # (trainer.resume=PATH with init_from is refused above; auto, as the SLURM script passes
     # it, is taken: a validation goes into a new dir, where it finds nothing to continue)
     _check(not t.profile, "trainer.validate_only", True,

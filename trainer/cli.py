@@ -241,7 +241,10 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
     """
     if any_rank or detect().is_main:
         took = (f" (this launch took the run's own overrides {' '.join(resumeargs.CARRIED)} "
-                f"from {resumeargs.RECORD})") if resumeargs.CARRIED else ""
+                f"from {resumeargs.RECORD}" + (
+                    f"; left out, in a config group chosen otherwise: "
+                    f"{' '.join(resumeargs.DROPPED)}" if resumeargs.DROPPED else "") + ")"
+                ) if resumeargs.CARRIED or resumeargs.DROPPED else ""
         print(f"stoker: error: {describe(e)}{took}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)

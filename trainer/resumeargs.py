@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 CARRIED: List[str] = []  # what this launch took from its run's record, said at start-up
+DELETED: List[str] = []  # of those, the ones a ~key of the command deletes after
 DROPPED: List[str] = []  # the record's keys inside a config group the command chose otherwise
 RECORD: Optional[Path] = None  # the record it took them from
 RESUMED: Optional[Path] = None  # the run dir a resume in place continues
@@ -103,6 +104,7 @@ def with_runs_own(args: List[str]) -> List[str]:
     global RECORD, RESUMED
     CARRIED.clear()
     DROPPED.clear()
+    DELETED.clear()
     RECORD = RESUMED = None
     if any(a in ("-m", "--multirun") for a in args) or "hydra.mode=MULTIRUN" in args:
         return args
@@ -134,6 +136,9 @@ def with_runs_own(args: List[str]) -> List[str]:
             continue
         otherwise = _chosen_otherwise(key, by_key, choices)
         (DROPPED if otherwise else CARRIED).append(o.input_line)
+        if not otherwise and any(o2.is_delete() and (key == k or key.startswith(k + "."))
+                                 for k, o2 in by_key.items()):
+            DELETED.append(o.input_line)  # (carried, so that the ~key has a key to delete)
     RECORD = record
     return args[:at[0]] + CARRIED + args[at[0]:]
 
@@ -142,8 +147,10 @@ def said() -> Optional[str]:
     """The start-up line naming what this launch took from its run's record, if anything."""
     if not CARRIED and not DROPPED:
         return None
+    kept = [a for a in CARRIED if a not in DELETED]
     took = (f"the run's own overrides that this command does not set again apply: "
-            f"{' '.join(CARRIED)}" if CARRIED else "none of the run's own overrides apply")
+            f"{' '.join(kept)}" if kept else "none of the run's own overrides apply") + (
+        f"; deleted by the command's ~key: {' '.join(DELETED)}" if DELETED else "")
     left = f"; left out, in a config group chosen otherwise: {' '.join(DROPPED)}" \
         if DROPPED else ""
     what = "resume" if RECORD is not None and RECORD.parent.parent == RESUMED else \

@@ -165,7 +165,23 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
               f"a fresh start (the run to continue is named by {rundir.dir_key()})"]
              if resume == "auto" else [])
     if cfg.trainer.init_from is not None:
-        line = init_weights(unwrap(loop.model), cfg.trainer.init_from, cfg.trainer.init_strict)
+        try:
+            line = init_weights(unwrap(loop.model), cfg.trainer.init_from,
+                                cfg.trainer.init_strict)
+        except CheckpointError as e:
+            if not cfg.trainer.validate_only:
+                raise
+            # (a validation of a model partly as initialised is no validation of the file):
+            # the settings of its run, where the file is a run's checkpoint
+            try:
+                state = checkpoint.load(Path(cfg.trainer.init_from), "cpu")
+                had = _launched_otherwise(cfg, state, Path(cfg.trainer.init_from)).replace(
+                    "resume it with", "validate it with")
+            except (CheckpointError, OSError, AttributeError):
+                had = ""
+            raise CheckpointError(str(e).split("; trainer.init_strict=false")[0] + had + "; "
+                                  "trainer.validate_only validates the file's model as it is: "
+                                  "give the model and data settings its run had") from None
         if cfg.trainer.validate_only:  # (no training: nothing else starts)
             line = line.removesuffix(FRESH)
         lines.append(line)

@@ -212,6 +212,12 @@ def test_init_from_is_a_path_and_not_a_second_start_beside_a_resumed_checkpoint(
                                      "outputs/my-run/checkpoints/best.pt"),
     (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.profile=true"],
      "trainer.validate_only=true: cannot be combined with trainer.profile"),
+    (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.init_strict=false"],
+     "trainer.validate_only=true: validates the file's model as it is, and "
+     "trainer.init_strict=false would leave"),
+    (["trainer.validate_only=true", "trainer.resume=w.pt"],
+     "which is not set; trainer.resume=w.pt continues a training: give that file as "
+     "trainer.init_from"),
     (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.limit_val_batches=0"],
      "trainer.validate_only=true: has nothing to validate with trainer.limit_val_batches=0"),
     (["trainer.validate_only=true", "trainer.init_from=w.pt", "trainer.fast_dev_run=true"],
@@ -220,7 +226,8 @@ def test_init_from_is_a_path_and_not_a_second_start_beside_a_resumed_checkpoint(
 def test_validate_only_needs_weights_and_a_validation(make_cfg, overrides, fragment):
     with pytest.raises(ConfigError) as info:
         resolve(make_cfg(*overrides))
-    assert str(info.value).startswith(fragment)
+    assert str(info.value).startswith("trainer.validate_only=true: ") and fragment in str(
+        info.value)
 
 
 def test_a_debug_modes_single_strategy_under_torchrun_names_the_mode(tmp_path):

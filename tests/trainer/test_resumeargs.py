@@ -59,6 +59,9 @@ def test_a_deletion_on_the_command_line_comes_after_the_runs_key(tmp_path):
     run = launched_with(tmp_path / "run", "+model.num_classes=1", "optim.lr=0.1")
     args = ["trainer.resume=auto", f"hydra.run.dir={run}", "~model.num_classes"]
     assert with_runs_own(args) == ["+model.num_classes=1", "optim.lr=0.1", *args]
+    assert resumeargs.said().startswith(  # (not said to apply: the next line said it gone)
+        "resume: the run's own overrides that this command does not set again apply: "
+        "optim.lr=0.1; deleted by the command's ~key: +model.num_classes=1 (from ")
 
 
 def test_a_flags_value_is_no_override_and_a_sweep_by_its_mode_carries_nothing(tmp_path):
@@ -137,3 +140,10 @@ def test_the_short_resume_command_continues_the_run_it_names(tmp_path):
                        f"trainer.init_from={run / 'checkpoints' / 'last.pt'}"], cwd=ROOT)
     assert checked.returncode == 0, checked.stderr[-2000:]
     assert f"val_loss {summary['val_loss']:.4f}" in checked.stdout.strip().splitlines()[-1]
+    other = run_cli(["trainer.validate_only=true", f"hydra.run.dir={tmp_path / 'other'}",
+                     f"trainer.init_from={run / 'checkpoints' / 'last.pt'}", "model=mlp"],
+                    cwd=ROOT)  # (no init_strict=false advice: a model partly as initialised)
+    assert other.returncode == 2 and "trainer.init_strict=false" not in other.stderr
+    assert ("(its run had other model settings: model._target_=trainer.models.SmallCNN, "
+            "model.channels=[4, 8]") in other.stderr and "; trainer.validate_only validates " \
+        "the file's model as it is: give the model and data settings its run had" in other.stderr
