@@ -47,9 +47,10 @@ def check_fresh_start(run_dir: Path, resume: Optional[str], validating: bool = F
     if not found and set(outputs) <= set(RECORDS) and _failed(status):
         outputs = []  # an attempt that failed before it left a result: this run replaces it
     if validating and (outputs or found):  # (not "continue it with trainer.resume=auto")
-        raise ConfigError(f"trainer.validate_only=true: {dir_key()}={run_dir} holds a run's "
-                          f"files; validate into a new dir ({dir_key()}=...); nothing was "
-                          "changed")
+        where = f"job dir {run_dir}" if dir_key() == "hydra.sweep.dir" else \
+            f"{dir_key()}={run_dir}"
+        raise ConfigError(f"trainer.validate_only=true: {where} holds a run's files; validate "
+                          f"into a new dir ({dir_key()}=...); nothing was changed")
     if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
     sweepdirs.check_same_sweep(run_dir)
