@@ -113,14 +113,18 @@ def say_sweep_stopped(e: Optional[BaseException] = None) -> None:
 
     if distributed.detect().is_main:
         h = HydraConfig.get()
+        # (a validation goes into a new dir: a relaunch with resume=auto refused its jobs')
+        validating = any(a.lstrip("+").lower() == "trainer.validate_only=true"
+                         for a in h.overrides.task)
+        on = (" (once fixed, the same command in a new hydra.sweep.dir)" if validating else
+              " (once fixed, the same command with "
+              f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
+              + ("keeps the finished ones)" if h.job.num else "runs them all)"))
         print(f"stoker: the sweep stopped at job {h.job.num}"
               + (f" ({h.runtime.output_dir})"  # a hydra.sweep.subdir of one's own
                  if str(h.job.num) != Path(h.runtime.output_dir).name else "")
               + "; the jobs after it were not run"
-              + ("" if isinstance(e, sweepdirs.AnotherSweep) else
-                 " (once fixed, the same command with "
-                 f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "
-                 + ("keeps the finished ones)" if h.job.num else "runs them all)")),
+              + ("" if isinstance(e, sweepdirs.AnotherSweep) else on),
               file=sys.stderr, flush=True)
 
 

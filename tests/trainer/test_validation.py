@@ -182,3 +182,20 @@ def test_validate_only_neither_caches_nor_places_the_training_split(make_cfg, tm
     assert checked["val_loss"] == run["val_loss"]
     assert len(list((tmp_path / "cache").iterdir())) == 1  # (the validation split's alone)
     assert "data: train set: 1438 samples, not read (trainer.validate_only)" in caplog.text
+
+
+def test_a_stopped_sweep_of_validations_is_told_to_go_into_a_new_dir(make_cfg, tmp_path):
+    """Its line said to relaunch with trainer.resume=auto in the same sweep dir, where every
+    finished job's dir is then refused (a validation goes into a new dir)."""
+    from tests.helpers import ROOT, run_cli
+
+    train(make_cfg("trainer.max_steps=2", run_dir=tmp_path / "run"))
+    other = tmp_path / "other.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), other)
+    proc = run_cli(["-m", "trainer.validate_only=true", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                    f"trainer.init_from={tmp_path / 'run' / 'checkpoints' / 'last.pt'},{other}"],
+                   cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "stoker: the sweep stopped at job 1; the jobs after it were not run (once fixed, the "
+        "same command in a new hydra.sweep.dir)")
