@@ -21,7 +21,7 @@ from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
 from trainer.progress import steps_left, total_steps
-from trainer.weights import FRESH, check_model_state, init_weights, not_read_line
+from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import (changes_line, check_schedule_kind, flat, record_kept,
                                    resume_changes)
@@ -113,10 +113,12 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     return warnings, lines, path
 
 
-def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> str:
+def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path,
+                        verb: str = "resume") -> str:
     """For a checkpoint whose model does not fit: the model settings its run had that this
     launch has not (a short `trainer.resume=auto hydra.run.dir=...` that left out the
-    run's own overrides), and where its whole resume command is."""
+    run's own overrides), and where its whole resume command is (`verb`: what to do with
+    them, resume or validate it)."""
     config = state.get("config") or {}
     saved = config.get("model")
     if not isinstance(saved, dict):
@@ -133,7 +135,7 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path) -> s
     return (" (its run had other model settings: " + ", ".join(
         f"{k}={theirs.get(k, '(not set)')}" for k in differ[:3])
         + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
-        + f"; resume it with the overrides it was launched with{_its_command(path)})")
+        + f"; {verb} it with the overrides it was launched with{_its_command(path)})")
 
 
 # the data settings a model is sized by (offered as its input_shape and num_classes)
@@ -165,26 +167,20 @@ def _fresh_start(cfg: DictConfig, run_dir: Path, loop: Loop, resume: Optional[st
               f"a fresh start (the run to continue is named by {rundir.dir_key()})"]
              if resume == "auto" else [])
     if cfg.trainer.init_from is not None:
+        validating = cfg.trainer.validate_only
         try:
-            line = init_weights(unwrap(loop.model), cfg.trainer.init_from,
-                                cfg.trainer.init_strict)
+            lines.append(init_weights(unwrap(loop.model), cfg.trainer.init_from,
+                                      cfg.trainer.init_strict, training=not validating))
         except CheckpointError as e:
-            if not cfg.trainer.validate_only:
+            if not validating:
                 raise
-            # (a validation of a model partly as initialised is no validation of the file):
-            # the settings of its run, where the file is a run's checkpoint
+            # the settings the file's run had, where it is a run's checkpoint
+            path = Path(cfg.trainer.init_from)
             try:
-                state = checkpoint.load(Path(cfg.trainer.init_from), "cpu")
-                had = _launched_otherwise(cfg, state, Path(cfg.trainer.init_from)).replace(
-                    "resume it with", "validate it with")
+                had = _launched_otherwise(cfg, checkpoint.load(path, "cpu"), path, "validate")
             except (CheckpointError, OSError, AttributeError):
                 had = ""
-            raise CheckpointError(str(e).split("; trainer.init_strict=false")[0] + had + "; "
-                                  "trainer.validate_only validates the file's model as it is: "
-                                  "give the model and data settings its run had") from None
-        if cfg.trainer.validate_only:  # (no training: nothing else starts)
-            line = line.removesuffix(FRESH)
-        lines.append(line)
+            raise CheckpointError(f"{e}{had}") from None
         distributed.broadcast_weights(unwrap(loop.model))  # (one model, whatever each read)
         # config.yaml and the checkpoints name the file wherever a later launch runs from
         # (a requeue compares it: not_read_line)

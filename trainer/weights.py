@@ -74,10 +74,12 @@ def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
                      for name, keys in misfits.items() if keys)
 
 
-def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
+def init_weights(model: nn.Module, init_from: str, strict: bool, training: bool = True) -> str:
     """Loads the weights in the file `init_from` names into `model` (the user's own module)
     and returns the line that says what was loaded; CheckpointError, with the model untouched,
-    for a file that cannot be read, holds no weights, or does not fit."""
+    for a file that cannot be read, holds no weights, or does not fit. `training=False`
+    (trainer.validate_only): a misfit is not offered init_strict=false (a model partly as
+    initialised is no validation of the file), and nothing else starts."""
     path = Path(init_from)
     key = f"trainer.init_from={init_from}"
     if not path.is_file():
@@ -92,9 +94,10 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
         f" (read from its keys under '{removed}'; left out: {_first(left_out)})")
     said = said_mismatches(misfits, own, theirs)
     if strict and any(misfits.values()):
-        raise CheckpointError(f"{key} does not fit this model{prefix}; {said}; "
-                              "trainer.init_strict=false loads the tensors that fit and leaves "
-                              "the rest as initialised")
+        way = ("trainer.init_strict=false loads the tensors that fit and leaves the rest as "
+               "initialised" if training else "trainer.validate_only validates the file's "
+               "model as it is: give the model and data settings its run had")
+        raise CheckpointError(f"{key} does not fit this model{prefix}; {said}; {way}")
     unfit = set(misfits["unexpected"]) | set(misfits["shape mismatch"])
     fitting = {k: v for k, v in theirs.items() if k not in unfit}
     if not fitting:
@@ -108,10 +111,7 @@ def init_weights(model: nn.Module, init_from: str, strict: bool) -> str:
         line += (f"; left as initialised: {_first(left)}" if left else "") + (
             f"; the file's keys the model lacks: {_first(misfits['unexpected'])}"
             if misfits["unexpected"] else "")
-    return line + FRESH
-
-
-FRESH = "; the optimizer, schedule and step count start fresh"  # (init_weights's line ends so)
+    return line + ("; the optimizer, schedule and step count start fresh" if training else "")
 
 
 def _not_a_file(path: Path) -> str:
