@@ -240,12 +240,7 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
     "Error executing job" line.
     """
     if any_rank or detect().is_main:
-        took = (f" (this launch took the run's own overrides {' '.join(resumeargs.CARRIED)} "
-                f"from {resumeargs.RECORD}" + (
-                    f"; left out, in a config group chosen otherwise: "
-                    f"{' '.join(resumeargs.DROPPED)}" if resumeargs.DROPPED else "") + ")"
-                ) if resumeargs.CARRIED or resumeargs.DROPPED else ""
-        print(f"stoker: error: {describe(e)}{took}", file=sys.stderr, flush=True)
+        print(f"stoker: error: {describe(e)}{resumeargs.took()}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)
 

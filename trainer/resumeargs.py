@@ -151,8 +151,20 @@ def said() -> Optional[str]:
     took = (f"the run's own overrides that this command does not set again apply: "
             f"{' '.join(kept)}" if kept else "none of the run's own overrides apply") + (
         f"; deleted by the command's ~key: {' '.join(DELETED)}" if DELETED else "")
-    left = f"; left out, in a config group chosen otherwise: {' '.join(DROPPED)}" \
-        if DROPPED else ""
     what = "resume" if RECORD is not None and RECORD.parent.parent == RESUMED else \
         "trainer.validate_only"
-    return f"{what}: {took}{left} (from {RECORD}; a key set on the command line wins)"
+    return f"{what}: {took}{_left()} (from {RECORD}; a key set on the command line wins)"
+
+
+def _left() -> str:
+    return f"; left out, in a config group chosen otherwise: {' '.join(DROPPED)}" \
+        if DROPPED else ""
+
+
+def took() -> str:
+    """What an error line of this launch ends with where it took anything from its run's
+    record (a key the error names may be the run's, not the command's); "" otherwise."""
+    if not CARRIED and not DROPPED:
+        return ""
+    return (f" (this launch took the run's own overrides {' '.join(CARRIED)} from {RECORD}"
+            f"{_left()})")
