@@ -93,7 +93,7 @@ def sweep_job_failed(e: BaseException) -> None:
             pass
 
 
-def end_sweep(e: BaseException) -> NoReturn:
+def end_sweep(e: BaseException, validating: bool = False) -> NoReturn:
     """A sweep job's crash (an exception with its traceback, not a one-line refusal): the
     traceback now, and the process's exit code, which stops the sweep as a refused job does.
     Hydra's launcher would keep the exception, run the next jobs and raise it at the end, and
@@ -102,20 +102,19 @@ def end_sweep(e: BaseException) -> NoReturn:
     import traceback
 
     traceback.print_exception(e)
-    say_sweep_stopped()
+    say_sweep_stopped(validating=validating)
     raise SystemExit(exit_code(e))
 
 
-def say_sweep_stopped(e: Optional[BaseException] = None) -> None:
+def say_sweep_stopped(e: Optional[BaseException] = None, validating: bool = False) -> None:
     """One line from rank 0: which job stopped the sweep, and how to run on from there (not
-    for `e` that a resume of the sweep would meet again: its dir holds another sweep)."""
+    for `e` that a resume of the sweep would meet again: its dir holds another sweep; for a
+    sweep of validations, `validating`, a new sweep dir: a validation goes into a new dir, and
+    a relaunch with resume=auto refused its jobs')."""
     from hydra.core.hydra_config import HydraConfig
 
     if distributed.detect().is_main:
         h = HydraConfig.get()
-        # (a validation goes into a new dir: a relaunch with resume=auto refused its jobs')
-        validating = any(a.lstrip("+").lower() == "trainer.validate_only=true"
-                         for a in h.overrides.task)
         on = (" (once fixed, the same command in a new hydra.sweep.dir)" if validating else
               " (once fixed, the same command with "
               f"trainer.resume=auto hydra.sweep.dir={h.sweep.dir} "

@@ -49,6 +49,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     line on stderr and exit code 2, OS errors (a full disk, a read-only dir) and a non-finite
     loss into one line and exit code 1, a preemption into exit code 75 (a traceback stays for
     anything else). README "Exit codes" lists them."""
+    validating = bool(OmegaConf.select(cfg, "trainer.validate_only", default=False))
     try:
         return train(cfg)
     except Preempted as e:
@@ -59,12 +60,12 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         ending.sweep_job_failed(e)
         if wants_traceback():
             if ending.stops_sweep():
-                ending.end_sweep(e)
+                ending.end_sweep(e, validating)
             raise
         stops = ending.stops_sweep()
         if isinstance(e, PeerLost):
             if stops:  # (before: the process ends at once after its own line)
-                ending.say_sweep_stopped()
+                ending.say_sweep_stopped(validating=validating)
             ending.end_without_peer(e)
         try:  # (a launch the variables cannot describe, a rank that could not join, or that
             # lost the writer of its node's cache, which may be rank 0: each says it)
@@ -72,11 +73,11 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
                 e, (distributed.LaunchError, distributed.JoinFailed, WriterGone)))
         finally:
             if stops:  # the last line: which job stopped the sweep, how to run on
-                ending.say_sweep_stopped(e)
+                ending.say_sweep_stopped(e, validating)
     except BaseException as e:
         ending.sweep_job_failed(e)
         if isinstance(e, Exception) and ending.stops_sweep():
-            ending.end_sweep(e)
+            ending.end_sweep(e, validating)
         raise
 
 
