@@ -260,8 +260,8 @@ class MemmapDataset(Dataset):
         """What identifies the samples: the arrays' files (paths, sizes, times), so that a
         disk cache of them is rebuilt when they are written again (a cache keyed by the
         config alone kept serving the rows of arrays prepare_data.py had since rewritten)."""
-        files = [Path(self.x.path), Path(self.y.path)]
-        return repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+        stamps = [(str(Path(p).resolve()), os.stat(p)) for p in (self.x.path, self.y.path)]
+        return repr([(p, st.st_size, st.st_mtime_ns) for p, st in stamps])
 
     def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(self.x[i]), torch.from_numpy(self.y[i])

@@ -203,9 +203,11 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
             feeds.append(None)
             continue
         split_collate = collate_for(ds, collate)
-        where, why_not = ("host", None) if split == unread else \
-            placement(d, ds, device, split_collate is not None, reserved_mb)
-        where = where if split == unread else _agreed(d, where, why_not, split, device)
+        if split == unread:
+            where, why_not = "host", None
+        else:
+            where, why_not = placement(d, ds, device, split_collate is not None, reserved_mb)
+            where = _agreed(d, where, why_not, split, device)
         workers = _workers(d, ds, where, env.local_world_size)
         loader = build_loader(ds, d, train=split == "train", rank=env.rank,
                               world_size=env.world_size, seed=cfg.seed, device=device,
