@@ -17,6 +17,7 @@ from data.advice import count_of
 from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs
+from trainer.sweep import in_sweep
 from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe,
                          exit_now, fail)
 from trainer.config import RunSpec
@@ -47,14 +48,6 @@ def end_without_peer(e: PeerLost) -> NoReturn:
         fail(e, code=exit_code(e), any_rank=True)
     except SystemExit as done:
         exit_now(done.code)
-
-
-def in_sweep() -> bool:
-    """Whether this process runs a job of a Hydra sweep (`-m`)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def launcher() -> str:

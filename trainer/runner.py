@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.cache import WriterGone
 from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
-                     resumefiles, rundir, schedules, speed, startup)
+                     resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
 from trainer.validation import validate_once
 from trainer.cli import SignalledAgain, describe, fail, wants_traceback
@@ -158,7 +158,7 @@ def _deterministic(mode: bool, compiling: bool) -> None:
 def _check_launcher() -> None:
     """A sweep launcher of Hydra's (hydra/launcher=slurm) launches sweeps (-m) only: a run
     without -m would train here, where its user meant to submit it."""
-    if not ending.in_sweep() and "submitit" in ending.launcher():
+    if not sweep.in_sweep() and "submitit" in ending.launcher():
         raise ConfigError("hydra/launcher=slurm: submits sweeps (-m) only, and this command "
                           "would train here; add -m to submit it as a job (one job for one "
                           "setting), or leave the launcher out")
@@ -171,7 +171,7 @@ def _empty_hydra_dir() -> Optional[str]:
     if not HydraConfig.initialized():
         return None
     h = HydraConfig.get()
-    key, value = (("hydra.sweep.dir", h.sweep.dir) if ending.in_sweep()
+    key, value = (("hydra.sweep.dir", h.sweep.dir) if sweep.in_sweep()
                   else ("hydra.run.dir", h.run.dir))
     return key if not str(value or "").strip() else None
 

@@ -43,6 +43,14 @@ UNREADABLE = "unreadable status.json"
 GONE = "stopped (process gone)"
 
 
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra sweep (`-m`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def _read_json(path: Path) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """(the JSON object in `path`, None); (None, None) where there is no such file; (None,
     what is wrong) where it cannot be read or holds no JSON object (a write cut short)."""

@@ -14,17 +14,6 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
 
-def _in_sweep() -> bool:
-    """Whether this is a job of a Hydra sweep (-m)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return False
-    from hydra.types import RunMode
-
-    return HydraConfig.get().mode == RunMode.MULTIRUN
-
-
 class AnotherSweep(CheckpointError):
     """A sweep job's dir holds a job of another sweep: the fix is another sweep dir, not a
     resume of this one."""
@@ -41,7 +30,7 @@ def check_subdir_names_the_job(run_dir: Path) -> None:
     an earlier job of this launch had (a swept key left out of the dir's name). A relaunch
     with trainer.resume=auto, as the second job's refusal advised, had every job continue the
     first one's run (the other values never trained, exit 0)."""
-    if not _in_sweep():
+    if not sweep.in_sweep():
         return
     from hydra.core.hydra_config import HydraConfig
 
@@ -70,7 +59,7 @@ def check_sweep_resume(run_dir: Path, resume: Optional[str]) -> None:
     refused: every job would continue that one run as it was (a swept optim.lr gave the same
     result in every job, a table of a comparison that was none). A sweep of the paths, or of
     what a resume applies (trainer.max_epochs), continues as asked."""
-    if not _in_sweep() or resume in (None, "auto"):
+    if not sweep.in_sweep() or resume in (None, "auto"):
         return
     if Path(run_dir).resolve() in Path(resume).resolve().parents:
         return  # (the job's own checkpoint: its run, rolled back)
@@ -97,7 +86,7 @@ def check_same_sweep(run_dir: Path) -> None:
     values of the keys that sweep varied) is refused, whatever trainer.resume says: resumed,
     it would continue that job's run under this job's settings (its optimizer state keeping
     its lr), and train nothing of this sweep."""
-    if not _in_sweep():
+    if not sweep.in_sweep():
         return
     from hydra.core.hydra_config import HydraConfig
 
@@ -129,7 +118,8 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
         jobs = [job for job in sweep.jobs_of(sweep_dir) if job["overrides"]]
         keys = sweep.varying(jobs) if len(jobs) > 1 else []
     keys = [k for k in keys if k.lstrip("+~") not in _LENGTHS]
-    old, new = sweep.given_overrides({"overrides": recorded}), sweep.given_overrides({"overrides": overrides})
+    old = sweep.given_overrides({"overrides": recorded})
+    new = sweep.given_overrides({"overrides": overrides})
 
     def value(v: Optional[str]) -> Any:  # (1e-3 and 0.001 are one value)
         try:
