@@ -49,12 +49,11 @@ def _override_positions(args: Sequence[str]) -> List[int]:
 
 
 def _in_place(resume: object, run_dir: Path) -> bool:
-    """Whether trainer.resume's value continues the run in `run_dir`."""
-    if resume == "auto":
-        return True
-    if not isinstance(resume, str):
-        return False
-    return run_dir.resolve() in Path(resume).resolve().parents
+    """Whether trainer.resume's value continues the run in `run_dir` (auto, or one of its
+    own checkpoints, as the resume itself tells them: resumefiles.in_run_dir)."""
+    from trainer.resumefiles import in_run_dir
+
+    return resume == "auto" or (isinstance(resume, str) and in_run_dir(Path(resume), run_dir))
 
 
 def _source(by_key: Dict[str, Any]) -> Optional[Path]:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import sweep
+from trainer import resumefiles, sweep
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 
@@ -61,7 +61,7 @@ def check_sweep_resume(run_dir: Path, resume: Optional[str]) -> None:
     what a resume applies (trainer.max_epochs), continues as asked."""
     if not sweep.in_sweep() or resume in (None, "auto"):
         return
-    if Path(run_dir).resolve() in Path(resume).resolve().parents:
+    if resumefiles.in_run_dir(Path(resume), run_dir):
         return  # (the job's own checkpoint: its run, rolled back)
     from hydra.core.hydra_config import HydraConfig
 
