@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from trainer.checkpoint import CHECKPOINT_DIR
+
 CARRIED: List[str] = []  # what this launch took from its run's record, said at start-up
 DELETED: List[str] = []  # of those, the ones a ~key of the command deletes after
 DROPPED: List[str] = []  # the record's keys inside a config group the command chose otherwise
@@ -69,10 +71,11 @@ def _source(by_key: Dict[str, Any]) -> Optional[Path]:
             RESUMED = Path(run_dir)
             return RESUMED
     validate, weights = by_key.get("trainer.validate_only"), by_key.get("trainer.init_from")
-    if validate is not None and validate.value() is True and weights is not None and \
-            isinstance(weights.value(), str) and Path(weights.value()).parent.name == "checkpoints":
-        return Path(weights.value()).parent.parent
-    return None
+    if validate is None or validate.value() is not True or weights is None or \
+            not isinstance(weights.value(), str):
+        return None
+    folder = Path(weights.value()).parent
+    return folder.parent if folder.name == CHECKPOINT_DIR else None
 
 
 def _choices(run_dir: Path) -> Dict[str, Any]:
