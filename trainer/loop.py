@@ -334,7 +334,7 @@ class Loop:
         if first and self._sanity:  # after the training batch's own checks (a model that
             # takes no batch is said as training's) and its graph is freed; before any step
             self._sanity = False
-            validation.sanity_check(self)
+            loss = validation.sanity_check(self, loss)
         return loss
 
     def _forward(self, batch) -> Any:

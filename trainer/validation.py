@@ -27,7 +27,7 @@ SANITY = "the first validation batch (trainer.sanity_check)"
 
 
 @torch.no_grad()
-def sanity_check(loop: "Loop") -> None:
+def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
     """The first validation batch of this rank, through the model, the task's count and loss,
     and a copy of each metric, once the first training batch passed its own checks and its
     backward, before the first optimizer step (trainer.sanity_check): a validation split the
@@ -35,10 +35,17 @@ def sanity_check(loop: "Loop") -> None:
     the run then, not after an epoch of training. Otherwise invisible: no collective (a rank
     with no validation batch skips it), no metric state kept, and the random states it could
     draw from (torch's, python's and numpy's: the model's, a dataset read in this process;
-    the loader's worker seeds) put back."""
+    the loader's worker seeds) put back. Returns the training batch's `loss`: a copy, with the
+    gradients, where the model replays CUDA graphs, since the check's replay writes over what
+    the training batch's replays handed over (the gradients, a loss the model returned)."""
     # (lazy: trainer.resilience imports the loop, which imports this module)
     from trainer.resilience import rng_state, set_rng_state
 
+    if loop.replays:
+        loss = loss.detach().clone()
+        for p in loop.params:
+            if p.grad is not None:
+                p.grad = p.grad.clone()
     task, model, feed = loop.task, unwrap(loop.model), loop.val_feed
     generator = getattr(feed.loader, "generator", None)
     generator = generator if isinstance(generator, torch.Generator) else None
@@ -66,6 +73,7 @@ def sanity_check(loop: "Loop") -> None:
     finally:
         model.train()
         set_rng_state(kept, generator, gpus)
+    return loss
 
 
 @torch.no_grad()

@@ -199,3 +199,57 @@ def test_a_stopped_sweep_of_validations_is_told_to_go_into_a_new_dir(make_cfg, t
     assert proc.stderr.strip().splitlines()[-1] == (
         "stoker: the sweep stopped at job 1; the jobs after it were not run (once fixed, the "
         "same command in a new hydra.sweep.dir)")
+
+
+@pytest.mark.parametrize("task", [[], ["model._target_=tests.helpers.SelfLossMLP",
+                                       "task=model_loss", "task.count=samples"]])
+def test_the_sanity_checks_replay_writes_over_nothing_the_first_step_takes(make_cfg, tmp_path,
+                                                                          monkeypatch, task):
+    """A model compiled with CUDA graphs hands its backward's gradients (and, with
+    task=model_loss, its loss) over in the graphs' memory, which the next replay writes over:
+    the sanity check's forward comes between the first backward and the first step. Here the
+    replay is NaN written into every gradient and output the first batch's forward and
+    backward handed over: the first steps' losses and gradient norms are a run's without the
+    check."""
+    from trainer.loop import Loop
+    from trainer.strategy import unwrap
+
+    handed, init = [], Loop.__init__
+
+    def replay(module, args, out):
+        if module.training:
+            handed.extend(out.values() if isinstance(out, dict) else [out])
+            return
+        with torch.no_grad():  # an evaluation's replay
+            for t in handed:
+                t.fill_(float("nan"))
+        handed.clear()
+
+    def replaying(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.replays = self.ledger.copy = True  # (a CPU run replays no graph)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(lambda p: handed.append(p.grad))
+        unwrap(self.model).register_forward_hook(replay)
+
+    monkeypatch.setattr(Loop, "__init__", replaying)
+    runs = {}
+    for on in ("true", "false"):
+        run_dir = tmp_path / on
+        train(make_cfg(*task, "trainer.max_steps=3", "trainer.log_every_n_steps=1",
+                       "data.placement=host", f"trainer.sanity_check={on}", run_dir=run_dir))
+        runs[on] = [(r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)
+                    if r["split"] == "train"]
+    assert len(runs["true"]) == 3 and runs["true"] == runs["false"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("task", [[], ["model._target_=tests.helpers.SelfLossMLP",
+                                       "task=model_loss", "task.count=samples"]])
+def test_a_model_replaying_cuda_graphs_passes_the_sanity_check_on_cuda(make_cfg, task):
+    """Compiled with CUDA graphs (reduce-overhead), the sanity check's replay comes between
+    the first backward and the first step: the step still reads its own gradients and loss
+    (it met PyTorch's 'accessing tensor output of CUDAGraphs that has been overwritten')."""
+    summary = train(make_cfg(*task, "trainer.accelerator=cuda", "trainer.compile.enabled=true",
+                             "trainer.compile.mode=reduce-overhead", "trainer.max_epochs=2"))
+    assert summary["steps"] == 46 and summary["val_loss"] < 1.0
