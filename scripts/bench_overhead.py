@@ -81,6 +81,23 @@ RUNNERS = {"tiny": ["plain", "stoker", "plain_indexed", "stoker_device", "lightn
                     "lockstep_host", "lockstep_device", "lockstep_null"],
            "cnn": ["plain", "stoker", "lightning", "lockstep_host", "lockstep_null"]}
 
+PROFILED = ["plain", "stoker", "plain_indexed", "stoker_device"]  # fresh-process runners
+
+
+def _chosen(p: argparse.ArgumentParser, runners: Optional[str], names: List[str]) -> List[str]:
+    """The runners --runners names (all when not given); a name no chosen workload has is a
+    usage error naming the valid ones."""
+    valid = [k for name in names for k in RUNNERS[name]]
+    if runners is None:
+        return valid
+    chosen = [k.strip() for k in runners.split(",") if k.strip()]
+    wrong = [k for k in chosen if k not in valid]
+    if wrong or not chosen:
+        p.error(f"--runners {runners}: {', '.join(wrong) or 'none given'}: not a runner of "
+                f"--workload {'/'.join(names)} (valid: {', '.join(dict.fromkeys(valid))})")
+    return chosen
+
+
 def in_subprocess(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
     out = run_child([sys.executable, __file__, "--child", kind, "--spec", json.dumps(w)],
                     f"the {w['name']} {kind} run", timeout=900)
@@ -174,6 +191,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--repeats", type=at_least(1), default=7)
     p.add_argument("--startup-repeats", type=at_least(0), default=5)
     p.add_argument("--out", type=Path, default=default_out("bench_overhead"))
+    p.add_argument("--runners", help="comma-separated runners to run, of each workload's "
+                   f"(default: all; tiny: {','.join(RUNNERS['tiny'])})")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train.py override for Stoker's runners (repeatable), e.g. "
+                   "data.device_prefetch=false: the rows then read what that setting costs")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="run the measured steps of the plain and stoker runners under "
+                   "cProfile and write each function's time per step to DIR/<workload>_"
+                   "<runner>_<repeat>.txt (slower steps: read the shares)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -182,6 +208,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         return {}
     check_out(p, a.out)
     names = ["tiny", "cnn"] if a.workload == "all" else [a.workload]
+    chosen = _chosen(p, a.runners, names)
+    for o in a.override:
+        if "=" not in o or o.startswith("="):
+            p.error(f"--override {o}: give KEY=VALUE, as on train.py's command line")
+    if a.profile is not None:
+        if not any(k in PROFILED for k in chosen):
+            p.error(f"--profile: profiles the {', '.join(PROFILED)} runners; --runners "
+                    f"{a.runners} has none of them")
+        a.profile.mkdir(parents=True, exist_ok=True)
     for name in names:  # the clock needs a timed step after the warm-up
         steps = a.steps or (500 if name == "tiny" else 150)
         if a.warmup >= steps:
@@ -194,14 +229,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         w = {"name": name, "batch": 64, "warmup": a.warmup,
              "steps": a.steps or (500 if name == "tiny" else 150),
              "workers": 0 if name == "tiny" else 2, "threads": 1 if name == "tiny" else 0,
-             "samples": 4096}
+             "samples": 4096, "overrides": a.override}
         result["workloads"][name] = w
-        kinds = [k for k in RUNNERS[name] if k != "lightning" or has_lightning]
-        runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in RUNNERS[name]}
+        listed = [k for k in RUNNERS[name] if k in chosen]
+        kinds = [k for k in listed if k != "lightning" or has_lightning]
+        runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in listed}
         done = list(result["results"])
         for rep in range(a.repeats):
             for kind in (kinds if rep % 2 == 0 else kinds[::-1]):  # alternate the order too
-                runs[kind].append(in_subprocess(kind, w))
+                spec = w
+                if a.profile is not None and kind in PROFILED:
+                    spec = dict(w, profile=str(a.profile / f"{name}_{kind}_{rep + 1}.txt"))
+                runs[kind].append(in_subprocess(kind, spec))
                 print(f"{name} repeat {rep + 1}/{a.repeats} {kind}: best step "
                       f"{runs[kind][-1]['best_step_us']:.0f} us", file=sys.stderr, flush=True)
             if min(len(runs[k]) for k in kinds) == rep + 1:  # a run cut short keeps these

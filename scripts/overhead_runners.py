@@ -6,11 +6,13 @@ and trains in the same order, so that they compute the same steps.
 """
 from __future__ import annotations
 
+import cProfile
 import itertools
+import pstats
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-3
@@ -20,12 +22,15 @@ SEED = 42  # train.py's seed: the initial weights and the epochs' order
 class Clock:
     """Wall and CPU time between the end of step `warmup` and the end of step `steps`, and
     the fastest of `segments` equal stretches in between: other processes' bursts on a shared
-    machine slow some stretches, rarely all of them."""
+    machine slow some stretches, rarely all of them. With `profile` (a file's path) the same
+    steps run under cProfile, and the file gets each function's time per step."""
 
-    def __init__(self, warmup: int, steps: int, device, segments: int = 5):
+    def __init__(self, warmup: int, steps: int, device, segments: int = 5,
+                 profile: Optional[str] = None):
         self.warmup, self.steps, self.device = warmup, steps, device
         self.every = max(1, (steps - warmup) // segments)
         self.marks: List[tuple] = []
+        self.profile, self.profiler = profile, cProfile.Profile() if profile else None
 
     def tick(self, step: int) -> None:
         if step >= self.warmup and ((step - self.warmup) % self.every == 0
@@ -35,6 +40,11 @@ class Clock:
 
                 torch.cuda.synchronize(self.device)
             self.marks.append((step, time.perf_counter(), time.process_time()))
+            if self.profiler is not None and step == self.warmup:
+                self.profiler.enable()
+            elif self.profiler is not None and step == self.steps:
+                self.profiler.disable()
+                profile_steps(self.profiler, step - self.warmup, self.profile)
 
     def result(self, batch: int) -> Dict[str, float]:
         (s0, w0, c0), (s1, w1, c1) = self.marks[0], self.marks[-1]
@@ -42,6 +52,21 @@ class Clock:
         best = min((b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(self.marks, self.marks[1:]))
         return {"samples_per_s": n * batch / (w1 - w0), "step_us": 1e6 * (w1 - w0) / n,
                 "cpu_us": 1e6 * (c1 - c0) / n, "best_step_us": 1e6 * best}
+
+
+def profile_steps(profiler: cProfile.Profile, steps: int, path: str, top: int = 40) -> None:
+    """Writes the `top` functions by their own time, each as microseconds and calls per step
+    (profiled steps run slower than unprofiled ones: read the shares, not the totals)."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, calls, tottime, cumtime, _)}
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"{steps} steps profiled, {1e6 * total / steps:.0f} us of own time per step",
+             f"{'own_us':>8} {'share':>6} {'cum_us':>8} {'calls':>6}  function"]
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        lines.append(f"{1e6 * own / steps:8.1f} {own / total:6.1%} {1e6 * cum / steps:8.1f} "
+                     f"{calls / steps:6.1f}  {where}")
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def _device():
@@ -142,7 +167,7 @@ def plain_stepper(w: Dict[str, Any], indexed: bool):
 def plain_loop(w: Dict[str, Any], indexed: bool = False) -> Dict[str, float]:
     """The hand-written reference's steps, timed."""
     model, step = plain_stepper(w, indexed)
-    clock = Clock(w["warmup"], w["steps"], _device())
+    clock = Clock(w["warmup"], w["steps"], _device(), profile=w.get("profile"))
     for n in range(1, w["steps"] + 1):
         step()
         clock.tick(n)
@@ -210,7 +235,7 @@ def stoker(w: Dict[str, Any], placement: str, run_dir: str) -> Dict[str, float]:
     from trainer.runner import train
 
     cfg = _stoker_cfg(w, placement, run_dir)
-    clock = Clock(w["warmup"], w["steps"], _device())
+    clock = Clock(w["warmup"], w["steps"], _device(), profile=w.get("profile"))
     final: Dict[str, float] = {}
 
     class Tick(Callback):

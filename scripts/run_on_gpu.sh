@@ -7,8 +7,9 @@
 # weights (trainer.init_from), fp16 + accumulation +
 # clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
-# bench_overhead (the tiny step), overhead_cnn, bench_images, strategies, loader, checkpoint,
-# speed (loader also runs bench_handoff: new, ~30 s expected). A step never outlives its
+# bench_overhead (the tiny step), overhead_probe (where the tiny step's time goes: per-function
+# profiles and the lockstep pairs without the prefetcher, ~2.5 min expected), overhead_cnn,
+# bench_images, strategies, loader, checkpoint, speed (loader also runs bench_handoff). A step never outlives its
 # time limit; a call cut off by its own (SIGTERM) says which step it cut in gpu-summary.txt
 # and packs the archive once more, which is also packed every 30 s (a SIGKILL loses at most
 # that). BENCH_GPU_REPEATS=1 halves bench_gpu's time. Seen on one H100, 2026-11-25 (16 cores, torch 2.11): gpu_tests 74 s,
@@ -24,21 +25,24 @@
 # bench_handoff); the machine's start about 30 s. A session has 15 minutes of device time,
 # start and idle waits included, a call at most 10, and a machine is given back 30 s after a
 # call ends: chain the calls at once. Run 2026-11-26: gpu_tests bench_gpu | overhead_cnn runs
-# | checkpoint loader. Next, one row per lent session, the first unrun row first:
-#   1. gpu_tests runs (~3.5 min) | bench_overhead (~6 min, timeout_s 450)
+# | checkpoint loader. Run 2026-11-27 (H200): gpu_tests runs (cut at shards_train by its 300 s
+# limit: gpu_tests 98 s, the runs ~14 s each, compile_cudagraphs 37 s) | bench_overhead
+# (322 s). Next, one row per lent session, the first unrun row first:
+#   1. gpu_tests runs (~6.5 min with the two new CUDA-graph tests, timeout_s 420) |
+#      overhead_probe (~2.5 min, timeout_s 300)
 #   2. overhead_cnn strategies (~5 min) | bench_images speed (~7 min)
-#   3. bench_gpu (again, after CUDA changes)
-# The CUDA paths never run yet come first (the sanity check's validation batch and its random
-# states, trainer.init_from into a CUDA model: a gpu test and a real run), then bench_overhead
-# (the tiny step's 0.98 target), overhead_cnn (now with the lockstep pairs that resolve a few
-# percent: ~160 s expected for 3 repeats of 5 runners) and the benchmarks not run since their
+#   3. bench_gpu (BENCH_GPU_REPEATS=1)
+# Row 1 re-runs the CUDA-graph run the sanity check broke (fixed since, with new gpu tests),
+# then attributes the tiny step's overhead on the GPU host (0.963 device, 0.907 host placement
+# of plain in lockstep on the H200: 56 and 219 us a step); row 2 measures overhead_cnn with the
+# lockstep pairs (~160 s for 3 repeats of 5 runners) and the benchmarks not run since their
 # code changed.
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
 # archive, $OUT/gpu-results.tar.gz, and one line per step into $OUT/gpu-summary.txt.
 set -u
-PARTS="suite gpu_tests runs nccl bench_gpu bench_overhead overhead_cnn bench_images strategies loader checkpoint speed"
+PARTS="suite gpu_tests runs nccl bench_gpu bench_overhead overhead_probe overhead_cnn bench_images strategies loader checkpoint speed"
 for part in "$@"; do  # before any install: a misspelt part is refused at once
   case " checks $PARTS " in *" $part "*) ;; *)
     echo "usage: run_on_gpu.sh checks | PART... ($PARTS)"; exit 2 ;; esac
@@ -153,6 +157,17 @@ bench_gpu)
 bench_overhead)
   step bench_overhead 420 python3 scripts/bench_overhead.py --workload tiny --repeats 3 \
     --startup-repeats 0 --out "docs/benchmarks/bench_overhead_$TAG.json"
+  ;;
+overhead_probe)  # where the tiny step's extra time goes on this machine's host: each
+  # function's time per step (plain and Stoker, host and device placement), and the lockstep
+  # pairs without the prefetcher's side stream (its share of the host placement's overhead)
+  step overhead_profile 150 python3 scripts/bench_overhead.py --workload tiny --repeats 1 \
+    --startup-repeats 0 --runners plain,stoker,plain_indexed,stoker_device \
+    --profile "$R/overhead_profile" --out "$R/bench_overhead_profiled.json"
+  step overhead_noprefetch 200 python3 scripts/bench_overhead.py --workload tiny --repeats 3 \
+    --startup-repeats 0 --runners lockstep_host,lockstep_null \
+    --override data.device_prefetch=false \
+    --out "docs/benchmarks/bench_overhead_${TAG}_noprefetch.json"
   ;;
 overhead_cnn)
   step overhead_cnn 300 python3 scripts/bench_overhead.py --workload cnn --repeats 3 \

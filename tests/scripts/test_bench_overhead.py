@@ -61,11 +61,48 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
         assert result["lightning"].split()[0] in ("lightning", "pytorch-lightning")
 
 
+@pytest.mark.slow
+def test_chosen_runners_take_overrides_and_write_their_profiles(tmp_path):
+    """--runners runs those alone, --override reaches Stoker's runs (a wrong key fails them),
+    --profile writes each profiled run's functions per step."""
+    def bench(*args):
+        return subprocess.run([sys.executable, "scripts/bench_overhead.py", "--workload", "tiny",
+                               "--steps", "8", "--warmup", "2", "--repeats", "1",
+                               "--startup-repeats", "0", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    out, prof = tmp_path / "o.json", tmp_path / "prof"
+    proc = bench("--runners", "plain,stoker,lockstep_null", "--override", "trainer.tf32=false",
+                 "--profile", str(prof), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["runner"] for r in result["results"]] == ["plain", "stoker", "lockstep_null"]
+    assert result["workloads"]["tiny"]["overrides"] == ["trainer.tf32=false"]
+    assert sorted(p.name for p in prof.iterdir()) == ["tiny_plain_1.txt", "tiny_stoker_1.txt"]
+    lines = (prof / "tiny_stoker_1.txt").read_text().splitlines()
+    assert lines[0].startswith("6 steps profiled, ") and lines[1].split()[:4] == [
+        "own_us", "share", "cum_us", "calls"]
+    assert any(line.endswith("run_backward' of 'torch._C._EngineBase' objects>")
+               for line in lines[2:])  # (the step's largest)
+    wrong = bench("--runners", "stoker", "--override", "trainer.no_such_key=1",
+                  "--out", str(tmp_path / "w.json"))
+    assert wrong.returncode != 0 and "no_such_key" in wrong.stderr
+    assert not (tmp_path / "w.json").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--warmup", "-1"], "argument --warmup: -1: must be >= 0"),
     (["--startup-repeats", "-1"], "argument --startup-repeats: -1: must be >= 0"),
     (["--steps", "100", "--warmup", "100"], "--warmup 100: must be below the 100 steps of tiny"),
     (["--workload", "cnn", "--warmup", "150"], "--warmup 150: must be below the 150 steps of cnn"),
+    (["--workload", "cnn", "--runners", "plain,stoker_device"],
+     "--runners plain,stoker_device: stoker_device: not a runner of --workload cnn (valid: "
+     "plain, stoker, lightning, lockstep_host, lockstep_null)"),
+    (["--runners", ","], "--runners ,: none given: not a runner"),
+    (["--override", "data.device_prefetch"],
+     "--override data.device_prefetch: give KEY=VALUE, as on train.py's command line"),
+    (["--runners", "lockstep_host", "--profile", "p"], "--profile: profiles the plain, stoker, "
+     "plain_indexed, stoker_device runners; --runners lockstep_host has none of them"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     import bench_overhead
