@@ -3,9 +3,9 @@
 #   bash scripts/run_on_gpu.sh checks            # GPU tests + short real runs on CUDA (~5 min)
 #   bash scripts/run_on_gpu.sh suite gpu_tests   # parts in order (an unknown one lists them)
 # Parts: suite (the whole test suite, which pins the CPU, against this machine's torch, with
-# pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job and a run from its
-# weights (trainer.init_from), fp16 + accumulation +
-# clipping, NCCL under torchrun, DataParallel, compile with CUDA graphs, profiler, transformer,
+# pytest-xdist), gpu_tests, nccl, runs (real CUDA runs: default job, a run from its
+# weights (trainer.init_from) and its checkpoint validated (trainer.validate_only), fp16 +
+# accumulation + clipping, NCCL under torchrun (and early stopping there), DataParallel, compile with CUDA graphs, profiler, transformer,
 # image folder + shm cache, shards, start-up), and one per benchmark: bench_gpu,
 # bench_overhead (the tiny step), overhead_probe (where the tiny step's time goes: per-function
 # profiles and the lockstep pairs without the prefetcher, ~2.5 min expected), overhead_cnn,
@@ -107,6 +107,11 @@ trap cut_off TERM INT
 nccl() {  # DDP over NCCL in a torchrun job of one process (one GPU cannot show scaling)
   step nccl_torchrun_1 120 torchrun --standalone --nproc_per_node=1 train.py \
     trainer.strategy=ddp hydra.run.dir="$R/runs/nccl" trainer.progress_bar=false
+  # the stop decided from all-reduced validation numbers, as under gloo
+  step nccl_early_stop 120 torchrun --standalone --nproc_per_node=1 train.py \
+    trainer.strategy=ddp hydra.run.dir="$R/runs/nccl_early_stop" trainer.progress_bar=false \
+    trainer.max_epochs=200 trainer.checkpoint.monitor=val_loss \
+    trainer.early_stopping.patience=2 trainer.early_stopping.min_delta=0.01
 }
 [ $# -gt 0 ] || set -- checks
 parts=()
@@ -129,6 +134,9 @@ runs)
   # a new run from its weights (trainer.init_from: read on the CPU, copied into CUDA tensors)
   step init_from 60 run init_from trainer.init_from="$R/runs/default/checkpoints/last.pt" \
     trainer.max_epochs=1
+  # the checkpoint validated once on CUDA: the default job's last validation, to its digits
+  step validate_only 60 run validate_only trainer.validate_only=true \
+    trainer.init_from="$R/runs/default/checkpoints/last.pt"
   step fp16_accum_clip 120 run fp16 experiment=synthetic_cnn trainer.precision=fp16 \
     trainer.accumulate_grad_batches=2 trainer.grad_clip=1.0 trainer.max_epochs=2
   nccl
