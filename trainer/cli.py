@@ -233,14 +233,17 @@ USER_ERRORS = (ConfigError, CheckpointError, LaunchError, HydraException,
 
 def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> NoReturn:
     """Prints `e` as one line (rank 0 only: every rank meets the same error; `any_rank`: an
-    error of this rank's own, such as a lost peer, which rank 0 may be the one unable to say)
+    error of this rank's own, such as a lost peer, which rank 0 may be the one unable to say;
+    and under torchrun a rank's own error that rank 0 did not meet: liveness.unmet_by_rank_0)
     and exits `code` (2: a configuration, data or checkpoint problem).
 
     Raised inside a Hydra task, SystemExit passes Hydra's job runner without its extra
     "Error executing job" line.
     """
-    if any_rank or detect().is_main:
-        print(f"stoker: error: {describe(e)}{resumeargs.took()}", file=sys.stderr, flush=True)
+    rank = getattr(e, "said_by_its_rank", None)  # an error of that rank's own (runner.train)
+    if any_rank or rank is not None or detect().is_main:
+        said = describe(e) if rank is None else f"rank {rank}: {describe(e)}"
+        print(f"stoker: error: {said}{resumeargs.took()}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)
 

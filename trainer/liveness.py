@@ -151,6 +151,9 @@ class Heartbeat:
 ERROR_KEY = "stoker/error/{}"  # a rank's one-line error, in the job's store
 
 
+OWN_WAIT_S = 2.0  # how long a rank's own error waits for rank 0's before it says it itself
+
+
 def record_error(rank: int, line: str) -> None:
     """Leaves this rank's one-line error in the job's store, for the peer that reports losing
     it: of a job's ranks only rank 0 says its line on the console (they mostly meet the same
@@ -162,6 +165,27 @@ def record_error(rank: int, line: str) -> None:
         store.set(ERROR_KEY.format(rank), line)
     except Exception:  # noqa: BLE001  (the store went with the job: the line is lost)
         pass
+
+
+def unmet_by_rank_0(rank: int) -> bool:
+    """Whether this rank must say its recorded error itself: under torchrun, a rank other
+    than 0 whose error rank 0 did not meet as well (no error of rank 0's in the store within
+    OWN_WAIT_S). Rank 0, waiting in a collective for this rank, may learn of the error only
+    when this process ends, and torchrun's agent ends every rank as soon as one exits with
+    an error: rank 0 was at times ended before it said it (no line at all)."""
+    store = _store()
+    if store is None or rank == 0 or not distributed.agent_store(distributed.detect()):
+        return False  # (SLURM: no agent ends rank 0 before it says it)
+    until = time.monotonic() + OWN_WAIT_S
+    while True:
+        try:
+            if store.check([ERROR_KEY.format(0)]):
+                return False  # rank 0 met an error of its own: it says it
+        except Exception:  # noqa: BLE001  (the store is gone)
+            return True
+        if time.monotonic() > until:
+            return True
+        time.sleep(0.05)
 
 
 def peer_errors(rank: int, world_size: int) -> Dict[int, str]:

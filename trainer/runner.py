@@ -126,6 +126,8 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
             if env.world_size > 1 and not liveness.from_a_lost_peer(e) and \
                     not isinstance(e, Preempted):
                 liveness.record_error(env.rank, ending.status_error(e))
+                if isinstance(e, ending.ONE_LINE) and liveness.unmet_by_rank_0(env.rank):
+                    e.said_by_its_rank = env.rank  # (cli.fail; a crash says its traceback)
             raise
 
 

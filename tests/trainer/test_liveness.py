@@ -99,9 +99,11 @@ def test_a_killed_rank_is_named_by_its_peer_in_one_line(tmp_path):
     (3, "init", "before the first step", "rank 2 stopped on its error: tests.helpers.FaultyMLP: "
                                          "width 7 is not for rank 2")])
 def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, ranks, how, where, said):
-    """Only rank 0 says a one-line error (the ranks mostly meet the same one): an error of
-    another rank's own, in building its model or mid-run, reaches the console through rank 0's
-    report of the lost peer, not a gloo traceback or 'is in its output'; and status.json."""
+    """Only rank 0 says a one-line error the ranks all meet: an error of another rank's own,
+    in building its model or mid-run, is said by that rank itself, and the survivors' reports
+    of the lost peer name it, not a gloo traceback or 'is in its output'; so does status.json.
+    (Torchrun ends every rank once one exits: a survivor, rank 0 too, may be ended before it
+    says its loss, which is why the rank says its own error.)"""
     import json
 
     run_dir = tmp_path / "run"
@@ -111,13 +113,18 @@ def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, ranks, how, wher
                             "trainer.progress_bar=false"], cwd=ROOT, timeout=150)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
-    # every survivor says its loss (rank 0 may be the one lost): one line each
-    assert len(lines) == ranks - 1, proc.stderr[-3000:]
-    assert any(ln.startswith(f"stoker: error: rank 0 lost a peer {where}") for ln in lines)
-    assert all(said in ln for ln in lines), lines
+    own = f"stoker: error: rank {ranks - 1}: " + said.split("on its error: ")[1]
+    assert own in lines, proc.stderr[-3000:]
+    lines.remove(own)
+    # a survivor that says its loss (rank 0 may be the one lost) says it once, naming the error
+    assert len(lines) <= ranks - 1 and len(set(ln.split(" lost a peer")[0] for ln in lines)) \
+        == len(lines), proc.stderr[-3000:]
+    assert all(re.match(rf"stoker: error: rank \d lost a peer {where}", ln) and said in ln
+               for ln in lines), lines
     assert "Traceback" not in proc.stderr.split("stoker: error:")[0]  # (torchrun's own follows)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "failed" and said in status["error"], status
+    if any(ln.startswith("stoker: error: rank 0 lost a peer") for ln in lines):
+        status = json.loads((run_dir / "status.json").read_text())  # (written before the line)
+        assert status["status"] == "failed" and said in status["error"], status
 
 
 def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
