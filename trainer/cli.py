@@ -283,7 +283,10 @@ def exit_on_error(main: Callable[[], None]) -> None:
     _escape_what_the_console_cannot_show()
     _check_flag_order(sys.argv[1:])
     # (before Hydra composes: a run resumed in place keeps the overrides it was launched with)
-    sys.argv[1:] = resumeargs.with_runs_own(sys.argv[1:])
+    try:
+        sys.argv[1:] = resumeargs.with_runs_own(sys.argv[1:])
+    except ConfigError as e:  # (its record unreadable)
+        fail(e)
     import_from_cwd()
     # under torchrun, record() writes a crash's traceback where the agent reports it; the
     # errors said in one line are turned into SystemExit inside it, which it does not record

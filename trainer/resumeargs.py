@@ -32,6 +32,9 @@ _VALUE_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config
                 "--cfg", "-p", "--package", "--experimental-rerun")
 # a resume names its own: not the run's
 _OWN = ("trainer.resume", "trainer.init_from", "trainer.validate_only")
+# a validation of a run's checkpoint takes what it computes with, not how that run trained:
+# the weights it was initialised from, and the debug modes (a profile, a fast dev run)
+_TRAINING = ("trainer.init_strict", "trainer.profile", "trainer.fast_dev_run", "debug")
 
 
 def _overrides(args: Sequence[str]) -> Optional[list]:
@@ -59,8 +62,15 @@ def _in_place(resume: object, run_dir: Path) -> bool:
 
 
 def _source(by_key: Dict[str, Any]) -> Optional[Path]:
-    """The run dir whose record this launch takes: a resume's in place, or the run of the
-    checkpoint trainer.validate_only validates (`<run>/checkpoints/<file>`)."""
+    """The run dir whose record this launch takes: the run of the checkpoint
+    trainer.validate_only validates (`<run>/checkpoints/<file>`; a `trainer.resume=auto`
+    beside it, as the SLURM script passes, is no resume), or a resume's in place."""
+    validate, weights = by_key.get("trainer.validate_only"), by_key.get("trainer.init_from")
+    if validate is not None and validate.value() is True:
+        if weights is None or not isinstance(weights.value(), str):
+            return None
+        folder = Path(weights.value()).parent
+        return folder.parent if folder.name == CHECKPOINT_DIR else None
     resume, run = by_key.get("trainer.resume"), by_key.get("hydra.run.dir")
     if resume is not None and run is not None and not resume.is_delete() \
             and not run.is_delete():
@@ -70,12 +80,7 @@ def _source(by_key: Dict[str, Any]) -> Optional[Path]:
             global RESUMED
             RESUMED = Path(run_dir)
             return RESUMED
-    validate, weights = by_key.get("trainer.validate_only"), by_key.get("trainer.init_from")
-    if validate is None or validate.value() is not True or weights is None or \
-            not isinstance(weights.value(), str):
-        return None
-    folder = Path(weights.value()).parent
-    return folder.parent if folder.name == CHECKPOINT_DIR else None
+    return None
 
 
 def _choices(run_dir: Path) -> Dict[str, Any]:
@@ -119,22 +124,17 @@ def with_runs_own(args: List[str]) -> List[str]:
     if run_dir is None:
         return args
     record = run_dir / ".hydra" / "overrides.yaml"
-    try:
-        from omegaconf import OmegaConf
-
-        own = OmegaConf.to_container(OmegaConf.load(record))
-    except Exception:  # noqa: BLE001  (none, or unreadable: the command's own as they are)
-        return args
-    parsed = _overrides(own) if isinstance(own, list) and \
-        all(isinstance(a, str) for a in own) else None
+    parsed = _record(record)
     if not parsed:
         return args
+    args = _added_again(args, at, given, parsed)
     choices = {**_choices(run_dir), **{o.key_or_group: o.value() for o in parsed}}
     stated = {k for k, o in by_key.items() if not o.is_delete()}  # (~key: deletes it after)
+    skipped = _OWN + (_TRAINING if RESUMED is None else ())
     for o in parsed:
         key = o.key_or_group
-        if key in _OWN or key == "hydra" or key.startswith(("hydra.", "hydra/")) or \
-                key in stated:
+        if key in skipped or key == "hydra" or key.startswith(("hydra.", "hydra/")) or \
+                key in stated or (o.is_delete() and key in by_key):  # (deleted once)
             continue
         otherwise = _chosen_otherwise(key, by_key, choices)
         (DROPPED if otherwise else CARRIED).append(o.input_line)
@@ -143,6 +143,44 @@ def with_runs_own(args: List[str]) -> List[str]:
             DELETED.append(o.input_line)  # (carried, so that the ~key has a key to delete)
     RECORD = record
     return args[:at[0]] + CARRIED + args[at[0]:]
+
+
+def _record(record: Path) -> Optional[list]:
+    """The overrides a run's record lists, parsed (None where there is no record). A record
+    that cannot be read is one line: its run's settings would otherwise fall back to their
+    defaults without a word, and the record be overwritten with the command's alone."""
+    if not record.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+
+    try:
+        own = OmegaConf.to_container(OmegaConf.load(record))
+    except Exception as e:  # noqa: BLE001
+        why = f"cannot be read ({' '.join(str(e).split())[:160]})"
+    else:
+        parsed = _overrides(own) if isinstance(own, list) and \
+            all(isinstance(a, str) for a in own) else None
+        if parsed is not None:
+            return parsed
+        why = "is not a list of overrides Hydra can parse"
+    raise ConfigError(f"{record}: the run's record of its overrides {why}; this launch would "
+                      "take the run's own settings from it: mend it (one override a line, "
+                      "'- key=value'), or delete it to give every setting on the command line")
+
+
+def _added_again(args: List[str], at: List[int], given: list, parsed: list) -> List[str]:
+    """`args` with a key the run added (`+key=a` in its record) and the command sets again
+    plainly (`key=b`) given as an addition too (`+key=b`): the key is not in the config
+    without the run's `+`, and the command's value is to win."""
+    added = {o.key_or_group for o in parsed if o.is_add()}
+    out = list(args)
+    for i, o in zip(at, given):
+        if o.key_or_group in added and not o.is_add() and not o.is_force_add() and \
+                not o.is_delete():
+            out[i] = "+" + args[i]
+    return out
 
 
 def said() -> Optional[str]:
@@ -168,5 +206,6 @@ def took() -> str:
     record (a key the error names may be the run's, not the command's); "" otherwise."""
     if not CARRIED and not DROPPED:
         return ""
-    return (f" (this launch took the run's own overrides {' '.join(CARRIED)} from {RECORD}"
-            f"{_left()})")
+    carried = f"the run's own overrides {' '.join(CARRIED)}" if CARRIED else \
+        "none of the run's own overrides"
+    return f" (this launch took {carried} from {RECORD}{_left()})"

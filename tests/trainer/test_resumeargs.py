@@ -7,6 +7,7 @@ import pytest
 
 from tests.helpers import ROOT, run_cli
 from trainer import resumeargs
+from trainer.config import ConfigError
 from trainer.resumeargs import with_runs_own
 
 
@@ -74,7 +75,7 @@ def test_a_flags_value_is_no_override_and_a_sweep_by_its_mode_carries_nothing(tm
 
 
 @pytest.mark.parametrize("how", ["sweep", "no run dir", "another run's checkpoint", "fresh",
-                                 "no record", "not a list", "not overrides"])
+                                 "no record"])
 def test_nothing_is_carried_where_the_command_does_not_resume_a_run_in_place(tmp_path, how):
     run = launched_with(tmp_path / "run", "optim.lr=1e-3")
     args = {"sweep": ["-m", "trainer.resume=auto", f"hydra.run.dir={run}"],
@@ -82,15 +83,57 @@ def test_nothing_is_carried_where_the_command_does_not_resume_a_run_in_place(tmp
             "another run's checkpoint": [f"trainer.resume={tmp_path / 'other' / 'last.pt'}",
                                          f"hydra.run.dir={run}"],
             "fresh": [f"hydra.run.dir={run}"],
-            "no record": ["trainer.resume=auto", f"hydra.run.dir={tmp_path / 'none'}"],
-            "not a list": ["trainer.resume=auto", f"hydra.run.dir={run}"],
-            "not overrides": ["trainer.resume=auto", f"hydra.run.dir={run}"]}[how]
-    if how == "not a list":
-        (run / ".hydra" / "overrides.yaml").write_text("optim: {lr: 1}\n")
-    if how == "not overrides":
-        (run / ".hydra" / "overrides.yaml").write_text("- 'optim.lr=[1,'\n")
+            "no record": ["trainer.resume=auto", f"hydra.run.dir={tmp_path / 'none'}"]}[how]
     assert with_runs_own(list(args)) == args
     assert resumeargs.said() is None
+
+
+@pytest.mark.parametrize("text,why", [
+    ("optim: {lr: 1}\n", "is not a list of overrides Hydra can parse"),
+    ("- 'optim.lr=[1,'\n", "is not a list of overrides Hydra can parse"),
+    ("- trainer.max_epochs=2\n- {{\n", "cannot be read (while parsing a flow node")])
+def test_a_record_that_cannot_be_read_is_one_line_not_the_defaults(tmp_path, text, why):
+    """An edited or damaged record was passed over: the run resumed under the defaults (its
+    lr, its length), exit 0, and its record was overwritten with the command's alone."""
+    run = launched_with(tmp_path / "run", "optim.lr=1e-3")
+    record = run / ".hydra" / "overrides.yaml"
+    record.write_text(text)
+    for args in (["trainer.resume=auto", f"hydra.run.dir={run}"],
+                 ["trainer.validate_only=true", f"trainer.init_from={run}/checkpoints/last.pt"]):
+        with pytest.raises(ConfigError) as e:
+            with_runs_own(args)
+        assert str(e.value).startswith(f"{record}: the run's record of its overrides {why}")
+        assert str(e.value).endswith("this launch would take the run's own settings from it: "
+                                     "mend it (one override a line, '- key=value'), or delete "
+                                     "it to give every setting on the command line")
+
+
+def test_a_deletion_the_run_made_and_the_command_makes_again_deletes_once(tmp_path):
+    """A run launched with `~model.dropout` could not be resumed by the command it printed
+    itself (with the `~key` again), nor requeued by the SLURM script: Hydra was asked to
+    delete the key twice."""
+    run = launched_with(tmp_path / "run", "~model.dropout", "data.batch_size=8")
+    args = ["data.batch_size=8", "~model.dropout", "trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == args
+
+
+def test_a_key_the_run_added_and_the_command_sets_again_is_added_with_its_value(tmp_path):
+    """`+optim.amsgrad=true` in the record, `optim.amsgrad=false` on the command: Hydra
+    refused the plain override of a key the config has not (use '+'), as if the command's
+    key did not win."""
+    run = launched_with(tmp_path / "run", "+optim.amsgrad=true", "+model.extra=1")
+    args = ["optim.amsgrad=false", "~model.extra", "trainer.resume=auto",
+            f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == ["+model.extra=1", "+optim.amsgrad=false", "~model.extra",
+                                   "trainer.resume=auto", f"hydra.run.dir={run}"]
+
+
+def test_an_error_line_says_when_nothing_of_the_record_was_taken(tmp_path):
+    run = launched_with(tmp_path / "run", "+optim.amsgrad=true")
+    with_runs_own(["optim=sgd", "trainer.resume=auto", f"hydra.run.dir={run}"])
+    assert resumeargs.took() == (f" (this launch took none of the run's own overrides from "
+                                 f"{run / '.hydra' / 'overrides.yaml'}; left out, in a config "
+                                 "group chosen otherwise: +optim.amsgrad=true)")
 
 
 def test_a_checkpoint_validated_takes_its_runs_overrides(tmp_path):
@@ -105,6 +148,32 @@ def test_a_checkpoint_validated_takes_its_runs_overrides(tmp_path):
                                         "this command does not set again apply: model=cnn")
     elsewhere = ["trainer.validate_only=true", f"trainer.init_from={tmp_path / 'w.pt'}"]
     assert with_runs_own(elsewhere) == elsewhere
+
+
+def test_a_validation_takes_the_checkpoints_run_beside_the_slurm_scripts_resume(tmp_path):
+    """`trainer.resume=auto hydra.run.dir=<new>` (what scripts/slurm/train.sbatch passes) was
+    taken for a resume in place of the new dir: none of the run's settings, another split and
+    loss validated, exit 0."""
+    run = launched_with(tmp_path / "run", "data.dataset.val_fraction=0.3")
+    args = ["trainer.resume=auto", f"hydra.run.dir={tmp_path / 'checked'}",
+            "trainer.validate_only=true", f"trainer.init_from={run}/checkpoints/last.pt"]
+    assert with_runs_own(args) == ["data.dataset.val_fraction=0.3", *args]
+    assert resumeargs.said().startswith("trainer.validate_only: ")
+
+
+def test_a_validation_leaves_out_how_the_run_trained(tmp_path):
+    """A fine-tuned run's `trainer.init_strict=false` made the validation refuse its own
+    checkpoint (it would leave tensors as initialised); a `debug=profile` run's was refused as
+    a profile."""
+    run = launched_with(tmp_path / "run", "debug=profile", "trainer.init_from=base.pt",
+                        "trainer.init_strict=false", "trainer.profile=true",
+                        "trainer.fast_dev_run=false", "model.hidden=[8]")
+    args = ["trainer.validate_only=true", f"trainer.init_from={run}/checkpoints/last.pt"]
+    assert with_runs_own(args) == ["model.hidden=[8]", *args]
+    resumed = ["trainer.resume=auto", f"hydra.run.dir={run}"]  # (a resume keeps them all)
+    assert with_runs_own(resumed) == ["debug=profile", "trainer.init_strict=false",
+                                      "trainer.profile=true", "trainer.fast_dev_run=false",
+                                      "model.hidden=[8]", *resumed]
 
 
 def test_a_checkpoint_inside_the_run_dir_resumes_it_in_place(tmp_path):
@@ -147,3 +216,14 @@ def test_the_short_resume_command_continues_the_run_it_names(tmp_path):
     assert ("(its run had other model settings: model._target_=trainer.models.SmallCNN, "
             "model.channels=[4, 8]") in other.stderr and "; trainer.validate_only validates " \
         "the file's model as it is: give the model and data settings its run had" in other.stderr
+
+
+def test_a_launch_with_a_record_that_cannot_be_read_ends_in_one_line_leaving_it(tmp_path):
+    run = launched_with(tmp_path / "run", "optim.lr=1e-3")
+    record = run / ".hydra" / "overrides.yaml"
+    record.write_text("- {{\n")
+    proc = run_cli(["trainer.resume=auto", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"stoker: error: {record}: the run's record of its overrides cannot be read"), \
+        proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and record.read_text() == "- {{\n"
