@@ -112,7 +112,12 @@ class RunDirLock:
         is not the lock judged stale (another run took it over in between)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = self.path.with_name(f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}")
-        mine.write_text(json.dumps(owner()))
+        try:
+            mine.write_text(json.dumps(owner()))
+        except OSError as e:  # a full disk: no file of ours left, and the line names it
+            mine.unlink(missing_ok=True)
+            raise OSError(e.errno, f"{e.strerror} (writing the run dir's lock)", str(mine)) \
+                from None
         try:
             with _one_at_a_time(self.path.parent):
                 self._take(mine)

@@ -88,3 +88,24 @@ def test_without_hard_links_the_lock_is_still_taken_once(tmp_path, monkeypatch):
         second.acquire()
     first.release()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_leaves_no_file_of_the_lock_and_names_it(tmp_path, monkeypatch):
+    """The owner's file half written on a full disk stayed in the run dir for good, and the
+    error was `[Errno 28] No space left on device` with no file named."""
+    import errno
+    from pathlib import Path
+
+    written = Path.write_text
+
+    def full(self, text, *args, **kwargs):
+        written(self, "", *args, **kwargs)  # (created, then the disk is full)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as e:
+        runlock.RunDirLock(tmp_path).acquire()
+    assert e.value.errno == errno.ENOSPC and str(e.value).startswith(
+        "[Errno 28] No space left on device (writing the run dir's lock): "
+        f"'{tmp_path / runlock.LOCK}.")
+    assert os.listdir(tmp_path) == []
