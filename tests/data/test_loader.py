@@ -98,9 +98,10 @@ def test_persistent_workers_survive_epochs():
 
 def test_loader_passes_timeout_and_context():
     ds = TensorDataset(torch.arange(8))
-    ld = build_loader(ds, cfg(num_workers=1, timeout=5.0, multiprocessing_context="spawn"),
+    # (a spawned worker imports torch first: seconds on a loaded machine, within the timeout)
+    ld = build_loader(ds, cfg(num_workers=1, timeout=600.0, multiprocessing_context="spawn"),
                       train=False)
-    assert ld.timeout == 5.0 and ld.multiprocessing_context.get_start_method() == "spawn"
+    assert ld.timeout == 600.0 and ld.multiprocessing_context.get_start_method() == "spawn"
     assert torch.cat([b[0] for b in ld]).tolist() == list(range(8))
 
 
