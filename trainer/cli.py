@@ -187,10 +187,33 @@ def describe(e: BaseException) -> str:
                                      getattr(cur.__context__, "full_key", None), text)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _missing_key(cur, key, text)
+        text = _group_to_choose(text)
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
     return ": ".join(parts) or type(e).__name__
+
+
+_MISSING = re.compile(r"^Missing mandatory value: ([\w.]+)$")
+
+
+def _group_to_choose(text: str) -> str:
+    """OmegaConf's `Missing mandatory value: sched` for a config group left without a choice
+    (`~sched`), with the choices it has."""
+    missing = _MISSING.match(text)
+    if not missing:
+        return text
+    try:
+        from hydra.core.global_hydra import GlobalHydra
+
+        loader = GlobalHydra.instance().config_loader()
+        options = loader.get_group_options(missing.group(1).replace(".", "/"))
+    except Exception:  # noqa: BLE001  (no Hydra composing: OmegaConf's words)
+        return text
+    if not options:
+        return text
+    return (f"{text} (a config group: choose one, {missing.group(1)}="
+            f"{'|'.join(o for o in options if not o.startswith('_'))})")
 
 
 def _os_error(e: OSError) -> str:

@@ -31,6 +31,9 @@ from trainer.cli import describe
     ("data.cache_dir=/x/a-trainer.max_epochs=0", "stoker: error: data.cache_dir=/x/a-trainer."
                                                  "max_epochs=0: mismatched input '='"),
     ("optim.lr=[1,", "stoker: error: optim.lr=[1,: no viable alternative at input"),
+    # a config group deleted: OmegaConf's words alone named no choice
+    ("~sched", "stoker: error: Missing mandatory value: sched (a config group: choose one, "
+               "sched=constant|step|warmup_cosine)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     proc = run_cli([f"hydra.run.dir={tmp_path}", override])
