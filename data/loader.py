@@ -150,10 +150,22 @@ def kill_workers(*holders: Any) -> None:
 def _end_workers_at_exit() -> None:
     """Python's exit (multiprocessing's hook) sends each live worker one SIGTERM and waits for
     it; `worker_signals` lets a first SIGTERM pass, so a loader nobody closed (persistent
-    workers of a loader still referenced) is closed here first, as the loader would close it.
+    workers of a loader still referenced) is closed here first, as the loader would close it,
+    and so is any DataLoader iterator still running (one abandoned in a reference cycle).
     (torch's own shutdown in the loader's __del__ does nothing once the exit has begun.)"""
     for loader in list(_WITH_WORKERS):
         end_workers(loader)
+    # an iterator no loader keeps (not persistent workers), abandoned mid-epoch and held from
+    # its collection by a reference cycle (tune_loader.py's, one loader per setting measured,
+    # data=heavy), was closed by no one: its workers, which let the exit's one SIGTERM pass,
+    # held the exit for ever. Every one still running is ended as its loader would end it.
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    for obj in gc.get_objects():  # (type(): an isinstance() asks some modules' __class__)
+        if issubclass(type(obj), _MultiProcessingDataLoaderIter) and not obj._shutdown:
+            obj._shutdown_workers()
 
 
 def _loader_options(cfg: DataConfig, workers: int) -> dict:

@@ -125,6 +125,27 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
     assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]
 
 
+def test_a_process_with_an_abandoned_iterator_in_a_reference_cycle_still_exits():
+    """An iterator of a loader without persistent workers, abandoned mid-epoch and kept from
+    its collection by a reference cycle (scripts/tune_loader.py data=heavy): no loader holds
+    it, and its workers, letting the exit's one SIGTERM pass, held the exit for ever."""
+    import os
+    import sys
+
+    from tests.helpers import ROOT, bounded
+
+    code = ("import gc, torch; from torch.utils.data import TensorDataset\n"
+            "from data.loader import build_loader; from trainer.config import DataConfig\n"
+            "gc.disable()\n"
+            "ld = build_loader(TensorDataset(torch.arange(64)), DataConfig(dataset=None, "
+            "input_shape=[1], num_classes=2, batch_size=4, num_workers=2, "
+            "persistent_workers=False), train=True)\n"
+            "it = iter(ld); next(it); cycle = [it]; cycle.append(cycle); del it, cycle, ld\n"
+            "print('served', flush=True)\n")
+    proc = bounded([sys.executable, "-c", code], ROOT, dict(os.environ), 60)
+    assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]
+
+
 # an iterator with running workers left as garbage in a reference cycle at the next loader's
 # fork (collection is off until then), and that loader's worker collecting at once
 GARBAGE_AT_FORK = """
