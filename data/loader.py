@@ -159,8 +159,6 @@ def _end_workers_at_exit() -> None:
     # its collection by a reference cycle (tune_loader.py's, one loader per setting measured,
     # data=heavy), was closed by no one: its workers, which let the exit's one SIGTERM pass,
     # held the exit for ever. Every one still running is ended as its loader would end it.
-    import gc
-
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     for obj in gc.get_objects():  # (type(): an isinstance() asks some modules' __class__)
