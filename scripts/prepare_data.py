@@ -147,6 +147,7 @@ def write(cfg, a: argparse.Namespace, stage: Path, out: Path) -> dict:
         print(f"{split}: {meta['splits'][split]} {what} -> {out / split} "
               f"in {time.perf_counter() - start:.1f}s")
         start = time.perf_counter()
+    meta["num_classes"] = d.num_classes  # (a dataset naming its classes gives the count)
     (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -161,7 +162,9 @@ def use_args(fmt: str, out: Path, d, meta: Dict[str, Any]) -> str:
     if fmt == "shards" and meta.get("classes"):
         args += [f"data.dataset.{k}={source[k]}" for k in ("size", "resize")
                  if source.get(k) is not None]
-    if meta.get("classes"):  # images: the reference CNN
+    images = source.get("size") is not None if fmt == "shards" else \
+        len(meta.get("input_shape") or ()) == 3  # ([C, H, W]: not a table's features)
+    if meta.get("classes") and images:  # images: the reference CNN
         args.append("model=cnn")
     return " ".join(args)
 

@@ -492,6 +492,20 @@ class CountedClassesDigits(DigitsDataset):
     classes = 10
 
 
+class NamedClassesDigits(DigitsDataset):
+    """Digits naming their classes, as a dataset of one's own may (`classes`)."""
+
+    classes = [f"digit {d}" for d in range(10)]
+
+
+class FlatNamedDigits(NamedClassesDigits):
+    """Named digits as a table's rows: 64 features, no image."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x.flatten(), y
+
+
 class Float64Digits(DigitsDataset):
     """Digits as numpy gives them: float64 inputs."""
 

@@ -87,6 +87,10 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
                               f"classes ({', '.join(map(str, classes[:5]))}"
                               f"{', ...' if len(classes) > 5 else ''}); leave the key out to "
                               "take its count")
+        if isinstance(classes, (list, tuple)) and classes and d.num_classes is None:
+            # a dataset of one's own that names its classes: the count the model and the
+            # task read from data.num_classes (an image folder's config resolves it itself)
+            d.num_classes = len(classes)
     return sets[0], sets[1]
 
 

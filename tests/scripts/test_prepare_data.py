@@ -32,6 +32,24 @@ def test_prepare_then_train_on_memmap(tmp_path):
     assert cached["val_acc"] == direct["val_acc"]  # same samples, same run
 
 
+def test_a_table_naming_its_classes_is_packed_with_their_count_and_no_cnn(tmp_path):
+    """meta.json said num_classes null beside the dataset's class names, and the line to use
+    it asked for model=cnn, which cannot take 64 features."""
+    out = tmp_path / "table"
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--out", str(out),
+                           "data=custom", "+data.dataset._target_=tests.helpers.FlatNamedDigits",
+                           "data.input_shape=[64]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["num_classes"] == 10 and meta["input_shape"] == [64]
+    assert meta["classes"][:2] == ["digit 0", "digit 1"]
+    use = proc.stdout.strip().splitlines()[-1]
+    assert use == f"use it: python train.py data=memmap data.dataset.root={out}"
+    summary = train(compose_cfg(tmp_path / "run", *use.split()[4:], "trainer.max_steps=2"))
+    assert summary["steps"] == 2
+
+
 @pytest.mark.slow
 def test_prepared_image_folder_rows_equal_the_decoded_files(tmp_path):
     from data.images import ImageFolder
@@ -67,8 +85,8 @@ def test_the_use_line_carries_the_crop_of_image_shards(tmp_path):
     images, digits = {"classes": ["a", "b"]}, {}
     assert use_args("shards", tmp_path, d, images) == (
         f"data=shards data.dataset.root={tmp_path} data.dataset.size=64 model=cnn")
-    # arrays hold the decoded crop already; digits have no crop to carry
-    assert use_args("npy", tmp_path, d, images) == (
+    # arrays hold the decoded crop already (their shape says images); digits have no crop
+    assert use_args("npy", tmp_path, d, {**images, "input_shape": [3, 64, 64]}) == (
         f"data=memmap data.dataset.root={tmp_path} model=cnn")
     assert use_args("shards", tmp_path, OmegaConf.create({"dataset": {}}), digits) == (
         f"data=shards data.dataset.root={tmp_path}")

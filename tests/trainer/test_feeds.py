@@ -448,6 +448,26 @@ def test_a_num_classes_other_than_the_folders_is_refused(make_cfg, tmp_path):
                        "data.dataset.size=8", "model=cnn"))
 
 
+def test_a_dataset_naming_its_classes_gives_data_num_classes(make_cfg, tmp_path):
+    """Its `classes` were checked against data.num_classes, whose refusal said to leave the
+    key out to take the count; left out, the model got none (a model of another output size
+    then trained unchecked)."""
+    import json
+
+    from trainer.config import ConfigError
+
+    named = ["data.dataset._target_=tests.helpers.NamedClassesDigits", "data.num_classes=null",
+             "trainer.max_steps=2"]
+    summary = train(make_cfg(*named, run_dir=tmp_path / "run"))
+    assert summary["steps"] == 2
+    assert "num_classes: 10\n" in (tmp_path / "run" / "config.yaml").read_text()
+    assert json.loads((tmp_path / "run" / "classes.json").read_text())[:2] == ["digit 0",
+                                                                              "digit 1"]
+    with pytest.raises(ConfigError, match=r"^task classification: logits with 4 classes but "
+                                          r"data.num_classes=10"):
+        train(make_cfg(*named, "+model.num_classes=4", run_dir=tmp_path / "other"))
+
+
 @pytest.mark.parametrize("cache", ["shm", "disk"])
 def test_ranks_waiting_for_a_cache_writer_that_was_killed_stop_in_one_line(tmp_path, cache):
     """An srun launch has no torchrun agent to end the other ranks when local rank 0 dies
