@@ -98,6 +98,28 @@ def _chosen(p: argparse.ArgumentParser, runners: Optional[str], names: List[str]
     return chosen
 
 
+def _check_overrides(p: argparse.ArgumentParser, overrides: List[str]) -> None:
+    """--override composed and checked as train.py would, before any run: a misspelt key or a
+    bad value is one usage error (not a child's traceback seconds later), and so is one that
+    changes the run's length, which --steps sets (the runs ended early, unmeasured)."""
+    from overhead_runners import _stoker_cfg
+
+    from trainer.checks import resolve
+    from trainer.cli import describe
+
+    w = {"name": "tiny", "batch": 64, "steps": 500, "workers": 0, "overrides": overrides}
+    with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
+        try:
+            cfg = _stoker_cfg(w, "host", tmp)
+            resolve(cfg)
+        except Exception as e:  # noqa: BLE001  (Hydra's, OmegaConf's or the checks' error)
+            p.error(f"--override {' '.join(overrides)}: {describe(e)}")
+    t = cfg.trainer
+    if t.max_steps != w["steps"] or t.max_epochs != 100000 or t.limit_train_batches is not None:
+        p.error(f"--override {' '.join(overrides)}: sets the run's length (trainer.max_steps, "
+                "max_epochs, limit_train_batches), which the benchmark sets itself: use --steps")
+
+
 def in_subprocess(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
     out = run_child([sys.executable, __file__, "--child", kind, "--spec", json.dumps(w)],
                     f"the {w['name']} {kind} run", timeout=900)
@@ -212,6 +234,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for o in a.override:
         if "=" not in o or o.startswith("="):
             p.error(f"--override {o}: give KEY=VALUE, as on train.py's command line")
+    if a.override:
+        _check_overrides(p, a.override)
     if a.profile is not None:
         if not any(k in PROFILED for k in chosen):
             p.error(f"--profile: profiles the {', '.join(PROFILED)} runners; --runners "

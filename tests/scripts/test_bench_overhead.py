@@ -103,6 +103,15 @@ def test_chosen_runners_take_overrides_and_write_their_profiles(tmp_path):
      "--override data.device_prefetch: give KEY=VALUE, as on train.py's command line"),
     (["--runners", "lockstep_host", "--profile", "p"], "--profile: profiles the plain, stoker, "
      "plain_indexed, stoker_device runners; --runners lockstep_host has none of them"),
+    # checked as train.py checks them, before any run (a child's traceback seconds later)
+    (["--override", "data.device_prefetc=false"],
+     "--override data.device_prefetc=false: Could not override 'data.device_prefetc'"),
+    (["--override", "data.num_workers=abc"],
+     "--override data.num_workers=abc: data.num_workers=abc: must be auto or an integer >= 0"),
+    # the runs ended before --steps, and the table had no final weights to compare (KeyError)
+    (["--override", "trainer.max_epochs=1"], "--override trainer.max_epochs=1: sets the run's "
+     "length (trainer.max_steps, max_epochs, limit_train_batches), which the benchmark sets "
+     "itself: use --steps"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     import bench_overhead
