@@ -83,6 +83,10 @@ def _source(by_key: Dict[str, Any]) -> Optional[Path]:
     return None
 
 
+def _hydras(key: str) -> bool:
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
 def _choices(run_dir: Path) -> Dict[str, Any]:
     """The config groups' choices the run was composed with (its `.hydra/hydra.yaml`)."""
     try:
@@ -92,6 +96,19 @@ def _choices(run_dir: Path) -> Dict[str, Any]:
         return dict(OmegaConf.to_container(choices))
     except Exception:  # noqa: BLE001  (none: the recorded overrides' choices tell)
         return {}
+
+
+def _search_path(run_dir: Path) -> list:
+    """The run's `hydra.searchpath=...` override, parsed (Hydra records it in hydra.yaml,
+    not in overrides.yaml): where the run's own config groups are found. [] without one."""
+    try:
+        from omegaconf import OmegaConf
+
+        given = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.overrides.hydra
+        lines = [a for a in given if isinstance(a, str) and a.startswith("hydra.searchpath=")]
+    except Exception:  # noqa: BLE001
+        return []
+    return (_overrides(lines) or []) if lines else []
 
 
 def _chosen_otherwise(key: str, command: Dict[str, Any], run: Dict[str, Any]) -> Optional[str]:
@@ -125,6 +142,9 @@ def with_runs_own(args: List[str]) -> List[str]:
         return args
     record = run_dir / ".hydra" / "overrides.yaml"
     parsed = _record(record)
+    if parsed is None:
+        return args
+    parsed = _search_path(run_dir) + parsed
     if not parsed:
         return args
     args = _added_again(args, at, given, parsed)
@@ -133,9 +153,9 @@ def with_runs_own(args: List[str]) -> List[str]:
     skipped = _OWN + (_TRAINING if RESUMED is None else ())
     for o in parsed:
         key = o.key_or_group
-        if key in skipped or key == "hydra" or key.startswith(("hydra.", "hydra/")) or \
+        if key in skipped or (_hydras(key) and key != "hydra.searchpath") or \
                 key in stated or (o.is_delete() and key in by_key):  # (deleted once)
-            continue
+            continue  # (the run's search path: where its own config groups are found)
         otherwise = _chosen_otherwise(key, by_key, choices)
         (DROPPED if otherwise else CARRIED).append(o.input_line)
         if not otherwise and any(o2.is_delete() and (key == k or key.startswith(k + "."))

@@ -65,6 +65,19 @@ def test_a_deletion_on_the_command_line_comes_after_the_runs_key(tmp_path):
         "optim.lr=0.1; deleted by the command's ~key: +model.num_classes=1 (from ")
 
 
+def test_the_runs_search_path_is_carried_with_the_groups_found_there(tmp_path):
+    """A run of `hydra.searchpath=[...] model=mine` resumed in the short form: `model=mine`
+    was carried without the search path that finds it (Could not find 'model/mine')."""
+    run = launched_with(tmp_path / "run", "model=mine")
+    (run / ".hydra" / "hydra.yaml").write_text(  # (where Hydra records its own overrides)
+        "hydra:\n  overrides:\n    hydra:\n    - hydra.searchpath=[file:///my/conf]\n"
+        f"    - hydra.run.dir={run}\n    - hydra.job.chdir=false\n")
+    args = ["trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == ["hydra.searchpath=[file:///my/conf]", "model=mine", *args]
+    again = ["hydra.searchpath=[file:///moved/conf]", *args]  # (set again: the command's)
+    assert with_runs_own(again) == ["model=mine", *again]
+
+
 def test_a_flags_value_is_no_override_and_a_sweep_by_its_mode_carries_nothing(tmp_path):
     run = launched_with(tmp_path / "run", "optim.lr=0.1", "hydra_x=1")
     args = ["--config-dir", "conf=x", "trainer.resume=auto", f"hydra.run.dir={run}"]
