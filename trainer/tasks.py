@@ -101,6 +101,12 @@ class Classification(Task):
             raise self.error("targets that are not integer class indices", target,
                              "an int64 tensor of class indices (task=regression for real "
                              "values)")
+        if tuple(target.shape) == tuple(logits.shape):  # (batch,) logits: no class scores
+            classes = self.num_classes if self.num_classes is not None else "classes"
+            raise self.error(f"logits {tuple(logits.shape)} of the targets' own shape: the "
+                             "model gives no score per class", logits,
+                             f"logits of shape {(*tuple(logits.shape), classes)} (a model "
+                             "that squeezes its output? task=regression for one real value)")
         if tuple(target.shape) != tuple(logits.shape[:-1]):
             raise self.error(f"logits {tuple(logits.shape)} and targets of another shape",
                              target, f"targets of shape {tuple(logits.shape[:-1])}")

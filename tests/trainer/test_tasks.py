@@ -37,6 +37,11 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
      "logits (2, 3) and targets of another shape"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2, 5),
      "logits with 5 classes but data.num_classes=3"),
+    # a squeezed output: the targets were blamed ("expected targets of shape ()")
+    ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2),
+     "logits (2,) of the targets' own shape: the model gives no score per class: got "
+     "tensor(2,) float32; expected logits of shape (2, 3) (a model that squeezes its output? "
+     "task=regression for one real value)"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
      "a model output it cannot read: got str"),
 ])
