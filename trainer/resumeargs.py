@@ -17,7 +17,7 @@ overrides are the sweep's own.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from trainer.checkpoint import CHECKPOINT_DIR
 
@@ -87,28 +87,27 @@ def _hydras(key: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
-def _choices(run_dir: Path) -> Dict[str, Any]:
-    """The config groups' choices the run was composed with (its `.hydra/hydra.yaml`)."""
+def _hydras_record(run_dir: Path) -> Tuple[Dict[str, Any], list]:
+    """What the run's `.hydra/hydra.yaml` records: the config groups' choices it was composed
+    with ({} where unreadable: the recorded overrides' choices tell), and its
+    `hydra.searchpath=...` override, parsed ([] without one; Hydra keeps it there, not in
+    overrides.yaml): where the run's own config groups are found."""
     try:
         from omegaconf import OmegaConf
 
-        choices = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
-        return dict(OmegaConf.to_container(choices))
-    except Exception:  # noqa: BLE001  (none: the recorded overrides' choices tell)
-        return {}
-
-
-def _search_path(run_dir: Path) -> list:
-    """The run's `hydra.searchpath=...` override, parsed (Hydra records it in hydra.yaml,
-    not in overrides.yaml): where the run's own config groups are found. [] without one."""
-    try:
-        from omegaconf import OmegaConf
-
-        given = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.overrides.hydra
-        lines = [a for a in given if isinstance(a, str) and a.startswith("hydra.searchpath=")]
+        hydra = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
     except Exception:  # noqa: BLE001
-        return []
-    return (_overrides(lines) or []) if lines else []
+        return {}, []
+    try:
+        choices = dict(OmegaConf.to_container(hydra.runtime.choices))
+    except Exception:  # noqa: BLE001
+        choices = {}
+    try:
+        lines = [a for a in hydra.overrides.hydra
+                 if isinstance(a, str) and a.startswith("hydra.searchpath=")]
+    except Exception:  # noqa: BLE001
+        lines = []
+    return choices, (_overrides(lines) or []) if lines else []
 
 
 def _chosen_otherwise(key: str, command: Dict[str, Any], run: Dict[str, Any]) -> Optional[str]:
@@ -144,11 +143,12 @@ def with_runs_own(args: List[str]) -> List[str]:
     parsed = _record(record)
     if parsed is None:
         return args
-    parsed = _search_path(run_dir) + parsed
+    choices, search_path = _hydras_record(run_dir)
+    parsed = search_path + parsed
     if not parsed:
         return args
     args = _added_again(args, at, given, parsed)
-    choices = {**_choices(run_dir), **{o.key_or_group: o.value() for o in parsed}}
+    choices.update({o.key_or_group: o.value() for o in parsed})
     stated = {k for k, o in by_key.items() if not o.is_delete()}  # (~key: deletes it after)
     skipped = _OWN + (_TRAINING if RESUMED is None else ())
     for o in parsed:
