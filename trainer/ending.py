@@ -270,6 +270,24 @@ def complete_because(cfg: DictConfig, loop: Loop) -> Optional[Tuple[str, str]]:
             f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'} to train on")
 
 
+def past_the_limit(cfg: DictConfig, loop: Loop) -> Optional[str]:
+    """Why a resumed run is past a limit the command lowered (trainer.max_steps below its
+    step, trainer.max_epochs at or below the epoch it is inside), as one line; None else.
+    It ended there at once and rewrote its files as a run ending at that limit: its last
+    checkpoints, a validation row, the status "completed", a schedule at its end."""
+    state, t = loop.state, cfg.trainer
+    keep = "its files are left as they are"
+    if t.max_steps > 0 and state.step > t.max_steps:
+        return (f"trainer.max_steps={t.max_steps}: the run is at step {state.step} already, "
+                f"past it; {keep}; give trainer.max_steps={state.step} or more")
+    if 0 < t.max_epochs <= state.epoch and state.position > 0:
+        return (f"trainer.max_epochs={t.max_epochs}: the run is inside epoch {state.epoch} "
+                f"already (step {state.step}), past it; {keep}; give trainer.max_epochs="
+                f"{state.epoch + 1} or more to finish that epoch, or trainer.max_steps="
+                f"{state.step} to end it where it is")
+    return None
+
+
 def nothing_to_do(cfg: DictConfig, run_dir: Path, loop: Loop,
                    logger: RunLogger) -> Dict[str, Any]:
     """What a run resumed from its final checkpoint returns, writing nothing: the summary its

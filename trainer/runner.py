@@ -353,6 +353,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                                   "(data.dataset's val split, or data.val_dataset)")
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record
                 return ending.nothing_to_do(cfg, run_dir, loop, logger)
+            past = ending.past_the_limit(cfg, loop)
+            if past is not None:
+                raise ConfigError(past)
             # the run's files come once its first optimizer step succeeded (or before the
             # first metrics row, whichever is first): a resume the first batch refuses (a
             # task that does not fit the data) leaves the run dir as it was

@@ -30,3 +30,41 @@ def test_status_lines_keep_a_crashs_type_and_a_workers_origin():
     assert status_error(ConfigError("data.batch_size=0: must be > 0")) == \
         "data.batch_size=0: must be > 0"  # a mistake the run names: its line alone
     assert status_error(SystemExit(3)) == "SystemExit(3)"
+
+
+def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make_cfg, tmp_path):
+    """A run stopped inside its second epoch (a preemption), resumed with
+    trainer.max_epochs=1 (or a max_steps below its step): it ended at once, rewriting its last
+    checkpoints, a validation row and its status as a run finished at that limit."""
+    import os
+    import re
+    import signal
+
+    import pytest
+
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    class Preempt(Callback):
+        def after_step(self, loop):
+            if loop.state.step == 30:  # (23 steps an epoch: inside the second)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    run = tmp_path / "run"
+    quick = ["trainer.progress_bar=false", "data.num_workers=0", "sched=constant"]
+    with pytest.raises(Preempted):
+        train(make_cfg(*quick, "trainer.max_epochs=5", run_dir=run), callbacks=[Preempt()])
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for limit, said in [("trainer.max_epochs=1", r"trainer.max_epochs=1: the run is inside "
+                         r"epoch 1 already \(step (\d+)\), past it; its files are left as they "
+                         r"are; give trainer.max_epochs=2 or more to finish that epoch, or "
+                         r"trainer.max_steps=\1 to end it where it is$"),
+                        ("trainer.max_steps=20", r"trainer.max_steps=20: the run is at step "
+                         r"\d+ already, past it; its files are left as they are; give "
+                         r"trainer.max_steps=\d+ or more$")]:
+        with pytest.raises(ConfigError) as e:
+            train(make_cfg(*quick, limit, "trainer.resume=auto", run_dir=run))
+        assert re.match(said, str(e.value)), str(e.value)
+    assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    again = train(make_cfg(*quick, "trainer.max_epochs=5", "trainer.resume=auto", run_dir=run))
+    assert again["steps"] == 115  # (5 epochs of 23: on from where it stopped)
