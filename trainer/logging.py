@@ -157,15 +157,17 @@ class RunLogger:
             write_whole(self.run_dir / "summary.json",
                         json.dumps(json_safe(values), indent=2, allow_nan=False) + "\n")
 
-    def progress(self, total: Optional[int], desc: str):
+    def progress(self, total: Optional[int], desc: str, done: int = 0):
         """A tqdm bar on rank 0 (when enabled) where the console is a terminal; where it is not
         (a SLURM output file, a pipe) a line at each logging boundary instead, as a bar's
-        redraws leave there only `0%|...` fragments; else a silent stand-in."""
+        redraws leave there only `0%|...` fragments; else a silent stand-in. `done`: of the
+        `total`, the ones before it began (an epoch resumed mid-way)."""
         if not self.show_progress:
             return _NoBar()
         if not _is_terminal(sys.stderr):
-            return _LineBar(total, desc)
-        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, unit="batch")
+            return _LineBar(total, desc, done)
+        return tqdm(total=total, initial=done, desc=desc, leave=False, dynamic_ncols=True,
+                    unit="batch")
 
     def close(self) -> None:
         logging.getLogger().removeHandler(self.warnings)
@@ -282,8 +284,8 @@ class _LineBar(_NoBar):
     """The progress of an epoch as a line at each logging boundary, for a console that is no
     terminal: `epoch 3: batch 150/230, loss 0.4321, 85540 samples/s, waiting for data 3%`."""
 
-    def __init__(self, total: Optional[int], desc: str):
-        self.total, self.desc, self.done = total, desc, 0
+    def __init__(self, total: Optional[int], desc: str, done: int = 0):
+        self.total, self.desc, self.done = total, desc, done
 
     def update(self, n: int = 1) -> None:
         self.done += n

@@ -241,7 +241,8 @@ class Loop:
             self.model.train()
         windows, per_batch = self._start_epoch(epoch)
         planned = sum(windows)
-        bar = self.logger.progress(planned, f"epoch {epoch}")
+        done = self.state.position // per_batch  # (the batches before a mid-epoch resume)
+        bar = self.logger.progress(done + planned, f"epoch {epoch}", done)
         batches = self.train_feed.take(planned)  # nothing loaded past the plan
         epoch_start = time.perf_counter()
         try:  # an error mid-epoch clears the bar's line too: its one line starts a line

@@ -217,14 +217,19 @@ def test_progress_is_a_line_a_logging_boundary_where_the_console_is_no_terminal(
         bar.close()
     assert [r.getMessage() for r in caplog.records] == [
         "epoch 3: batch 10/23, loss 0.4321, 85540 samples/s, waiting for data 3%"]
+    resumed = logger.progress(23, "epoch 3", done=15)  # (an epoch resumed mid-way: counted on)
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        resumed.update(2)
+        resumed.set_postfix(loss="0.4", sps="1", wait="3%", refresh=False)
+    assert caplog.records[-1].getMessage().startswith("epoch 3: batch 17/23, ")
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     monkeypatch.setattr(sys, "stderr", Terminal())
-    terminal = logger.progress(23, "epoch 3")
-    assert isinstance(terminal, tqdm)
+    terminal = logger.progress(23, "epoch 3", done=15)
+    assert isinstance(terminal, tqdm) and (terminal.n, terminal.total) == (15, 23)
     terminal.close()
     logger.close()  # (its warning counter off the root logger)
     silent = RunLogger(tmp_path, main=True, write=False, tensorboard=False, progress_bar=False)
