@@ -162,8 +162,12 @@ def _end_workers_at_exit() -> None:
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     for obj in gc.get_objects():  # (type(): an isinstance() asks some modules' __class__)
-        if issubclass(type(obj), _MultiProcessingDataLoaderIter) and not obj._shutdown:
-            obj._shutdown_workers()
+        if issubclass(type(obj), _MultiProcessingDataLoaderIter) and \
+                not getattr(obj, "_shutdown", True):  # (True: one built only in part)
+            try:
+                obj._shutdown_workers()
+            except Exception:  # noqa: BLE001  (the next ones still end)
+                pass
 
 
 def _loader_options(cfg: DataConfig, workers: int) -> dict:

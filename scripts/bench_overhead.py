@@ -98,16 +98,18 @@ def _chosen(p: argparse.ArgumentParser, runners: Optional[str], names: List[str]
     return chosen
 
 
-def _check_overrides(p: argparse.ArgumentParser, overrides: List[str]) -> None:
-    """--override composed and checked as train.py would, before any run: a misspelt key or a
-    bad value is one usage error (not a child's traceback seconds later), and so is one that
-    changes the run's length, which --steps sets (the runs ended early, unmeasured)."""
+def _check_overrides(p: argparse.ArgumentParser, overrides: List[str], name: str) -> None:
+    """--override composed and checked as train.py would for workload `name`, before any run:
+    a misspelt key or a bad value is one usage error (not a child's traceback seconds later),
+    and so is one that changes the run's length, which --steps sets (the runs ended early,
+    unmeasured)."""
     from overhead_runners import _stoker_cfg
 
     from trainer.checks import resolve
     from trainer.cli import describe
 
-    w = {"name": "tiny", "batch": 64, "steps": 500, "workers": 0, "overrides": overrides}
+    w = {"name": name, "batch": 64, "steps": 500, "workers": 0, "samples": 4096,
+         "overrides": overrides}
     with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
         try:
             cfg = _stoker_cfg(w, "host", tmp)
@@ -115,9 +117,11 @@ def _check_overrides(p: argparse.ArgumentParser, overrides: List[str]) -> None:
         except Exception as e:  # noqa: BLE001  (Hydra's, OmegaConf's or the checks' error)
             p.error(f"--override {' '.join(overrides)}: {describe(e)}")
     t = cfg.trainer
-    if t.max_steps != w["steps"] or t.max_epochs != 100000 or t.limit_train_batches is not None:
+    if t.max_steps != w["steps"] or t.max_epochs != 100000 or \
+            t.limit_train_batches is not None or t.fast_dev_run:
         p.error(f"--override {' '.join(overrides)}: sets the run's length (trainer.max_steps, "
-                "max_epochs, limit_train_batches), which the benchmark sets itself: use --steps")
+                "max_epochs, limit_train_batches, fast_dev_run), which the benchmark sets "
+                "itself: use --steps")
 
 
 def in_subprocess(kind: str, w: Dict[str, Any]) -> Dict[str, float]:
@@ -235,7 +239,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if "=" not in o or o.startswith("="):
             p.error(f"--override {o}: give KEY=VALUE, as on train.py's command line")
     if a.override:
-        _check_overrides(p, a.override)
+        for name in names:
+            _check_overrides(p, a.override, name)
     if a.profile is not None:
         if not any(k in PROFILED for k in chosen):
             p.error(f"--profile: profiles the {', '.join(PROFILED)} runners; --runners "
@@ -259,6 +264,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         kinds = [k for k in listed if k != "lightning" or has_lightning]
         runs: Dict[str, List[Dict[str, float]]] = {k: [] for k in listed}
         done = list(result["results"])
+        if not kinds:  # (--runners names none of this workload's, or Lightning alone)
+            result["results"] = done + summarise(name, runs)
+            continue
         for rep in range(a.repeats):
             for kind in (kinds if rep % 2 == 0 else kinds[::-1]):  # alternate the order too
                 spec = w

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import cProfile
 import itertools
-import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -40,11 +39,11 @@ class Clock:
 
                 torch.cuda.synchronize(self.device)
             self.marks.append((step, time.perf_counter(), time.process_time()))
-            if self.profiler is not None and step == self.warmup:
+            if self.profiler is not None and len(self.marks) == 1:  # (the timed steps')
                 self.profiler.enable()
             elif self.profiler is not None and step == self.steps:
                 self.profiler.disable()
-                profile_steps(self.profiler, step - self.warmup, self.profile)
+                profile_steps(self.profiler, step - self.marks[0][0], self.profile)
 
     def result(self, batch: int) -> Dict[str, float]:
         (s0, w0, c0), (s1, w1, c1) = self.marks[0], self.marks[-1]
@@ -57,8 +56,9 @@ class Clock:
 def profile_steps(profiler: cProfile.Profile, steps: int, path: str, top: int = 40) -> None:
     """Writes the `top` functions by their own time, each as microseconds and calls per step
     (profiled steps run slower than unprofiled ones: read the shares, not the totals)."""
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, calls, tottime, cumtime, _)}
-    total = sum(v[2] for v in stats.values())
+    profiler.create_stats()
+    stats = profiler.stats  # {(file, line, name): (cc, calls, tottime, cumtime, callers)}
+    total = sum(v[2] for v in stats.values()) or 1e-9  # (no call timed: an empty table)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     lines = [f"{steps} steps profiled, {1e6 * total / steps:.0f} us of own time per step",
              f"{'own_us':>8} {'share':>6} {'cum_us':>8} {'calls':>6}  function"]

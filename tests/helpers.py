@@ -498,6 +498,18 @@ class NamedClassesDigits(DigitsDataset):
     classes = [f"digit {d}" for d in range(10)]
 
 
+class SplitNamedDigits(DigitsDataset):
+    """Digits whose validation split names 9 classes, its training split 10."""
+
+    def __init__(self, split: str = "train", **kwargs):
+        super().__init__(split, **kwargs)
+        self.classes = [f"digit {d}" for d in range(10 if split == "train" else 9)]
+
+
+class OneNamedDigits(DigitsDataset):
+    classes = ["digit"]
+
+
 class FlatNamedDigits(NamedClassesDigits):
     """Named digits as a table's rows: 64 features, no image."""
 

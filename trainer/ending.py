@@ -280,11 +280,13 @@ def past_the_limit(cfg: DictConfig, loop: Loop) -> Optional[str]:
     if t.max_steps > 0 and state.step > t.max_steps:
         return (f"trainer.max_steps={t.max_steps}: the run is at step {state.step} already, "
                 f"past it; {keep}; give trainer.max_steps={state.step} or more")
-    if 0 < t.max_epochs <= state.epoch and state.position > 0:
-        return (f"trainer.max_epochs={t.max_epochs}: the run is inside epoch {state.epoch} "
-                f"already (step {state.step}), past it; {keep}; give trainer.max_epochs="
-                f"{state.epoch + 1} or more to finish that epoch, or trainer.max_steps="
-                f"{state.step} to end it where it is")
+    if 0 < t.max_steps <= state.step:
+        return None  # (ended at its step limit: validated and saved there)
+    if 0 < t.max_epochs < state.epoch or (t.max_epochs == state.epoch and state.position > 0):
+        return (f"trainer.max_epochs={t.max_epochs}: the run is at epoch {state.epoch} step "
+                f"{state.step} already, past it; {keep}; give trainer.max_epochs="
+                f"{state.epoch + (1 if state.position else 0)} or more to finish its epoch, "
+                f"or trainer.max_steps={state.step} to end it where it is")
     return None
 
 

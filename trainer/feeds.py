@@ -61,6 +61,7 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         keys = ("data.train_dataset", "data.val_dataset")
         sets = [None if node is None or s not in splits else components.build(node, key)
                 for node, key, s in zip((d.train_dataset, d.val_dataset), keys, ("train", "val"))]
+    taken = None  # the split whose `classes` gave data.num_classes
     for ds, key in zip(sets, keys):
         if ds is None:
             continue
@@ -81,16 +82,23 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         if n == 0:
             raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
         classes = getattr(ds, "classes", None)  # an image folder's (shards': their index's)
-        if isinstance(classes, (list, tuple)) and d.num_classes is not None \
-                and d.num_classes != len(classes):
-            raise ConfigError(f"data.num_classes={d.num_classes}: {key} has {len(classes)} "
-                              f"classes ({', '.join(map(str, classes[:5]))}"
-                              f"{', ...' if len(classes) > 5 else ''}); leave the key out to "
-                              "take its count")
-        if isinstance(classes, (list, tuple)) and classes and d.num_classes is None:
+        if not isinstance(classes, (list, tuple)):
+            continue
+        named = (f"{len(classes)} classes ({', '.join(map(str, classes[:5]))}"
+                 f"{', ...' if len(classes) > 5 else ''})")
+        if taken is not None and d.num_classes != len(classes):
+            raise ConfigError(f"data: {key} (the validation split) has {named}, the training "
+                              f"split {d.num_classes}; give both splits the same classes")
+        if d.num_classes is not None and d.num_classes != len(classes):
+            raise ConfigError(f"data.num_classes={d.num_classes}: {key} has {named}; leave the "
+                              "key out to take its count")
+        if d.num_classes is None:
             # a dataset of one's own that names its classes: the count the model and the
             # task read from data.num_classes (an image folder's config resolves it itself)
-            d.num_classes = len(classes)
+            if len(classes) < 2:
+                raise ConfigError(f"data: {key} has {named}; a classifier needs 2 or more "
+                                  "(task=regression for one real value)")
+            d.num_classes, taken = len(classes), key
     return sets[0], sets[1]
 
 

@@ -151,7 +151,7 @@ class Heartbeat:
 ERROR_KEY = "stoker/error/{}"  # a rank's one-line error, in the job's store
 
 
-OWN_WAIT_S = 2.0  # how long a rank's own error waits for rank 0's before it says it itself
+OWN_WAIT_S = 5.0  # how long a rank's own error waits for rank 0's before it says it itself
 
 
 def record_error(rank: int, line: str) -> None:

@@ -191,15 +191,16 @@ def _record(record: Path) -> Optional[list]:
 
 
 def _added_again(args: List[str], at: List[int], given: list, parsed: list) -> List[str]:
-    """`args` with a key the run added (`+key=a` in its record) and the command sets again
-    plainly (`key=b`) given as an addition too (`+key=b`): the key is not in the config
-    without the run's `+`, and the command's value is to win."""
-    added = {o.key_or_group for o in parsed if o.is_add()}
+    """`args` with a key the run added (`+key=a` or `++key=a` in its record) and the command
+    sets again plainly (`key=b`) given as a forced addition (`++key=b`): the key is not in
+    the config without the run's `+` (or is, where the command chose a group that has it),
+    and the command's value is to win."""
+    added = {o.key_or_group for o in parsed if o.is_add() or o.is_force_add()}
     out = list(args)
     for i, o in zip(at, given):
         if o.key_or_group in added and not o.is_add() and not o.is_force_add() and \
                 not o.is_delete():
-            out[i] = "+" + args[i]
+            out[i] = "++" + args[i]
     return out
 
 

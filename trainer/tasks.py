@@ -101,7 +101,8 @@ class Classification(Task):
             raise self.error("targets that are not integer class indices", target,
                              "an int64 tensor of class indices (task=regression for real "
                              "values)")
-        if tuple(target.shape) == tuple(logits.shape):  # (batch,) logits: no class scores
+        if logits.dim() == 1 and tuple(target.shape) == tuple(logits.shape):  # (batch,)
+            # logits: no score per class (one-hot targets of (batch, classes) logits are not)
             classes = self.num_classes if self.num_classes is not None else "classes"
             raise self.error(f"logits {tuple(logits.shape)} of the targets' own shape: the "
                              "model gives no score per class", logits,

@@ -110,8 +110,9 @@ def test_chosen_runners_take_overrides_and_write_their_profiles(tmp_path):
      "--override data.num_workers=abc: data.num_workers=abc: must be auto or an integer >= 0"),
     # the runs ended before --steps, and the table had no final weights to compare (KeyError)
     (["--override", "trainer.max_epochs=1"], "--override trainer.max_epochs=1: sets the run's "
-     "length (trainer.max_steps, max_epochs, limit_train_batches), which the benchmark sets "
-     "itself: use --steps"),
+     "length (trainer.max_steps, max_epochs, limit_train_batches, fast_dev_run), which the "
+     "benchmark sets itself: use --steps"),
+    (["--override", "debug=fdr"], "--override debug=fdr: sets the run's length"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, args, needle):
     import bench_overhead
@@ -156,3 +157,47 @@ def test_a_ctrl_c_leaves_the_good_result_and_the_repeats_so_far_beside_it(tmp_pa
     partial = json.loads(side.read_text())
     assert partial["partial"] is True
     assert {r["runs"] for r in partial["results"] if r["runner"] in kinds} == {1}
+
+
+def test_a_workload_without_a_chosen_runner_is_left_out_and_overrides_are_its_own(
+        tmp_path, monkeypatch, capsys):
+    """`--workload all --runners stoker_device` (a runner of tiny alone) raised ValueError at
+    cnn's empty repeats; an override only cnn's config has (its synthetic dataset's) was
+    refused as misspelt, checked against tiny's."""
+    import bench_overhead
+
+    def fake(kind, w):
+        return {"samples_per_s": 1.0, "step_us": 2.0, "cpu_us": 2.0, "best_step_us": 1.0,
+                "param_sum": 1.0}
+
+    monkeypatch.setattr(bench_overhead, "in_subprocess", fake)
+    out = tmp_path / "o.json"
+    result = bench_overhead.main(["--runners", "stoker_device", "--repeats", "1", "--steps",
+                                  "10", "--warmup", "2", "--startup-repeats", "0",
+                                  "--out", str(out)])
+    assert [(r["workload"], r["runner"]) for r in result["results"]] == [("tiny",
+                                                                          "stoker_device")]
+    bench_overhead.main(["--workload", "cnn", "--runners", "stoker", "--repeats", "1",
+                         "--steps", "10", "--warmup", "2", "--startup-repeats", "0",
+                         "--override", "data.dataset.num_samples=2048",
+                         "--out", str(tmp_path / "cnn.json")])
+    assert "data.dataset.num_samples" in usage_error(
+        capsys, bench_overhead.main, ["--workload", "all", "--override",
+                                      "data.dataset.num_samples=2048", "--out",
+                                      str(tmp_path / "all.json")])  # (tiny's digits lack it)
+
+
+def test_a_profile_from_the_first_step_is_written(tmp_path):
+    """--warmup 0: the profiler was enabled at a step never ticked, and pstats refused the
+    empty profile in the child."""
+    import torch
+
+    from overhead_runners import Clock
+
+    out = tmp_path / "p.txt"
+    clock = Clock(0, 10, torch.device("cpu"), profile=str(out))
+    for step in range(1, 11):
+        sum(range(1000))
+        clock.tick(step)
+    lines = out.read_text().splitlines()
+    assert lines[0].endswith(" us of own time per step") and len(lines) > 2

@@ -38,6 +38,7 @@ def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make
     checkpoints, a validation row and its status as a run finished at that limit."""
     import os
     import re
+    import shutil
     import signal
 
     import pytest
@@ -55,9 +56,9 @@ def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make
     with pytest.raises(Preempted):
         train(make_cfg(*quick, "trainer.max_epochs=5", run_dir=run), callbacks=[Preempt()])
     before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for limit, said in [("trainer.max_epochs=1", r"trainer.max_epochs=1: the run is inside "
-                         r"epoch 1 already \(step (\d+)\), past it; its files are left as they "
-                         r"are; give trainer.max_epochs=2 or more to finish that epoch, or "
+    for limit, said in [("trainer.max_epochs=1", r"trainer.max_epochs=1: the run is at epoch "
+                         r"1 step (\d+) already, past it; its files are left as they are; give "
+                         r"trainer.max_epochs=2 or more to finish its epoch, or "
                          r"trainer.max_steps=\1 to end it where it is$"),
                         ("trainer.max_steps=20", r"trainer.max_steps=20: the run is at step "
                          r"\d+ already, past it; its files are left as they are; give "
@@ -66,5 +67,10 @@ def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make
             train(make_cfg(*quick, limit, "trainer.resume=auto", run_dir=run))
         assert re.match(said, str(e.value)), str(e.value)
     assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    step = int(re.search(r"step (\d+)", str(e.value)).group(1))
+    shutil.copytree(run, tmp_path / "copy")  # the line's way out ends it where it is
+    ended = train(make_cfg(*quick, "trainer.max_epochs=1", f"trainer.max_steps={step}",
+                           "trainer.resume=auto", run_dir=tmp_path / "copy"))
+    assert ended["steps"] == step
     again = train(make_cfg(*quick, "trainer.max_epochs=5", "trainer.resume=auto", run_dir=run))
     assert again["steps"] == 115  # (5 epochs of 23: on from where it stopped)

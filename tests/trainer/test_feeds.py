@@ -466,6 +466,15 @@ def test_a_dataset_naming_its_classes_gives_data_num_classes(make_cfg, tmp_path)
     with pytest.raises(ConfigError, match=r"^task classification: logits with 4 classes but "
                                           r"data.num_classes=10"):
         train(make_cfg(*named, "+model.num_classes=4", run_dir=tmp_path / "other"))
+    for dataset, said in [("SplitNamedDigits", "data: data.dataset (the validation split) has "
+                           "9 classes (digit 0, digit 1, digit 2, digit 3, digit 4, ...), the "
+                           "training split 10; give both splits the same classes"),
+                          ("OneNamedDigits", "data: data.dataset has 1 classes (digit); a "
+                           "classifier needs 2 or more (task=regression for one real value)")]:
+        with pytest.raises(ConfigError) as e:  # (said as the splits', not data.num_classes=N)
+            train(make_cfg(*named, f"data.dataset._target_=tests.helpers.{dataset}",
+                           run_dir=tmp_path / dataset))
+        assert str(e.value) == said
 
 
 @pytest.mark.parametrize("cache", ["shm", "disk"])

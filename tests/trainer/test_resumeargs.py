@@ -137,7 +137,7 @@ def test_a_key_the_run_added_and_the_command_sets_again_is_added_with_its_value(
     run = launched_with(tmp_path / "run", "+optim.amsgrad=true", "+model.extra=1")
     args = ["optim.amsgrad=false", "~model.extra", "trainer.resume=auto",
             f"hydra.run.dir={run}"]
-    assert with_runs_own(args) == ["+model.extra=1", "+optim.amsgrad=false", "~model.extra",
+    assert with_runs_own(args) == ["+model.extra=1", "++optim.amsgrad=false", "~model.extra",
                                    "trainer.resume=auto", f"hydra.run.dir={run}"]
 
 

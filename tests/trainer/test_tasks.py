@@ -42,6 +42,10 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
      "logits (2,) of the targets' own shape: the model gives no score per class: got "
      "tensor(2,) float32; expected logits of shape (2, 3) (a model that squeezes its output? "
      "task=regression for one real value)"),
+    # one-hot targets: they are of another shape than class indices, the logits are right
+    ((torch.zeros(2, 3), torch.eye(3, dtype=torch.int64)[:2]), torch.zeros(2, 3),
+     "logits (2, 3) and targets of another shape: got tensor(2, 3) int64; expected targets "
+     "of shape (2,)"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
      "a model output it cannot read: got str"),
 ])
