@@ -98,8 +98,16 @@ def _chosen(p: argparse.ArgumentParser, runners: Optional[str], names: List[str]
     return chosen
 
 
-def _check_overrides(p: argparse.ArgumentParser, overrides: List[str], name: str) -> None:
-    """--override composed and checked as train.py would for workload `name`, before any run:
+def _workload(name: str, a: argparse.Namespace) -> Dict[str, Any]:
+    """What every runner of workload `name` is given (the same steps for each)."""
+    return {"name": name, "batch": 64, "warmup": a.warmup,
+            "steps": a.steps or (500 if name == "tiny" else 150),
+            "workers": 0 if name == "tiny" else 2, "threads": 1 if name == "tiny" else 0,
+            "samples": 4096, "overrides": a.override}
+
+
+def _check_overrides(p: argparse.ArgumentParser, w: Dict[str, Any]) -> None:
+    """--override composed and checked as train.py would for workload `w`, before any run:
     a misspelt key or a bad value is one usage error (not a child's traceback seconds later),
     and so is one that changes the run's length, which --steps sets (the runs ended early,
     unmeasured)."""
@@ -108,8 +116,7 @@ def _check_overrides(p: argparse.ArgumentParser, overrides: List[str], name: str
     from trainer.checks import resolve
     from trainer.cli import describe
 
-    w = {"name": name, "batch": 64, "steps": 500, "workers": 0, "samples": 4096,
-         "overrides": overrides}
+    overrides = w["overrides"]
     with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:
         try:
             cfg = _stoker_cfg(w, "host", tmp)
@@ -238,27 +245,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for o in a.override:
         if "=" not in o or o.startswith("="):
             p.error(f"--override {o}: give KEY=VALUE, as on train.py's command line")
+    workloads = {name: _workload(name, a) for name in names}
+    for name, w in workloads.items():  # the clock needs a timed step after the warm-up
+        if a.warmup >= w["steps"]:
+            p.error(f"--warmup {a.warmup}: must be below the {w['steps']} steps of {name} "
+                    "(--steps)")
     if a.override:
-        for name in names:
-            _check_overrides(p, a.override, name)
+        for w in workloads.values():
+            _check_overrides(p, w)
     if a.profile is not None:
         if not any(k in PROFILED for k in chosen):
             p.error(f"--profile: profiles the {', '.join(PROFILED)} runners; --runners "
                     f"{a.runners} has none of them")
         a.profile.mkdir(parents=True, exist_ok=True)
-    for name in names:  # the clock needs a timed step after the warm-up
-        steps = a.steps or (500 if name == "tiny" else 150)
-        if a.warmup >= steps:
-            p.error(f"--warmup {a.warmup}: must be below the {steps} steps of {name} "
-                    "(--steps)")
     has_lightning = any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning"))
     result: Dict[str, Any] = {"machine": machine(), "repeats": a.repeats, "target": 0.97,
                               "lightning": lightning_version(), "workloads": {}, "results": []}
-    for name in names:
-        w = {"name": name, "batch": 64, "warmup": a.warmup,
-             "steps": a.steps or (500 if name == "tiny" else 150),
-             "workers": 0 if name == "tiny" else 2, "threads": 1 if name == "tiny" else 0,
-             "samples": 4096, "overrides": a.override}
+    for name, w in workloads.items():
         result["workloads"][name] = w
         listed = [k for k in RUNNERS[name] if k in chosen]
         kinds = [k for k in listed if k != "lightning" or has_lightning]
