@@ -257,8 +257,10 @@ def record_hydra(run_dir: Path, cfg: Optional[DictConfig]) -> None:
     if cfg is not None:
         write_whole(folder / "config.yaml", OmegaConf.to_yaml(cfg))
     write_whole(folder / "hydra.yaml", OmegaConf.to_yaml({"hydra": hydra_cfg}))
-    write_whole(folder / "overrides.yaml",
-                OmegaConf.to_yaml(OmegaConf.create(list(hydra_cfg.overrides.task))))
+    # as typed: an override's ${...} unresolved (read through the config, it was resolved,
+    # to None where a dataset gives the value later: a resume then took that None)
+    write_whole(folder / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(
+        OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))))
 
 
 def agreed(check, env) -> None:

@@ -240,3 +240,22 @@ def test_a_launch_with_a_record_that_cannot_be_read_ends_in_one_line_leaving_it(
         f"stoker: error: {record}: the run's record of its overrides cannot be read"), \
         proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and record.read_text() == "- {{\n"
+
+
+def test_an_interpolated_override_is_recorded_as_typed_and_carried_so(tmp_path):
+    """`+task.metrics.f1.num_classes=${data.num_classes}` was recorded resolved, to None where
+    the dataset's `classes` give the count later: its checkpoint's validation then built the
+    metric with None."""
+    run, checked = tmp_path / "run", tmp_path / "checked"
+    metric = ["+task.metrics.f1._target_=torchmetrics.classification.MulticlassF1Score",
+              "+task.metrics.f1.num_classes=${data.num_classes}"]
+    first = run_cli(["data.dataset._target_=tests.helpers.NamedClassesDigits",
+                     "data.num_classes=null", *metric, "trainer.max_steps=2",
+                     "trainer.progress_bar=false", f"hydra.run.dir={run}"], cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert metric[1] in (run / ".hydra" / "overrides.yaml").read_text()
+    again = run_cli(["trainer.validate_only=true",
+                     f"trainer.init_from={run / 'checkpoints' / 'last.pt'}",
+                     f"hydra.run.dir={checked}"], cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((checked / "summary.json").read_text())["val_f1"] >= 0
