@@ -27,16 +27,15 @@
 # call ends: chain the calls at once. Run 2026-11-26: gpu_tests bench_gpu | overhead_cnn runs
 # | checkpoint loader. Run 2026-11-27 (H200): gpu_tests runs (cut at shards_train by its 300 s
 # limit: gpu_tests 98 s, the runs ~14 s each, compile_cudagraphs 37 s) | bench_overhead
-# (322 s). Next, one row per lent session, the first unrun row first:
-#   1. gpu_tests runs (~6.5 min with the two new CUDA-graph tests, timeout_s 420) |
-#      overhead_probe (~2.5 min, timeout_s 300)
-#   2. overhead_cnn strategies (~5 min) | bench_images speed (~7 min)
-#   3. bench_gpu (BENCH_GPU_REPEATS=1)
-# Row 1 re-runs the CUDA-graph run the sanity check broke (fixed since, with new gpu tests),
-# then attributes the tiny step's overhead on the GPU host (0.963 device, 0.907 host placement
-# of plain in lockstep on the H200: 56 and 219 us a step); row 2 measures overhead_cnn with the
-# lockstep pairs (~160 s for 3 repeats of 5 runners) and the benchmarks not run since their
-# code changed.
+# (322 s). Run 2026-11-27, second session (H200): gpu_tests runs (310 s: gpu_tests 95 s, 24
+# tests; the runs 10-16 s each, compile_cudagraphs 36 s) | overhead_probe (110 s) |
+# overhead_cnn strategies (283 s: overhead_cnn 206 s, strategies 72 s); 12.5 of 15 minutes.
+# Next, one row per lent session, the first unrun row first:
+#   1. gpu_tests runs (~5.5 min, timeout_s 420) | bench_images speed (~7 min, timeout_s 480)
+#   2. bench_gpu (BENCH_GPU_REPEATS=1) | bench_overhead
+# Row 1 runs the CUDA paths again and the two benchmarks not run since their code changed;
+# row 2 the feed rows and the tiny step (0.963 device, 0.907 host placement of plain in
+# lockstep on the H200; 0.946 host without the prefetcher).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
 # installed into /tmp/site. Benchmark JSON goes to docs/benchmarks/*_<gpu>.json; everything
 # else (logs, run dirs without weights, gathered in $R, /tmp/gpu-results by default) into one
