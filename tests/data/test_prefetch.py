@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.loader import build_loader
-from data.prefetch import (DeviceAugment, DevicePrefetcher, InputTransform, each_tensor,
-                           map_tensors, to_device)
+from data.prefetch import (DeviceAugment, DevicePrefetcher, InputTransform, _stream_context,
+                           each_tensor, map_tensors, to_device)
 from trainer.config import ConfigError, DataConfig
 
 Pair = namedtuple("Pair", "x y")
@@ -394,3 +394,22 @@ def test_augmented_batches_repeat_exactly_after_a_resume_mid_epoch():
         for a, b in zip(full[2:], resumed):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert not torch.equal(full[0][0], full[1][0])
+
+
+def test_the_side_stream_is_entered_by_its_own_context_where_it_has_one():
+    """A `torch.Stream` (a CUDA build's `torch.cuda.Stream` is one) is made current by its own
+    `with`, switched in C++; any other stream object through `torch.cuda.stream`; no stream,
+    no context."""
+    stream = torch.Stream(device="cpu")
+    enter = _stream_context(stream)
+    assert enter() is stream
+    with enter():  # entered and left again, as once per batch
+        pass
+    with enter():
+        pass
+
+    class Other:
+        pass
+
+    assert isinstance(_stream_context(Other())(), torch.cuda.StreamContext)
+    assert _stream_context(None) is None
