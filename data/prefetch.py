@@ -193,8 +193,8 @@ class InputTransform:
 def _stream_context(stream: Optional[torch.cuda.Stream]):
     """A maker of the context that makes `stream` current (and its device) for a block: the
     stream itself where it is a `torch.Stream`, whose `with` switches in C++, else
-    `torch.cuda.stream`'s, whose Python costs about 10 µs a batch (its own current-stream
-    lookup and two `set_stream` calls), a tiny step's visible share. None without a stream."""
+    `torch.cuda.stream`'s, whose Python (a current-stream lookup and two `set_stream`
+    calls) is an estimated 10 µs a batch, a tiny step's visible share. None without a stream."""
     if stream is None:
         return None
     if isinstance(stream, torch.Stream) and hasattr(torch.Stream, "__enter__"):
