@@ -9,7 +9,9 @@ its run's model, task and data, as that run was launched.
 A key the command sets wins over the run's (`trainer.max_epochs=100` extends it), and a config
 group it chooses otherwise than the run did drops the run's settings inside the group
 (`model=mlp` leaves out the run's `model.channels=[4,8]`, which were the cnn's; `model=cnn`
-again keeps them). A `~key` of the command deletes the run's key after it is carried. Only a
+again keeps them). A `~key` of the command deletes the run's key after it is carried. The
+run's `--config-dir`, `--config-name` and `--config-path` come too where the command gives
+none of its own (its `.hydra/hydra.yaml` records them). Only a
 resume in place (`trainer.resume=auto`, or a checkpoint inside `hydra.run.dir`, both on the
 command line) or a validation of a run's checkpoint; not a sweep (`-m`), whose jobs'
 overrides are the sweep's own.
@@ -24,6 +26,7 @@ from trainer.checkpoint import CHECKPOINT_DIR
 CARRIED: List[str] = []  # what this launch took from its run's record, said at start-up
 DELETED: List[str] = []  # of those, the ones a ~key of the command deletes after
 DROPPED: List[str] = []  # the record's keys inside a config group the command chose otherwise
+FLAGS: List[str] = []  # the run's --config-dir/--config-name/--config-path, the command's own not
 RECORD: Optional[Path] = None  # the record it took them from
 RESUMED: Optional[Path] = None  # the run dir a resume in place continues
 
@@ -87,17 +90,24 @@ def _hydras(key: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
-def _hydras_record(run_dir: Path) -> Tuple[Dict[str, Any], list]:
+def _hydras_record(run_dir: Path) -> Tuple[Dict[str, Any], list, List[str]]:
     """What the run's `.hydra/hydra.yaml` records: the config groups' choices it was composed
-    with ({} where unreadable: the recorded overrides' choices tell), and its
-    `hydra.searchpath=...` override, parsed ([] without one; Hydra keeps it there, not in
-    overrides.yaml): where the run's own config groups are found."""
+    with ({} where unreadable: the recorded overrides' choices tell), its `hydra.searchpath=...`
+    override, parsed ([] without one; Hydra keeps it there, not in overrides.yaml), and the
+    flags that said where its config came from (`--config-dir`, `--config-name`,
+    `--config-path`): where the run's own config and config groups are found."""
+    from trainer.resumefiles import config_flags
+
     try:
         from omegaconf import OmegaConf
 
         hydra = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra
     except Exception:  # noqa: BLE001
-        return {}, []
+        return {}, [], []
+    try:
+        flags = config_flags(hydra)
+    except Exception:  # noqa: BLE001
+        flags = []
     try:
         choices = dict(OmegaConf.to_container(hydra.runtime.choices))
     except Exception:  # noqa: BLE001
@@ -107,7 +117,19 @@ def _hydras_record(run_dir: Path) -> Tuple[Dict[str, Any], list]:
                  if isinstance(a, str) and a.startswith("hydra.searchpath=")]
     except Exception:  # noqa: BLE001
         lines = []
-    return choices, (_overrides(lines) or []) if lines else []
+    return choices, (_overrides(lines) or []) if lines else [], flags
+
+
+def _flags_not_given(args: Sequence[str], flags: List[str]) -> List[str]:
+    """Of the run's config flags (pairs: `--config-dir`, a path), those the command gives no
+    value of its own for, in either spelling."""
+    spellings = {"--config-name": "-cn", "--config-dir": "-cd", "--config-path": "-cp"}
+    out = []
+    for flag, value in zip(flags[::2], flags[1::2]):
+        names = (flag, spellings[flag])
+        if not any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in args):
+            out += [flag, value]
+    return out
 
 
 def _chosen_otherwise(key: str, command: Dict[str, Any], run: Dict[str, Any]) -> Optional[str]:
@@ -128,6 +150,7 @@ def with_runs_own(args: List[str]) -> List[str]:
     CARRIED.clear()
     DROPPED.clear()
     DELETED.clear()
+    FLAGS.clear()
     RECORD = RESUMED = None
     if any(a in ("-m", "--multirun") for a in args) or "hydra.mode=MULTIRUN" in args:
         return args
@@ -143,9 +166,10 @@ def with_runs_own(args: List[str]) -> List[str]:
     parsed = _record(record)
     if parsed is None:
         return args
-    choices, search_path = _hydras_record(run_dir)
+    choices, search_path, flags = _hydras_record(run_dir)
     parsed = search_path + parsed
-    if not parsed:
+    FLAGS[:] = _flags_not_given(args, flags)
+    if not parsed and not FLAGS:
         return args
     args = _added_again(args, at, given, parsed)
     choices.update({o.key_or_group: o.value() for o in parsed})
@@ -162,7 +186,7 @@ def with_runs_own(args: List[str]) -> List[str]:
                                  for k, o2 in by_key.items()):
             DELETED.append(o.input_line)  # (carried, so that the ~key has a key to delete)
     RECORD = record
-    return args[:at[0]] + CARRIED + args[at[0]:]
+    return FLAGS + args[:at[0]] + CARRIED + args[at[0]:]
 
 
 def _record(record: Path) -> Optional[list]:
@@ -206,9 +230,9 @@ def _added_again(args: List[str], at: List[int], given: list, parsed: list) -> L
 
 def said() -> Optional[str]:
     """The start-up line naming what this launch took from its run's record, if anything."""
-    if not CARRIED and not DROPPED:
+    if not CARRIED and not DROPPED and not FLAGS:
         return None
-    kept = [a for a in CARRIED if a not in DELETED]
+    kept = FLAGS + [a for a in CARRIED if a not in DELETED]
     took = (f"the run's own overrides that this command does not set again apply: "
             f"{' '.join(kept)}" if kept else "none of the run's own overrides apply") + (
         f"; deleted by the command's ~key: {' '.join(DELETED)}" if DELETED else "")
@@ -225,8 +249,8 @@ def _left() -> str:
 def took() -> str:
     """What an error line of this launch ends with where it took anything from its run's
     record (a key the error names may be the run's, not the command's); "" otherwise."""
-    if not CARRIED and not DROPPED:
+    if not CARRIED and not DROPPED and not FLAGS:
         return ""
-    carried = f"the run's own overrides {' '.join(CARRIED)}" if CARRIED else \
+    carried = f"the run's own overrides {' '.join(FLAGS + CARRIED)}" if CARRIED or FLAGS else \
         "none of the run's own overrides"
     return f" (this launch took {carried} from {RECORD}{_left()})"

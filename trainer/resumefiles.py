@@ -191,17 +191,26 @@ _NOT_CARRIED = ("hydra.mode", "hydra.run.", "hydra.sweep.", "hydra.launcher.", "
 _PLAIN = re.compile(r"[\w/.\-+:@%]+")
 
 
+def config_flags(hydra: Any) -> List[str]:
+    """The flags that say where a launch's config came from, as its `hydra` node records
+    them (a running job's `HydraConfig`, or a run's `.hydra/hydra.yaml`): `--config-name`
+    other than train.py's own, `--config-dir`, and `--config-path` other than conf/."""
+    name = hydra.job.config_name
+    args = [] if name in (None, "train") else ["--config-name", str(name)]
+    for source in hydra.runtime.config_sources:
+        if source.schema == "file" and source.provider == "command-line":
+            args += ["--config-dir", str(source.path)]
+        elif source.schema == "file" and source.provider == "main" and \
+                Path(source.path).resolve() != (Path(__file__).parents[1] / "conf").resolve():
+            args += ["--config-path", str(source.path)]
+    return args
+
+
 def _launch_args() -> List[str]:
     from hydra.core.hydra_config import HydraConfig
 
     h = HydraConfig.get()  # (launched: a config composed in Python has its own overrides)
-    args = [] if h.job.config_name in (None, "train") else ["--config-name", h.job.config_name]
-    for source in h.runtime.config_sources:
-        if source.schema == "file" and source.provider == "command-line":
-            args += ["--config-dir", source.path]
-        elif source.schema == "file" and source.provider == "main" and \
-                Path(source.path).resolve() != (Path(__file__).parents[1] / "conf").resolve():
-            args += ["--config-path", source.path]
+    args = config_flags(h)
     args += [a for a in h.overrides.hydra if not a.lstrip("+~").startswith(_NOT_CARRIED)]
     return args + [a for a in h.overrides.task
                    if a.lstrip("+~").split("=", 1)[0] != "trainer.resume"]

@@ -78,6 +78,63 @@ def test_the_runs_search_path_is_carried_with_the_groups_found_there(tmp_path):
     assert with_runs_own(again) == ["model=mine", *again]
 
 
+def test_the_runs_config_dir_and_name_are_carried_unless_the_command_gives_its_own(tmp_path):
+    """A run launched with `--config-dir mine --config-name exp` resumed in the short form:
+    its `model=mine` was not found (Could not find 'model/mine'), and without the config name
+    the launch would have composed train.py's own config instead of the run's."""
+    run = launched_with(tmp_path / "run", "model=mine")
+    (run / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  job:\n    config_name: exp\n  runtime:\n    config_sources:\n"
+        "    - {path: hydra.conf, schema: pkg, provider: hydra}\n"
+        f"    - {{path: {ROOT / 'conf'}, schema: file, provider: main}}\n"
+        "    - {path: /my/conf, schema: file, provider: command-line}\n"
+        "    - {path: '', schema: structured, provider: schema}\n")
+    args = ["trainer.resume=auto", f"hydra.run.dir={run}"]
+    assert with_runs_own(args) == ["--config-name", "exp", "--config-dir", "/my/conf",
+                                   "model=mine", *args]
+    assert resumeargs.said().startswith(
+        "resume: the run's own overrides that this command does not set again apply: "
+        "--config-name exp --config-dir /my/conf model=mine (from ")
+    for own in (["-cd", "/moved"], ["--config-dir=/moved"], ["--config-dir", "/moved"]):
+        assert with_runs_own([*own, *args]) == ["--config-name", "exp", *own, "model=mine",
+                                                *args]  # (given again: the command's)
+    assert with_runs_own(["-cn", "other", *args]) == ["--config-dir", "/my/conf", "-cn",
+                                                      "other", "model=mine", *args]
+    plain = launched_with(tmp_path / "plain")  # no override of its own: the flags still come
+    (plain / ".hydra" / "overrides.yaml").write_text("[]\n")  # (as Hydra writes none)
+    (plain / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  job:\n    config_name: exp\n  runtime:\n    config_sources: []\n")
+    args = ["trainer.resume=auto", f"hydra.run.dir={plain}"]
+    assert with_runs_own(args) == ["--config-name", "exp", *args]
+
+
+def test_a_run_from_a_config_dir_of_its_own_resumes_and_validates_in_the_short_form(tmp_path):
+    """The README's short resume and validation commands, given no --config-dir, after a run
+    of a config of one's own (a primary config and a model group in a folder beside conf/)."""
+    mine = tmp_path / "mine"
+    (mine / "model").mkdir(parents=True)
+    (mine / "model" / "narrow.yaml").write_text(
+        "_target_: trainer.models.MLP\nhidden: [16]\ndropout: 0.0\n"
+        "activation_checkpointing: false\n")
+    (mine / "short.yaml").write_text(
+        "defaults:\n  - train\n  - override model: narrow\n  - _self_\n"
+        "trainer:\n  max_epochs: 2\n  progress_bar: false\n")
+    run = tmp_path / "run"
+    first = run_cli(["--config-dir", str(mine), "--config-name", "short",
+                     f"hydra.run.dir={run}"], cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(["trainer.resume=auto", f"hydra.run.dir={run}", "trainer.max_epochs=3"],
+                    cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["warnings"] == 0
+    assert f"--config-name short --config-dir {mine}" in again.stdout
+    checked = run_cli(["trainer.validate_only=true", f"hydra.run.dir={tmp_path / 'checked'}",
+                       f"trainer.init_from={run / 'checkpoints' / 'last.pt'}"], cwd=ROOT)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert f"val_loss {summary['val_loss']:.4f}" in checked.stdout.strip().splitlines()[-1]
+
+
 def test_a_flags_value_is_no_override_and_a_sweep_by_its_mode_carries_nothing(tmp_path):
     run = launched_with(tmp_path / "run", "optim.lr=0.1", "hydra_x=1")
     args = ["--config-dir", "conf=x", "trainer.resume=auto", f"hydra.run.dir={run}"]
