@@ -29,6 +29,18 @@ def _check(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={shown}: {valid}")
 
 
+def _a_limit(value: Any, least: int) -> bool:
+    """Whether `value` is a batch limit: null, an int >= `least`, or a float share in (0, 1]
+    (0.0 too where `least` is 0: none)."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, int):
+        return value >= least
+    return 0.0 < value <= 1.0 or (least == 0 and value == 0.0)
+
+
 def _check_data(d: DictConfig) -> None:
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
     ebs = d.eval_batch_size
@@ -96,10 +108,12 @@ def _check_trainer(cfg: DictConfig) -> None:
            "must be >= 1")
     _check(t.log_every_n_steps >= 1, "trainer.log_every_n_steps", t.log_every_n_steps,
            "must be >= 1")
-    _check(t.limit_train_batches is None or t.limit_train_batches >= 1,
-           "trainer.limit_train_batches", t.limit_train_batches, "must be >= 1 or null")
-    _check(t.limit_val_batches is None or t.limit_val_batches >= 0, "trainer.limit_val_batches",
-           t.limit_val_batches, "must be >= 1, 0 (no validation) or null (all)")
+    _check(_a_limit(t.limit_train_batches, 1), "trainer.limit_train_batches",
+           t.limit_train_batches, "must be a number of batches >= 1, a share of the epoch's "
+           "batches in (0, 1] (0.25: a quarter), or null (all)")
+    _check(_a_limit(t.limit_val_batches, 0), "trainer.limit_val_batches", t.limit_val_batches,
+           "must be a number of batches >= 1, 0 (no validation), a share of the split's "
+           "batches in (0, 1] (0.1: a tenth), or null (all)")
     c = t.checkpoint
     for key in ("every_n_steps", "every_n_epochs"):
         _check(c[key] >= 0, f"trainer.checkpoint.{key}", c[key], "must be >= 0 (0: off)")

@@ -154,8 +154,9 @@ class TrainerConfig:
     max_steps: int = -1  # optimizer steps; -1: no limit
     val_every_n_epochs: int = 1
     log_every_n_steps: int = 50
-    limit_train_batches: Optional[int] = None
-    limit_val_batches: Optional[int] = None
+    # an int: that many batches an epoch; a float in (0, 1]: that share of them; null: all
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
     overfit_batches: int = 0  # >0: train on the same first N batches (validation as set)
     fast_dev_run: bool = False
     sanity_check: bool = True  # the first validation batch, before the first step

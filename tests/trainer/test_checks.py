@@ -31,9 +31,19 @@ from trainer.config import ConfigError, Precision, Strategy
                               "neither limit the run would not end"),
     ("trainer.max_steps=0", "trainer.max_steps=0"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0"),
-    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be >= 1 or null"),
-    ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1: must be >= 1, 0 (no "
-                                     "validation) or null (all)"),
+    ("trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be a number of "
+                                      "batches >= 1, a share of the epoch's batches in (0, 1] "
+                                      "(0.25: a quarter), or null (all)"),
+    ("trainer.limit_train_batches=0.0", "trainer.limit_train_batches=0.0: must be a number of"),
+    ("trainer.limit_train_batches=1.5", "trainer.limit_train_batches=1.5: must be a number of"),
+    ("trainer.limit_train_batches=nan", "trainer.limit_train_batches=nan: must be a number of"),
+    ("trainer.limit_train_batches=true", "trainer.limit_train_batches=true: must be a number"),
+    ("trainer.limit_train_batches=all", "trainer.limit_train_batches=all: must be a number of"),
+    ("trainer.limit_train_batches=[1]", "trainer.limit_train_batches=[1]: must be a number of"),
+    ("trainer.limit_val_batches=-1", "trainer.limit_val_batches=-1: must be a number of "
+                                     "batches >= 1, 0 (no validation), a share of the split's "
+                                     "batches in (0, 1] (0.1: a tenth), or null (all)"),
+    ("trainer.limit_val_batches=-0.5", "trainer.limit_val_batches=-0.5: must be a number of"),
     ("trainer.overfit_batches=-2", "trainer.overfit_batches=-2"),
     ("data.num_classes=1", "data.num_classes=1"),
     ("trainer.checkpoint.keep_last=0", "trainer.checkpoint.keep_last=0"),

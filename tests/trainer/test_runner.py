@@ -455,6 +455,34 @@ def test_resumes_from_an_epochs_last_step_and_an_epoch_with_nothing_left(make_cf
     assert again["steps"] == 10
 
 
+def test_a_limit_given_as_a_share_takes_that_share_of_the_batches(make_cfg, tmp_path):
+    """`trainer.limit_train_batches=0.25` (a Lightning habit) was refused as not an int: a
+    share of the epoch's 23 batches is 5 (rounded down), the same run as `=5`; a share of the
+    2 validation batches likewise, and one that comes to no batch is one line."""
+    share = train(make_cfg("trainer.max_epochs=2", "trainer.limit_train_batches=0.25",
+                           "trainer.limit_val_batches=0.5", run_dir=tmp_path / "share"))
+    count = train(make_cfg("trainer.max_epochs=2", "trainer.limit_train_batches=5",
+                           "trainer.limit_val_batches=1", run_dir=tmp_path / "count"))
+    assert share["steps"] == count["steps"] == 10
+    assert share["val_loss"] == count["val_loss"]
+    whole = train(make_cfg("trainer.max_epochs=1", "trainer.limit_train_batches=1.0",
+                           run_dir=tmp_path / "whole"))
+    assert whole["steps"] == 23  # (1.0: every batch, not one)
+    with pytest.raises(ConfigError, match=r"^trainer\.limit_val_batches=0\.01: that share of "
+                       r"the split's 2 batches on this rank is less than one; raise it, or "
+                       r"give a number of batches \(trainer\.limit_val_batches=1\)$"):
+        train(make_cfg("trainer.limit_val_batches=0.01", run_dir=tmp_path / "none"))
+
+
+def test_a_share_is_rounded_down_without_a_float_error():
+    from trainer.runner import _batches
+
+    assert _batches(0.3, range(10), "k", "epoch") == 3  # (0.3 * 10 = 2.9999999999999996)
+    assert _batches(0.999, range(10), "k", "epoch") == 9
+    assert _batches(7, range(10), "k", "epoch") == 7 and _batches(None, None, "k", "x") is None
+    assert _batches(0.0, None, "k", "split") == 0  # (no validation: no split to count)
+
+
 def test_a_dataclass_batch_of_ones_own_trains_and_counts_its_samples(make_cfg):
     summary = train(make_cfg("+data.collate_fn._target_=tests.helpers.pair_batch",
                              "task=model_loss", "task._target_=tests.helpers.PairBatchTask",
