@@ -915,3 +915,36 @@ def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: fl
     kill_tree(proc)
     reader.join(timeout=5)
     return lines, time.monotonic() - start
+
+
+class SlowExitMLP(MLP):
+    """An MLP whose process, once its run is over, takes `seconds` more to end: in an exit
+    handler (`phase=atexit`, before Python's own teardown) or in the teardown itself
+    (`teardown`: an object's finalizer as the modules are cleared, after Python put back the
+    default action of the signals it handled). Each says `slow exit: <phase>` on stderr first."""
+
+    def __init__(self, *args, phase: str = "atexit", seconds: float = 5.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        global _LINGERING
+        if phase == "atexit":
+            import atexit
+
+            atexit.register(_slow_exit, phase, seconds)
+        else:
+            _LINGERING = _Lingering(phase, seconds)
+
+
+def _slow_exit(phase: str, seconds: float) -> None:
+    os.write(2, f"slow exit: {phase}\n".encode())
+    time.sleep(seconds)
+
+
+class _Lingering:
+    def __init__(self, phase: str, seconds: float):
+        self.phase, self.seconds = phase, seconds
+
+    def __del__(self):
+        _slow_exit(self.phase, self.seconds)
+
+
+_LINGERING = None

@@ -7,6 +7,7 @@ keep their full traceback. A user who sets HYDRA_FULL_ERROR=1 gets Hydra's own o
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import re
@@ -298,8 +299,61 @@ def import_from_cwd() -> None:
         sys.path.insert(1, os.getcwd())
 
 
+_COMMAND: List[bool] = []  # [True] in train.py's own process (exit_on_error), not a library call
+_COMPLETE: List[int] = []  # the pid of a process whose run completed (complete())
+_ENDING = ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGINT")
+
+
+def complete() -> None:
+    """The run is complete and its status.json says so: a SIGTERM, SIGUSR1, SIGHUP or Ctrl-C
+    in the second or so the process still takes to end (its workers, its logs, the
+    interpreter's own teardown) no longer kills it (exit 143 beside a status of "completed":
+    a scheduler requeued the finished job). Until Python's exit handlers, the first such
+    signal is let pass and the process ends 0 as it would have, and a second ends it at once,
+    0; from the last exit handler on they are ignored (Python's teardown puts back the
+    default action of a signal it handled, not of one ignored). Only in train.py's own
+    process outside a sweep (a sweep's next job is for a signal to stop), from the main
+    thread."""
+    import signal
+    import threading
+
+    if not _COMMAND or threading.current_thread() is not threading.main_thread():
+        return
+    from trainer.sweep import in_sweep
+
+    if in_sweep():
+        return
+    pid, seen = os.getpid(), []
+
+    def ending(signum, frame) -> None:
+        if os.getpid() != pid:  # (a process forked from this one: not its to decide)
+            return
+        if seen:
+            os._exit(0)
+        seen.append(signum)
+
+    for name in _ENDING:
+        sig = getattr(signal, name)
+        if signal.getsignal(sig) != signal.SIG_IGN:  # (nohup: SIGHUP stays ignored)
+            signal.signal(sig, ending)
+    _COMPLETE[:] = [pid]
+
+
+def _ignored_once_complete() -> None:
+    """The last of the exit handlers (registered first): see complete()."""
+    import signal
+
+    if _COMPLETE and _COMPLETE[0] == os.getpid():
+        for name in _ENDING:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+atexit.register(_ignored_once_complete)
+
+
 def exit_on_error(main: Callable[[], None]) -> None:
     """Runs a @hydra.main function; composition errors exit 2 with one line from rank 0."""
+    _COMMAND[:] = [True]
     if os.environ.get("HYDRA_FULL_ERROR"):
         os.environ["STOKER_TRACEBACK"] = "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report

@@ -18,8 +18,8 @@ from data.cache import WriterGone
 from data.loader import LoaderStalled, LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs
 from trainer.sweep import in_sweep
-from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, describe,
-                         exit_now, fail)
+from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, complete,
+                         describe, exit_now, fail)
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
 from trainer.feeds import feed_advice, skipped_files
@@ -221,6 +221,7 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
     logger.summary(summary)
     if writing:
         rundir.write_status(run_dir, 0, "")
+    complete()  # (from here a signal is no failure: the run is complete)
     final_summary_line(summary, env)
     # on CUDA what the GPU waited: a host ahead of its queued steps waits at no cost
     gpu_idle = "run_device_wait_frac" in summary

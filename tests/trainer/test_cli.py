@@ -300,3 +300,52 @@ if __name__ == "__main__":
 """)
     proc = bounded([sys.executable, str(script)], ROOT, {"PYTHONPATH": str(ROOT)}, 60)
     assert proc.returncode == 3, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("phase,signals", [("atexit", 1), ("atexit", 2), ("teardown", 1)])
+def test_a_signal_after_the_run_completed_leaves_its_exit_0(tmp_path, phase, signals):
+    """A SIGTERM in the second or so a completed run's process takes to end killed it (exit
+    143 beside a status.json of "completed": a scheduler requeued the finished job). Now the
+    first is let pass in Python's exit handlers and ignored in its teardown; a second ends the
+    process at once, 0."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.helpers import QUIET, ROOT, kill_session
+
+    seconds = 6.0
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *QUIET, f"hydra.run.dir={run_dir}",
+         "trainer.max_epochs=1", "model._target_=tests.helpers.SlowExitMLP",
+         f"+model.phase={phase}", f"+model.seconds={seconds}"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    seen, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("slow exit:"):
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert seen.wait(120) and proc.poll() is None, "".join(lines[-40:])
+        for _ in range(signals):
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.3)
+        start = time.monotonic()
+        code = proc.wait(timeout=60)
+    finally:
+        kill_session(proc.pid)
+    assert code == 0, "".join(lines[-40:])
+    if signals == 2:  # (at once, not after the exit handler's seconds)
+        assert time.monotonic() - start < seconds - 1
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
