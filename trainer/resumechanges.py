@@ -26,7 +26,7 @@ APPLIED = " (applied: how the optimizer computes, not its state)"
 # what a resume compares: keys whose change alters the optimisation
 RESUME_KEYS = ("seed", "data.batch_size", "trainer.accumulate_grad_batches", "data.dataset",
                "data.train_dataset", "data.val_dataset", "data.collate_fn", "optim", "sched",
-               "task", "trainer.precision", "trainer.grad_clip",
+               "task", "model", "trainer.precision", "trainer.grad_clip",
                "trainer.max_epochs", "trainer.max_steps")  # the last two: the schedule's length
 STATES = {"optim": "optimizer", "sched": "scheduler"}  # config group -> its state's name
 LENGTH_KEYS = ("trainer.max_epochs", "trainer.max_steps")
