@@ -52,6 +52,11 @@ def test_validation_is_exact_over_an_uneven_split(tmp_path):
     s = summary_of(run)
     assert s["world_size"] == 3
     assert s["val_acc"] == single["val_acc"]
+    # training's sampler pads 1438 samples to 3 x 480: said, since its epochs repeat 2
+    assert "train set: 1438 samples" in (run / "train.log").read_text() and \
+        "; 2 samples repeated each epoch so that each of the 3 ranks takes 480 (the last " \
+        "steps of an epoch count them twice; data.drop_last=true leaves samples out instead)" \
+        in (run / "train.log").read_text()
     assert s["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
 
 

@@ -233,6 +233,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         elif d.cache != "none":
             lines[-1] += f"; data.cache={d.cache}" + (
                 f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
+        if split == "train":
+            lines[-1] += repeated(len(ds), env.world_size, d.drop_last)
         augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \
             if split == "train" else None
         if augment:
@@ -261,6 +263,19 @@ def _cache_tag(cfg: DictConfig, split: str) -> str:
         data.pop(key, None)
     tag = f"{OmegaConf.to_yaml(OmegaConf.create(data))}|{split}"
     return tag if mode == "disk" else f"{cfg.run_dir}|{tag}"
+
+
+def repeated(n: int, world_size: int, drop_last: bool) -> str:
+    """What the training log's data line adds where `n` samples do not share out evenly among
+    the ranks: the sampler repeats some each epoch (as torch's DistributedSampler pads), so an
+    epoch's last steps are not exactly those of one process over the same samples."""
+    extra = -n % world_size
+    if world_size == 1 or not n or not extra or drop_last:  # (drop_last: cut, not repeated)
+        return ""
+    return (f"; {count_of(extra, 'sample')} repeated each epoch so that each of the "
+            f"{world_size} ranks takes {(n + extra) // world_size} (the last steps of an "
+            f"epoch count {'it' if extra == 1 else 'them'} twice; data.drop_last=true leaves "
+            "samples out instead)")
 
 
 def describe_feed(split: str, dataset: Dataset, where: str, workers: int,

@@ -570,3 +570,16 @@ def test_workers_past_the_ranks_share_of_cpus_name_the_share(monkeypatch):
         "data.num_workers=auto gives 4 (scripts/tune_loader.py measures others)"]
     assert too_many_workers(d, feed, 1) == []  # 24 for 16 CPUs: waiting samples may use them
     assert too_many_workers(d, SimpleNamespace(loader=SimpleNamespace(num_workers=0)), 4) == []
+
+
+def test_a_training_set_that_does_not_share_out_evenly_says_what_its_epochs_repeat():
+    """203 samples on 2 ranks: the sampler pads each epoch to 204, as torch's
+    DistributedSampler does, so its last steps count a sample twice; a launcher that says DDP
+    matches one large batch says so (two users met the difference without a word)."""
+    from trainer.feeds import repeated
+
+    assert repeated(203, 2, False) == (
+        "; 1 sample repeated each epoch so that each of the 2 ranks takes 102 (the last steps "
+        "of an epoch count it twice; data.drop_last=true leaves samples out instead)")
+    assert "2 samples repeated" in repeated(1438, 3, False)
+    assert repeated(202, 2, False) == repeated(203, 1, False) == repeated(203, 2, True) == ""
