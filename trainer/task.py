@@ -26,7 +26,7 @@ import logging
 import os
 import sysconfig
 from collections.abc import Mapping
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -115,6 +115,7 @@ class Task:
     name = "task"
     whole_batch = False  # the model is given the whole batch (task=model_loss), not split's
     _call_checked = False  # the first call of the model was checked (`call`)
+    _sequence_said = False  # which tensor of a tuple output is the predictions was said
 
     def __init__(self, metrics: Optional[Mapping[str, Any]] = None,
                  input_key: Optional[str] = None, target_key: str = "labels",
@@ -326,11 +327,28 @@ class Task:
             found = output.get(self.output_key)
         if found is None and isinstance(output, (list, tuple)):
             found = next((t for t in output if isinstance(t, torch.Tensor) and t.dim()), None)
+            if not self._sequence_said:
+                self._sequence_said = True
+                self._say_sequence(output, found)
         if not isinstance(found, torch.Tensor):
             raise self.error("a model output it cannot read", output,
                              f"a tensor, or an output with a '{self.output_key}' tensor "
                              "(task.output_key)")
         return found
+
+    def _say_sequence(self, output: Sequence[Any], taken: Optional[torch.Tensor]) -> None:
+        """Once a run: which of several tensors in a tuple or list output was taken as the
+        predictions (a model returning (features, logits) trained on its features, exit 0,
+        where the loss took their width for classes)."""
+        others = [t for t in output if isinstance(t, torch.Tensor) and t.dim() and t is not taken]
+        if taken is None or not others:
+            return
+        at = next(i for i, t in enumerate(output) if t is taken)
+        log.warning("task %s: the model's output is %s; its element %d, %s, the first of one "
+                    "dimension or more, is taken as the predictions: a model whose "
+                    "predictions come later (features, logits) should return them alone, or "
+                    "first, or in a dict or an attribute named by task.output_key ('%s')",
+                    self.label, describe(output), at, describe(taken), self.output_key)
 
     @property
     def label(self) -> str:

@@ -428,3 +428,27 @@ def test_a_first_forward_failing_on_swapped_inputs_and_target_asks_about_their_o
     with pytest.raises(RuntimeError) as info:  # inputs of another size: no such question
         Classification().forward(model, (torch.randn(4, 7), torch.zeros(4, dtype=torch.long)))
     assert "in that order" not in info.value.__notes__[-1]
+
+
+def test_which_tensor_of_a_tuple_output_is_the_predictions_is_said_once(caplog):
+    """A model returning (features, logits) trained on its 16 features as 16 classes, exit 0
+    and no word: the first tensor of one dimension or more is taken, and now said, once."""
+    import logging
+
+    task = Classification()
+    features, logits, loss = torch.zeros(8, 16), torch.zeros(8, 3), torch.zeros(())
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        for _ in range(3):  # (every step: one line)
+            assert task.predictions((features, logits)) is features
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "task classification: the model's output is tuple(tensor(8, 16) float32, tensor(8, 3) "
+        "float32); its element 0, tensor(8, 16) float32, the first of one dimension or more, "
+        "is taken as the predictions: a model whose predictions come later (features, logits) "
+        "should return them alone, or first, or in a dict or an attribute named by "
+        "task.output_key ('logits')"]
+    caplog.clear()
+    for quiet in ((loss, logits), [logits], (logits, None)):  # one candidate: nothing to say
+        with caplog.at_level(logging.WARNING, logger="stoker"):
+            assert Classification().predictions(quiet) is logits
+    assert not caplog.records
