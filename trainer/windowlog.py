@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
@@ -61,10 +61,11 @@ def log_window(loop: "Loop", w: Window, epoch: int, grad_norm, bar) -> None:
                         wait=f"{100 * values['data_wait_frac']:.0f}%", refresh=False)
 
 
-def check_finite(loop: "Loop") -> None:
+def check_finite(loop: "Loop", bad: Optional[int] = None) -> None:
     """NonFiniteLoss where the latest trainer.max_bad_steps optimizer steps of some rank had
-    a loss that was not finite (a collective: every rank checks at the same boundary)."""
-    bad = loop.bad_steps()
+    a loss that was not finite (a collective: every rank checks at the same boundary; `bad`:
+    loop.bad_steps() where the caller has it already)."""
+    bad = loop.bad_steps() if bad is None else bad
     if loop.cfg.max_bad_steps and bad >= loop.cfg.max_bad_steps:
         raise NonFiniteLoss(
             f"the loss was not finite for {bad} optimizer steps in a row (up to step "

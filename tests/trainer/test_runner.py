@@ -299,6 +299,22 @@ def test_a_run_stopped_on_non_finite_losses_before_any_save_says_none_was_saved(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_checkpoint_save_past_max_bad_steps_stops_the_run_there(make_cfg, tmp_path):
+    """A save reads the non-finite count anyway: past trainer.max_bad_steps it stops the run
+    there, not at the next logging boundary (a run of max_bad_steps=4 went on for 19 such
+    steps, a warning at each save)."""
+    from trainer.windowlog import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss, match=r"for 4 optimizer steps in a row \(up to step 6, "
+                                            r"trainer.max_bad_steps=3\); stopped; the last "
+                                            r"good checkpoint is .*/last.pt$"):
+        train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=2",
+                       "trainer.max_bad_steps=3", "trainer.checkpoint.every_n_steps=2",
+                       "trainer.checkpoint.keep_last=5"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*.pt")) == [
+        "step-00000002.pt"]
+
+
 @pytest.mark.parametrize("every,good", [(4, "last.pt"), (0, None)])
 def test_a_run_ending_on_a_few_non_finite_steps_fails_and_names_no_missing_file(
         make_cfg, tmp_path, every, good):
