@@ -229,7 +229,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
             reserved_mb += nbytes(loader.tensors) / 2**20
         lines.append("data: " + describe_feed(split, ds, where, workers, device, d, why_not))
         if split == unread:
-            lines[-1] = f"data: {split} set: {len(ds)} samples, not read (trainer.validate_only)"
+            lines[-1] = (f"data: {split} set: {count_of(len(ds), 'sample')}, not read "
+                         "(trainer.validate_only)")
         elif d.cache != "none":
             lines[-1] += f"; data.cache={d.cache}" + (
                 f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
@@ -287,13 +288,13 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
         unused = (f"; data.num_workers={d.num_workers} is not used (data.placement=host for "
                   "loader workers)") if d.num_workers not in ("auto", 0) else ""
         what = "tensors" if tensors_of(dataset) is not None else "memory-mapped arrays"
-        return (f"{split} set: {len(dataset)} samples, {size:.1f} MB of {what} kept on "
+        return (f"{split} set: {count_of(len(dataset), 'sample')}, {size:.1f} MB of {what} kept on "
                 f"{device}, batched by indexing (data.placement={d.placement}){unused}")
     source = f"streamed from {count_of(len(dataset.urls), 'tar shard')} " \
         if isinstance(dataset, ShardStream) else ""
     why = f"; not batched on the device: {why_not}" \
         if why_not and d.placement != "host" and rows_of(dataset) is not None else ""
-    return (f"{split} set: {len(dataset)} samples {source}through a DataLoader with "
+    return (f"{split} set: {count_of(len(dataset), 'sample')} {source}through a DataLoader with "
             f"{count_of(workers, 'worker')} (data.num_workers={d.num_workers}, "
             f"data.placement={d.placement}){why}")
 
