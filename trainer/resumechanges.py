@@ -92,7 +92,8 @@ def resume_changes(state: Dict[str, Any], cfg: DictConfig, saved_world: int, wor
         for k in sorted(set(a) | set(b)):
             if a.get(k) == b.get(k):
                 continue
-            line = f"{k} {a.get(k)} -> {b.get(k)}"
+            # (a key one side lacks is unset there: its class's default, not None)
+            line = f"{k} {a[k] if k in a else '(unset)'} -> {b[k] if k in b else '(unset)'}"
             is_held, value = held(k, state)
             if k in IMPLEMENTATION_KEYS:
                 line += APPLIED

@@ -98,3 +98,17 @@ def test_a_resume_under_a_schedule_of_another_kind_is_refused_naming_both(make_c
     line = next(r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("resuming with changed settings"))
     assert "trainer.precision fp32 -> bf16" in line and "trainer.grad_clip None -> 1.0" in line
+
+
+def test_a_key_one_side_lacks_is_unset_there_and_model_settings_are_compared():
+    """A key the checkpoint's config lacked was said as `None -> 20.0` where the class's
+    default (10.0) had applied; a model setting changed on resume (dropout) was not said."""
+    state = {"config": {"optim": {"_target_": "torch.optim.AdamW"},
+                        "data": {"dataset": {"_target_": "D"}},
+                        "model": {"_target_": "M", "dropout": 0.0, "hidden": [8]}}}
+    cfg = OmegaConf.create({"optim": {"_target_": "torch.optim.AdamW"},
+                            "data": {"dataset": {"_target_": "D", "noise": 20.0}},
+                            "model": {"_target_": "M", "dropout": 0.5}})
+    changes, kept = resume_changes(state, cfg, 1, 1)
+    assert changes == ["data.dataset.noise (unset) -> 20.0", "model.dropout 0.0 -> 0.5",
+                       "model.hidden [8] -> (unset)"] and kept == {}
