@@ -13,8 +13,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
-from trainer import (checkpoint, components, distributed, ending, resumefiles, rundir,
-                     schedules, stamp)
+from trainer import (checkpoint, components, distributed, ending, resumeargs, resumefiles,
+                     rundir, schedules, stamp)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, plain
 from trainer.distributed import DistEnv
@@ -132,10 +132,31 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path,
     differ = [k for k in dict.fromkeys([*theirs, *ours]) if theirs.get(k) != ours.get(k)]
     if not differ:
         return ""
+    mine = _set_by_this_command(differ)
+    advice = (f"this command sets {' '.join(mine)}: leave {'it' if len(mine) == 1 else 'them'} "
+              f"out to {verb} the run as it was" if mine else
+              f"{verb} it with the overrides it was launched with{_its_command(path)}")
     return (" (its run had other model settings: " + ", ".join(
         f"{k}={theirs.get(k, '(not set)')}" for k in differ[:3])
-        + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "")
-        + f"; {verb} it with the overrides it was launched with{_its_command(path)})")
+        + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "") + f"; {advice})")
+
+
+def _set_by_this_command(keys: List[str]) -> List[str]:
+    """The overrides of this launch's command line that set one of `keys` (or a group or
+    key above one), as typed: a model setting changed on the command line, which the advice
+    to give the run's own overrides would not mend (they may live in a config file)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    typed = list(HydraConfig.get().overrides.task)
+    carried = set(resumeargs.CARRIED)  # (the run's own, put there by this launch)
+    out = []
+    for line in typed:
+        key = line.lstrip("+~").split("=", 1)[0].replace("/", ".")
+        if line not in carried and any(k == key or k.startswith(key + ".") for k in keys):
+            out.append(line)
+    return out
 
 
 # the data settings a model is sized by (offered as its input_shape and num_classes)

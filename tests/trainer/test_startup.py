@@ -146,6 +146,24 @@ def test_a_checkpoint_of_another_model_names_the_settings_its_run_was_launched_w
     assert str(e.value).endswith(f"launched with; {hydra / 'overrides.yaml'} lists them)")
 
 
+def test_a_model_setting_the_command_changes_is_named_as_the_commands(tmp_path):
+    """The misfit line told a user to give the run's own overrides, which its overrides.yaml
+    did not hold (the model's width came from a config file), where the command's own
+    `model.hidden=128` was what to leave out."""
+    from tests.helpers import run_cli
+
+    run = tmp_path / "run"
+    first = run_cli(["model.hidden=[16]", "trainer.max_steps=2", "trainer.progress_bar=false",
+                     f"hydra.run.dir={run}"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(["trainer.resume=auto", f"hydra.run.dir={run}", "model.hidden=[32]",
+                     "trainer.max_steps=4"])
+    assert again.returncode == 2
+    assert "(its run had other model settings: model.hidden=[16]; this command sets " \
+        "model.hidden=[32]: leave it out to resume the run as it was)" in again.stderr, \
+        again.stderr[-2000:]
+
+
 def test_a_checkpoint_of_a_model_sized_for_other_data_names_the_data_settings(make_cfg,
                                                                               tmp_path):
     """The same model for another dataset (data=... left out of a resume): its sizes come
