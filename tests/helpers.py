@@ -390,6 +390,20 @@ class Diabetes(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class FailingValDigits(DigitsDataset):
+    """Digits whose val split's `fail_index`-th sample raises (past the sanity check's batch:
+    the validation after an epoch's training fails)."""
+
+    def __init__(self, split: str = "train", fail_index: int = 300, **kw):
+        super().__init__(split, **kw)
+        self.fail_index = fail_index if split == "val" else -1
+
+    def __getitem__(self, i):
+        if i == self.fail_index:
+            raise ValueError(f"bad validation sample {i}")
+        return super().__getitem__(i)
+
+
 class SlowDigits(DigitsDataset):
     """Digits that take `delay` seconds a sample to read: a feed slower than any small step."""
 

@@ -18,6 +18,10 @@ class Callback:
     def after_epoch(self, loop: "Loop", val: Optional[Dict[str, float]]) -> None:
         """After every epoch, with its validation results (None when it did not validate)."""
 
+    def validation_failed(self, loop: "Loop") -> None:
+        """When a validation after training steps raised, before its error goes on (the
+        loop's state is the trained one: checkpointing saves it in one process)."""
+
     def should_stop(self, loop: "Loop") -> Optional[str]:
         """Asked before every epoch (after the last one's callbacks; at a start or resume):
         a reason ends the run there, and makes a run resumed from its checkpoint complete.

@@ -189,7 +189,7 @@ class Loop:
             paused = time.perf_counter()
             val = None
             if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
-                val = self.evaluate(epoch)
+                val = self._evaluate_trained(epoch)
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
             self.window.paused_s += time.perf_counter() - paused
@@ -201,10 +201,22 @@ class Loop:
             self.window = Window()
         if self.state.validated_step != self.state.step:  # stopped mid-epoch, or resumed
             # at the end before its validation
-            self.evaluate(self.state.epoch if self.state.position else self.state.epoch - 1)
+            self._evaluate_trained(self.state.epoch if self.state.position
+                                   else self.state.epoch - 1)
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **self.last_train, **self.last_val, **windowlog.run_rates(self)}
+
+    def _evaluate_trained(self, epoch: int) -> Dict[str, float]:
+        """`evaluate` after training steps: where it raises (a validation sample or metric
+        that fails), the callbacks hear of it first (checkpointing saves the trained state,
+        which went with the error before: an epoch's steps lost to a bad validation file)."""
+        try:
+            return self.evaluate(epoch)
+        except Exception:
+            for callback in self.callbacks:
+                callback.validation_failed(self)
+            raise
 
     def _check_read(self) -> None:
         """ConfigError on every rank when the run's steps so far read no sample and the

@@ -335,6 +335,23 @@ class Checkpointing(Callback):
         # into the next epoch (one process; ranks agree a step later, as after a step)
         self._stop_if_agreed(loop)
 
+    def validation_failed(self, loop) -> None:
+        """One process: the trained state saved before the validation's error is said (the
+        steps since the last save went with it). Not under DDP, where the other ranks may
+        wait in the validation's collectives, which a save's would not meet."""
+        if self.env.world_size > 1 or not self.enabled:
+            return
+        try:
+            saved = self.save(loop)
+        except Exception:  # noqa: BLE001  (the validation's error is the one to say)
+            return
+        if saved:
+            self.logger.warning(
+                "validation failed after step %d: the trained state is saved in %s "
+                "(trainer.resume=auto continues from it once the validation data or metric "
+                "is mended; that validation is not taken again before the run's end)",
+                loop.state.step, self.run_dir / checkpoint.CHECKPOINT_DIR / checkpoint.LAST)
+
     def save_ranked(self, loop, val: Optional[Dict[str, float]], periodic: bool) -> None:
         """Saves the state where `val` makes a new best.pt, or where `periodic`. The end of
         a run calls it with its last validation too: one after the last epoch's callbacks

@@ -507,3 +507,24 @@ def test_a_ctrl_c_during_an_epochs_validation_stops_at_that_epochs_end(make_cfg,
                        run_dir=tmp_path / "run"), callbacks=[at])
     assert f"at step {at.step};" in str(e.value)
     assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == at.step
+
+
+def test_a_failed_validation_keeps_the_epoch_it_followed(make_cfg, tmp_path, caplog):
+    """A validation sample that raised (past the sanity check's batch) lost the epoch's
+    training: the epoch-end save comes after the validation. The trained state is saved first,
+    and trainer.resume=auto goes on from it once the data is mended."""
+    from trainer.runner import train
+
+    bad = ["data.dataset._target_=tests.helpers.FailingValDigits", "data.placement=host",
+           "trainer.max_epochs=2"]
+    with pytest.raises(ValueError, match="bad validation sample 300"):
+        train(make_cfg(*bad))
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    assert (saved["step"], saved["epoch"], saved["position"]) == (23, 1, 0)
+    assert any(r.getMessage().startswith("validation failed after step 23: the trained state "
+                                         f"is saved in {last} (trainer.resume=auto continues")
+               for r in caplog.records)
+    mended = train(make_cfg("data.placement=host", "trainer.max_epochs=2",
+                            "trainer.resume=auto"))
+    assert mended["steps"] == 46 and mended["checkpoint"] == str(last)
