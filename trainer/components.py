@@ -175,6 +175,10 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
                 _not_like_default(node[k], params[k], sized=optim)
             if wrong:
                 given_text = "null" if node[k] is None else node[k]  # as the user wrote it
+                if wrong == "a number" and _numeric_text(node[k]):  # ("1e-3" in quotes)
+                    given_text = repr(node[k])
+                    wrong = (f"a number, not the text {given_text} (quoted, in the override "
+                             f"or a YAML file: write {key}.{k}={node[k]} unquoted)")
                 raise ConfigError(f"{key}.{k}={given_text}: must be {wrong} ({name}'s default is "
                                   f"{params[k].default})")
     else:
@@ -280,6 +284,17 @@ def _takes_other_kinds(param: inspect.Parameter) -> bool:
     text = _annotation(param) or ""
     return any(word in text for word in ("str", "Any", "tuple", "Tuple", "list", "List",
                                          "Sequence", "_size", "Callable", "object"))
+
+
+def _numeric_text(value: Any) -> bool:
+    """Whether `value` is a string that reads as a number ('1e-3' quoted)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _not_like_default(value: Any, param: inspect.Parameter, sized: bool) -> Optional[str]:

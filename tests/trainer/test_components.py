@@ -131,6 +131,11 @@ def test_optimizer_value_errors_name_the_key_but_user_bugs_keep_their_traceback(
 @pytest.mark.parametrize("key,node,message", [
     ("optim", {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": "abc"},
      "optim.lr=abc: must be a number (torch.optim.AdamW's default is 0.001)"),
+    # (quoted: a number as text, said quoted; it read as a contradiction, "lr=1e-3: must be a
+    # number")
+    ("optim", {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": "1e-3"},
+     "optim.lr='1e-3': must be a number, not the text '1e-3' (quoted, in the override or a "
+     "YAML file: write optim.lr=1e-3 unquoted) (torch.optim.AdamW's default is 0.001)"),
     ("optim", {"_target_": "torch.optim.AdamW", "_partial_": True, "betas": [0.9]},
      "optim.betas=[0.9]: must be 2 numbers (torch.optim.AdamW's default is (0.9, 0.999))"),
     ("sched", {"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True,
