@@ -188,7 +188,7 @@ def describe(e: BaseException) -> str:
                                      getattr(cur.__context__, "full_key", None), text)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _missing_key(cur, key, text)
-        text = _group_to_choose(text)
+        text = _group_added_twice(_group_to_choose(text))
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
@@ -215,6 +215,24 @@ def _group_to_choose(text: str) -> str:
         return text
     return (f"{text} (a config group: choose one, {missing.group(1)}="
             f"{'|'.join(o for o in options if not o.startswith('_'))})")
+
+
+_TWICE = re.compile(r"^(\S+) appears more than once in the final defaults list$")
+
+
+def _group_added_twice(text: str) -> str:
+    """Hydra's `data appears more than once in the final defaults list` for a command's
+    `+data=digits` (the + adds a group the config has chosen already): with the override to
+    write instead."""
+    twice = _TWICE.match(text)
+    if not twice:
+        return text
+    group = twice.group(1)
+    added = next((a for a in sys.argv[1:] if a.startswith(f"+{group}=")), None)
+    if added is None:
+        return text
+    return (f"{added}: {text} (the config chooses a {group} already: write "
+            f"{added.lstrip('+')}, without the +, to choose it)")
 
 
 def _os_error(e: OSError) -> str:

@@ -34,6 +34,10 @@ from trainer.cli import describe
     # a config group deleted: OmegaConf's words alone named no choice
     ("~sched", "stoker: error: Missing mandatory value: sched (a config group: choose one, "
                "sched=constant|step|warmup_cosine)"),
+    # a group the config chooses already, added with +: Hydra's words named no fix
+    ("+data=digits", "stoker: error: +data=digits: data appears more than once in the final "
+                     "defaults list (the config chooses a data already: write data=digits, "
+                     "without the +, to choose it)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     proc = run_cli([f"hydra.run.dir={tmp_path}", override])
