@@ -279,8 +279,11 @@ def read_meta(root: str) -> dict:
     """The `meta.json` that scripts/prepare_data.py writes beside the arrays."""
     path = Path(root) / "meta.json"
     if not path.is_file():
-        raise FileNotFoundError(f"data.dataset.root={root}: no meta.json; write the dataset "
-                                "with scripts/prepare_data.py")
+        what = ("no such folder" if not Path(root).exists() else
+                "a file, not the folder scripts/prepare_data.py writes" if not Path(root).is_dir()
+                else "no meta.json in that folder")
+        raise FileNotFoundError(f"data.dataset.root={root}: {what}; write the dataset with "
+                                "scripts/prepare_data.py")
     try:
         return json.loads(path.read_text())
     except ValueError as e:

@@ -177,3 +177,19 @@ def test_tokens_are_shifted_pairs_following_the_successor_table():
     assert 0.85 < float(explained) < 0.95
     with pytest.raises(ValueError, match="noise=2"):
         SyntheticTokens(noise=2)
+
+
+def test_a_memmap_root_says_whether_it_is_missing_a_file_or_without_meta_json(tmp_path):
+    """A root that does not exist was said as 'no meta.json', which sent a user looking for a
+    file in a folder that was not there."""
+    from data.datasets import read_meta
+
+    tail = "; write the dataset with scripts/prepare_data.py"
+    for root, what in ((tmp_path / "nope", "no such folder"),
+                       (tmp_path, "no meta.json in that folder")):
+        with pytest.raises(FileNotFoundError) as e:
+            read_meta(str(root))
+        assert str(e.value) == f"data.dataset.root={root}: {what}{tail}"
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(FileNotFoundError, match="a file, not the folder scripts/prepare_data"):
+        read_meta(str(tmp_path / "f"))
