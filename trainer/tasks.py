@@ -100,7 +100,9 @@ class Classification(Task):
                 torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise self.error("targets that are not integer class indices", target,
                              "an int64 tensor of class indices (task=regression for real "
-                             "values)")
+                             "values; for multi-label 0/1 targets, one per class, a task of "
+                             "your own with binary_cross_entropy_with_logits: README \"A task "
+                             "and a metric of your own\")")
         if logits.dim() == 1 and tuple(target.shape) == tuple(logits.shape):  # (batch,)
             # logits: no score per class (one-hot targets of (batch, classes) logits are not)
             classes = self.num_classes if self.num_classes is not None else "classes"

@@ -263,3 +263,15 @@ def test_a_config_naming_the_tasks_former_module_still_builds():
         assert get_class(f"trainer.task.{name}") is getattr(trainer.tasks, name)
     with pytest.raises(AttributeError, match="has no attribute 'Classifier'"):
         trainer.task.Classifier
+
+
+def test_multi_hot_targets_for_classification_point_to_a_task_of_ones_own():
+    """Multi-label 0/1 float targets were pointed to task=regression alone."""
+    from trainer.tasks import Classification
+
+    with pytest.raises(TaskError) as e:
+        Classification().loss(torch.zeros(4, 3), (torch.zeros(4, 8), torch.ones(4, 3)))
+    assert "targets that are not integer class indices" in str(e.value) and str(e.value).endswith(
+        "(task=regression for real values; for multi-label 0/1 targets, one per class, a task "
+        "of your own with binary_cross_entropy_with_logits: README \"A task and a metric of "
+        "your own\")")
