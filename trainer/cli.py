@@ -164,6 +164,7 @@ def describe(e: BaseException) -> str:
             text = f"{override}: {text}"
         text = _OPTIONS.sub(lambda m: m.group(1) + " ".join(
             o for o in m.group(2).split() if not o.startswith("_")), text)
+        text = _choice_meant(text)
         call = _CALL.match(text)
         if call and cur.__cause__ is not None:
             text = call.group(1)
@@ -215,6 +216,20 @@ def _group_to_choose(text: str) -> str:
         return text
     return (f"{text} (a config group: choose one, {missing.group(1)}="
             f"{'|'.join(o for o in options if not o.startswith('_'))})")
+
+
+_NOT_FOUND = re.compile(r"Could not find '([\w/]+)/([\w.-]+)' Available options in '[^']+': "
+                        r"(\S+(?: \S+)*)$")
+
+
+def _choice_meant(text: str) -> str:
+    """Hydra's `Could not find 'task/regresion' Available options in 'task': ...` with the
+    choice it misspells, as a misspelt key is said."""
+    found = _NOT_FOUND.search(text)
+    if not found:
+        return text
+    meant = spelling.closest(found.group(2), found.group(3).split())
+    return f"{text}; did you mean {found.group(1).replace('/', '.')}={meant}?" if meant else text
 
 
 _TWICE = re.compile(r"^(\S+) appears more than once in the final defaults list$")

@@ -17,7 +17,9 @@ from trainer.cli import describe
     ("trainer.resume=/no/such/file.pt", "trainer.resume"),
     ("trainer.resume=/tmp", "trainer.resume=/tmp: a directory, not a checkpoint file"),
     ("task=classifcation", "Available options in 'task': classification language_model "
-                           "model_loss regression"),
+                           "model_loss regression; did you mean task=classification?"),
+    ("task=zzz", "Available options in 'task': classification language_model model_loss "
+                 "regression"),  # (no choice it misspells: none named)
     ("task.num_classes=abc", "task.num_classes='abc': must be an integer >= 2 or null"),
     # Hydra's lexer takes no non-ASCII letter unquoted: it showed a caret under the override
     ("data.cache_dir=/x/d\u00fcr", "data.cache_dir=/x/d\u00fcr: Hydra's override grammar does "
