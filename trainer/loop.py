@@ -133,10 +133,6 @@ class Loop:
         bad = torch.tensor(self.ledger.bad_run, dtype=torch.int64, device=self.device)
         return int(distributed.all_reduce_max(bad))
 
-    def losses_finite(self) -> bool:
-        """False on every rank while any rank's latest optimizer steps had a non-finite loss."""
-        return self.bad_steps() == 0
-
     def reached_limit(self) -> bool:
         """Trained to trainer.max_epochs or trainer.max_steps."""
         max_steps = self.cfg.max_steps
