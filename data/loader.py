@@ -62,7 +62,8 @@ def build_loader(dataset: Dataset, cfg: DataConfig, *, train: bool, rank: int = 
     if train:
         sampler: Sampler[int] = ResumableDistributedSampler(
             len(dataset), num_replicas=world_size, rank=rank, seed=seed,
-            shuffle=cfg.shuffle if shuffle is None else shuffle, drop_last=cfg.drop_last)
+            shuffle=cfg.shuffle if shuffle is None else shuffle, drop_last=cfg.drop_last,
+            batch_size=cfg.batch_size)  # (an epoch's padded repeats left out where they can be)
         batch_size = cfg.batch_size
     else:
         sampler = EvalShardSampler(len(dataset), rank, world_size)

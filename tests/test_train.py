@@ -42,6 +42,26 @@ def test_ddp_two_ranks_match_one_process_and_share_one_run_dir(tmp_path):
         torch.testing.assert_close(ddp[k], ref[k], rtol=1e-4, atol=1e-5)
 
 
+def test_two_ranks_over_an_odd_training_set_match_one_process(tmp_path):
+    """1437 samples on 2 ranks: the sampler pads each epoch to 1438 with a repeat, which the
+    last step counted twice (a tester saw parameters 0.007 apart from one process's). Each
+    rank's last batch keeps a sample of its own without it, so it is left out, and two ranks
+    of 16 take one process's steps of 32 over the same samples."""
+    common = ["data.dataset._target_=tests.helpers.OddDigits", "trainer.max_epochs=2",
+              "sched=constant"]
+    run = tmp_path / "ddp"
+    proc = torchrun(2, [*common, "data.batch_size=16", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train set: 1437 samples" in (run / "train.log").read_text()
+    assert "repeated" not in (run / "train.log").read_text()
+    single = train(compose_cfg(tmp_path / "single", *common, "data.batch_size=32"))
+    assert summary_of(run)["steps"] == single["steps"] == 90
+    ddp = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    ref = torch.load(single["checkpoint"], weights_only=True)["model"]
+    for k in ref:
+        torch.testing.assert_close(ddp[k], ref[k], rtol=1e-4, atol=1e-5)
+
+
 def test_validation_is_exact_over_an_uneven_split(tmp_path):
     """359 validation samples over 3 ranks (120, 120, 119): no padded duplicates counted."""
     single = train(compose_cfg(tmp_path / "single", "trainer.max_epochs=1"))
@@ -52,11 +72,10 @@ def test_validation_is_exact_over_an_uneven_split(tmp_path):
     s = summary_of(run)
     assert s["world_size"] == 3
     assert s["val_acc"] == single["val_acc"]
-    # training's sampler pads 1438 samples to 3 x 480: said, since its epochs repeat 2
-    assert "train set: 1438 samples" in (run / "train.log").read_text() and \
-        "; 2 samples repeated each epoch so that each of the 3 ranks takes 480 (the last " \
-        "steps of an epoch count them twice; data.drop_last=true leaves samples out instead)" \
-        in (run / "train.log").read_text()
+    # training's sampler pads 1438 samples to 3 x 480; ranks 1 and 2 leave their repeat out
+    # of their last batch (479 = 7 x 64 + 31 samples of their own): nothing repeated to say
+    log = (run / "train.log").read_text()
+    assert "train set: 1438 samples" in log and "repeated" not in log
     assert s["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
 
 

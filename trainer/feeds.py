@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from data.cache import cache_dataset, reclaim_shm
 from data.advice import count_of, sample_cost, stall_advice
+from data.sampler import repeats_left
 from data.loader import build_loader
 from data.prefetch import DeviceAugment, DevicePrefetcher, InputTransform
 from data.images import SkipCollate
@@ -235,7 +236,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
             lines[-1] += f"; data.cache={d.cache}" + (
                 f" in {Path(ds.x.path).parents[1]}" if d.cache == "disk" else "")
         if split == "train":
-            lines[-1] += repeated(len(ds), env.world_size, d.drop_last)
+            lines[-1] += repeated(len(ds), env.world_size, d.batch_size, d.drop_last)
         augment = DeviceAugment(d.augment.crop_padding, d.augment.hflip, cfg.seed, env.rank) \
             if split == "train" else None
         if augment:
@@ -266,17 +267,20 @@ def _cache_tag(cfg: DictConfig, split: str) -> str:
     return tag if mode == "disk" else f"{cfg.run_dir}|{tag}"
 
 
-def repeated(n: int, world_size: int, drop_last: bool) -> str:
+def repeated(n: int, world_size: int, batch_size: int, drop_last: bool) -> str:
     """What the training log's data line adds where `n` samples do not share out evenly among
-    the ranks: the sampler repeats some each epoch (as torch's DistributedSampler pads), so an
-    epoch's last steps are not exactly those of one process over the same samples."""
-    extra = -n % world_size
-    if world_size == 1 or not n or not extra or drop_last:  # (drop_last: cut, not repeated)
+    the ranks and the sampler's padding keeps repeats (a rank's whole last batch: see
+    data/sampler.py), so that an epoch's last step is not exactly one process's over the same
+    samples."""
+    if not n:
         return ""
-    return (f"; {count_of(extra, 'sample')} repeated each epoch so that each of the "
-            f"{world_size} ranks takes {(n + extra) // world_size} (the last steps of an "
-            f"epoch count {'it' if extra == 1 else 'them'} twice; data.drop_last=true leaves "
-            "samples out instead)")
+    kept = repeats_left(n, world_size, batch_size, drop_last)
+    if not kept:
+        return ""
+    return (f"; {count_of(kept, 'sample')} repeated each epoch (as a rank's whole last batch, "
+            f"so that every rank takes as many batches; the epoch's last step counts "
+            f"{'it' if kept == 1 else 'them'} twice; another data.batch_size, or "
+            "data.drop_last=true, which leaves samples out, avoids it)")
 
 
 def describe_feed(split: str, dataset: Dataset, where: str, workers: int,

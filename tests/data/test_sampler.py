@@ -63,3 +63,36 @@ def test_epoch_batches_and_what_a_limit_leaves_after_a_resume():
     assert epoch_batches(50, 16, drop_last=False, limit=2) == 2
     assert limit_left(None, 64, 32) is None
     assert limit_left(3, 64, 32) == 1 and limit_left(3, 160, 32) == 0
+
+
+@pytest.mark.parametrize("n,world,batch", [(203, 2, 8), (17, 2, 8), (10, 4, 2), (1437, 2, 16),
+                                           (23, 3, 4), (9, 2, 1), (5, 4, 3), (2, 4, 8)])
+def test_a_training_epoch_counts_each_sample_once_where_a_rank_can_leave_its_repeat_out(
+        n, world, batch):
+    """Padding repeats samples to give every rank as many; given the batch size, a rank whose
+    last batch keeps a sample of its own without its repeat leaves it out. Every rank still
+    takes as many batches (the collectives meet), mid-epoch starts too, and the ranks'
+    batches together are the epoch's samples once each, but for the repeats that were a
+    rank's whole last batch (`repeats_left`)."""
+    from data.sampler import repeats_left
+
+    for done in (0, 1, 2):  # batches already taken on every rank: a resume part-way
+        shards = []
+        for rank in range(world):
+            s = RDS(n, world, rank, seed=4, batch_size=batch)
+            s.set_epoch(1)
+            s.set_start(done * batch * world)
+            shards.append(list(s))
+            assert len(s) == len(shards[-1])
+        counts = {-(-len(shard) // batch) for shard in shards}
+        assert len(counts) == 1, (n, world, batch, done, [len(x) for x in shards])
+        order = RDS(n, 1, 0, seed=4)
+        order.set_epoch(1)
+        taken = sorted(i for shard in shards for i in shard)
+        start = done * batch * world
+        if start < n:  # (a repeat is one of the epoch's first samples, taken again)
+            assert set(list(order)[start:]) <= set(taken)
+            assert len(taken) == n - start + repeats_left(n, world, batch)
+    assert repeats_left(n, world, batch, drop_last=True) == repeats_left(n, 1, batch) == 0
+    padded = [list(RDS(n, world, r, seed=4)) for r in range(world)]  # no batch size: torch's
+    assert sum(map(len, padded)) == -(-n // world) * world

@@ -572,14 +572,18 @@ def test_workers_past_the_ranks_share_of_cpus_name_the_share(monkeypatch):
     assert too_many_workers(d, SimpleNamespace(loader=SimpleNamespace(num_workers=0)), 4) == []
 
 
-def test_a_training_set_that_does_not_share_out_evenly_says_what_its_epochs_repeat():
-    """203 samples on 2 ranks: the sampler pads each epoch to 204, as torch's
-    DistributedSampler does, so its last steps count a sample twice; a launcher that says DDP
-    matches one large batch says so (two users met the difference without a word)."""
+def test_a_training_set_whose_epochs_keep_a_repeat_says_so():
+    """The sampler pads an epoch to a multiple of the ranks and leaves a repeat out of a rank's
+    last batch where that batch keeps a sample of its own (data/sampler.py): 203 samples on 2
+    ranks of 8 repeat none. Where the repeat is a rank's whole last batch (17 on 2 ranks of 8:
+    9 = 8 + 1 each), the epoch's last step counts it twice, and the data line says so."""
     from trainer.feeds import repeated
 
-    assert repeated(203, 2, False) == (
-        "; 1 sample repeated each epoch so that each of the 2 ranks takes 102 (the last steps "
-        "of an epoch count it twice; data.drop_last=true leaves samples out instead)")
-    assert "2 samples repeated" in repeated(1438, 3, False)
-    assert repeated(202, 2, False) == repeated(203, 1, False) == repeated(203, 2, True) == ""
+    assert repeated(203, 2, 8, False) == repeated(1438, 3, 64, False) == ""
+    assert repeated(17, 2, 8, False) == (
+        "; 1 sample repeated each epoch (as a rank's whole last batch, so that every rank "
+        "takes as many batches; the epoch's last step counts it twice; another "
+        "data.batch_size, or data.drop_last=true, which leaves samples out, avoids it)")
+    assert "2 samples repeated" in repeated(10, 4, 2, False)
+    assert repeated(202, 2, 8, False) == repeated(17, 1, 8, False) == \
+        repeated(17, 2, 8, True) == ""
