@@ -326,12 +326,15 @@ class ModelLoss(Task):
         loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
         if loss is None and isinstance(output, Mapping):
             loss = output.get("loss")
+        if loss is None and isinstance(output, (list, tuple)) and output:
+            loss = output[0]  # (loss, logits, ...): Hugging Face's return_dict=False given labels
         if isinstance(loss, torch.Tensor) and loss.dim() == 1 and self._replicas > 1:
             loss = self._replica_mean(loss, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise self.error("no scalar loss in the model output", output,
-                             "an output with .loss, a dict with 'loss', or a 0-d tensor "
-                             "(give the model its labels, or use task=classification)")
+                             "an output with .loss, a dict with 'loss', a 0-d tensor, or a "
+                             "tuple whose first item is one (give the model its labels, or use "
+                             "task=classification)")
         return loss
 
     def _replica_mean(self, losses: torch.Tensor, batch: Any) -> torch.Tensor:

@@ -275,3 +275,22 @@ def test_multi_hot_targets_for_classification_point_to_a_task_of_ones_own():
         "(task=regression for real values; for multi-label 0/1 targets, one per class, a task "
         "of your own with binary_cross_entropy_with_logits: README \"A task and a metric of "
         "your own\")")
+
+
+def test_model_loss_takes_the_loss_of_a_hugging_face_tuple_output():
+    """A Hugging Face model called with return_dict=False and its labels returns (loss,
+    logits, ...): the loss was refused as 'no scalar loss in the model output' while the line
+    showed it; the metrics read the logits."""
+    model = tiny_bert_tagger()
+    batch = tag_collate([PaddedTokens("val", num_samples=4)[i] for i in range(4)])
+    task = ModelLoss(count="tokens", metrics={"acc": Accuracy(ignore_index=-100)})
+    task.setup(model)
+    out = model(**batch, return_dict=False)
+    assert isinstance(out, tuple)
+    assert torch.equal(task.loss(out, batch), model(**batch).loss)
+    task.update_metrics(out, batch)  # (the logits: the first tensor of a dimension or more)
+    valid = batch["labels"] != -100
+    own = (out[1].argmax(-1) == batch["labels"])[valid].float().mean()
+    assert float(task.metrics["acc"].compute()) == pytest.approx(float(own))
+    with pytest.raises(TaskError, match="a 0-d tensor, or a tuple whose first item is one"):
+        task.loss((out[1],), batch)
