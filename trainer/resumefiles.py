@@ -110,11 +110,13 @@ def find_resume(resume: Optional[str], run_dir: Path
             what = ("a directory, not a checkpoint file" if path.is_dir() else
                     NOT_REGULAR if path.exists() else
                     "no such checkpoint file")
-            if (path / CHECKPOINT_DIR).is_dir():  # a run dir: what continuing it takes
+            run = path.parent if path.name == CHECKPOINT_DIR and path.is_dir() else path
+            if (run / CHECKPOINT_DIR).is_dir():  # a run dir (or its checkpoints/): what
+                # continuing it takes
                 raise CheckpointError(
                     f"trainer.resume={resume}: {what}; to continue the run in it: "
-                    f"trainer.resume=auto hydra.run.dir={resume}, or start a new run from one "
-                    f"of its checkpoints: trainer.resume={path / CHECKPOINT_DIR / LAST}")
+                    f"trainer.resume=auto hydra.run.dir={run}, or start a new run from one "
+                    f"of its checkpoints: trainer.resume={run / CHECKPOINT_DIR / LAST}")
             raise CheckpointError(f"trainer.resume={resume}: {what} (give a path to a .pt "
                                   f"file, auto, or null){nearby(path)}")
         return path, resumable(load(path), path), []

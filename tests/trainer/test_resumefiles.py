@@ -27,6 +27,14 @@ def test_find_resume(tmp_path):
                                               rf"checkpoint file; to continue the run in it: "
                                               rf"trainer.resume=auto hydra.run.dir={tmp_path}, "):
         resumefiles.find_resume(str(tmp_path), tmp_path / "new")
+    # its checkpoints/ folder: the same (it said only "give a path to a .pt file")
+    folder = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"^trainer.resume={folder}: a directory, not a "
+                                              rf"checkpoint file; to continue the run in it: "
+                                              rf"trainer.resume=auto hydra.run.dir={tmp_path}, "
+                                              rf"or start a new run from one of its "
+                                              rf"checkpoints: trainer.resume={folder}/last.pt$"):
+        resumefiles.find_resume(str(folder), tmp_path / "new")
 
 
 def test_auto_resume_falls_back_past_damaged_files(tmp_path):
