@@ -87,23 +87,25 @@ class ResumableDistributedSampler(Sampler[int]):
         mine = self._fit(rest)[self.rank::self.num_replicas]
         return mine[:len(mine) - self._repeat_left_out(len(mine))]
 
+    def _ends_in_repeat(self, mine: int) -> bool:
+        """Whether this rank's `mine` positions (the rest of its epoch) end in a padded repeat:
+        its last position in the padded order is past the dataset's samples."""
+        return bool(mine) and self.start + self.rank + (mine - 1) * self.num_replicas >= self.n
+
     def _repeat_left_out(self, mine: int) -> int:
-        """1 where this rank's `mine` positions (the rest of its epoch) end in a padded repeat
-        that can go: a training sampler given its batch size, padding (not drop_last), and a
-        last batch that keeps a sample of its own without it; else 0."""
-        b, w = self.batch_size, self.num_replicas
-        if b is None or self.drop_last or w == 1 or not mine:
-            return 0
-        last = self.start + self.rank + (mine - 1) * w  # its last position in the padded order
-        if last < self.n:  # (no repeat: a real sample)
+        """1 where this rank's `mine` positions end in a padded repeat that can go: a
+        training sampler given its batch size, padding (not drop_last), and a last batch that
+        keeps a sample of its own without it; else 0."""
+        b = self.batch_size
+        if b is None or self.drop_last or self.num_replicas == 1 or \
+                not self._ends_in_repeat(mine):
             return 0
         return 1 if math.ceil((mine - 1) / b) == math.ceil(mine / b) else 0
 
     def _repeats_kept(self) -> int:
         """1 where this rank's whole epoch ends in a padded repeat it keeps."""
         mine = math.ceil(self.n / self.num_replicas)
-        last = self.rank + (mine - 1) * self.num_replicas
-        return int(last >= self.n and not self._repeat_left_out(mine))
+        return int(self._ends_in_repeat(mine) and not self._repeat_left_out(mine))
 
     def epoch_indices(self) -> List[int]:
         """This rank's indices for the rest of the current epoch."""

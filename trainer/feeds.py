@@ -272,8 +272,6 @@ def repeated(n: int, world_size: int, batch_size: int, drop_last: bool) -> str:
     the ranks and the sampler's padding keeps repeats (a rank's whole last batch: see
     data/sampler.py), so that an epoch's last step is not exactly one process's over the same
     samples."""
-    if not n:
-        return ""
     kept = repeats_left(n, world_size, batch_size, drop_last)
     if not kept:
         return ""

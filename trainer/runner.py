@@ -196,8 +196,10 @@ def _batches(limit: Any, loader, key: str, what: str) -> Optional[int]:
     comes to none is one line naming the key), an int or None as it is."""
     if not isinstance(limit, float):
         return limit
-    if limit == 0 or loader is None:  # (no validation: no split built, nothing to count)
-        return 0 if limit == 0 else None
+    if limit == 0:  # (0.0: no validation, no split built)
+        return 0
+    if loader is None:  # (no validation split to count)
+        return None
     n = len(loader)
     taken = int(limit * n + 1e-9)  # (0.3 of 10 batches is 3, not 2.9999999999999996)
     if not taken:
