@@ -111,7 +111,7 @@ def _check_overrides(p: argparse.ArgumentParser, w: Dict[str, Any]) -> None:
     a misspelt key or a bad value is one usage error (not a child's traceback seconds later),
     and so is one that changes the run's length, which --steps sets (the runs ended early,
     unmeasured)."""
-    from overhead_runners import _stoker_cfg
+    from overhead_runners import EPOCHS, _stoker_cfg
 
     from trainer.checks import resolve
     from trainer.cli import describe
@@ -124,7 +124,7 @@ def _check_overrides(p: argparse.ArgumentParser, w: Dict[str, Any]) -> None:
         except Exception as e:  # noqa: BLE001  (Hydra's, OmegaConf's or the checks' error)
             p.error(f"--override {' '.join(overrides)}: {describe(e)}")
     t = cfg.trainer
-    if t.max_steps != w["steps"] or t.max_epochs != 100000 or \
+    if t.max_steps != w["steps"] or t.max_epochs != EPOCHS or \
             t.limit_train_batches is not None or t.fast_dev_run:
         p.error(f"--override {' '.join(overrides)}: sets the run's length (trainer.max_steps, "
                 "max_epochs, limit_train_batches, fast_dev_run), which the benchmark sets "

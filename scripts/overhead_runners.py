@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 LR = 1e-3
 SEED = 42  # train.py's seed: the initial weights and the epochs' order
+EPOCHS = 100000  # Stoker's runs end at --steps (trainer.max_steps), never at an epoch
 
 
 class Clock:
@@ -218,7 +219,7 @@ def _stoker_cfg(w: Dict[str, Any], placement: str, run_dir: str):
 
     common = [f"hydra.run.dir={run_dir}", f"run_dir={run_dir}", "trainer.progress_bar=false",
               "sched=constant", f"optim.lr={LR}", f"trainer.max_steps={w['steps']}",
-              "trainer.max_epochs=100000", f"data.batch_size={w['batch']}",
+              f"trainer.max_epochs={EPOCHS}", f"data.batch_size={w['batch']}",
               f"data.num_workers={w['workers']}", f"data.placement={placement}",
               "trainer.val_every_n_epochs=100000", "trainer.limit_val_batches=1",
               "trainer.save_checkpoint=false", f"seed={SEED}"]
