@@ -4,26 +4,22 @@
     python train.py debug=default                          # one process, debug settings
     torchrun --standalone --nproc_per_node=4 train.py data.num_workers=8
 """
+import os
 import signal
-import sys
 
-# importing torch takes seconds: a Ctrl-C then is no traceback either, and is kept even where
-# torch's start-up swallows it (met inside its import of numpy, the run went on, exit 0)
-_said = []
-signal.signal(signal.SIGINT, lambda *a: (_said.append(1), signal.default_int_handler(*a)))
-try:
-    import hydra
-    from omegaconf import DictConfig
+# importing torch takes seconds, and a Ctrl-C then must not raise: torch's start-up swallowed a
+# KeyboardInterrupt met inside its import of numpy (the run went on, exit 0), surfaced one met
+# inside an extension's import as an ImportError, and aborted (SIGABRT) on one raised inside a
+# call from its C++ code. Until the imports are done a Ctrl-C ends the process where it lands:
+# nothing is written yet, so nothing is lost.
+signal.signal(signal.SIGINT, lambda *a: (os.write(2, b"stoker: interrupted\n"), os._exit(130)))
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-    import trainer
-    from trainer.cli import exit_on_error
-except BaseException:  # (met inside an extension's import, a Ctrl-C may surface as another error)
-    if not _said:
-        raise
+import trainer  # noqa: E402
+from trainer.cli import exit_on_error  # noqa: E402
+
 signal.signal(signal.SIGINT, signal.default_int_handler)
-if _said:
-    print("stoker: interrupted", file=sys.stderr)
-    raise SystemExit(130) from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -426,9 +426,33 @@ def _check_flag_order(args: List[str]) -> None:
                          + " ".join(a for a in args if a != args[flags[0]])))
 
 
-def _one_line_errors(main: Callable[[], None]) -> None:
+def _ctrl_c_kept(main: Callable[[], None]) -> None:
+    """A Ctrl-C met inside library code can surface as another error: omegaconf's clean-up
+    failed on the config it left half-built and said `'NoneType' object has no attribute
+    '_invalidate_flags_cache' (key: defaults)`, exit 2. An error raised while a
+    KeyboardInterrupt was being handled is the interrupt."""
     try:
         main()
+    except Exception as e:
+        if _met_a_ctrl_c(e):
+            raise KeyboardInterrupt from e
+        raise
+
+
+def _met_a_ctrl_c(e: BaseException) -> bool:
+    seen, todo = set(), [e]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None and id(c) not in seen]
+    return False
+
+
+def _one_line_errors(main: Callable[[], None]) -> None:
+    try:
+        _ctrl_c_kept(main)
     except USER_ERRORS as e:
         if wants_traceback():
             reap_children()

@@ -224,6 +224,37 @@ def test_a_second_ctrl_c_exits_130_and_at_once_past_a_background_checkpoint_writ
     assert (ended, e.value.code) == ((["atexit", 130], "os._exit") if writing else ([], 130))
 
 
+def test_an_error_a_ctrl_c_left_behind_is_the_interrupt(monkeypatch, capsys):
+    """A Ctrl-C while Hydra composed surfaced as omegaconf's clean-up failing ('NoneType'
+    object has no attribute '_invalidate_flags_cache'), said as a config error, exit 2."""
+    from omegaconf.errors import ConfigKeyError
+
+    from trainer import cli
+
+    monkeypatch.setattr(cli, "reap_children", lambda: None)
+    monkeypatch.setattr(cli, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+
+    def composing():
+        try:
+            raise KeyboardInterrupt
+        finally:
+            try:
+                raise AttributeError("'NoneType' object has no attribute 'x'")
+            except AttributeError as e:
+                raise ConfigKeyError(str(e)) from e
+
+    with pytest.raises(SystemExit) as e:
+        cli._one_line_errors(composing)
+    assert (e.value.code, capsys.readouterr().err) == (130, "stoker: interrupted\n")
+
+    def plain():  # an error with no interrupt behind it stays the config error it is
+        raise ConfigKeyError("no key x")
+
+    with pytest.raises(SystemExit) as e:
+        cli._one_line_errors(plain)
+    assert e.value.code == 2 and "no key x" in capsys.readouterr().err
+
+
 def test_a_sweep_flag_among_the_overrides_is_one_line_saying_where_it_goes(capsys):
     """Hydra's parser takes the overrides before -m and refuses those after it with its
     whole usage block; -m first, or after every override, is Hydra's to read."""
