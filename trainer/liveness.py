@@ -139,7 +139,7 @@ class Heartbeat:
                 and (r not in then or then[r]["time"] == first.get(r, {}).get("time"))]
         errors = peer_errors(self.rank, self.world_size)
         if not gone:
-            return _said(errors) or ("a peer's process ended (which one, its heartbeat does "
+            return first_said(errors) or ("a peer's process ended (which one, its heartbeat does "
                                      "not tell); its own error, if it had one, is in its output")
         line = errors.get(gone[0])
         return (f"rank {gone[0]}'s process ended"
@@ -206,7 +206,7 @@ def peer_errors(rank: int, world_size: int) -> Dict[int, str]:
     return found
 
 
-def _said(errors: Dict[int, str]) -> str:
+def first_said(errors: Dict[int, str]) -> str:
     """The first peer error as "rank N stopped on its error: ...", or ""."""
     if not errors:
         return ""
@@ -221,7 +221,7 @@ def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Opt
     if world_size <= 1 or isinstance(error, (PeerLost, LoaderStalled)) or \
             not isinstance(error, RuntimeError) or not _CLOSED.search(str(error)):
         return None
-    said = _said(peer_errors(rank, world_size))
+    said = first_said(peer_errors(rank, world_size))
     return PeerLost(f"rank {rank} lost a peer {where}: " + (
         said or "a peer's process ended; its own error, if it had one, is in its output"))
 

@@ -69,6 +69,7 @@ class Loop:
         self.run_samples = 0
         self.val_read = False  # a validation of this run read a sample
         self.val_samples = 0  # the samples the latest validation read, over every rank
+        self.val_failure_agreed = False  # a validation raised on every rank alike (a save meets)
         self.tokens = task.counts_tokens()  # the window's count is tokens: a rate of them too
         self.run_tokens = 0
         self.run_val_s = 0.0  # time in validation

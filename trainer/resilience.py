@@ -336,13 +336,16 @@ class Checkpointing(Callback):
         self._stop_if_agreed(loop)
 
     def validation_failed(self, loop) -> None:
-        """One process: the trained state saved before the validation's error is said (the
-        steps since the last save went with it). Not under DDP, where the other ranks may
-        wait in the validation's collectives, which a save's would not meet."""
-        if self.env.world_size > 1 or not self.enabled:
+        """The trained state saved before the validation's error is said (the steps since
+        the last save went with it), and written: the error ends the process. Under DDP only
+        where every rank raised alike (a rank's shard that raised is agreed at the sums: its
+        peers raise too); a rank alone in an error may have peers waiting in the validation's
+        collectives, which a save's would not meet."""
+        if not self.enabled or (self.env.world_size > 1 and not loop.val_failure_agreed):
             return
         try:
             saved = self.save(loop)
+            self.finish()  # (under DDP a peer's exit ends this process: the file first)
         except Exception:  # noqa: BLE001  (the validation's error is the one to say)
             return
         if saved:

@@ -24,7 +24,7 @@ from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
                      resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
-from trainer.validation import validate_once
+from trainer.validation import PeerFailedValidation, validate_once
 from trainer.cli import SignalledAgain, describe, fail, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds, too_many_workers
@@ -426,6 +426,8 @@ def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         except NonFiniteLoss as e:
             checkpointing.finish()
             raise NonFiniteLoss(f"{e}; {ending.last_good(run_dir)}") from None
+        except PeerFailedValidation as e:  # (saved: Checkpointing.validation_failed)
+            raise PeerFailedValidation(f"{e}; {ending.last_good(run_dir)}") from None
         except RuntimeError as e:
             lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
             if lost is None:

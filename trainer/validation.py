@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from data.prefetch import map_tensors
-from trainer import distributed, metricchecks
+from trainer import distributed, liveness, metricchecks
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 
 
 SANITY = "the first validation batch (trainer.sanity_check)"
+
+
+class PeerFailedValidation(liveness.PeerLost):
+    """This rank's validation shard passed and another rank's raised: the ranks agreed on it
+    at the validation's sums, every one saved the trained state (Callback.validation_failed),
+    and this one ends saying the other's error."""
 
 
 @torch.no_grad()
@@ -88,8 +94,17 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
     model.eval()
     start = time.perf_counter()
-    sums = _shard_sums(loop, model)
-    loss_sum, count, samples, files = distributed.all_reduce_sum(sums).tolist()
+    sums, failed = _agreed_shard_sums(loop, model)
+    loss_sum, count, samples, files, failures = distributed.all_reduce_sum(sums).tolist()
+    if failures:  # (every rank has the same sums: all raise, and all save first)
+        loop.val_failure_agreed = True
+        if failed is not None:
+            raise failed
+        rank = distributed.rank()
+        raise PeerFailedValidation(
+            f"rank {rank} ended with its peers at step {loop.state.step} (validating): "
+            + (liveness.first_said(liveness.peer_errors(rank, loop.world))
+               or "another rank's validation failed; its own error is in its output"))
     if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
         line = ("no validation sample was read: every one was skipped as unreadable "
                 f"({int(files)} files, data.dataset.on_error=skip)")
@@ -114,6 +129,25 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     model.train()
     loop.phase = "training"  # (after validation's collectives: a wait there is named so)
     return values
+
+
+def _agreed_shard_sums(loop: "Loop", model: nn.Module):
+    """`_shard_sums` with a fifth sum, 1 where this rank's shard raised, and its error. Under
+    DDP a rank whose shard raised (a sample it could not read, a metric's update) ended at
+    once, and its peers waiting in the sums' all-reduce lost it with the epoch's training
+    unsaved; it now joins the all-reduce with its error left in the store, and every rank
+    learns of it there. One process raises at once (its save waits in no collective)."""
+    try:
+        sums, failed = _shard_sums(loop, model), None
+    except Exception as e:
+        if loop.world == 1:
+            raise
+        from trainer.ending import status_error  # (lazy: trainer.ending imports the loop)
+
+        liveness.record_error(distributed.rank(), status_error(e))
+        sums = torch.zeros(4, dtype=torch.float64, device=loop.device)
+        failed = e
+    return torch.cat([sums, sums.new_tensor([float(failed is not None)])]), failed
 
 
 def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:

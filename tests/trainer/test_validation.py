@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, summary_of, torchrun
 from trainer.config import ConfigError
 from trainer.loop import Callback
 from trainer.runner import train
@@ -241,6 +241,35 @@ def test_the_sanity_checks_replay_writes_over_nothing_the_first_step_takes(make_
         runs[on] = [(r["loss"], r["grad_norm"]) for r in read_metrics(run_dir)
                     if r["split"] == "train"]
     assert len(runs["true"]) == 3 and runs["true"] == runs["false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_validation_failing_on_one_rank_keeps_the_epoch_on_every_rank(tmp_path, failing):
+    """Under DDP a rank whose validation shard raised ended at once; its peers, waiting in the
+    sums' all-reduce, lost it, and the epoch's training went unsaved ("no checkpoint was
+    saved"). The ranks agree on the failure there: every one saves the trained state, the
+    failing rank says its error, the others name it, and the mended run resumes from it.
+    (Shard sample 150 of rank `failing`: index 300 is rank 0's, 301 rank 1's.)"""
+    run_dir = tmp_path / "run"
+    common = [f"hydra.run.dir={run_dir}", "data.placement=host", "data.eval_batch_size=32",
+              "trainer.max_epochs=2"]
+    proc = torchrun(2, [*common, "data.dataset._target_=tests.helpers.FailingValDigits",
+                        f"+data.dataset.fail_index={300 + failing}"], cwd=tmp_path)
+    err = proc.stdout + proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    last = run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    assert (saved["step"], saved["epoch"], saved["position"]) == (12, 1, 0)
+    peer = 1 - failing
+    assert (f"rank {peer} ended with its peers at step 12 (validating): rank {failing} "
+            f"stopped on its error: ValueError: bad validation sample {300 + failing}") in err
+    assert f"the last good checkpoint is {last}" in err
+    # (the resume keeps the run's overrides: the data is mended by one of its own)
+    proc = torchrun(2, [*common, "data.dataset.fail_index=-1", "trainer.resume=auto"],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary_of(run_dir)["steps"] == 24
 
 
 @pytest.mark.gpu
