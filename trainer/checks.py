@@ -17,7 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import (CACHE_MODES, COMPILE_MODES, MP_CONTEXTS, PLACEMENTS, Accelerator,
-                            ConfigError, Precision, RunSpec, Strategy, TrainConfig, tri_state)
+                            ConfigError, Precision, RunSpec, Strategy, TrainConfig, override_key,
+                            tri_state)
 
 WEEK_S = 604800  # the longest timeout taken: longer ones overflow the C types they reach
 
@@ -220,7 +221,7 @@ def _set_by_debug() -> str:
         return ""
     h = HydraConfig.get()
     mode = h.runtime.choices.get("debug")
-    stated = any(a.lstrip("+").startswith("trainer.strategy=") for a in h.overrides.task)
+    stated = any(override_key(a) == "trainer.strategy" and "=" in a for a in h.overrides.task)
     return "" if mode in (None, "null") or stated else (
         f" (debug={mode} sets it, for one process: add trainer.strategy=auto to debug this "
         "job's ranks with its other settings)")

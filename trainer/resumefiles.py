@@ -17,6 +17,7 @@ import torch
 
 from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, NOT_REGULAR, STEP_FILE,
                                 CheckpointError, load, nearby, resumable, step_files)
+from trainer.config import override_key
 
 
 def candidates(run_dir: Path) -> List[Path]:
@@ -182,7 +183,7 @@ def sweep_resume_args() -> Optional[str]:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     args = [a for a in sys.argv[1:]
-            if a.lstrip("+~").split("=", 1)[0] not in ("trainer.resume", "hydra.sweep.dir")]
+            if override_key(a) not in ("trainer.resume", "hydra.sweep.dir")]
     args += ["trainer.resume=auto", f"hydra.sweep.dir={_hydra_quoted(HydraConfig.get().sweep.dir)}"]
     return " ".join(shlex.quote(a) for a in args)
 
@@ -213,9 +214,9 @@ def _launch_args() -> List[str]:
 
     h = HydraConfig.get()  # (launched: a config composed in Python has its own overrides)
     args = config_flags(h)
-    args += [a for a in h.overrides.hydra if not a.lstrip("+~").startswith(_NOT_CARRIED)]
+    args += [a for a in h.overrides.hydra if not override_key(a).startswith(_NOT_CARRIED)]
     return args + [a for a in h.overrides.task
-                   if a.lstrip("+~").split("=", 1)[0] != "trainer.resume"]
+                   if override_key(a) != "trainer.resume"]
 
 
 def _hydra_quoted(value: Any) -> str:

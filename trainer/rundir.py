@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed, resumefiles, stamp, sweep, sweepdirs
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError
+from trainer.config import ConfigError, override_key
 from trainer.logging import write_whole
 from trainer.runlock import LOCK, job_id
 
@@ -231,7 +231,7 @@ def unused_dir_key() -> List[str]:
     if not HydraConfig.initialized():
         return []
     h = HydraConfig.get()
-    given = {a.lstrip("+").split("=", 1)[0]: a for a in list(h.overrides.hydra)}
+    given = {override_key(a): a for a in list(h.overrides.hydra)}
     if dir_key() == "hydra.sweep.dir" and "hydra.run.dir" in given:
         return [f"{given['hydra.run.dir']}: not used in a sweep (-m), whose jobs go under "
                 f"hydra.sweep.dir ({h.sweep.dir})"]

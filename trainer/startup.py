@@ -16,7 +16,7 @@ from data.advice import count_of
 from trainer import (checkpoint, components, distributed, ending, resumeargs, resumefiles,
                      rundir, schedules, stamp)
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, plain
+from trainer.config import ConfigError, override_key, plain
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
@@ -153,7 +153,7 @@ def _set_by_this_command(keys: List[str]) -> List[str]:
     carried = set(resumeargs.CARRIED)  # (the run's own, put there by this launch)
     out = []
     for line in typed:
-        key = line.lstrip("+~").split("=", 1)[0].replace("/", ".")
+        key = override_key(line).replace("/", ".")
         if line not in carried and any(k == key or k.startswith(key + ".") for k in keys):
             out.append(line)
     return out

@@ -167,9 +167,11 @@ _NOT_COMPARED = ("trainer.resume", "hydra.", "+hydra.")
 def varying(jobs: List[Dict[str, Any]]) -> List[str]:
     """The override keys whose values are not the same in every job whose overrides are known,
     in first-seen order (all of them for a sweep of one job)."""
+    from trainer.config import override_key  # (torch comes with it: a job ran here)
+
     given = [given_overrides(job) for job in jobs if job["overrides"]]
     order = [key for key in dict.fromkeys(key for g in given for key in g)
-             if not key.lstrip("+~").startswith(_NOT_COMPARED)]
+             if not override_key(key).startswith(_NOT_COMPARED)]
     keys = [key for key in order if len({g.get(key) for g in given}) > 1]
     return keys if keys or len(given) != 1 else order
 

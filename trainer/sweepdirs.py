@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import resumefiles, sweep
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError
+from trainer.config import ConfigError, override_key
 
 
 class AnotherSweep(CheckpointError):
@@ -67,7 +67,7 @@ def check_sweep_resume(run_dir: Path, resume: Optional[str]) -> None:
 
     from trainer.resumechanges import IMPLEMENTATION_KEYS
 
-    keys = [k.lstrip("+") for k in swept(Path(HydraConfig.get().sweep.dir) / sweep.RECORD)
+    keys = [override_key(k) for k in swept(Path(HydraConfig.get().sweep.dir) / sweep.RECORD)
             or []]
     kept = [k for k in keys if k == "seed" or (k.startswith(("optim.", "sched."))
                                                and k not in IMPLEMENTATION_KEYS)]
@@ -117,7 +117,7 @@ def other_sweeps_job(job_dir: Path, sweep_dir: Path, overrides: List[str]) -> Op
     if keys is None:
         jobs = [job for job in sweep.jobs_of(sweep_dir) if job["overrides"]]
         keys = sweep.varying(jobs) if len(jobs) > 1 else []
-    keys = [k for k in keys if k.lstrip("+~") not in _LENGTHS]
+    keys = [k for k in keys if override_key(k) not in _LENGTHS]
     old = sweep.given_overrides({"overrides": recorded})
     new = sweep.given_overrides({"overrides": overrides})
 
