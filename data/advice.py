@@ -232,9 +232,10 @@ def _sample_fix(sample: SampleCost, n: int, wait_frac: float, batch_size: int,
                 "samples as arrays in this process (with data.placement=auto, batched by "
                 "indexing on the training device)" + (", or data.num_workers=0" if n else ""))
     return (f"{made}; the wait is the loader's per-sample Python work" + (
-        " and a worker's hand-over: compare data.num_workers=0" if n else "")
-        + ", and give the dataset a __getitems__(indices) that makes a whole batch at once "
-        "(the DataLoader calls it when it has one)")
+        " and a worker's hand-over: compare data.num_workers=0, and" if n else ":")
+        + " give the dataset a __getitems__(indices) that makes a batch's samples at once (the "
+        "DataLoader calls it when it has one, and collates the list it returns; one that "
+        "returns its batch made already wants data.loader.as_is as data.collate_fn)")
 
 
 def _stored_size(cfg: DataConfig) -> str:

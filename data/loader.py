@@ -285,6 +285,14 @@ def worker_died(e: BaseException) -> Optional[LoaderWorkerDied]:
     return _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
 
 
+def as_is(batch: Any) -> Any:
+    """A collate that returns what it is given: `+data.collate_fn._target_=data.loader.as_is`
+    for a dataset whose `__getitems__(indices)` returns its batch made already (the
+    DataLoader hands a collate what `__getitems__` returned, and the default one expects a
+    list of samples to stack)."""
+    return batch
+
+
 class Unbatchable(ConfigError):
     """The dataset's samples are not batched by the default collate (the line says why)."""
 

@@ -973,3 +973,21 @@ class _Lingering:
 
 
 _LINGERING = None
+
+
+class BatchMakingDigits(torch.utils.data.Dataset):
+    """Digits whose `__getitems__(indices)` returns the batch made already, (images, labels)
+    stacked (data.loader.as_is hands it on)."""
+
+    def __init__(self, split: str = "train", **kw):
+        self.digits = DigitsDataset(split, **kw)
+
+    def __len__(self):
+        return len(self.digits)
+
+    def __getitem__(self, i):
+        return self.digits[i]
+
+    def __getitems__(self, indices):
+        at = torch.as_tensor(indices)
+        return self.digits.x[at], self.digits.y[at]

@@ -26,7 +26,7 @@ from trainer import distributed
 from trainer.checkpoint import tensors_in
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
-from trainer.task import Task, TaskError, batch_size, describe
+from trainer.task import Task, TaskError, _note, batch_size, describe
 
 log = logging.getLogger("stoker")
 
@@ -112,7 +112,9 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
                     input_shape: Optional[Any], find_unused: bool,
                     which: str = "the first batch") -> Any:
     """`task.forward(model, batch)`, a RuntimeError it raises said as `forward_error` says it
-    (`first`: the run's first such batch, named `which`)."""
+    (`first`: the run's first such batch, named `which`). Another error raised in a task's
+    own forward, before its model (`batch["image"]` of a tuple batch), keeps its traceback
+    with a note saying what the task was given, as the model's own first forward does."""
     try:
         return task.forward(model, batch)
     except RuntimeError as e:
@@ -120,6 +122,13 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
         if error is e:
             raise
         raise error from None
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+        if first and not isinstance(e, ConfigError) and not any(
+                str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
+            _note(e, f"stoker: task {task.label}: its forward failed on {which}, given "
+                     f"{describe(batch)}: does the task's forward take the batches the data "
+                     "(data=...) yields?")
+        raise
 
 
 def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,

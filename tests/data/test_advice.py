@@ -91,7 +91,13 @@ def cfg(**kw) -> DataConfig:
     (dict(), dict(workers=2, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32, pairs=False),
      "cpu", "making a batch costs 160 µs of CPU here; the wait is the loader's per-sample Python "
      "work and a worker's hand-over: compare data.num_workers=0, and give the dataset a "
-     "__getitems__(indices) that makes a whole batch at once"),
+     "__getitems__(indices) that makes a batch's samples at once (the DataLoader calls it when "
+     "it has one, and collates the list it returns; one that returns its batch made already "
+     "wants data.loader.as_is as data.collate_fn)"),
+    # (without workers: no hand-over to compare, and the sentence holds together)
+    (dict(), dict(workers=0, sample=SampleCost(6e-6, 5e-6, 0.0), batch_size=32, pairs=False),
+     "cpu", "making a batch costs 160 µs of CPU here; the wait is the loader's per-sample Python "
+     "work: give the dataset a __getitems__(indices)"),
     (dict(), dict(workers=2, sample=SampleCost(2e-3, 3e-5, None), batch_size=64), "cpu",
      # (no schedstat: whether it waited is unknown)
      "raise data.num_workers from 2 to 4 (the CPU cores"),

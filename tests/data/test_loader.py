@@ -317,3 +317,23 @@ def test_a_worker_stopped_with_its_batch_queued_is_a_stall_not_a_hang():
     assert not any(w.is_alive() for w in workers)
     said.close()
     batches._shutdown_workers()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_makes_its_batches_trains_through_as_is(make_cfg, tmp_path, workers):
+    """The stall advice's `__getitems__` that returns its batch made already: the default
+    collate cannot stack it (one line says so), data.loader.as_is hands it on, and the run
+    takes the steps, and reaches the weights, of the same samples made one at a time."""
+    from trainer.config import ConfigError
+    from trainer.runner import train
+
+    common = ("data.placement=host", f"data.num_workers={workers}", "trainer.max_steps=5")
+    made = ("data.dataset._target_=tests.helpers.BatchMakingDigits", *common)
+    with pytest.raises(ConfigError, match="the default collate cannot batch"):
+        train(make_cfg(*made, run_dir=tmp_path / "refused"))
+    got = train(make_cfg(*made, "+data.collate_fn._target_=data.loader.as_is",
+                         run_dir=tmp_path / "as_is"))
+    plain = train(make_cfg(*common, run_dir=tmp_path / "plain"))
+    assert got["steps"] == plain["steps"] == 5
+    theirs, ours = (torch.load(s["checkpoint"], weights_only=True)["model"] for s in (plain, got))
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)

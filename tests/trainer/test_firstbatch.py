@@ -63,6 +63,42 @@ TRIPLES = ["data=custom", "+data.dataset._target_=tests.helpers.TripleDigits",
            "trainer.save_checkpoint=false", "trainer.progress_bar=false"]
 
 
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="notes need Python 3.11")
+def test_a_tasks_own_forward_failing_on_the_first_batch_says_what_it_was_given():
+    """A task of one's own written for dict batches, run on the default (inputs, target) data:
+    its `batch["image"]` raised before the model, with a traceback and no word of the batch."""
+    from trainer.firstbatch import checked_forward
+
+    from trainer.task import Task
+
+    class DictTask(Task):
+        def forward(self, model, batch):
+            return model(batch["image"])
+
+        def loss(self, output, batch):
+            return F.cross_entropy(output, batch["label"])
+
+    batch = (torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError) as e:
+        checked_forward(DictTask(), torch.nn.Linear(4, 2), batch, True, None, False)
+    assert e.value.__notes__ == [
+        "stoker: task DictTask: its forward failed on the first batch, given tuple(tensor(3, 4) "
+        "float32, tensor(3,) int64): does the task's forward take the batches the data "
+        "(data=...) yields?"]
+    with pytest.raises(TypeError) as later:  # a later batch: its traceback alone
+        checked_forward(DictTask(), torch.nn.Linear(4, 2), batch, False, None, False)
+    assert not getattr(later.value, "__notes__", None)
+
+    class Raising(torch.nn.Module):
+        def forward(self, x):
+            raise TypeError("inside the model")
+
+    with pytest.raises(TypeError, match="inside the model") as inside:  # the model's note only
+        checked_forward(Classification(), Raising(), batch, True, None, False)
+    assert len(inside.value.__notes__) == 1 and "the model's first forward" in \
+        inside.value.__notes__[0]
+
+
 def test_a_batch_of_more_than_inputs_and_target_is_said_once_where_the_rest_is_unused(
         make_cfg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="stoker"):
