@@ -1,0 +1,63 @@
+"""README.md's examples of code of one's own (the Hugging Face model's data, a task with dict
+batches and a two-head model), written to files and run with the README's own commands, as a
+new user copies them: an example that no longer runs fails here, not in a user's hands."""
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from tests.helpers import QUIET, ROOT, run_cli, summary_of
+
+pytestmark = pytest.mark.slow
+
+# where each block goes, told by what it holds (the README names the files in its prose)
+FILES = {"class PaddedTokens": "mypkg/data.py", "class DigitAndParity": "mypkg/tasks.py",
+         "class DictDigits": "mypkg/digits.py",
+         "transformers.GPT2LMHeadModel": "myconf/model/gpt2_tiny.yaml",
+         "mypkg.data.PaddedTokens": "myconf/data/padded_tokens.yaml",
+         "mypkg.tasks.DigitAndParity": "myconf/task/digit_parity.yaml"}
+
+
+def _section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("### A Hugging Face causal language model"):
+                text.index("### Mistakes are one line")]
+
+
+def _write_examples(folder) -> list:
+    """The section's files under `folder`, and its `python train.py` commands' arguments."""
+    (folder / "mypkg").mkdir()
+    (folder / "mypkg" / "__init__.py").write_text("")
+    written, commands = set(), []
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", _section(), re.S):
+        if lang == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                if line.startswith("python train.py"):
+                    commands.append(shlex.split(line.replace("$PWD", str(folder)),
+                                                comments=True)[2:])
+            continue
+        parts = re.split(r"^# (\w+/\w+\.yaml)\n", body, flags=re.M)
+        named = [("myconf/" + p, b) for p, b in zip(parts[1::2], parts[2::2])] or [
+            (path, body) for mark, path in FILES.items() if mark in body][:1]
+        assert named, f"a {lang} block the test does not know where to put:\n{body[:200]}"
+        for path, text in named:
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text(text)
+            written.add(path)
+    assert written == {*FILES.values(), "myconf/data/dict_digits.yaml",
+                       "myconf/model/two_heads.yaml"}
+    return commands
+
+
+def test_the_readmes_own_code_examples_train_as_written(tmp_path):
+    commands = _write_examples(tmp_path)
+    assert len(commands) == 2, commands  # the Hugging Face model's, the task's
+    for n, args in enumerate(commands):
+        run_dir = tmp_path / f"run{n}"
+        proc = run_cli([*args, *QUIET, "trainer.max_steps=6", f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path)
+        assert proc.returncode == 0, f"{args}\n{proc.stderr[-3000:]}"
+        assert summary_of(run_dir)["steps"] == 6
+    assert "val_f1" in summary_of(tmp_path / "run1")  # the task's metrics
