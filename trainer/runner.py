@@ -427,6 +427,8 @@ def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
             checkpointing.finish()
             raise NonFiniteLoss(f"{e}; {ending.last_good(run_dir)}") from None
         except PeerFailedValidation as e:  # (saved: Checkpointing.validation_failed)
+            if cfg.trainer.validate_only:  # (it trains nothing: no state to name)
+                raise
             raise PeerFailedValidation(f"{e}; {ending.last_good(run_dir)}") from None
         except RuntimeError as e:
             lost = heartbeat.explain(e, cfg.trainer.ddp.timeout_s)
