@@ -335,6 +335,9 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
     _check_graphs_and_accumulation(cfg, device)
     _check(0 < cfg.trainer.ddp.timeout_s <= WEEK_S, "trainer.ddp.timeout_s",
            cfg.trainer.ddp.timeout_s, f"must be > 0 and at most {WEEK_S} seconds (a week)")
+    bucket = cfg.trainer.ddp.bucket_cap_mb  # (nan reached DDP's int(); a negative one passed)
+    _check(0 < bucket < math.inf, "trainer.ddp.bucket_cap_mb", bucket,
+           "must be a size > 0 MB (DDP's default: 25)")
     # Under dp the one process's batch is split across GPUs, so it still counts once.
     global_batch = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
     return RunSpec(device=device, strategy=strategy, precision=prec, world_size=world_size,

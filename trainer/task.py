@@ -122,11 +122,13 @@ class Task:
                  output_key: str = "logits"):
         metrics = {k: v for k, v in (metrics or {}).items() if v is not None}
         for key, metric in metrics.items():
-            if key == "loss" or not callable(getattr(metric, "update", None)) \
-                    or not callable(getattr(metric, "compute", None)):
+            # (reset too: each validation starts with it, so one without failed only after
+            # the first epoch's training)
+            if key == "loss" or not all(callable(getattr(metric, name, None))
+                                        for name in ("update", "compute", "reset")):
                 raise ConfigError(f"task.metrics.{key}: {type(metric).__name__} is not a metric "
-                                  "with update/compute (e.g. a torchmetrics.Metric), or is "
-                                  "named 'loss' (val_loss is always logged)")
+                                  "with update/compute/reset (e.g. a torchmetrics.Metric), or "
+                                  "is named 'loss' (val_loss is always logged)")
         self.metrics = nn.ModuleDict(metrics) if all(
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
         # (a null target: a model that computes a loss of its own, with no labels)

@@ -66,6 +66,10 @@ from trainer.config import ConfigError, Precision, Strategy
     ("data.timeout=inf", "data.timeout=inf: must be from 0 to 604800 seconds (a week; 0: wait"),
     ("data.timeout=1e12", "data.timeout=1000000000000.0: must be from 0 to 604800 seconds"),
     ("trainer.ddp.timeout_s=inf", "trainer.ddp.timeout_s=inf: must be > 0 and at most 604800"),
+    # nan reached DDP's int() on every rank (a traceback each); a negative size passed
+    ("trainer.ddp.bucket_cap_mb=nan", "trainer.ddp.bucket_cap_mb=nan: must be a size > 0 MB"),
+    ("trainer.ddp.bucket_cap_mb=-5", "trainer.ddp.bucket_cap_mb=-5.0: must be a size > 0 MB"),
+    ("trainer.ddp.bucket_cap_mb=inf", "trainer.ddp.bucket_cap_mb=inf: must be a size > 0 MB"),
     ("trainer.checkpoint.timeout_s=1e30", "trainer.checkpoint.timeout_s=1e+30: must be > 0 and"),
     ("seed=99999999999999999999", "seed=99999999999999999999: must be an integer that fits 64"),
     ("optim.lr=inf", "optim.lr=inf: must be a finite number"),

@@ -452,3 +452,27 @@ def test_which_tensor_of_a_tuple_output_is_the_predictions_is_said_once(caplog):
         with caplog.at_level(logging.WARNING, logger="stoker"):
             assert Classification().predictions(quiet) is logits
     assert not caplog.records
+
+
+def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
+    """A metric without reset() passed the build and crashed after an epoch of training, in
+    the first validation (which starts with it)."""
+    from trainer.task import Task
+
+    class NoReset:
+        def update(self, preds, target):
+            pass
+
+        def compute(self):
+            return torch.tensor(0.0)
+
+    class WithReset(NoReset):
+        def reset(self):
+            pass
+
+    with pytest.raises(ConfigError, match=r"^task.metrics.x: NoReset is not a metric with "
+                                          r"update/compute/reset \(e.g. a torchmetrics.Metric\)"):
+        Task(metrics={"x": NoReset()})
+    with pytest.raises(ConfigError, match="or is named 'loss'"):
+        Task(metrics={"loss": WithReset()})
+    assert list(Task(metrics={"x": WithReset()}).metrics) == ["x"]
