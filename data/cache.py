@@ -356,6 +356,8 @@ def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Pa
                 if (folder / "failed.txt").exists() else None
         except (OSError, ValueError):
             continue
+        if not isinstance(who, dict):  # not a record of ours: left alone, as an unreadable one
+            continue
         if failed_at is not None and time.time() - failed_at < FAILED_KEEP_S:
             continue
         if not alive(who):

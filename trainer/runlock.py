@@ -49,15 +49,17 @@ def owner() -> Dict[str, Any]:
 
 
 def owner_alive(who: Dict[str, Any]) -> bool:
-    """False when the process that wrote `who` (see `owner`) is certainly gone."""
+    """False when the process that wrote `who` (see `owner`) is certainly gone. A record of
+    this host whose pid is no process id (damaged, or written by hand: "x", null, 1e20) names
+    no live owner; it raised before, in every run that looked at it (a /dev/shm cache's)."""
     if who.get("host") != socket.gethostname():
         return True  # cannot look at another host's processes
-    pid = int(who.get("pid", -1))
-    if pid <= 0:
+    pid = who.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (past the pid type's range: no process)
         return False
     except PermissionError:
         return True

@@ -109,3 +109,26 @@ def test_a_full_disk_leaves_no_file_of_the_lock_and_names_it(tmp_path, monkeypat
         "[Errno 28] No space left on device (writing the run dir's lock): "
         f"'{tmp_path / runlock.LOCK}.")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("pid", ["x", None, [1], 1.5, True, 0, -3, 10**20])
+def test_an_owner_record_whose_pid_is_no_process_id_names_no_live_owner(make_cfg, tmp_path,
+                                                                        pid):
+    """A damaged lock raised (ValueError, TypeError, OverflowError from os.kill) in every run
+    that met it: the run dir's, and a /dev/shm cache's, which every run on the node reads."""
+    import socket
+
+    from data import cache
+
+    assert runlock.owner_alive({"host": socket.gethostname(), "pid": pid}) is False
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / runlock.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    assert train(make_cfg("trainer.max_steps=2", run_dir=run_dir))["steps"] == 2
+    shm = tmp_path / "shm"
+    for name, record in (("stoker-bad", {"host": socket.gethostname(), "pid": pid}),
+                         ("stoker-list", [pid])):  # (not a record of ours: left alone)
+        (shm / name).mkdir(parents=True)
+        (shm / name / cache.OWNER).write_text(json.dumps(record))
+    assert cache.reclaim_shm(runlock.owner_alive, root=shm) == [shm / "stoker-bad"]
+    assert (shm / "stoker-list").is_dir()
