@@ -8,6 +8,7 @@ optimizer-step boundaries, never inside an accumulation window.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -135,6 +136,7 @@ class Preemption:
         self._interrupted_at: Optional[float] = None
         self._signalled_at: Optional[float] = None  # the first SIGTERM/SIGUSR1
         self._stopping = False  # agreed at a step boundary: saving, then stopping
+        self.writing = False  # a checkpoint is being saved or waited for: its step ended
         self._main, self._pid = env.is_main, os.getpid()
         self._previous = {}
         self._group = None
@@ -177,6 +179,8 @@ class Preemption:
             return  # the step ended: the checkpoint is being written, let it finish
         elif self._signalled_at is not None \
                 and time.monotonic() - self._signalled_at > AGAIN_AFTER_S:
+            if self.writing:  # (a periodic or the final save: the stop comes after it; a
+                return  # stop at once lost the write, and said the step never ended)
             raise SignalledAgain(signum)  # the first is still waiting for its step to end
         else:
             self._signalled_at = self._signalled_at or time.monotonic()
@@ -298,11 +302,12 @@ class Checkpointing(Callback):
             size = int(distributed.all_reduce_max(
                 torch.tensor([float(size)], device=self.device)).item())
         async_save = async_checkpoints(self.c, self.device, size)
-        self.saver.save(state, loop.state.step, best=best, async_save=async_save)
-        self.saved_validated = loop.state.validated_step
-        if not async_save:
-            # rank 0 writes, the others wait for a complete file: longer than a collective may
-            writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
+        with self._writing():
+            self.saver.save(state, loop.state.step, best=best, async_save=async_save)
+            self.saved_validated = loop.state.validated_step
+            if not async_save:
+                # rank 0 writes, the others wait for a complete file: longer than a collective
+                writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
         loop.run_checkpoint_s += time.perf_counter() - start
         loop.phase = phase
         return True
@@ -377,5 +382,18 @@ class Checkpointing(Callback):
 
     def finish(self) -> None:
         """Waits for a background write, then for every rank (all files complete)."""
-        self.saver.wait()
-        writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
+        with self._writing():
+            self.saver.wait()
+            writer_barrier(self.c.timeout_s, self.cfg.trainer.ddp.timeout_s)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A second preemption signal lets the write in this block finish (Preemption)."""
+        if self.preemption is None:
+            yield
+            return
+        before, self.preemption.writing = self.preemption.writing, True
+        try:
+            yield
+        finally:
+            self.preemption.writing = before

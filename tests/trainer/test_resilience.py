@@ -368,6 +368,41 @@ def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monk
         waiting._handle(signal.SIGTERM, None)
 
 
+@pytest.mark.parametrize("when", ["periodic", "final"])
+def test_a_second_signal_during_a_checkpoint_write_lets_it_finish(make_cfg, tmp_path,
+                                                                    monkeypatch, when):
+    """A periodic save (or the final one) under way when SIGTERM came, and again a moment
+    later: the second was taken for a step that never ends and stopped the run at once, the
+    write lost ("the step did not end"; the run's only checkpoint, for the final save). The
+    step has ended: the write finishes, and the run stops after it (a periodic save) or
+    completes (the final one)."""
+    from trainer import checkpoint as ckpt
+    from trainer.resilience import Preempted
+    from trainer.runner import train
+
+    at = 10 if when == "periodic" else 22  # (22: not a periodic save's step)
+    save = ckpt.save
+
+    def signalled_twice(state, path):
+        if state["step"] == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.3)  # (past the second that tells a second signal from one repeated)
+            os.kill(os.getpid(), signal.SIGTERM)
+        save(state, path)
+
+    monkeypatch.setattr(ckpt, "save", signalled_twice)
+    cfg = make_cfg("trainer.max_steps=22", "trainer.checkpoint.every_n_steps=5",
+                   "trainer.checkpoint.every_n_epochs=0", "trainer.progress_bar=false",
+                   "trainer.checkpoint.async_save=false", run_dir=tmp_path / "run")
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    if when == "periodic":
+        with pytest.raises(Preempted, match="^stopped on a preemption signal at step 10;"):
+            train(cfg)
+    else:
+        assert train(cfg)["steps"] == 22
+    assert checkpoint.load(last)["step"] == at
+
+
 @pytest.mark.gpu
 def test_cuda_random_state_is_the_ranks_own_gpus_and_old_checkpoints_still_restore():
     """A rank saves the generators of the GPUs it computes on, in order, and restores them
