@@ -245,10 +245,10 @@ def slurm_tasks(tmp_path, ntasks, args, timeout=180):
     return [p.returncode for p in procs], outs
 
 
-def torchrun(nproc, args, cwd, timeout=180, multirun=False):
+def torchrun(nproc, args, cwd, timeout=180, multirun=False, env=None):
     cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", str(ROOT / "train.py"),
                       *(["-m"] if multirun else []), *QUIET, *args]
-    return launch(cmd, cwd, timeout)
+    return launch(cmd, cwd, timeout, env)
 
 
 def summary_of(run_dir: Path) -> dict:
@@ -991,3 +991,13 @@ class BatchMakingDigits(torch.utils.data.Dataset):
     def __getitems__(self, indices):
         at = torch.as_tensor(indices)
         return self.digits.x[at], self.digits.y[at]
+
+
+class SlowBuiltDigits(DigitsDataset):
+    """Digits whose construction takes `seconds` on rank `rank` (of a torchrun job): a dataset
+    slow to build, or stuck, on one rank before the first step."""
+
+    def __init__(self, split: str = "train", rank: int = 1, seconds: float = 15.0, **kw):
+        if int(os.environ.get("RANK", "0")) == rank:
+            time.sleep(seconds)
+        super().__init__(split, **kw)

@@ -291,8 +291,8 @@ def _destroy(failed: bool = False) -> None:
     joins it, and destroying an NCCL group first lets its queued work finish (a hang until
     the watchdog kills the process, before the rank's error is said): a failing rank aborts
     an NCCL group instead, which ends that work at once."""
-    global _CPU_GROUP
-    _CPU_GROUP = None
+    global _CPU_GROUP, _WRITE_GROUP
+    _CPU_GROUP = _WRITE_GROUP = None
     if not is_active():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5
@@ -386,6 +386,23 @@ def cpu_group():
         _CPU_GROUP = (dist.group.WORLD if dist.get_backend() == "gloo"
                       else dist.new_group(backend="gloo", timeout=_TIMEOUT))
     return _CPU_GROUP
+
+
+_WRITE_GROUP = None
+
+
+def write_group(timeout_s: Optional[float] = None):
+    """The gloo group the ranks wait in for rank 0's checkpoint write (liveness.writer_barrier):
+    created once with `timeout_s` (trainer.checkpoint.timeout_s), by every rank at the same
+    point (the checkpointing's construction); the host-side group until then. A rank other
+    than 0 in a monitored barrier waits for rank 0 as long as its group's timeout says (the
+    barrier's own is rank 0's alone): on the host-side group that was trainer.ddp.timeout_s,
+    and a write longer than it failed the job as a lost peer."""
+    global _WRITE_GROUP
+    if _WRITE_GROUP is None and timeout_s is not None and is_active():
+        _WRITE_GROUP = dist.new_group(backend="gloo",
+                                      timeout=datetime.timedelta(seconds=timeout_s))
+    return _WRITE_GROUP or cpu_group()
 
 
 def barrier() -> None:

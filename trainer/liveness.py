@@ -25,6 +25,10 @@ from trainer import distributed
 
 BEAT_S = 5.0  # seconds between heartbeats
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
+# ... and a backend's own words for it (not a timeout some code of one's own raised)
+_BACKEND_TIMEOUT = re.compile(r"(gloo|nccl|c10d|ProcessGroup|Watchdog)[^\n]*(timed? ?out|"
+                              r"timeout)|(timed? ?out|timeout)[^\n]*(gloo|nccl|c10d|"
+                              r"ProcessGroup|Watchdog)", re.IGNORECASE)
 # a peer whose process ended: gloo's and NCCL's words for it
 _CLOSED = re.compile(r"connection (closed|reset)|broken pipe|remote process exited|"
                      r"communicator was aborted", re.IGNORECASE)
@@ -214,12 +218,21 @@ def first_said(errors: Dict[int, str]) -> str:
     return f"rank {r} stopped on its error: {errors[r]}"
 
 
-def lost_at(error: BaseException, rank: int, world_size: int, where: str) -> Optional[PeerLost]:
+def lost_at(error: BaseException, rank: int, world_size: int, where: str,
+            timeout_s: float) -> Optional[PeerLost]:
     """A one-line PeerLost for a collective outside the training loop (building the run,
     restoring it) whose peer closed its connection, naming the peer's own error where it left
-    one; None for any other error (and for one said already)."""
+    one, or that timed out (`timeout_s`: trainer.ddp.timeout_s; before, gloo's traceback);
+    None for any other error (and for one said already)."""
     if world_size <= 1 or isinstance(error, (PeerLost, LoaderStalled)) or \
-            not isinstance(error, RuntimeError) or not _CLOSED.search(str(error)):
+            not isinstance(error, RuntimeError):
+        return None
+    if _BACKEND_TIMEOUT.search(str(error)):  # (the heartbeat starts with the training loop)
+        return PeerLost(
+            f"rank {rank} waited more than trainer.ddp.timeout_s={timeout_s:g} s in a "
+            f"collective {where}: another rank did not reach it (stuck, or slow to build its "
+            "data, model or cache; raise trainer.ddp.timeout_s where that takes longer)")
+    if not _CLOSED.search(str(error)):
         return None
     said = first_said(peer_errors(rank, world_size))
     return PeerLost(f"rank {rank} lost a peer {where}: " + (
@@ -267,7 +280,7 @@ def writer_barrier(write_s: float, arrive_s: float) -> None:
     timeout = arrive_s if writer else write_s
     start = time.monotonic()
     try:
-        dist.monitored_barrier(group=distributed.cpu_group(),
+        dist.monitored_barrier(group=distributed.write_group(),
                                timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
     except RuntimeError as e:
         # gloo words every failure of it so, a peer's closed connection too: only one that

@@ -228,6 +228,8 @@ class Checkpointing(Callback):
                 "folder; move it, or set trainer.save_checkpoint=false")
         self.saver = saver.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
+        if env.world_size > 1:  # (every rank builds it here: the group its writes wait in)
+            distributed.write_group(c.timeout_s)
         self.enabled, self.preemption, self.mode = enabled, preemption, mode
         self.run_dir = run_dir
         self.best: Optional[float] = None  # the monitored value best.pt holds ...

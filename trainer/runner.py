@@ -397,7 +397,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 log.warning("checkpoint: the last background write failed too: %s",
                             describe(unwritten))
         died = worker_died(e)  # (said in one line wherever the training thread met it)
-        lost = _record_failure(died or e, env, run_dir, loop, outputs, ours)
+        lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
+                               cfg.trainer.ddp.timeout_s)
         if lost is not None or died is not None:
             raise (lost or died) from None
         raise
@@ -440,12 +441,12 @@ def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
 
 def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optional[Loop],
                     outputs: Optional[startup.FirstStepOutputs],
-                    ours: bool) -> Optional[PeerLost]:
+                    ours: bool, timeout_s: float) -> Optional[PeerLost]:
     """Leaves a failed run's record where the run dir should keep one; `ours`: the dir's
     checks passed, so it is this run's to write. Returns the error that names a lost peer (with
     its own error) when `e` was a collective whose peer ended, to be raised instead of `e`."""
     lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
-                            if outputs is None else f"at step {loop.state.step}")
+                            if outputs is None else f"at step {loop.state.step}", timeout_s)
     e = lost or e
     if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
             ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)

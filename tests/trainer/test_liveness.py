@@ -206,3 +206,43 @@ def test_a_peer_that_stops_before_a_checkpoint_write_ends_is_named_without_the_w
     assert result.startswith("failed: timed out after trainer.ddp.timeout_s=2 s: ") and \
         "Ranks 1 failed to pass monitoredBarrier" in result, result
     assert took < 60
+
+
+@pytest.mark.parametrize("write_s, ddp_s", [(60, 6), (3, 60)])
+def test_the_ranks_wait_for_rank_0s_write_as_long_as_checkpoint_timeout_s(tmp_path, write_s,
+                                                                          ddp_s):
+    """Rank 0's write takes 12 s (a slow disk). The others waited for it in a barrier whose
+    wait on their side was the host-side group's timeout, trainer.ddp.timeout_s: at 6 s the
+    job failed as if rank 0 were gone ("a peer's process ended"), and a
+    trainer.checkpoint.timeout_s of 3 s never applied (at 60 s the write was waited for).
+    Now trainer.checkpoint.timeout_s=60 waits for it, and 3 stops the waiting rank, naming
+    the write and the key."""
+    start = time.monotonic()
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=3",
+                        "trainer.checkpoint.async_save=false", f"trainer.ddp.timeout_s={ddp_s}",
+                        f"trainer.checkpoint.timeout_s={write_s}"], cwd=ROOT, timeout=150,
+                    env={"STOKER_TEST_SLOW_WRITE_S": "12"})
+    if write_s == 60:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert time.monotonic() - start > 12  # (the write was slow indeed)
+        return
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert any("rank 1 waited more than trainer.checkpoint.timeout_s=3 s for rank 0's "
+               "checkpoint write at step 3" in ln for ln in errors), proc.stderr[-3000:]
+
+
+def test_a_rank_stuck_before_the_first_step_is_one_line_not_gloos_traceback(tmp_path):
+    """Rank 1 builds its dataset for 15 s; the others wait in a collective of the run's
+    building (trainer.ddp.timeout_s=5): gloo's `Timed out waiting 5000ms for recv` traceback
+    (the heartbeat that names a stuck rank starts with the training loop) is one line."""
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=5",
+                        "data.dataset._target_=tests.helpers.SlowBuiltDigits"], cwd=ROOT,
+                    timeout=150)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("stoker: error:")]
+    assert errors and errors[0].startswith(
+        "stoker: error: rank 0 waited more than trainer.ddp.timeout_s=5 s in a collective "
+        "before the first step: another rank did not reach it (stuck, or slow to build its "
+        "data, model or cache; "), proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr
