@@ -299,7 +299,10 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
     """
     rank = getattr(e, "said_by_its_rank", None)  # an error of that rank's own (runner.train)
     if any_rank or rank is not None or detect().is_main:
-        said = describe(e) if rank is None else f"rank {rank}: {describe(e)}"
+        from trainer.task import raised_in_users_code  # (lazy: the task imports torch)
+
+        said = describe(e) + raised_in_users_code(e)
+        said = said if rank is None else f"rank {rank}: {said}"
         print(f"stoker: error: {said}{resumeargs.took()}", file=sys.stderr, flush=True)
     reap_children()
     raise SystemExit(code)

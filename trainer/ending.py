@@ -27,6 +27,7 @@ from trainer.liveness import PeerLost
 from trainer.logging import RunLogger
 from trainer.loop import Loop
 from trainer.resilience import Checkpointing, Preempted
+from trainer.task import raised_in_users_code
 from trainer.windowlog import NonFiniteLoss
 
 log = logging.getLogger("stoker")
@@ -174,7 +175,7 @@ def status_error(e: BaseException) -> str:
     if type(e) is SystemExit:  # sys.exit() in the user's code, mid-run
         return f"SystemExit({e.code!r})"
     crash = exit_code(e) == 1 and not isinstance(e, ONE_LINE)
-    text = describe(e)
+    text = describe(e) + raised_in_users_code(e)
     if crash and not text.startswith(f"{type(e).__name__}:"):  # (a worker's line has it)
         return f"{type(e).__name__}: {text}"
     return text

@@ -56,21 +56,38 @@ def describe(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _raised_in_own_code(e: BaseException) -> str:
+# the project's own packages: code raising there is not the user's
+_PROJECT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
+                 + os.sep for d in ("trainer", "data", "scripts"))
+
+
+def _raised_in_own_code(e: BaseException, not_the_projects: bool = False) -> str:
     """` (raised at FILE:LINE)` where the innermost frame of `e` is code of one's own (not an
-    installed package's, nor Python's): there the refusal may be a bug, and that is where."""
+    installed package's, nor Python's; with `not_the_projects`, nor Stoker's own): there the
+    refusal may be a bug, and that is where."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
         return ""
     path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    installed = {os.path.abspath(v) for k, v in sysconfig.get_paths().items()
+    installed = {os.path.abspath(v) + os.sep for k, v in sysconfig.get_paths().items()
                  if k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if tb.tb_frame.f_code.co_filename.startswith("<") or any(
-            path.startswith(folder + os.sep) for folder in installed):
+    if tb.tb_frame.f_code.co_filename.startswith("<") or path.startswith(
+            (*installed, *(_PROJECT if not_the_projects else ()))):
         return ""
     return f" (raised at {path}:{tb.tb_lineno})"
+
+
+def raised_in_users_code(e: BaseException) -> str:
+    """For an OSError raised in the user's own code (a model's forward, a dataset's
+    `__getitem__`; not Stoker's, an installed package's nor Python's): ` (ConnectionError
+    raised at FILE:LINE)`, for its one line; "" else. Its line alone ("metrics server went
+    away") named neither its type nor where it came from."""
+    if not isinstance(e, OSError):
+        return ""
+    at = _raised_in_own_code(e, not_the_projects=True)
+    return f" ({type(e).__name__} {at[2:]}" if at else ""
 
 
 def _note(e: BaseException, line: str) -> None:

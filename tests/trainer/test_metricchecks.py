@@ -90,6 +90,9 @@ def test_a_metric_trial_whose_sync_meets_a_lost_peer_raises_it_not_a_metric_warn
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] "
                                "Connection closed by peer [127.0.0.1]:5555")
 
+        def reset(self):
+            pass
+
     task = Classification(metrics={"acc": Syncing()})
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         check_metrics(task, torch.zeros(2, 3), (None, torch.tensor([0, 1])))

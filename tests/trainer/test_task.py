@@ -387,6 +387,9 @@ def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
         def compute(self):
             return 1.0
 
+        def reset(self):
+            pass
+
     class Never(Later):
         def update(self, preds, target):
             raise ValueError("wrong shapes")
@@ -476,3 +479,25 @@ def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
     with pytest.raises(ConfigError, match="or is named 'loss'"):
         Task(metrics={"loss": WithReset()})
     assert list(Task(metrics={"x": WithReset()}).metrics) == ["x"]
+
+
+def test_an_os_error_of_ones_own_code_names_its_type_and_where_it_was_raised(tmp_path):
+    """A ConnectionError in a model's forward was said as its message alone ("metrics server
+    went away"), nothing naming the model or the line: an OSError counts as one of the run's
+    own (a full disk, an unreadable file), said in one line without a traceback."""
+    from trainer.task import raised_in_users_code
+
+    def raised(filename, error="ConnectionError('metrics server went away')"):
+        space = {}
+        exec(compile(f"def f():\n    raise {error}\n", filename, "exec"), space)
+        try:
+            space["f"]()
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    mine = tmp_path / "mypkg" / "models.py"
+    assert raised_in_users_code(raised(str(mine))) == \
+        f" (ConnectionError raised at {mine}:2)"
+    assert raised_in_users_code(raised(str(ROOT / "trainer" / "x.py"))) == ""  # Stoker's own
+    assert raised_in_users_code(raised(str(mine), "ValueError('x')")) == ""  # (a traceback)
+    assert raised_in_users_code(raised("<string>")) == ""
