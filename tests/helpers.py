@@ -108,6 +108,12 @@ def _doing(pid: int) -> str:
            f"threads={threads}"
 
 
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its bytes: to show nothing was written."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
 def read_metrics(run_dir: Path) -> List[dict]:
     """The rows of a run dir's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

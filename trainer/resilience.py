@@ -226,6 +226,13 @@ class Checkpointing(Callback):
             raise checkpoint.CheckpointWriteError(
                 f"checkpoints cannot be written in {folder}: a file is in the way of the "
                 "folder; move it, or set trainer.save_checkpoint=false")
+        folders = [p.name for p in checkpoint.step_files(folder) if p.is_dir()] if enabled \
+            and folder.is_dir() else []
+        if folders:  # (the save of that step failed after the training, "Is a directory")
+            raise checkpoint.CheckpointWriteError(
+                f"checkpoints cannot be written in {folder}: {folders[0]} is a folder, named as "
+                "the run names its step checkpoints; move it, or set "
+                "trainer.save_checkpoint=false")
         self.saver = saver.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         if env.world_size > 1:  # (every rank builds it here: the group its writes wait in)

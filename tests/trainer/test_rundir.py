@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from data.cache import OWNER, reclaim_shm
-from tests.helpers import dead_pid, run_cli
+from tests.helpers import dead_pid, run_cli, snapshot
 from trainer import rundir, runlock
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
@@ -20,12 +19,6 @@ from trainer.loop import Callback
 from trainer.runner import train
 
 QUICK = ["trainer.max_steps=4", "trainer.progress_bar=false", "data.num_workers=0"]
-
-
-def snapshot(folder: Path) -> dict:
-    """Every file under `folder` with its bytes: to show nothing was written."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
 
 
 def test_a_fresh_run_into_another_runs_dir_is_refused_with_nothing_written(tmp_path):

@@ -409,6 +409,23 @@ def test_a_file_where_the_checkpoints_go_stops_the_run_before_it_trains(make_cfg
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]
 
 
+def test_a_folder_named_as_a_step_checkpoint_stops_the_run_before_it_trains(make_cfg,
+                                                                           tmp_path):
+    """A folder checkpoints/step-00000004.pt failed the resumed run at that step's save,
+    after the training ("Is a directory", blamed on hydra.run.dir)."""
+    from tests.helpers import snapshot
+    from trainer.checkpoint import CheckpointWriteError
+
+    assert train(make_cfg("trainer.max_steps=2"))["steps"] == 2
+    (tmp_path / "run" / "checkpoints" / "step-00000004.pt").mkdir()
+    before = snapshot(tmp_path / "run")
+    with pytest.raises(CheckpointWriteError, match=r"checkpoints cannot be written in .*"
+                                                   r"checkpoints: step-00000004.pt is a folder, "
+                                                   r"named as the run names its step "):
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
+    assert snapshot(tmp_path / "run") == before
+
+
 def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
     from trainer import checkpoint
     from trainer.checkpoint import CheckpointError
