@@ -741,6 +741,24 @@ class DetachedLoss(Classification):
         return super().loss(output.detach(), batch)
 
 
+class LossGoesWrong(Classification):
+    """A task whose loss is fine for `after` training batches, then `how`: per sample
+    (unreduced) or detached."""
+
+    def __init__(self, how: str = "unreduced", after: int = 3, **kw):
+        super().__init__(**kw)
+        self.how, self.after, self.calls = how, after, 0
+
+    def loss(self, output, batch):
+        if torch.is_grad_enabled():  # (training batches only)
+            self.calls += 1
+        if self.calls <= self.after or not torch.is_grad_enabled():
+            return super().loss(output, batch)
+        if self.how == "unreduced":
+            return torch.nn.functional.cross_entropy(output, batch[1], reduction="none")
+        return super().loss(output.detach(), batch)
+
+
 class ZeroCount(Classification):
     """A task whose count says its loss averages over no units."""
 

@@ -35,7 +35,7 @@ from trainer.precision import MixedPrecision
 from trainer.progress import FitState, Window, rest_plan
 from trainer.speed import cuda_graphs
 from trainer.strategy import unwrap
-from trainer.task import Task, batch_size
+from trainer.task import Task, TaskError, batch_size
 
 
 class Loop:
@@ -340,7 +340,14 @@ class Loop:
         output = None  # (held no longer than the graph holds it)
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
-        self.precision.backward(loss if one else loss * weight)
+        try:
+            self.precision.backward(loss if one else loss * weight)
+        except RuntimeError:  # a later loss backward cannot start from (not 0-d, detached):
+            try:  # the task's line, as for the first one, not autograd's traceback
+                check_loss(self.task, loss)
+            except TaskError as said:
+                raise said from None
+            raise
         if first and self._sanity:  # after the training batch's own checks (a model that
             # takes no batch is said as training's) and its graph is freed; before any step
             self._sanity = False

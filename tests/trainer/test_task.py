@@ -282,6 +282,20 @@ def test_user_mistakes_fail_before_training_with_one_line(make_cfg, args, fragme
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("how, fragment", [
+    ("unreduced", "returned no loss backward can start from: got tensor(64,) float32"),
+    ("detached", "returned a loss that does not depend on the model's parameters")])
+def test_a_later_loss_backward_cannot_start_from_is_the_tasks_line(make_cfg, how, fragment):
+    """Past the first batch's checks, a loss that is no longer 0-d or no longer depends on
+    the parameters met autograd's traceback ("grad can be implicitly created only for scalar
+    outputs"), which named no task."""
+    with pytest.raises(ConfigError) as info:
+        train(make_cfg("task._target_=tests.helpers.LossGoesWrong", f"+task.how={how}",
+                       "trainer.max_steps=6"))
+    assert str(info.value).startswith(f"task classification: LossGoesWrong.loss(output, "
+                                      f"batch) {fragment}"), str(info.value)
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["data=custom", "+data.dataset._target_=tests.helpers.DictDigits",
       "data.input_shape=[1,8,8]", "data.num_classes=10"],
