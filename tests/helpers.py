@@ -759,6 +759,20 @@ class LossGoesWrong(Classification):
         return super().loss(output.detach(), batch)
 
 
+class CountGoesNegative(Classification):
+    """A task whose count turns negative (a device tensor, as valid tokens are) after `after`
+    training batches."""
+
+    def __init__(self, after: int = 3, **kw):
+        super().__init__(**kw)
+        self.after, self.calls = after, 0
+
+    def count(self, batch):
+        self.calls += torch.is_grad_enabled()
+        n = super().count(batch)
+        return torch.tensor(-5 if self.calls > self.after and torch.is_grad_enabled() else n)
+
+
 class ZeroCount(Classification):
     """A task whose count says its loss averages over no units."""
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
 from trainer import distributed
+from trainer.task import TaskError
 
 Count = Union[int, torch.Tensor]
 FOLD_AFTER = 256  # micro-batches kept as separate tensors before they are stacked
@@ -66,8 +67,8 @@ class Ledger:
     its mean NaN or not.
     """
 
-    def __init__(self, device: torch.device, copy: bool = False):
-        self.device = device
+    def __init__(self, device: torch.device, copy: bool = False, task: Optional[Any] = None):
+        self.device, self.task = device, task  # (the task: named where a count goes wrong)
         # a loss that lives in a CUDA-graph pool (the output of a model compiled with CUDA
         # graphs: task=model_loss) is overwritten by the next replay: kept as a copy then
         self.copy = copy
@@ -121,6 +122,13 @@ class Ledger:
             values += itertools.islice(flat, len(losses))
             counts += (part_counts if isinstance(part_counts, list)
                        else itertools.islice(flat, len(losses)))
+        wrong = next((c for c in counts if c < 0), None)
+        if wrong is not None:  # (the first batch's count is checked: a later one, read here)
+            name = type(self.task).__name__
+            raise TaskError(
+                f"task {getattr(self.task, 'label', name)}: {name}.count(batch) returned "
+                f"{wrong:g} for a training batch after the first ones; expected the units its "
+                "loss averages over, 0 or more (a negative count turns the gradient around)")
         per_step = [0.0] * k
         for value, count, step in zip(values, counts, self.step_of):
             if count:  # a count of 0 weighs 0, even a NaN mean (0 / 0)

@@ -90,7 +90,7 @@ class Loop:
         self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
         # a compiled model that replays CUDA graphs returns outputs its next replay overwrites
         self.replays = cuda_graphs(cfg.compile) and device.type == "cuda"
-        self.ledger = Ledger(device, copy=self.replays)
+        self.ledger = Ledger(device, copy=self.replays, task=task)
         self.window = Window()  # the current logging window
 
     def state_dict(self) -> Dict[str, Any]:

@@ -154,3 +154,17 @@ def test_a_loss_a_cuda_graph_replay_overwrites_is_kept_as_a_copy(mode, backend, 
     ledger.add(graph_output, 3)
     ledger.end_step()
     assert float(ledger.take_loss_sum()) == (2 * 3 + 100 * 3 if copied else 100 * 3 * 2)
+
+
+def test_a_later_negative_count_is_the_tasks_line_where_the_counts_are_read(make_cfg):
+    """A count() that turned negative past the first batch (checked there) was taken: the
+    run ended exit 0 with its gradients turned around (val_loss -0.0000, accuracy falling).
+    The ledger reads the counts at its fold (a logging boundary or a save), no sync of its own."""
+    from trainer.config import ConfigError
+    from trainer.runner import train
+
+    with pytest.raises(ConfigError, match=r"^task classification: CountGoesNegative\.count\("
+                                          r"batch\) returned -5 for a training batch after the "
+                                          r"first ones; expected the units"):
+        train(make_cfg("task._target_=tests.helpers.CountGoesNegative",
+                       "trainer.log_every_n_steps=5", "trainer.max_steps=20"))
