@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -94,6 +94,7 @@ class RunLogger:
         self.tensorboard = tensorboard
         self._jsonl = None
         self._tb = None
+        self.dropped_rows: List[str] = []  # metrics.jsonl's rows past the step gone on from
         self.before_first_write: Optional[Callable[[], None]] = None  # opens the run's files
         self.warnings = WarningCount()
         if main:  # every logger's (the modules' own too); removed at close: a sweep's next
@@ -112,7 +113,8 @@ class RunLogger:
         # a validation before `step` ended before the checkpoint; one at `step` is in it only
         # if the checkpoint says so (else it is run again)
         val_last = step if validated_step >= step else step - 1
-        dropped, damaged = _trim_rows(run_dir / "metrics.jsonl", {"train": step, "val": val_last})
+        dropped, damaged, self.dropped_rows = _trim_rows(run_dir / "metrics.jsonl",
+                                                         {"train": step, "val": val_last})
         if damaged:  # (not rows of a later step: said apart)
             self.warning("metrics.jsonl: %d lines before its last were not whole JSON rows "
                          "(damaged) and were dropped", damaged)
@@ -179,14 +181,15 @@ class RunLogger:
             self._jsonl = None
 
 
-def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int]:
+def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int, List[str]]:
     """Rewrites the JSON-lines file `path` (atomically) without the rows whose step is past
     `last[split]`, nor lines that are not whole rows; returns how many went of the first
-    (the last line, which a kill cut short, among them) and of the second before the last."""
+    (the last line, which a kill cut short, among them) and of the second before the last,
+    and the first's whole rows."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        return 0, 0
+        return 0, 0, []
 
     def row_of(line: str) -> Optional[dict]:
         try:
@@ -200,12 +203,14 @@ def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int]:
     rows = [row_of(line) for line in lines]
     kept = [line for line, row in zip(lines, rows)
             if row is not None and row["step"] <= last.get(row["split"], row["step"])]
+    past = [line for line, row in zip(lines, rows)
+            if row is not None and row["step"] > last.get(row["split"], row["step"])]
     damaged = sum(row is None for row in rows[:-1])
     if len(kept) < len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
-    return len(lines) - len(kept) - damaged, damaged
+    return len(lines) - len(kept) - damaged, damaged, past
 
 
 class EventFile:

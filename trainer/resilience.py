@@ -24,6 +24,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, distributed, resumefiles, saver
+from trainer.logging import write_whole
 from trainer.distributed import DistEnv
 from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
@@ -252,15 +253,21 @@ class Checkpointing(Callback):
         if any(p.name == checkpoint.BEST for p in abandoned):
             self.best, self.best_step = None, -1
 
-    def set_aside(self, step: int) -> None:
-        """Rank 0, with the run's first files: moves the rolled-back checkpoints aside."""
+    def set_aside(self, step: int, rows: Sequence[str] = ()) -> None:
+        """Rank 0, with the run's first files: moves the rolled-back checkpoints aside, with
+        the metrics.jsonl `rows` that timeline logged past `step` (which left metrics.jsonl:
+        they were dropped before, with the timeline's checkpoints kept)."""
         folder = resumefiles.set_aside(self.abandoned, step)
         if folder is not None:
+            if rows:
+                write_whole(folder / "metrics.jsonl", "".join(row + "\n" for row in rows))
             self.logger.info(
                 "%s: resumed at step %d of this run, so the %d checkpoint files saved after it "
-                "(%s) moved to %s, out of the way of trainer.resume=auto and keep_last; "
+                "(%s)%s moved to %s, out of the way of trainer.resume=auto and keep_last; "
                 "nothing was deleted", folder.parent, step, len(self.abandoned),
-                ", ".join(p.name for p in self.abandoned), folder.name)
+                ", ".join(p.name for p in self.abandoned),
+                f" and the {len(rows)} metrics.jsonl rows logged after it" if rows else "",
+                folder.name)
         self.abandoned = []
 
     def state_dict(self) -> Optional[Dict[str, Any]]:

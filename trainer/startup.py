@@ -418,7 +418,7 @@ class FirstStepOutputs(Callback):
             self.opened = True
             open_outputs(*self.args, self.step, self.validated_step)
             if self.logger.write:
-                self.checkpointing.set_aside(self.step)
+                self.checkpointing.set_aside(self.step, self.logger.dropped_rows)
 
     def after_step(self, loop) -> None:
         self.open()

@@ -371,6 +371,7 @@ def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_asi
     best = ["trainer.checkpoint.monitor=val_loss", "trainer.progress_bar=false"]
     assert train(make_cfg("trainer.max_epochs=3", *best, run_dir=run_dir))["steps"] == 69
     old_best = torch.load(folder / "best.pt", weights_only=True)["step"]
+    old_rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     summary = train(make_cfg("trainer.max_epochs=2", "trainer.checkpoint.keep_last=1", *best,
                              f"trainer.resume={folder / 'step-00000023.pt'}", run_dir=run_dir))
     # best.pt of the old timeline (a step past 23) went aside: the new one is the new
@@ -379,8 +380,15 @@ def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_asi
                                                                   else (46,))
     aside = folder / "abandoned-after-step-00000023"
     assert sorted(p.name for p in aside.iterdir()) == sorted(
-        ["step-00000046.pt", "step-00000069.pt", "last.pt"]
+        ["step-00000046.pt", "step-00000069.pt", "last.pt", "metrics.jsonl"]
         + (["best.pt"] if old_best > 23 else []))
+    # the old timeline's metrics rows past step 23 went with its checkpoints (they left
+    # metrics.jsonl, where the new timeline logs those steps, and were lost before)
+    past = (aside / "metrics.jsonl").read_text().splitlines()
+    assert past and all(json.loads(row)["step"] > 23 for row in past)
+    kept = [row for row in old_rows if row not in past]
+    assert (run_dir / "metrics.jsonl").read_text().splitlines()[:len(kept)] == kept
+    assert len(kept) + len(past) == len(old_rows)
     assert sorted(p.name for p in folder.glob("*.pt")) == ["best.pt", "last.pt",
                                                           "step-00000046.pt"]
     for name in ("best.pt", "last.pt", "step-00000046.pt"):
