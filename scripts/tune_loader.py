@@ -35,6 +35,7 @@ from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402
 from trainer.components import build_callable  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.feeds import build_datasets, collate_for  # noqa: E402
+from trainer.overrides import override_key  # noqa: E402
 from trainer.task import batch_size  # noqa: E402
 
 COLUMNS = ["num_workers", "prefetch_factor", "pin_memory", "samples_per_s", "first_batch_s"]
@@ -114,7 +115,7 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     swept = {"data.num_workers": "--workers", "data.prefetch_factor": "--prefetch",
              "data.pin_memory": "(both, on CUDA)"}
     for override in a.overrides:
-        key = override.lstrip("+~").split("=")[0]
+        key = override_key(override)
         if key in swept:
             p.error(f"{override}: tune_loader sweeps {key} itself; give {swept[key]} instead")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

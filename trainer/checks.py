@@ -17,8 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import (CACHE_MODES, COMPILE_MODES, MP_CONTEXTS, PLACEMENTS, Accelerator,
-                            ConfigError, Precision, RunSpec, Strategy, TrainConfig, override_key,
-                            tri_state)
+                            ConfigError, Precision, RunSpec, Strategy, TrainConfig, tri_state)
+from trainer.overrides import override_key
 
 WEEK_S = 604800  # the longest timeout taken: longer ones overflow the C types they reach
 

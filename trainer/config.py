@@ -206,11 +206,6 @@ def async_checkpoints(c: CheckpointConfig, device: torch.device, state_bytes: in
     return device.type == "cuda" or state_bytes > ASYNC_MIN_CPU_BYTES
 
 
-def override_key(arg: str) -> str:
-    """The key a Hydra override names: `a.b` of `a.b=1`, `+a.b=1`, `++a.b=1` and `~a.b`."""
-    return arg.lstrip("+~").split("=", 1)[0]
-
-
 def plain(value: Any, resolve: bool = False) -> Any:
     """A config node's value as plain Python (dicts, lists); any other value as it is."""
     return OmegaConf.to_container(value, resolve=resolve) if OmegaConf.is_config(value) else value

@@ -20,7 +20,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -388,21 +388,23 @@ def cpu_group():
     return _CPU_GROUP
 
 
-_WRITE_GROUP = None
+_WRITE_GROUP: Optional[Tuple[float, Any]] = None  # (its timeout, the group)
 
 
 def write_group(timeout_s: Optional[float] = None):
     """The gloo group the ranks wait in for rank 0's checkpoint write (liveness.writer_barrier):
-    created once with `timeout_s` (trainer.checkpoint.timeout_s), by every rank at the same
-    point (the checkpointing's construction); the host-side group until then. A rank other
-    than 0 in a monitored barrier waits for rank 0 as long as its group's timeout says (the
-    barrier's own is rank 0's alone): on the host-side group that was trainer.ddp.timeout_s,
-    and a write longer than it failed the job as a lost peer."""
+    created with `timeout_s` (trainer.checkpoint.timeout_s), by every rank at the same point
+    (the checkpointing's construction), and again where a later job of a sweep, in the same
+    process group, gives another; the host-side group until then. A rank other than 0 in a
+    monitored barrier waits for rank 0 as long as its group's timeout says (the barrier's own
+    is rank 0's alone): on the host-side group that was trainer.ddp.timeout_s, and a write
+    longer than it failed the job as a lost peer."""
     global _WRITE_GROUP
-    if _WRITE_GROUP is None and timeout_s is not None and is_active():
-        _WRITE_GROUP = dist.new_group(backend="gloo",
-                                      timeout=datetime.timedelta(seconds=timeout_s))
-    return _WRITE_GROUP or cpu_group()
+    if timeout_s is not None and is_active() and (
+            _WRITE_GROUP is None or _WRITE_GROUP[0] != timeout_s):
+        _WRITE_GROUP = (timeout_s, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+    return _WRITE_GROUP[1] if _WRITE_GROUP is not None else cpu_group()
 
 
 def barrier() -> None:

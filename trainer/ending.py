@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, NoReturn, Optional, Tuple
 
@@ -23,11 +24,12 @@ from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAg
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
 from trainer.feeds import feed_advice, skipped_files
-from trainer.liveness import PeerLost
+from trainer.liveness import OWN_WAIT_S, PeerLost
 from trainer.logging import RunLogger
 from trainer.loop import Loop
 from trainer.resilience import Checkpointing, Preempted
 from trainer.task import raised_in_users_code
+from trainer.validation import PeerFailedValidation
 from trainer.windowlog import NonFiniteLoss
 
 log = logging.getLogger("stoker")
@@ -45,9 +47,14 @@ def end_without_peer(e: PeerLost) -> NoReturn:
     Python's exit handlers run but not C++'s teardown: the backend's threads may still wait on
     the lost peer, and destroying them then aborts the process (SIGABRT, 'terminate called
     without an active exception') after the line was said."""
+    validating = isinstance(e, PeerFailedValidation)  # (rank 0 lives: it says it, once)
     try:
-        fail(e, code=exit_code(e), any_rank=True)
+        fail(e, code=exit_code(e), any_rank=not validating)
     except SystemExit as done:
+        if validating and not distributed.detect().is_main:
+            # rank 0 may be the rank whose validation failed, on its way to its traceback:
+            # torchrun ends every rank at the first one's exit, and this one's came first
+            time.sleep(OWN_WAIT_S)
         exit_now(done.code)
 
 

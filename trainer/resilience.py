@@ -29,7 +29,7 @@ from trainer.distributed import DistEnv
 from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
 from trainer.loop import Callback
-from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
+from trainer.cli import EXIT_INTERRUPTED, SignalledAgain, describe
 from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
@@ -227,13 +227,13 @@ class Checkpointing(Callback):
             raise checkpoint.CheckpointWriteError(
                 f"checkpoints cannot be written in {folder}: a file is in the way of the "
                 "folder; move it, or set trainer.save_checkpoint=false")
-        folders = [p.name for p in checkpoint.step_files(folder) if p.is_dir()] if enabled \
-            and folder.is_dir() else []
-        if folders:  # (the save of that step failed after the training, "Is a directory")
+        named = [*checkpoint.step_files(folder), folder / checkpoint.LAST,
+                 folder / checkpoint.BEST] if enabled and folder.is_dir() else []
+        folders = [p.name for p in named if p.is_dir()]
+        if folders:  # (a save failed at it after the training, "Is a directory")
             raise checkpoint.CheckpointWriteError(
                 f"checkpoints cannot be written in {folder}: {folders[0]} is a folder, named as "
-                "the run names its step checkpoints; move it, or set "
-                "trainer.save_checkpoint=false")
+                "the run names its checkpoints; move it, or set trainer.save_checkpoint=false")
         self.saver = saver.Checkpointer(run_dir, c.keep_last, False,
                                              enabled=enabled and env.is_main)
         if env.world_size > 1:  # (every rank builds it here: the group its writes wait in)
@@ -367,7 +367,9 @@ class Checkpointing(Callback):
         try:
             saved = self.save(loop)
             self.finish()  # (under DDP a peer's exit ends this process: the file first)
-        except Exception:  # noqa: BLE001  (the validation's error is the one to say)
+        except Exception as e:  # noqa: BLE001  (the validation's error is the one said last)
+            self.logger.warning("validation failed after step %d, and saving the trained "
+                                "state failed too: %s", loop.state.step, describe(e))
             return
         if saved:
             self.logger.warning(

@@ -17,7 +17,7 @@ import torch
 
 from trainer.checkpoint import (BEST, CHECKPOINT_DIR, LAST, NOT_REGULAR, STEP_FILE,
                                 CheckpointError, load, nearby, resumable, step_files)
-from trainer.config import override_key
+from trainer.overrides import override_key
 
 
 def candidates(run_dir: Path) -> List[Path]:

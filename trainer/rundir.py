@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import distributed, resumefiles, stamp, sweep, sweepdirs
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, override_key
+from trainer.config import ConfigError
+from trainer.overrides import override_key
 from trainer.logging import write_whole
 from trainer.runlock import LOCK, job_id
 

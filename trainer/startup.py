@@ -16,7 +16,8 @@ from data.advice import count_of
 from trainer import (checkpoint, components, distributed, ending, resumeargs, resumefiles,
                      rundir, schedules, stamp)
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, override_key, plain
+from trainer.config import ConfigError, plain
+from trainer.overrides import override_key
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop

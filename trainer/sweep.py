@@ -29,6 +29,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.overrides import override_key
+
 SUMMARY = "sweep.json"
 RECORD = "multirun.yaml"  # Hydra's record of the sweep, which it writes at every launch
 # the results a row shows besides the validation keys, in this order
@@ -167,8 +169,6 @@ _NOT_COMPARED = ("trainer.resume", "hydra.", "+hydra.")
 def varying(jobs: List[Dict[str, Any]]) -> List[str]:
     """The override keys whose values are not the same in every job whose overrides are known,
     in first-seen order (all of them for a sweep of one job)."""
-    from trainer.config import override_key  # (torch comes with it: a job ran here)
-
     given = [given_overrides(job) for job in jobs if job["overrides"]]
     order = [key for key in dict.fromkeys(key for g in given for key in g)
              if not override_key(key).startswith(_NOT_COMPARED)]

@@ -11,7 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import resumefiles, sweep
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, override_key
+from trainer.config import ConfigError
+from trainer.overrides import override_key
 
 
 class AnotherSweep(CheckpointError):

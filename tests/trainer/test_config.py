@@ -62,11 +62,3 @@ def test_a_runs_gpus_are_the_ranks_own_or_all_of_data_parallels(monkeypatch):
     assert gpus(Strategy.dp, torch.device("cuda", 0)) == [
         torch.device("cuda", i) for i in range(4)]
     assert gpus(Strategy.single, torch.device("cpu")) == []
-
-
-def test_override_key_is_the_key_whatever_the_prefix_and_value():
-    from trainer.config import override_key
-
-    for arg in ("a.b=1", "+a.b=1", "++a.b=x=y", "~a.b", "~a.b=3", "a.b"):
-        assert override_key(arg) == "a.b", arg
-    assert override_key("hydra/launcher=slurm") == "hydra/launcher"

@@ -544,6 +544,32 @@ def test_a_ctrl_c_during_an_epochs_validation_stops_at_that_epochs_end(make_cfg,
     assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == at.step
 
 
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_failed_validation_whose_save_fails_too_says_both(make_cfg, tmp_path, caplog,
+                                                            monkeypatch, async_save):
+    """The save after a failed validation met a full disk: its error was swallowed (and with
+    an asynchronous write taken from the writer, so the run's last warning about it went
+    too); the validation's error is said last, the save's before it."""
+    import errno
+
+    from trainer import checkpoint as ckpt
+    from trainer.runner import train
+
+    def full(state, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt, "save", full)
+    with pytest.raises(ValueError, match="bad validation sample 300"):
+        train(make_cfg("data.dataset._target_=tests.helpers.FailingValDigits",
+                       "data.placement=host", "trainer.max_epochs=2",
+                       f"trainer.checkpoint.async_save={async_save}"))
+    said = [r.getMessage() for r in caplog.records if "saving the trained state failed too"
+            in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("validation failed after step 23, and saving "
+                                                 "the trained state failed too: ") \
+        and "No space left on device" in said[0], said
+
+
 def test_a_failed_validation_keeps_the_epoch_it_followed(make_cfg, tmp_path, caplog):
     """A validation sample that raised (past the sanity check's batch) lost the epoch's
     training: the epoch-end save comes after the validation. The trained state is saved first,

@@ -421,9 +421,13 @@ def test_a_folder_named_as_a_step_checkpoint_stops_the_run_before_it_trains(make
     before = snapshot(tmp_path / "run")
     with pytest.raises(CheckpointWriteError, match=r"checkpoints cannot be written in .*"
                                                    r"checkpoints: step-00000004.pt is a folder, "
-                                                   r"named as the run names its step "):
+                                                   r"named as the run names its checkpoints"):
         train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
     assert snapshot(tmp_path / "run") == before
+    (tmp_path / "run" / "checkpoints" / "step-00000004.pt").rmdir()
+    (tmp_path / "run" / "checkpoints" / "best.pt").mkdir()  # (so with last.pt and best.pt)
+    with pytest.raises(CheckpointWriteError, match=r"best.pt is a folder"):
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"))
 
 
 def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):

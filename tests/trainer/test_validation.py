@@ -261,10 +261,15 @@ def test_a_validation_failing_on_one_rank_keeps_the_epoch_on_every_rank(tmp_path
     last = run_dir / "checkpoints" / "last.pt"
     saved = torch.load(last, weights_only=True)
     assert (saved["step"], saved["epoch"], saved["position"]) == (12, 1, 0)
-    peer = 1 - failing
-    assert (f"rank {peer} ended with its peers at step 12 (validating): rank {failing} "
-            f"stopped on its error: ValueError: bad validation sample {300 + failing}") in err
-    assert f"the last good checkpoint is {last}" in err
+    assert f"validation failed after step 12: the trained state is saved in {last}" in err
+    if failing:  # rank 0 names rank 1's error, once for the job
+        assert err.count("ended with its peers") == 1 and (
+            "stoker: error: rank 0 ended with its peers at step 12 (validating): rank 1 "
+            "stopped on its error: ValueError: bad validation sample 301") in err
+        assert f"the last good checkpoint is {last}" in err
+    else:  # rank 0's own error is the job's (its traceback); no peer's line besides it
+        assert "ValueError: bad validation sample 300" in err
+        assert "ended with its peers" not in err
     # (the resume keeps the run's overrides: the data is mended by one of its own)
     proc = torchrun(2, [*common, "data.dataset.fail_index=-1", "trainer.resume=auto"],
                     cwd=tmp_path)
