@@ -251,7 +251,14 @@ class MemmapDataset(Dataset):
         if len(self.x) != len(self.y):
             raise ValueError(f"{folder}: x.npy has {len(self.x)} rows, y.npy {len(self.y)}")
         meta = Path(root) / "meta.json"  # an image folder's class names, when prepared from one
-        self.classes = json.loads(meta.read_text()).get("classes") if meta.is_file() else None
+        record = json.loads(meta.read_text()) if meta.is_file() else {}
+        self.classes = record.get("classes") if isinstance(record, dict) else None
+        shape = record.get("input_shape") if isinstance(record, dict) else None
+        if isinstance(shape, list) and list(self.x.shape[1:]) != shape:
+            # (arrays rewritten by hand: the run trained on one size and validated on another)
+            raise ValueError(f"{folder / 'x.npy'}: its samples are {tuple(self.x.shape[1:])}, "
+                             f"and {meta} says input_shape {shape}; write the dataset again "
+                             "with scripts/prepare_data.py")
 
     def __len__(self) -> int:
         return len(self.x)

@@ -8,6 +8,7 @@ validation sample is seen exactly once across ranks and metrics summed over rank
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import math
 import os
@@ -15,7 +16,7 @@ import re
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -144,7 +145,26 @@ def kill_workers(*holders: Any) -> None:
                 it._worker_pids_set = False
             for worker in getattr(it, "_workers", None) or ():
                 if worker.is_alive():
+                    below = children_of(worker.pid)  # (read first: then init's orphans)
                     worker.kill()
+                    for pid in below:  # a shard's `curl` or `pipe:` command, stalled with it,
+                        with contextlib.suppress(OSError):  # outlived the run
+                            os.kill(pid, signal.SIGKILL)
+
+
+def children_of(pid: int) -> List[int]:
+    """The processes below `pid`, from Linux's /proc/<pid>/task/*/children; [] elsewhere."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{parent}/task/{task}/children") as f:
+                        kids = [int(k) for k in f.read().split()]
+                    found += kids
+                    todo += kids
+    return found
 
 
 @atexit.register

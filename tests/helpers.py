@@ -1039,3 +1039,31 @@ class SlowBuiltDigits(DigitsDataset):
         if int(os.environ.get("RANK", "0")) == rank:
             time.sleep(seconds)
         super().__init__(split, **kw)
+
+
+class StallingInAChild(DigitsDataset):
+    """Digits whose sample `at`, made in a loader worker, waits on a child process of the
+    worker's (`sleep <marker>`, as a shard's `curl` or `pipe:` command would stall)."""
+
+    def __init__(self, split: str = "train", at: int = 40, marker: str = "987.654", **kw):
+        super().__init__(split, **kw)
+        self.at, self.marker = at if split == "train" else -1, str(marker)
+
+    def __getitem__(self, i):
+        if i == self.at:
+            subprocess.run(["sleep", self.marker])
+        return super().__getitem__(i)
+
+
+def processes_running(*argv: str) -> List[int]:
+    """The pids of live processes whose command line is `argv` (Linux /proc)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[:-1] == [a.encode() for a in argv]:
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found

@@ -61,7 +61,11 @@ def _check_data(d: DictConfig) -> None:
     _check(d.multiprocessing_context in MP_CONTEXTS, "data.multiprocessing_context",
            d.multiprocessing_context, "must be null, fork, spawn or forkserver")
     _check(d.cache in CACHE_MODES, "data.cache", d.cache, "must be none, memory, shm, disk or lru")
-    _check(d.cache_mb > 0, "data.cache_mb", d.cache_mb, "must be > 0 MB")
+    _check(0 < d.cache_mb < math.inf, "data.cache_mb", d.cache_mb, "must be > 0 MB")  # (inf:
+    # int()'s OverflowError in the lru cache)
+    # empty: its folders went into the working directory
+    _check(d.cache != "disk" or bool(str(d.cache_dir).strip()), "data.cache_dir", "''",
+           "must name a folder for data.cache=disk (the default: data_cache/auto)")
     mean, std = d.normalize_mean, d.normalize_std
     for key, v in (("normalize_mean", mean), ("normalize_std", std)):
         _check(v is None or ((OmegaConf.is_list(v) or isinstance(v, (list, tuple))) and len(v)

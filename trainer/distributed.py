@@ -97,8 +97,29 @@ def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) 
     if int(environ[rank]) >= int(environ[world]):
         raise LaunchError(f"{rank}={environ[rank]}: must be below {world}={environ[world]} "
                           "(the job's ranks are 0 to one less than its size)")
+    if launcher == "slurm":
+        _tasks_on_this_node(environ)  # (its own one line: `4,3`, `abc` raised int()'s error)
     if meeting:
         _check_meeting_point(environ, launcher, environ[rank], environ[world])
+
+
+_TASKS_PER_NODE = re.compile(r"[0-9]+(\(x[0-9]+\))?(,[0-9]+(\(x[0-9]+\))?)*")
+
+
+def _tasks_on_this_node(environ: Mapping[str, str]) -> int:
+    """SLURM_NTASKS_PER_NODE's count for this node (SLURM_NODEID's entry): SLURM writes `4`,
+    `4(x2)` (two nodes of 4) or `4,3` (nodes of 4 and 3 tasks); LaunchError for anything
+    else."""
+    raw = environ.get("SLURM_NTASKS_PER_NODE", "1").strip()
+    if not _TASKS_PER_NODE.fullmatch(raw):
+        raise LaunchError(f"SLURM_NTASKS_PER_NODE={raw}: must be tasks per node as SLURM "
+                          "writes them (4, 4(x2), 4,3); a job script that sets it by hand?")
+    counts: List[int] = []
+    for part in raw.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * int(times.rstrip(")") or 1)
+    node = environ.get("SLURM_NODEID", "0").strip()
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else counts[0]
 
 
 def _check_meeting_point(environ: Mapping[str, str], launcher: str, rank: str,
@@ -140,8 +161,7 @@ def _detect(environ: Mapping[str, str]) -> DistEnv:
         return DistEnv(rank=int(environ["SLURM_PROCID"]),
                        local_rank=int(environ.get("SLURM_LOCALID", 0)),
                        world_size=int(environ["SLURM_NTASKS"]),
-                       local_world_size=int(environ.get("SLURM_NTASKS_PER_NODE", "1")
-                                            .split("(")[0]),
+                       local_world_size=_tasks_on_this_node(environ),
                        launcher="slurm",
                        master_addr=environ.get("MASTER_ADDR") or _slurm_master(environ),
                        # a port derived from the job id keeps concurrent jobs on a node apart

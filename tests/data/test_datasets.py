@@ -193,3 +193,22 @@ def test_a_memmap_root_says_whether_it_is_missing_a_file_or_without_meta_json(tm
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileNotFoundError, match="a file, not the folder scripts/prepare_data"):
         read_meta(str(tmp_path / "f"))
+
+
+def test_memmap_arrays_of_another_shape_than_meta_json_says_are_refused(tmp_path):
+    """x.npy rewritten at 16x16 beside a meta.json (and a val split) of 32x32: the run
+    trained on one size and validated on the other, exit 0."""
+    import numpy as np
+
+    from data.datasets import MemmapDataset
+    from tests.helpers import make_memmap_root
+
+    root = make_memmap_root(tmp_path / "mm", shape=(3, 32, 32))
+    MemmapDataset("train", root=str(root))  # (as written: fine)
+    x = np.load(root / "train" / "x.npy")
+    np.save(root / "train" / "x.npy", np.ascontiguousarray(x[:, :, :16, :16]))
+    with pytest.raises(ValueError, match=r"train/x.npy: its samples are \(3, 16, 16\), and "
+                                         r".*meta.json says input_shape \[3, 32, 32\]; write "
+                                         r"the dataset again"):
+        MemmapDataset("train", root=str(root))
+    MemmapDataset("val", root=str(root))

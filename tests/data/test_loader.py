@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import os
 import time
 
 import torch
@@ -337,3 +338,27 @@ def test_a_dataset_that_makes_its_batches_trains_through_as_is(make_cfg, tmp_pat
     assert got["steps"] == plain["steps"] == 5
     theirs, ours = (torch.load(s["checkpoint"], weights_only=True)["model"] for s in (plain, got))
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_a_stalled_workers_own_child_processes_end_with_it(make_cfg, tmp_path):
+    """A shard whose `curl` (or `pipe:` command) never answered: the stall's line came, the
+    worker was killed, and its child processes ran on, orphaned, after the run."""
+    import random
+
+    from data.loader import LoaderStalled
+    from tests.helpers import processes_running
+    from trainer.runner import train
+
+    marker = f"{random.randint(10**6, 10**7)}.5"  # (this test's own sleep)
+    with pytest.raises(LoaderStalled, match="DataLoader timed out after 3.0 seconds"):
+        train(make_cfg("data.dataset._target_=tests.helpers.StallingInAChild",
+                       f"+data.dataset.marker={marker}", "data.placement=host",
+                       "data.num_workers=1", "data.timeout=3", "data.shuffle=false",
+                       "trainer.max_steps=5", "trainer.progress_bar=false"))
+    deadline = time.monotonic() + 10
+    while processes_running("sleep", marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = processes_running("sleep", marker)
+    for pid in left:  # (not to leave them to the next test either)
+        os.kill(pid, 9)
+    assert not left

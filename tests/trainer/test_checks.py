@@ -59,6 +59,8 @@ from trainer.config import ConfigError, Precision, Strategy
                                           "trainer.checkpoint.monitor, which is not set"),
     ("data.cache=tape", "data.cache=tape: must be none, memory, shm, disk or lru"),
     ("data.cache_mb=0", "data.cache_mb=0.0: must be > 0 MB"),
+    ("data.cache_mb=inf", "data.cache_mb=inf: must be > 0 MB"),
+    ("data.cache=disk data.cache_dir=", "data.cache_dir='': must name a folder for data.cache"),
     ("data.normalize_mean=0.5", "data.normalize_mean=0.5: must be null or a list of numbers"),
     ("data.multiprocessing_context=thread", "data.multiprocessing_context=thread"),
     ("data.timeout=-1", "data.timeout=-1"),
@@ -82,7 +84,7 @@ from trainer.config import ConfigError, Precision, Strategy
 ])
 def test_semantic_checks_name_the_key(make_cfg, override, fragment):
     with pytest.raises(ConfigError) as info:
-        resolve(make_cfg(override))
+        resolve(make_cfg(*override.split(" ")))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
 

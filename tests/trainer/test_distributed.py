@@ -28,6 +28,12 @@ def test_slurm_variables_when_torchrun_is_absent():
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
     assert env.launcher == "slurm" and env.master_addr == "gpu07"
     assert env.master_port == 15000 + 4242
+    # nodes of 4 and 3 tasks, and of 2, 2 and 5: this node's count (SLURM_NODEID)
+    for per_node, node, local in (("4,3", "1", 3), ("2(x2),5", "2", 5), ("4,3", None, 4)):
+        uneven = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_NTASKS_PER_NODE": per_node,
+                  **({"SLURM_NODEID": node} if node else {})}
+        distributed.check_launch(uneven, meeting=False)
+        assert detect(uneven).local_world_size == local, per_node
 
 
 def test_torchrun_wins_over_slurm_and_single_task_slurm_is_one_process():
@@ -105,6 +111,9 @@ def test_a_failing_rank_aborts_an_nccl_group_rather_than_flushing_it(monkeypatch
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2: must be below WORLD_SIZE=2"),
     ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1: must be a whole number >= 0 (torchrun"),
     ({"RANK": "0", "WORLD_SIZE": "²"}, "WORLD_SIZE=²: must be a whole number >= 1"),
+    # (int()'s traceback before)
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "abc"},
+     "SLURM_NTASKS_PER_NODE=abc: must be tasks per node as SLURM writes them"),
 ])
 def test_launcher_variables_that_cannot_describe_a_job_are_one_line(env, message):
     """They were an interpolation traceback, or a rank that waited out the timeout for peers
