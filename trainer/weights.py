@@ -49,11 +49,25 @@ def check_model_state(model: torch.nn.Module, state: Dict[str, Any], path: Path)
 
 def mismatches(own: Dict[str, Any], theirs: Dict[str, Any]) -> Dict[str, List[str]]:
     """The keys of a model's state dict (`own`) that another (`theirs`) lacks ('missing'), the
-    ones it has on top ('unexpected'), and the ones with another shape ('shape mismatch')."""
+    ones it has on top ('unexpected'), the ones with another shape ('shape mismatch'), and of
+    the same shape, the ones of another kind of number or layout ('type mismatch': integers
+    for floating weights were cast, zeros for the most part; a sparse tensor was
+    load_state_dict's traceback; float16 for float32 is cast, and fits)."""
+    both = set(own) & set(theirs)
+    shapes = sorted(k for k in both if _dims(own[k]) != _dims(theirs[k]))
     return {"missing": sorted(set(own) - set(theirs)),
             "unexpected": sorted(set(theirs) - set(own)),
-            "shape mismatch": sorted(k for k in set(own) & set(theirs)
-                                     if _dims(own[k]) != _dims(theirs[k]))}
+            "shape mismatch": shapes,
+            "type mismatch": sorted(k for k in both - set(shapes)
+                                    if _number_kind(own[k]) != _number_kind(theirs[k]))}
+
+
+def _number_kind(value: Any) -> Any:
+    """A tensor's layout and kind of number (floating, complex, bool, integer)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (value.layout, value.is_floating_point(), value.is_complex(),
+            value.dtype == torch.bool)
 
 
 def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
@@ -65,7 +79,13 @@ def said_mismatches(misfits: Dict[str, List[str]], own: Dict[str, Any],
             return type(value).__name__
         return "x".join(map(str, value.shape)) or "a scalar"
 
+    def kind(value: Any) -> str:
+        layout = "" if value.layout == torch.strided else f"{str(value.layout)[6:]} "
+        return layout + str(value.dtype)[6:]
+
     def shown(name: str, key: str) -> str:
+        if name == "type mismatch":
+            return f"{key} ({kind(theirs[key])} in the file, {kind(own[key])} in the model)"
         if name != "shape mismatch":
             return key
         return f"{key} ({dims(theirs[key])} in the file, {dims(own[key])} in the model)"
@@ -98,7 +118,8 @@ def init_weights(model: nn.Module, init_from: str, strict: bool, training: bool 
                "initialised" if training else "trainer.validate_only validates the file's "
                "model as it is: give the model and data settings its run had")
         raise CheckpointError(f"{key} does not fit this model{prefix}; {said}; {way}")
-    unfit = set(misfits["unexpected"]) | set(misfits["shape mismatch"])
+    unfit = set(misfits["unexpected"]) | set(misfits["shape mismatch"]) | set(
+        misfits["type mismatch"])
     fitting = {k: v for k, v in theirs.items() if k not in unfit}
     if not fitting:
         raise CheckpointError(f"{key}: none of its {len(theirs)} tensors fits this "
@@ -107,7 +128,8 @@ def init_weights(model: nn.Module, init_from: str, strict: bool, training: bool 
     line = (f"model weights from {path}: {len(fitting) + len(tied)} of {len(own)} tensors"
             + (f" ({_first(tied)}: tied to a loaded one)" if tied else "") + prefix)
     if any(misfits.values()):
-        left = sorted(set(misfits["missing"]) | set(misfits["shape mismatch"]))
+        left = sorted(set(misfits["missing"]) | set(misfits["shape mismatch"])
+                      | set(misfits["type mismatch"]))
         line += (f"; left as initialised: {_first(left)}" if left else "") + (
             f"; the file's keys the model lacks: {_first(misfits['unexpected'])}"
             if misfits["unexpected"] else "")

@@ -140,6 +140,30 @@ def test_strict_refuses_a_misfit_naming_the_keys_and_leaves_the_model_as_it_was(
     assert same(model, fresh)
 
 
+def test_weights_of_another_kind_of_number_or_layout_are_a_misfit(tmp_path):
+    """Integers for floating weights were cast on load (the weights near 0: a first
+    val_loss of ln(classes)) and said as all tensors loaded; a sparse tensor was
+    load_state_dict's traceback. Half precision for float32 fits (cast), as before."""
+    weights = trained().state_dict()
+    cases = {"int": {k: v.to(torch.int64) for k, v in weights.items()},
+             "sparse": {**weights, "0.weight": weights["0.weight"].to_sparse()},
+             "half": {k: v.half() for k, v in weights.items()}}
+    for name, state in cases.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+    model, fresh = net(), net()
+    with pytest.raises(CheckpointError, match=r"type mismatch: 0.bias \(int64 in the file, "
+                                              r"float32 in the model\), 0.weight"):
+        init_weights(model, str(tmp_path / "int.pt"), strict=True)
+    with pytest.raises(CheckpointError, match=r"type mismatch: 0.weight \(sparse_coo float32 "
+                                              r"in the file, float32 in the model\)"):
+        init_weights(model, str(tmp_path / "sparse.pt"), strict=True)
+    assert same(model, fresh)
+    said = init_weights(model, str(tmp_path / "sparse.pt"), strict=False)
+    assert "left as initialised: 0.weight" in said
+    assert init_weights(net(), str(tmp_path / "half.pt"), strict=True).startswith(
+        f"model weights from {tmp_path / 'half.pt'}: 4 of 4 tensors")
+
+
 def test_not_strict_loads_what_fits_and_says_the_rest(tmp_path):
     source = trained(hidden=8, classes=5)  # a new head: 3 classes instead of 5
     weights = {**source.state_dict(), "extra.weight": torch.zeros(2)}
