@@ -30,10 +30,13 @@
 # (322 s). Run 2026-11-27, second session (H200): gpu_tests runs (310 s: gpu_tests 95 s, 24
 # tests; the runs 10-16 s each, compile_cudagraphs 36 s) | overhead_probe (110 s) |
 # overhead_cnn strategies (283 s: overhead_cnn 206 s, strategies 72 s); 12.5 of 15 minutes.
+# The third session of 2026-11-27 found 149 s of device time left (under the 4 minutes a
+# start needs): nothing ran; the rows below stand.
 # Next, one row per lent session, the first unrun row first:
 #   1. gpu_tests runs (~5.5 min, timeout_s 420) | bench_images speed (~7 min, timeout_s 480)
 #   2. bench_gpu (BENCH_GPU_REPEATS=1) | bench_overhead
-# Row 1 runs the CUDA paths again and the two benchmarks not run since their code changed;
+# Row 1 runs the CUDA paths again (the prefetcher's C++ stream entry and the DDP sampler's
+# change among them, never run on CUDA) and the two benchmarks not run since their code changed;
 # row 2 the feed rows and the tiny step (0.963 device, 0.907 host placement of plain in
 # lockstep on the H200; 0.946 host without the prefetcher).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
