@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from data.imagefiles import check_split_seed
+
 SPLITS = ("train", "val")
 
 
@@ -65,6 +67,7 @@ class DigitsDataset(TensorDataset):
         _check_split(split)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction}: must be in (0, 1)")
+        check_split_seed(split_seed)
         images, target = load_digits_arrays()
         order = np.random.default_rng(split_seed).permutation(len(target))
         n_val = int(round(len(order) * val_fraction))

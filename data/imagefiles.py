@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,7 +65,16 @@ def find_images(folder: Path, classes: Sequence[str], require_all: bool = False,
                          f"{unknown[:5]}; every class needs training images")
     samples, left = [], {"others": [], "looped": [], "dangling": []}
     loose = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    homes = {os.path.realpath(folder / name): name for name in found}
+    homes: dict = {}
+    for name in found:  # (the first name of a folder: a link to it comes after, or is refused)
+        homes.setdefault(os.path.realpath(folder / name), name)
+    if len(homes) < len(found):  # (a class folder linked to another's: the same images were
+        # two classes' at once, without a word)
+        twin = next(name for name in found if homes[os.path.realpath(folder / name)] != name)
+        raise ValueError(f"data.dataset.root: {folder / twin} is the same folder as "
+                         f"{folder / homes[os.path.realpath(folder / twin)]} (a link): its "
+                         "images would be two classes' at once; remove the link, or copy the "
+                         "images it should hold into a folder of its own")
     # the other split's folder: a link into it from here would train on validation images
     fences = {os.path.realpath(folder.parent / d) for d in SPLIT_DIRS.values()} - {
         os.path.realpath(folder)}
@@ -167,6 +176,14 @@ def _walk_class(top: Path, homes: dict, fences: set, name: str, left: dict):
                  else others).append(path)
 
 
+def check_split_seed(split_seed: Any) -> None:
+    """ValueError naming data.dataset.split_seed unless it is a whole number >= 0 (numpy's
+    `expected non-negative integer` or `SeedSequence expects int ...` named no key)."""
+    if not isinstance(split_seed, int) or isinstance(split_seed, bool) or split_seed < 0:
+        raise ValueError(f"data.dataset.split_seed={split_seed}: must be a whole number >= 0 "
+                         "(it fixes which samples are held out for validation)")
+
+
 def image_lists(root: Path, split: str, val_fraction: Optional[float], split_seed: int
                 ) -> Tuple[List[str], List[Tuple[str, int]]]:
     """(classes, samples) of `split` of the folder `root`: its train/ and val/ folders, or,
@@ -185,6 +202,7 @@ def image_lists(root: Path, split: str, val_fraction: Optional[float], split_see
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.dataset.val_fraction={val_fraction}: must be between 0 and 1 "
                          "(a share of each class), or null for <root>/train and <root>/val")
+    check_split_seed(split_seed)
     if (root / SPLIT_DIRS["train"]).is_dir():
         if not (root / SPLIT_DIRS["val"]).is_dir():  # (make_images --val-fraction 0 writes it)
             raise ValueError(f"data.dataset.val_fraction={val_fraction}: {root} holds train/ "

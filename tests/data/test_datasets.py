@@ -212,3 +212,13 @@ def test_memmap_arrays_of_another_shape_than_meta_json_says_are_refused(tmp_path
                                          r"the dataset again"):
         MemmapDataset("train", root=str(root))
     MemmapDataset("val", root=str(root))
+
+
+@pytest.mark.parametrize("seed", [-1, 2.5, True, "7"])
+def test_a_split_seed_that_is_no_whole_number_names_the_key(seed):
+    """numpy's words named no key: `expected non-negative integer`, `SeedSequence expects
+    int or sequence of ints for entropy not 2.5`."""
+    with pytest.raises(ValueError, match=rf"^data.dataset.split_seed={seed}: must be a whole "
+                                         r"number >= 0"):
+        DigitsDataset("train", split_seed=seed)
+    assert len(DigitsDataset("val", split_seed=3)) == 359

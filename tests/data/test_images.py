@@ -169,6 +169,15 @@ def test_unknown_val_classes_and_empty_or_missing_roots_are_one_line(folder, tmp
         ImageFolder("val", str(odd))
     with pytest.raises(ValueError, match="on_error"):
         ImageFolder("train", str(folder), on_error="ignore")
+    # a class folder that is a link to another class: its images were both classes'
+    twins = tmp_path / "twins"
+    shutil.copytree(folder, twins)
+    for split in ("train", "val"):
+        (twins / split / "class_03").symlink_to("class_00")
+    with pytest.raises(ValueError, match=r"twins/train/class_03 is the same folder as .*twins/"
+                                         r"train/class_00 \(a link\): its images would be two "
+                                         r"classes' at once"):
+        ImageFolder("train", str(twins))
 
 
 def test_skip_leaves_unreadable_files_out_of_their_batch_and_counts_them(folder, tmp_path,
