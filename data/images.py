@@ -143,7 +143,11 @@ class Unreadable:
 
     def handle(self, e: BaseException, index: Optional[int], where: str) -> None:
         """Raises ImageError for `fail`; for `skip` warns (the first time) and returns."""
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # a name with a line break in it cut the line at it (and named the wrong file)
+        shown = where.replace("\n", "\\n").replace("\r", "\\r")
+        text = str(e).replace(where, shown) if where else str(e)
+        where = shown
+        reason = text.splitlines()[0] if text else type(e).__name__
         reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", reason)
         if self.on_error == "fail":
             remedy = "remove it, or " if self.noun == "image" else ""

@@ -223,6 +223,22 @@ def test_fail_names_the_file_in_one_line_even_from_a_worker(folder, tmp_path, wo
     assert "\n" not in message and "zz_" in message and "on_error=skip" in message
 
 
+def test_a_file_name_with_a_line_break_stays_one_line_naming_it(folder, tmp_path):
+    """`bad<newline>name.jpg`: the line was cut at the break, and named `name.jpg`."""
+    import shutil
+
+    root = tmp_path / "nl"
+    shutil.copytree(folder, root)
+    (root / "train" / "class_01" / "bad\nname.jpg").write_bytes(b"not an image")
+    ds = ImageFolder("train", str(root), size=16, on_error="fail")
+    at = next(i for i, (path, _) in enumerate(ds.samples) if "bad" in path)
+    with pytest.raises(ImageError) as info:
+        ds[at]
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("data: cannot read the image ") \
+        and "class_01/bad\\nname.jpg (" in message, message
+
+
 def test_fingerprint_changes_with_the_files_and_the_settings(folder, tmp_path):
     import shutil
 
