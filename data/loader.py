@@ -145,11 +145,17 @@ def kill_workers(*holders: Any) -> None:
                 it._worker_pids_set = False
             for worker in getattr(it, "_workers", None) or ():
                 if worker.is_alive():
-                    below = children_of(worker.pid)  # (read first: then init's orphans)
-                    worker.kill()
-                    for pid in below:  # a shard's `curl` or `pipe:` command, stalled with it,
-                        with contextlib.suppress(OSError):  # outlived the run
-                            os.kill(pid, signal.SIGKILL)
+                    kill_with_children(worker)
+
+
+def kill_with_children(process: Any) -> None:
+    """SIGKILL to a worker `process` (a multiprocessing.Process) and to the processes it
+    started: a shard's `curl` or `pipe:` command, stalled with it, outlived the run."""
+    below = children_of(process.pid)  # (read first: then they are init's orphans)
+    process.kill()
+    for pid in below:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def children_of(pid: int) -> List[int]:

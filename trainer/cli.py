@@ -8,7 +8,6 @@ keep their full traceback. A user who sets HYDRA_FULL_ERROR=1 gets Hydra's own o
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import os
 import re
@@ -319,14 +318,10 @@ def reap_children() -> None:
     if children and hasattr(signal, "SIGCHLD"):
         # the DataLoader's SIGCHLD handler would report each killed worker as a new error
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    from data.loader import children_of  # (lazy: torch comes with it)
+    from data.loader import kill_with_children  # (lazy: torch comes with it)
 
     for child in children:
-        below = children_of(child.pid)  # (a shard's `curl` or pipe command: init's orphans)
-        child.kill()  # SIGKILL: also ends a stopped process
-        for pid in below:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        kill_with_children(child)  # SIGKILL: also ends a stopped process
         child.join(timeout=5)
 
 
