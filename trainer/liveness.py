@@ -218,22 +218,24 @@ def first_said(errors: Dict[int, str]) -> str:
     return f"rank {r} stopped on its error: {errors[r]}"
 
 
-def lost_at(error: BaseException, rank: int, world_size: int, where: str,
+def lost_at(error: BaseException, rank: int, world_size: int, step: Optional[int],
             timeout_s: float) -> Optional[PeerLost]:
     """A one-line PeerLost for a collective outside the training loop (building the run,
     restoring it) whose peer closed its connection, naming the peer's own error where it left
-    one, or that timed out (`timeout_s`: trainer.ddp.timeout_s; before, gloo's traceback);
-    None for any other error (and for one said already)."""
+    one, or that timed out (`timeout_s`: trainer.ddp.timeout_s; before, gloo's traceback),
+    at optimizer step `step` (None: before the first step); None for any other error (and for
+    one said already)."""
     if world_size <= 1 or isinstance(error, (PeerLost, LoaderStalled, WriteWaitTimedOut,
                                              LeftTheBarrier)) or \
             not isinstance(error, RuntimeError):
         return None  # (a checkpoint write's wait says its own key and time)
+    where = "before the first step" if step is None else f"at step {step}"
     if _BACKEND_TIMEOUT.search(str(error)):  # (the heartbeat starts with the training loop)
         return PeerLost(
             f"rank {rank} waited more than trainer.ddp.timeout_s={timeout_s:g} s in a "
             f"collective {where}: another rank did not reach it " + (
                 "(stuck, or slow to build its data, model or cache; raise "
-                "trainer.ddp.timeout_s where that takes longer)" if "first step" in where
+                "trainer.ddp.timeout_s where that takes longer)" if step is None
                 else "(stopped, stuck or gone)"))
     if not _CLOSED.search(str(error)):
         return None

@@ -445,8 +445,8 @@ def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optiona
     """Leaves a failed run's record where the run dir should keep one; `ours`: the dir's
     checks passed, so it is this run's to write. Returns the error that names a lost peer (with
     its own error) when `e` was a collective whose peer ended, to be raised instead of `e`."""
-    lost = liveness.lost_at(e, env.rank, env.world_size, "before the first step"
-                            if outputs is None else f"at step {loop.state.step}", timeout_s)
+    lost = liveness.lost_at(e, env.rank, env.world_size,
+                            None if outputs is None else loop.state.step, timeout_s)
     e = lost or e
     if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
             ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)

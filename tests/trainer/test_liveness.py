@@ -252,15 +252,15 @@ def test_a_backend_timeout_outside_the_loop_is_a_lost_peer_and_a_write_wait_says
     from trainer.liveness import LeftTheBarrier, PeerLost, WriteWaitTimedOut, lost_at
 
     gloo = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"
-    first = lost_at(RuntimeError(gloo), 0, 2, "before the first step", 5)
+    first = lost_at(RuntimeError(gloo), 0, 2, None, 5)
     assert isinstance(first, PeerLost) and str(first).startswith(
         "rank 0 waited more than trainer.ddp.timeout_s=5 s in a collective before the first "
         "step: another rank did not reach it (stuck, or slow to build")
-    later = lost_at(RuntimeError(gloo), 0, 2, "at step 40", 5)
+    later = lost_at(RuntimeError(gloo), 0, 2, 40, 5)
     assert str(later).endswith("at step 40: another rank did not reach it (stopped, stuck or "
                                "gone)")
     # a checkpoint write's wait names its own key and time; one's own timeout is no peer's
     for error in (WriteWaitTimedOut("trainer.checkpoint.timeout_s", 3, gloo, False),
                   LeftTheBarrier(gloo), RuntimeError("the metrics server timed out")):
-        assert lost_at(error, 1, 2, "at step 3", 60) is None, error
-    assert lost_at(RuntimeError(gloo), 0, 1, "before the first step", 5) is None
+        assert lost_at(error, 1, 2, 3, 60) is None, error
+    assert lost_at(RuntimeError(gloo), 0, 1, None, 5) is None
