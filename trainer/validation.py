@@ -132,7 +132,7 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
 
 
 def _agreed_shard_sums(loop: "Loop", model: nn.Module):
-    """`_shard_sums` with a fifth sum, 1 where this rank's shard raised, and its error. Under
+    """`_shard_sums`, whose fifth sum is 1 where this rank's shard raised, and its error. Under
     DDP a rank whose shard raised (a sample it could not read, a metric's update) ended at
     once, and its peers waiting in the sums' all-reduce lost it with the epoch's training
     unsaved; it now joins the all-reduce with its error left in the store, and every rank
@@ -145,18 +145,18 @@ def _agreed_shard_sums(loop: "Loop", model: nn.Module):
         from trainer.ending import status_error  # (lazy: trainer.ending imports the loop)
 
         liveness.record_error(distributed.rank(), status_error(e))
-        sums = torch.zeros(4, dtype=torch.float64, device=loop.device)
-        failed = e
-    return torch.cat([sums, sums.new_tensor([float(failed is not None)])]), failed
+        sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
+        sums[4], failed = 1, e
+    return sums, failed
 
 
 def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
-    """(loss sum, count, samples, files skipped as unreadable so far) over this rank's
-    validation shard; metrics updated on the way."""
+    """(loss sum, count, samples, files skipped as unreadable so far, 0: no failure) over
+    this rank's validation shard; metrics updated on the way."""
     task = loop.task
     for metric in task.metrics.values():
         metric.reset()
-    sums = torch.zeros(4, dtype=torch.float64, device=loop.device)
+    sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
     samples = 0
     for batch in loop.val_feed.take(loop.val_limit):
         first = not loop.val_read and samples == 0  # the run's first validation batch
