@@ -5,7 +5,8 @@ when the result is the same each time. `data.cache` picks where the results are 
 
 - `memory`: the whole dataset, made once (in parallel through a DataLoader) into a
   TensorDataset in the training process, which the trainer can then keep on the device;
-- `shm`: the same as .npy arrays in /dev/shm, one copy per node, removed when the job ends;
+- `shm`: the same as .npy arrays in /dev/shm, one copy per node, removed when the job ends
+  (a sweep's job too: release_shm);
 - `disk`: the same as .npy arrays under `data.cache_dir`, kept between runs, keyed by the
   dataset's config and (when it has one) its `fingerprint()` (an image folder's file names,
   sizes and times), so a changed config or changed files get a new cache;
@@ -225,6 +226,7 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
         # the owner first: a later run reclaims the folder once this process is gone, even
         # after a SIGKILL that skips the atexit clean-up below
         (root / OWNER).write_text(json.dumps(owner or {}))
+        _MADE.append((root, failed))  # removed at the job's end (release_shm) or at exit
         atexit.register(_remove_shm, root, failed)
         _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
     else:
@@ -234,6 +236,19 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
     return MemmapDataset("train", str(root))
 
 
+# the /dev/shm copies this process wrote for its current job
+_MADE: List[Tuple[Path, Path]] = []
+
+
+def release_shm() -> None:
+    """Removes the /dev/shm copies this process wrote, at its job's end: a sweep's jobs run
+    one after another in one process, and each kept its copy (a dataset's size in memory)
+    until the whole sweep ended. (The other ranks on the node are past their last read by
+    then; a rank's loader workers keep their open arrays after the files go.)"""
+    while _MADE:
+        _remove_shm(*_MADE.pop())
+
+
 def _remove_shm(root: Path, failed: Path) -> None:
     """The node's copy, at exit. After a failed write only the arrays go: the error's line
     and the owner stay for the ranks still waiting to read it (the folder is reclaimed with
@@ -241,7 +256,7 @@ def _remove_shm(root: Path, failed: Path) -> None:
     if not failed.exists():
         shutil.rmtree(root, ignore_errors=True)
         return
-    for path in root.iterdir():
+    for path in root.iterdir():  # (at exit again after release_shm: the line and owner left)
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.name not in (OWNER, failed.name):

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cache import WriterGone
+from data.cache import WriterGone, release_shm
 from data.loader import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
                      resumefiles, rundir, schedules, speed, startup, sweep)
@@ -407,6 +407,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             loop.train_feed.close()
             if loop.val_feed is not None:
                 loop.val_feed.close()
+        release_shm()  # (a sweep's next job runs in this process: not at its exit)
         logger.close()
         lock.release()
 

@@ -798,3 +798,35 @@ def test_an_error_while_a_checkpoint_is_written_in_the_background_lets_the_write
     folder = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["last.pt", "step-00000005.pt"]
     assert checkpoint.load(folder / "last.pt")["step"] == 5
+
+
+def test_a_jobs_shm_copy_is_removed_when_the_job_ends_not_when_the_process_does(
+        make_cfg, tmp_path, monkeypatch):
+    """A sweep's jobs run one after another in one process: each kept its /dev/shm copy of
+    the data until the whole sweep ended. A job that fails lets its copy go as well."""
+    from data import cache
+    from trainer.loop import Callback
+
+    monkeypatch.setattr(cache, "SHM_ROOT", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    copies = []
+
+    class Looks(Callback):
+        def __init__(self, crash):
+            self.crash = crash
+
+        def after_step(self, loop):
+            copies.append(sorted(p.name for p in (tmp_path / "shm").iterdir()))
+            if self.crash and loop.state.step == 3:
+                raise RuntimeError("a job's own error")
+
+    for crash in (False, True):
+        cfg = make_cfg("data.cache=shm", "trainer.max_steps=3", run_dir=tmp_path / str(crash))
+        try:
+            train(cfg, callbacks=[Looks(crash)])
+        except RuntimeError:
+            assert crash
+        assert list((tmp_path / "shm").iterdir()) == []
+    # (a copy per split, a job's own)
+    assert len(copies) == 6 and copies[0] == copies[2] != copies[3] == copies[5]
+    assert all(len(c) == 2 and c[0].startswith("stoker-") for c in copies)
