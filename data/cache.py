@@ -159,7 +159,11 @@ class WriterGone(RuntimeError):
     ranks waited for it (one line: its own error is in its output)."""
 
 
-WRITER = "writer-{}.json"  # who writes a node's cache now (`owner`), beside a disk cache
+# who writes a node's disk cache now (`owner`), beside it: one record per writing process,
+# so that another job writing the same cache at once keeps its own (a record per host that
+# the second job's writer replaced, then removed, left the first job's ranks waiting for a
+# writer that "never began")
+WRITER = "{key}.writer-{host}-{pid}.json"
 
 
 def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
@@ -175,6 +179,16 @@ def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool
             (who.get("job"), who.get("attempt")) != (me.get("job"), me.get("attempt")):
         return None
     return alive(who)
+
+
+def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
+                       alive: Callable[[dict], bool]) -> Optional[bool]:
+    """`_writer_state` over this host's writer records of the disk cache `key`: True while a
+    writer of this launch is alive, False when its only writers are gone, None when none
+    has recorded itself."""
+    states = {_writer_state(path, me, alive) for path in
+              cache_dir.glob(WRITER.format(key=key, host=socket.gethostname(), pid="*"))}
+    return True if True in states else False if False in states else None
 
 
 def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
@@ -264,16 +278,21 @@ def _remove_shm(root: Path, failed: Path) -> None:
 
 
 def _reclaim_tmp(cache_dir: Path) -> None:
-    """Removes this host's unfinished cache folders whose writer process is gone (killed
-    mid-write); another host's are left to that host."""
+    """Removes this host's unfinished cache folders and writer records whose writer process
+    is gone (killed mid-write); another host's are left to that host."""
     host = socket.gethostname()
-    for folder in cache_dir.glob(f"*.tmp-{host}-*"):
+    for path in [*cache_dir.glob(f"*.tmp-{host}-*"),
+                 *cache_dir.glob(WRITER.format(key="*", host=host, pid="*"))]:
         try:
-            pid = int(folder.name.split(f".tmp-{host}-", 1)[1].split("-")[0])
+            pid = int(re.split(rf"\.(?:tmp|writer)-{re.escape(host)}-", path.name, maxsplit=1)[1]
+                      .split("-")[0].removesuffix(".json"))
             os.kill(pid, 0)
         except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        except (ValueError, IndexError, PermissionError, OverflowError):
             continue
 
 
@@ -285,7 +304,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     race on a shared file system drops its copy); the other ranks wait for it."""
     root = cache_dir / key
     done, failed = root / "done.json", cache_dir / f"{key}.failed-{socket.gethostname()}"
-    writer = cache_dir / f"{key}.{WRITER.format(socket.gethostname())}"
+    writer = cache_dir / WRITER.format(key=key, host=socket.gethostname(), pid=os.getpid())
     reused = False
     if local_rank == 0 and not done.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -309,10 +328,13 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             (tmp / "done.json").write_text(json.dumps(record, indent=2) + "\n")
             try:
                 os.rename(tmp, root)  # atomic: `root` only ever appears complete
+                log.info("data.cache=disk: wrote %s in %.1f s", root,
+                         time.perf_counter() - start)
             except OSError:
                 if not done.is_file():  # not another node's finished copy: say so
                     raise
-            log.info("data.cache=disk: wrote %s in %.1f s", root, time.perf_counter() - start)
+                log.info("data.cache=disk: %s was written by another run meanwhile; using "
+                         "that copy", root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # ours alone
             writer.unlink(missing_ok=True)
@@ -321,7 +343,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         reused = True
     else:
         _await(done, failed, f"data.cache=disk in {root}",
-               lambda: _writer_state(writer, owner, alive), start_s)
+               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it

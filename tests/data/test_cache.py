@@ -185,8 +185,14 @@ def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path)
     elsewhere = tmp_path / "k.tmp-otherhost-1-abcd1234"
     for folder in (dead, alive, elsewhere):
         folder.mkdir()
+    # and the writer records of processes gone (killed mid-write), one per process
+    records = [tmp_path / cache.WRITER.format(key="k", host=h, pid=p)
+               for h, p in ((host, gone), (host, os.getpid()), ("otherhost", 1))]
+    for record in records:
+        record.write_text("{}")
     cache._reclaim_tmp(tmp_path)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
+    assert [r.exists() for r in records] == [False, True, True]
 
 
 def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):
@@ -380,3 +386,29 @@ def test_a_disk_cache_of_arrays_written_again_is_rebuilt(tmp_path):
     assert float(same_size[0][0][0]) == 2.0
     fewer = cache.cache_dataset(arrays(5, 3.0), "disk", tag="cfg", cache_dir=where)
     assert len(fewer) == 5 and float(fewer[0][0][0]) == 3.0
+
+
+def test_two_jobs_writing_one_disk_cache_at_once_keep_their_own_writer_records(tmp_path):
+    """Each writing process has a record of its own: a second job's writer, starting while
+    the first's writes the same cache, replaced the one record of the host, then removed it
+    when done, and the first job's ranks stopped, their writer said "never began"."""
+    import socket
+
+    me = {"job": "TORCHELASTIC_RUN_ID=a", "attempt": 0}
+    state = lambda alive: cache._disk_writer_state(tmp_path, "k", me, alive)  # noqa: E731
+    assert state(lambda who: True) is None  # no writer yet
+
+    def record(pid, job):
+        path = tmp_path / cache.WRITER.format(key="k", host=socket.gethostname(), pid=pid)
+        path.write_text(json.dumps({"pid": pid, "job": job, "attempt": 0}))
+        return path
+
+    ours, theirs = record(11, me["job"]), record(22, "TORCHELASTIC_RUN_ID=b")
+    (tmp_path / cache.WRITER.format(key="k2", host=socket.gethostname(), pid=33)).write_text(
+        json.dumps({"pid": 33, "job": me["job"], "attempt": 0}))  # another cache's writer
+    assert state(lambda who: True) is True
+    assert state(lambda who: who["pid"] != 11) is False  # ours gone, theirs alive: not ours
+    theirs.unlink()  # the other job finished first
+    assert state(lambda who: True) is True
+    ours.unlink()
+    assert state(lambda who: True) is None
