@@ -708,6 +708,31 @@ class BrokenMetric(torch.nn.Module):
         return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
 
 
+class FailsInCompute(torch.nn.Module):
+    """A metric (a count of samples, not synced over ranks) whose compute raises on rank
+    `rank` (-1: every rank) from its `at`-th computation on (its copies tried by the sanity
+    check count their own)."""
+
+    higher_is_better = True
+
+    def __init__(self, rank: int = -1, at: int = 2):
+        super().__init__()
+        self.rank, self.at, self.seen, self.computed = rank, at, 0, 0
+
+    def update(self, preds, target) -> None:
+        self.seen += len(target)
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def compute(self) -> torch.Tensor:
+        self.computed += 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self.computed >= self.at and self.rank in (-1, rank):
+            raise ValueError(f"compute failed on rank {rank}")
+        return torch.tensor(float(self.seen))
+
+
 class NeedsSamples(torch.nn.Module):
     """A metric whose compute needs `least` samples (more than a training batch has)."""
 

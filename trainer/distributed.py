@@ -441,6 +441,15 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's Python object, in rank order ([obj] in a single process)."""
+    if not is_active():
+        return [obj]
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box
+
+
 def warn(env: DistEnv, msg: str, *args) -> None:
     """Warnings are the one thing every rank may say; non-zero ranks prefix their rank."""
     prefix = "" if env.is_main else f"[rank {env.rank}] "

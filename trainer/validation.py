@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -94,17 +94,9 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
     model.eval()
     start = time.perf_counter()
-    sums, failed = _agreed_shard_sums(loop, model)
+    sums, failed = _agreed(loop, lambda: _shard_sums(loop, model), lambda: _failed_sums(loop))
     loss_sum, count, samples, files, failures = distributed.all_reduce_sum(sums).tolist()
-    if failures:  # (every rank has the same sums: all raise, and all save first)
-        loop.val_failure_agreed = True
-        if failed is not None:
-            raise failed
-        rank = distributed.rank()
-        raise PeerFailedValidation(
-            f"rank {rank} ended with its peers at step {loop.state.step} (validating): "
-            + (liveness.first_said(liveness.peer_errors(rank, loop.world))
-               or "another rank's validation failed; its own error is in its output"))
+    _raise_agreed(loop, failures, failed)  # (every rank has the same sums: all decide alike)
     if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
         line = ("no validation sample was read: every one was skipped as unreadable "
                 f"({int(files)} files, data.dataset.on_error=skip)")
@@ -113,13 +105,13 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
         loop.logger.warning("data: validation at step %d: %s", loop.state.step, line)
     loop.val_read = loop.val_read or samples > 0
     loop.val_samples = int(samples)
-    values = {"val_loss": loss_sum / count if count else math.nan}
-    for name, metric in loop.task.metrics.items():  # torchmetrics gathers every rank's state
-        values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
-    values.update(loop.task.derived_values(values))
+    values, failed = _agreed(loop, lambda: _values(loop, loss_sum, count))
     # what decides best.pt must be the same on every rank: a metric that does not sync
-    # its state would otherwise send ranks into different collectives
-    values = distributed.broadcast_object(values)
+    # its state would otherwise send ranks into different collectives. (One gather: rank
+    # 0's values, and whether a rank's metric raised in its compute, after its sync.)
+    gathered = distributed.all_gather_object((values, failed is not None))
+    _raise_agreed(loop, any(f for _, f in gathered), failed)
+    values = gathered[0][0]
     loop.last_val = values
     loop.state.validated_step = loop.state.step
     loop.run_val_s += time.perf_counter() - start
@@ -131,23 +123,56 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     return values
 
 
-def _agreed_shard_sums(loop: "Loop", model: nn.Module):
-    """`_shard_sums`, whose fifth sum is 1 where this rank's shard raised, and its error. Under
-    DDP a rank whose shard raised (a sample it could not read, a metric's update) ended at
-    once, and its peers waiting in the sums' all-reduce lost it with the epoch's training
-    unsaved; it now joins the all-reduce with its error left in the store, and every rank
-    learns of it there. One process raises at once (its save waits in no collective)."""
+def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:
+    """The validation's values on this rank: the loss, the task's metrics (torchmetrics
+    gathers every rank's state) and the values derived from them."""
+    values = {"val_loss": loss_sum / count if count else math.nan}
+    for name, metric in loop.task.metrics.items():
+        values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
+    values.update(loop.task.derived_values(values))
+    return values
+
+
+def _agreed(loop: "Loop", work: Callable[[], Any], stand_in: Callable[[], Any] = lambda: None
+            ) -> Tuple[Any, Optional[Exception]]:
+    """`work()` and None, or where it raised under DDP, `stand_in()` and its error: a rank
+    whose shard raised (a sample it could not read, a metric's update) or whose metric's
+    compute raised ended at once, and its peers waiting in the next collective lost it with
+    the epoch's training unsaved; it now meets them there with its error left in the store,
+    and every rank learns of it (_raise_agreed). One process raises at once (its save waits
+    in no collective)."""
     try:
-        sums, failed = _shard_sums(loop, model), None
+        return work(), None
     except Exception as e:
         if loop.world == 1:
             raise
         from trainer.ending import status_error  # (lazy: trainer.ending imports the loop)
 
         liveness.record_error(distributed.rank(), status_error(e))
-        sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
-        sums[4], failed = 1, e
-    return sums, failed
+        return stand_in(), e
+
+
+def _raise_agreed(loop: "Loop", failures: Any, failed: Optional[Exception]) -> None:
+    """Where a rank's validation raised (`failures`, the same on every rank), every rank
+    raises, the rank that failed its own error, the others PeerFailedValidation naming it;
+    Checkpointing saves the trained state first on all of them."""
+    if not failures:
+        return
+    loop.val_failure_agreed = True
+    if failed is not None:
+        raise failed
+    rank = distributed.rank()
+    raise PeerFailedValidation(
+        f"rank {rank} ended with its peers at step {loop.state.step} (validating): "
+        + (liveness.first_said(liveness.peer_errors(rank, loop.world))
+           or "another rank's validation failed; its own error is in its output"))
+
+
+def _failed_sums(loop: "Loop") -> torch.Tensor:
+    """The sums of a shard that raised: nothing counted, the failure flag (the fifth) 1."""
+    sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
+    sums[4] = 1
+    return sums
 
 
 def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:

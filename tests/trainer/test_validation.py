@@ -277,6 +277,37 @@ def test_a_validation_failing_on_one_rank_keeps_the_epoch_on_every_rank(tmp_path
     assert summary_of(run_dir)["steps"] == 24
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [1, -1])
+def test_a_metric_whose_compute_fails_under_ddp_keeps_the_epoch_on_every_rank(tmp_path,
+                                                                              failing):
+    """A metric's compute raising, after the validation's sums, on one rank (a metric that
+    does not sync its state) or on every rank alike (one that fails on the whole set): the
+    ranks ended with the epoch's training unsaved. They agree on it where they agree on the
+    values: every one saves the trained state, and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    metric = ["+task.metrics.seen._target_=tests.helpers.FailsInCompute",
+              f"+task.metrics.seen.rank={failing}", "trainer.max_epochs=3"]
+    proc = torchrun(2, [f"hydra.run.dir={run_dir}", *metric], cwd=tmp_path)
+    err = proc.stdout + proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    last = run_dir / "checkpoints" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    assert (saved["step"], saved["epoch"], saved["position"]) == (24, 2, 0)
+    assert f"validation failed after step 24: the trained state is saved in {last}" in err
+    if failing == 1:  # rank 0 names rank 1's error, once for the job
+        assert err.count("ended with its peers") == 1 and (
+            "stoker: error: rank 0 ended with its peers at step 24 (validating): rank 1 "
+            "stopped on its error: ValueError: compute failed on rank 1") in err, err[-3000:]
+    else:  # rank 0's own error is the job's (its traceback)
+        assert "ValueError: compute failed on rank 0" in err
+        assert "ended with its peers" not in err
+    proc = torchrun(2, [f"hydra.run.dir={run_dir}", *metric, "+task.metrics.seen.at=99",
+                        "trainer.resume=auto"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary_of(run_dir)["steps"] == 36
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("task", [[], ["model._target_=tests.helpers.SelfLossMLP",
                                        "task=model_loss", "task.count=samples"]])
