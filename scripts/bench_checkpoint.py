@@ -43,6 +43,29 @@ def state_mb(state: Dict[str, Any]) -> float:
     return state_bytes(state) / 2**20
 
 
+def needed_bytes(width: int, layers: int) -> int:
+    """The memory the state takes while it is saved: the weights, their gradients and AdamW's
+    two moments, and the write's host copy of the weights and moments (7 floats a
+    parameter)."""
+    params = layers * (width * width + width) + width * 10 + 10
+    return params * 4 * 7
+
+
+def available_bytes(device: torch.device) -> Optional[int]:
+    """The memory free for the state: the GPU's, else the host's (MemAvailable); None
+    where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def one_save(state, folder: Path, async_save: bool, step: int) -> Dict[str, float]:
     saver = Checkpointer(folder, keep_last=1, async_save=async_save, enabled=True)
     if state["model"] and next(iter(state["model"].values())).is_cuda:
@@ -90,6 +113,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if why:
             p.error(f"--dir {a.dir}: {why}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    need, free = needed_bytes(a.width, a.layers), available_bytes(device)
+    if free is not None and need > free:  # (an allocator's traceback, or the OOM killer)
+        p.error(f"--width {a.width} --layers {a.layers}: the state needs about "
+                f"{need / 2**30:,.1f} GiB while saved, and {free / 2**30:,.1f} GiB of "
+                f"{device.type} memory is free; give a smaller --width or --layers")
     state = build_state(a.width, a.layers, device)
     size = state_mb(state)
     runs = saves(state, a.dir, a.repeats)

@@ -100,6 +100,9 @@ def overrides_first(argv: List[str], parser: argparse.ArgumentParser) -> List[st
     return overrides + rest
 
 
+WORKERS_PER_CPU = 8  # loader workers worth timing per usable CPU (waiting on reads, say)
+
+
 def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cpus = len(os.sched_getaffinity(0))
@@ -112,6 +115,10 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     # options before, between or after the overrides
     a = p.parse_intermixed_args(overrides_first(sys.argv[1:] if argv is None else argv, p))
     check_out(p, a.out)
+    most = max(WORKERS_PER_CPU * cpus, 32)
+    if max(a.workers) > most:  # each a process with its own copy of the dataset object
+        p.error(f"argument --workers: {max(a.workers)}: at most {most} ({WORKERS_PER_CPU} "
+                f"per usable CPU, {cpus} here), more only wait for the CPUs")
     swept = {"data.num_workers": "--workers", "data.prefetch_factor": "--prefetch",
              "data.pin_memory": "(both, on CUDA)"}
     for override in a.overrides:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import ROOT
 
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside
     (["--layers", "-1"], "argument --layers: -1: must be >= 0"),
     (["--dir", "{file}"], "--dir {file}: is a file, not a folder"),
     (["--dir", "{file}/sub"], "--dir {file}/sub: {file} is a file, not a folder"),
+    (["--width", "10000000", "--layers", "100"], "--width 10000000 --layers 100: the state "
+     "needs about 260,770,349.6 GiB while saved, and "),
 ])
 def test_bad_arguments_are_one_line_before_the_state_is_built(tmp_path, capsys, args, needle):
     import bench_checkpoint
@@ -65,3 +68,12 @@ def test_a_full_disk_is_one_line_naming_the_dir(tmp_path, capsys, monkeypatch):
     assert f"error: --dir {where}: cannot write the checkpoints: checkpoint {where}/" in err
     assert err.endswith("the write failed (No space left on device)"), err
     assert not out.exists() and list(where.iterdir()) == []  # its temp folder went too
+
+
+def test_the_memory_the_state_needs_is_its_seven_floats_a_parameter():
+    import bench_checkpoint
+
+    state = bench_checkpoint.build_state(64, 2, torch.device("cpu"))
+    params = sum(t.numel() for t in state["model"].values())
+    assert bench_checkpoint.needed_bytes(64, 2) == params * 4 * 7
+    assert bench_checkpoint.state_mb(state) * 2**20 >= params * 4 * 3  # (weights, moments)

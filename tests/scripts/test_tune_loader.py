@@ -99,6 +99,7 @@ def test_an_image_folder_is_timed_through_its_own_collate(tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--batches", "0"], "argument --batches: 0: must be >= 1"),
     (["--workers", "-1"], "argument --workers: -1: must be >= 0"),
+    (["--workers", "0", "1000"], "argument --workers: 1000: at most "),  # (1000 processes)
     (["data.num_workers=abc"], "data.num_workers=abc: tune_loader sweeps data.num_workers "
                                "itself; give --workers instead"),
 ])
