@@ -87,6 +87,12 @@ def _check_index(index: Any, where: str) -> List[Dict]:
             raise ValueError(f"{where}: shards[{i}] is {json.dumps(shard)[:80]}; each shard "
                              "needs a \"url\" (a string) and a \"samples\" count (an integer "
                              ">= 0)")
+    first: Dict[str, int] = {}
+    for i, shard in enumerate(shards):  # (a shard listed twice: its samples twice an epoch)
+        j = first.setdefault(shard["url"], i)
+        if j != i:
+            raise ValueError(f"{where}: shards[{j}] and shards[{i}] are both "
+                             f"{json.dumps(shard['url'])[:80]}; list each shard once")
     kind = index.get("kind", "image")
     if kind not in KINDS:
         raise ValueError(f"{where}: \"kind\": {json.dumps(kind)}; must be one of "

@@ -12,6 +12,7 @@ are formed (README "The input pipeline"):
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -63,6 +64,9 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         sets = [None if node is None or s not in splits else components.build(node, key)
                 for node, key, s in zip((d.train_dataset, d.val_dataset), keys, ("train", "val"))]
     taken = None  # the split whose `classes` gave data.num_classes
+    trained = None  # the training split's count of classes, where it names them
+    if all(isinstance(ds, ShardStream) for ds in sets):
+        _same_index(*sets)
     for ds, key in zip(sets, keys):
         if ds is None:
             continue
@@ -87,9 +91,10 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
             continue
         named = (f"{len(classes)} classes ({', '.join(map(str, classes[:5]))}"
                  f"{', ...' if len(classes) > 5 else ''})")
-        if taken is not None and d.num_classes != len(classes):
+        if trained is not None and trained != len(classes):
             raise ConfigError(f"data: {key} (the validation split) has {named}, the training "
-                              f"split {d.num_classes}; give both splits the same classes")
+                              f"split {trained}; give both splits the same classes")
+        trained = len(classes) if trained is None else trained
         if d.num_classes is not None and d.num_classes != len(classes):
             raise ConfigError(f"data.num_classes={d.num_classes}: {key} has {named}; leave the "
                               "key out to take its count")
@@ -101,6 +106,19 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
                                   "(task=regression for one real value)")
             d.num_classes, taken = len(classes), key
     return sets[0], sets[1]
+
+
+def _same_index(train: ShardStream, val: ShardStream) -> None:
+    """A shard set's two splits describe the same samples: the val index.json's kind,
+    classes and shapes are the train index's (a val split of fewer classes was blamed on
+    data.num_classes, which the train index sets; of another count unnamed, accepted)."""
+    for key in ("kind", "classes", "num_classes", "input_shape"):
+        mine, theirs = getattr(val, key), getattr(train, key)
+        if mine != theirs:
+            raise ConfigError(
+                f"data: {val.root}/{val.split}/index.json says {key} {json.dumps(mine)[:80]}, "
+                f"{train.root}/{train.split}/index.json {json.dumps(theirs)[:80]}; write both "
+                "splits with one scripts/prepare_data.py --format shards run")
 
 
 def placement(d: DictConfig, dataset: Dataset, device: torch.device,

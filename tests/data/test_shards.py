@@ -213,6 +213,9 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     ({"shards": [{"url": "a.tar", "samples": -20}]}, r"shards\[0\] is"),
     ({"shards": [{"url": "a.tar", "samples": 2}], "kind": "video"},
      r'"kind": "video"; must be one of image, npy'),
+    ({"shards": [{"url": "a.tar", "samples": 2}, {"url": "b.tar", "samples": 2},
+                 {"url": "a.tar", "samples": 2}]},  # (its samples read twice an epoch)
+     r'shards\[0\] and shards\[2\] are both "a.tar"; list each shard once$'),
 ])
 def test_an_index_that_is_not_a_shard_index_is_one_line_naming_it(tmp_path, index, fragment):
     (tmp_path / "train").mkdir()

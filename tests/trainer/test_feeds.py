@@ -587,3 +587,26 @@ def test_a_training_set_whose_epochs_keep_a_repeat_says_so():
     assert "2 samples repeated" in repeated(10, 4, 2, False)
     assert repeated(202, 2, 8, False) == repeated(17, 1, 8, False) == \
         repeated(17, 2, 8, True) == ""
+
+
+@pytest.mark.parametrize("key,val", [("num_classes", 8), ("classes", ["a", "b"]),
+                                     ("kind", "image")])
+def test_a_shard_sets_splits_that_describe_other_samples_are_one_line(make_cfg, tmp_path, key,
+                                                                      val):
+    """A val index.json of fewer classes than the train one was blamed on data.num_classes
+    (which the train index sets), or, of another count unnamed, accepted."""
+    from data.datasets import DigitsDataset
+    from data.shardwriter import write_shards
+    from trainer.feeds import build_datasets
+
+    root = tmp_path / "shards"
+    for split in ("train", "val"):
+        write_shards(DigitsDataset(split), root / split, samples_per_shard=500, num_classes=10)
+    index = json.loads((root / "val" / "index.json").read_text())
+    was = index.get(key)
+    (root / "val" / "index.json").write_text(json.dumps({**index, key: val}))
+    with pytest.raises(ConfigError) as e:
+        build_datasets(make_cfg("data=shards", f"data.dataset.root={root}"))
+    assert str(e.value) == (f"data: {root}/val/index.json says {key} {json.dumps(val)}, "
+                            f"{root}/train/index.json {json.dumps(was)}; write both splits with "
+                            "one scripts/prepare_data.py --format shards run")
