@@ -231,11 +231,14 @@ def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Lo
     n = len(loop.train_feed.loader.dataset)
     old_batch = ((state.get("config") or {}).get("data") or {}).get("batch_size") \
         or cfg.data.batch_size
+    had = state.get("train_samples")
     if loop.state.position > n + int(old_batch) * old_world:
         raise CheckpointError(f"checkpoint {path}: its position, {loop.state.position} samples "
                               f"into epoch {loop.state.epoch}, is past the end of this run's "
-                              f"{n} training samples (another dataset?)")
-    had = state.get("train_samples")
+                              f"{n} training samples ("
+                              + (f"its run had {had}" if had is not None else "another dataset?")
+                              + "); resume over the data it trained on, or start a new run "
+                              f"from its weights alone: trainer.init_from={path}")
     if had is None or had == n:  # (the sampler's order is a function of the length)
         return []
     return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: epoch "

@@ -438,10 +438,14 @@ def test_a_checkpoint_positioned_past_the_epoch_is_refused(make_cfg, tmp_path):
     path = tmp_path / "run" / "checkpoints" / "step-00000005.pt"
     state = checkpoint.load(path)
     checkpoint.save({**state, "position": 10**9}, tmp_path / "far.pt")
-    with pytest.raises(CheckpointError, match=r"far.pt: its position, 1000000000 samples into "
-                                              r"epoch 0, is past the end of this run's 1438 "):
+    with pytest.raises(CheckpointError) as e:
         train(make_cfg("trainer.max_steps=10", f"trainer.resume={tmp_path / 'far.pt'}",
                        run_dir=tmp_path / "other"))
+    assert str(e.value) == (
+        f"checkpoint {tmp_path / 'far.pt'}: its position, 1000000000 samples into epoch 0, is "
+        "past the end of this run's 1438 training samples (its run had 1438); resume over the "
+        f"data it trained on, or start a new run from its weights alone: "
+        f"trainer.init_from={tmp_path / 'far.pt'}")
 
 
 def test_a_resume_over_a_training_set_of_another_length_says_so(make_cfg, tmp_path, caplog):
