@@ -44,21 +44,31 @@ def staged(out: Path) -> Iterator[Path]:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         yield stage
-        previous = {sig: signal.signal(sig, _noted) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with _signals_noted():
             if out.exists():
                 out.rename(old)
             stage.rename(out)
             shutil.rmtree(old, ignore_errors=True)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        # (a second Ctrl-C during the clean-up of a first, or of a failure, cut it short:
+        # the staging folder stayed, and a second traceback was printed into the first)
+        with _signals_noted():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[None]:
+    """Inside, a Ctrl-C or SIGTERM is noted and let pass, so that what is inside ends."""
+    previous = {sig: signal.signal(sig, _noted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _noted(signum, frame) -> None:
-    """A signal during the swap: the result is complete, the script ends as it would."""
+    """A signal during the swap or the clean-up: the script ends as it would."""
 
 
 def refusal(out: Path, overwrite: bool, foreign: Callable[[Path], Optional[str]], own: str,
