@@ -132,6 +132,22 @@ def end_workers(loader: Any) -> None:
         loader._iterator = None
 
 
+def end_pass(iterator: Any) -> None:
+    """Ends the workers of one pass's DataLoader iterator once its reader is done with it (its
+    limit reached, its batches exhausted, the reader gone), unless the loader keeps them
+    (persistent workers) or they run on (data/runon.py: not a DataLoader's iterator). Left
+    to the iterator's collection, a shard loader's pass, whose last worker ends on a marker
+    that a reader stopping at its count of batches never takes, ended in the garbage
+    collector where a reference cycle held it; the collector had by then stopped the threads
+    that feed the workers' index queues, so the request to stop never reached them, and the
+    shutdown waited 5 s for each, twice (10 s an epoch, counted as validation time)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if isinstance(iterator, _MultiProcessingDataLoaderIter) and \
+            not iterator._persistent_workers:
+        iterator._shutdown_workers()
+
+
 def kill_workers(*holders: Any) -> None:
     """Kills the live worker processes of DataLoader iterators: `holders` themselves, or the
     ones a loader keeps (a DataLoader's persistent iterator, the run-on loader's)."""

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from data.loader import end_workers, readable
+from data.loader import end_pass, end_workers, readable
 from data.resident import ResidentBatches
 from trainer.config import ConfigError
 
@@ -265,10 +265,20 @@ class DevicePrefetcher:
             for batch in source:
                 yield transform(batch, next(keys))
             return
-        batches = readable(iter(self.loader), workers=getattr(self.loader, "num_workers", 0) > 0,
+        source = iter(self.loader)
+        batches = readable(source, workers=getattr(self.loader, "num_workers", 0) > 0,
                            owner=self.loader)
         if limit is not None:
             batches = itertools.islice(batches, limit)
+        try:
+            yield from self._pass(batches, keys)
+        finally:
+            end_pass(source)
+
+    def _pass(self, batches: Iterator[Any], keys: Iterator[Optional[int]]) -> Iterator[Any]:
+        """`batches` on the device, transformed (on CUDA, each copied on the side stream
+        while the one before is used)."""
+        transform = self.transform
         if self.side_stream is None:
             on_cpu = self.device.type == "cpu"  # a loader's batches are there: nothing to walk
             for batch in batches:

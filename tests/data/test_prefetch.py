@@ -413,3 +413,42 @@ def test_the_side_stream_is_entered_by_its_own_context_where_it_has_one():
 
     assert isinstance(_stream_context(Other())(), torch.cuda.StreamContext)
     assert _stream_context(None) is None
+
+
+@pytest.mark.parametrize("shards", [True, False])
+def test_a_pass_ends_its_loader_workers_when_its_reader_is_done(tmp_path, monkeypatch, shards):
+    """A pass taken to its count of batches ends its workers then, not when its iterator is
+    collected: a shard loader's pass still had a worker waiting to say it was done, and where
+    a reference cycle held the iterator, the garbage collector ended it after stopping the
+    threads that feed its workers' requests, so the request to stop never reached them and
+    the shutdown waited 5 s for each, twice (10 s an epoch). Persistent workers are kept."""
+    import multiprocessing
+
+    from data.datasets import DigitsDataset
+    from data.shards import ShardLoader, ShardStream
+    from data.shardwriter import write_shards
+
+    if shards:
+        write_shards(DigitsDataset("train"), tmp_path / "train", samples_per_shard=500,
+                     num_classes=10)
+        dataset, loaders = ShardStream("train", str(tmp_path)), ShardLoader
+    else:
+        dataset, loaders = DigitsDataset("train"), DataLoader
+    kept, iterate = [], loaders.__iter__
+
+    def held(self):  # the pass's iterator, kept alive as a cycle would keep it
+        kept.append(iterate(self))
+        return kept[-1]
+
+    monkeypatch.setattr(loaders, "__iter__", held)
+    for persistent in (False, True):
+        cfg = DataConfig(batch_size=64, num_workers=2, persistent_workers=persistent)
+        loader = build_loader(dataset, cfg, train=True, rank=0, world_size=1, seed=3,
+                              num_workers=2)
+        feed = DevicePrefetcher(loader, CPU)
+        assert len(list(feed.take(len(loader)))) == len(loader) == 23
+        keeps = persistent and not shards  # (a shard loader starts its workers per pass)
+        assert kept[-1]._shutdown is not keeps
+        assert bool(multiprocessing.active_children()) is keeps
+        feed.close()
+        assert not multiprocessing.active_children()
