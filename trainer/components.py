@@ -232,6 +232,10 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
     `hint` ends the message about an unknown key."""
     extra = _checked(node, key, offered, hint, kwargs)
     _check_inner(node, key)
+    if isinstance(node, (dict, DictConfig)) and "_convert_" not in node:
+        # plain lists and dicts, not OmegaConf's containers: a library that checks the types
+        # of its arguments refuses a ListConfig (a Hugging Face config's `hidden_sizes`)
+        extra["_convert_"] = "all"
     try:
         return instantiate(node, **extra)
     except InstantiationException as e:
@@ -242,7 +246,16 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
             raise
         cause = e.__cause__  # an inner node's target refused its arguments: name its key
         raise ConfigError(f"{where}: {_CALLED.match(str(e)).group(1)} refused its arguments "
-                          f"({type(cause).__name__}: {str(cause).splitlines()[0]})") from None
+                          f"({type(cause).__name__}: {first_line(cause)})") from None
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line, with the next one where the first only leads to it (pydantic's
+    and Hugging Face's "Validation error for field 'x':" and the reason below it)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 _CALLED = re.compile(r"Error in call to target '([^']+)'")

@@ -239,3 +239,26 @@ def test_a_model_that_fails_otherwise_is_not_called_too_big():
     with pytest.raises((ConfigError, InstantiationException)) as e:
         build_model(cfg)
     assert "ran out of memory" not in str(e.value)
+
+
+def test_a_components_lists_and_dicts_reach_it_as_plain_ones():
+    """Hydra handed OmegaConf's ListConfig on: a Hugging Face config, which checks its fields'
+    types, refused `hidden_sizes: [16, 32]` ("expected a list, got ListConfig"), in a line cut
+    before that reason. A node's own `_convert_` still decides."""
+    pytest.importorskip("transformers")
+    config = build(node(_target_="transformers.ResNetConfig", hidden_sizes=[16, 32],
+                        depths=[1, 1], embedding_size=8), "model.config")
+    assert config.hidden_sizes == [16, 32] and type(config.hidden_sizes) is list
+    made = build(node(_target_="builtins.dict", sizes=[1, 2], inner={"a": [3]}), "x")
+    assert type(made["sizes"]) is list and type(made["inner"]) is dict
+    made = build(node(_target_="builtins.dict", sizes=[1, 2], _convert_="none"), "x")
+    assert type(made["sizes"]) is not list
+
+
+def test_an_errors_first_line_takes_the_reason_a_colon_leads_to():
+    from trainer.components import first_line
+
+    assert first_line(ValueError("Validation error for field 'x':\n  expected a list\nmore")) \
+        == "Validation error for field 'x': expected a list"
+    assert first_line(ValueError("one\ntwo")) == "one"
+    assert first_line(ValueError("")) == "ValueError"
