@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -112,6 +112,7 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     gathered = distributed.all_gather_object((values, failed is not None))
     _raise_agreed(loop, any(f for _, f in gathered), failed)
     values = gathered[0][0]
+    _say_unsynced(loop, [v for v, _ in gathered])
     loop.last_val = values
     loop.state.validated_step = loop.state.step
     loop.run_val_s += time.perf_counter() - start
@@ -131,6 +132,32 @@ def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:
         values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
     values.update(loop.task.derived_values(values))
     return values
+
+
+def _say_unsynced(loop: "Loop", values: List[Dict[str, float]]) -> None:
+    """Warns, once a run, of each metric whose value differs between the ranks: one that
+    keeps its state per rank and does not sum it over them in its compute, so that the value
+    logged, rank 0's, is that of rank 0's shard of the validation set alone (it was said
+    nowhere). A metric that syncs (torchmetrics', the built-in ones) has one state, one
+    value, on every rank."""
+    said = loop.__dict__.setdefault("_unsynced_said", set())
+    for name, metric in loop.task.metrics.items():
+        key = f"val_{name}"
+        seen = [v.get(key) for v in values]
+        if name in said or all(_same(seen[0], v) for v in seen[1:]):
+            continue
+        said.add(name)
+        loop.logger.warning(
+            "task.metrics.%s: %s computed other values on the ranks (%s): it keeps its state "
+            "per rank, so %s is rank 0's shard of the validation set alone (1/%d of it); make "
+            "it a torchmetrics.Metric (its state by add_state, with dist_reduce_fx) to have "
+            "it over the whole set", name, type(metric).__name__,
+            ", ".join(f"rank {r}: {v:.4g}" for r, v in enumerate(seen[:4]))
+            + (", ..." if len(seen) > 4 else ""), key, len(seen))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def _agreed(loop: "Loop", work: Callable[[], Any], stand_in: Callable[[], Any] = lambda: None

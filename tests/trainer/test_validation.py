@@ -308,6 +308,25 @@ def test_a_metric_whose_compute_fails_under_ddp_keeps_the_epoch_on_every_rank(tm
     assert summary_of(run_dir)["steps"] == 36
 
 
+@pytest.mark.slow
+def test_a_metric_that_keeps_its_state_per_rank_is_said_once(tmp_path):
+    """Under DDP a metric of one's own that does not sum its state over the ranks was logged
+    as rank 0's shard's value with no word; one that syncs (the built-in accuracy) is not
+    said."""
+    proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_epochs=2",
+                        "+task.metrics.seen._target_=tests.helpers.FailsInCompute",
+                        "+task.metrics.seen.at=99"], cwd=tmp_path)
+    err = proc.stdout + proc.stderr
+    assert proc.returncode == 0, err[-3000:]
+    said = [ln for ln in err.splitlines() if "computed other values on the ranks" in ln]
+    assert len(said) == 1 and said[0].endswith(
+        "task.metrics.seen: FailsInCompute computed other values on the ranks (rank 0: 180, "
+        "rank 1: 179): it keeps its state per rank, so val_seen is rank 0's shard of the "
+        "validation set alone (1/2 of it); make it a torchmetrics.Metric (its state by "
+        "add_state, with dist_reduce_fx) to have it over the whole set"), said
+    assert summary_of(tmp_path / "run")["val_seen"] == 180
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("task", [[], ["model._target_=tests.helpers.SelfLossMLP",
                                        "task=model_loss", "task.count=samples"]])
