@@ -117,7 +117,9 @@ class Classification(Task):
         if self.num_classes is not None and classes != self.num_classes:
             raise self.error(f"logits with {classes} classes but data.num_classes="
                              f"{self.num_classes}", logits,
-                             "the model's output size to match data.num_classes")
+                             "the model's output size to match data.num_classes (a "
+                             "Hugging Face model's is its config's num_labels: "
+                             f"+model.config.num_labels={self.num_classes})")
         if not self._checked:
             self._checked = True
             valid = target if self.ignore_index is None else target[target != self.ignore_index]
