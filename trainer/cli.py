@@ -193,7 +193,7 @@ def describe(e: BaseException) -> str:
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
-    return ": ".join(parts) or type(e).__name__
+    return _null_refused(": ".join(parts)) or type(e).__name__
 
 
 _MISSING = re.compile(r"^Missing mandatory value: ([\w.]+)$")
@@ -230,6 +230,32 @@ def _choice_meant(text: str) -> str:
         return text
     meant = spelling.closest(found.group(2), found.group(3).split())
     return f"{text}; did you mean {found.group(1).replace('/', '.')}={meant}?" if meant else text
+
+
+_NOT_OPTIONAL = re.compile(r"^Error merging override (\S+)=null: field '([\w.]+)' is not "
+                           r"Optional$")
+
+
+def _null_refused(text: str) -> str:
+    """Hydra's `Error merging override data.cache=null: field 'data.cache' is not Optional`
+    with the key's default, where the schema has one: the value that turns a feature off
+    (`none`, `0`, `false`) is what a user reaching for null looks for."""
+    refused = _NOT_OPTIONAL.match(text)
+    if not refused:
+        return text
+    from omegaconf import OmegaConf
+
+    from trainer.config import TrainConfig
+
+    key = refused.group(2)
+    try:
+        default = OmegaConf.select(OmegaConf.structured(TrainConfig), key,
+                                   throw_on_missing=True)
+    except OmegaConfBaseException:
+        default = None
+    shown = "" if default is None or isinstance(default, (dict, list, DictConfig)) else (
+        f" (its default is {str(default).lower() if isinstance(default, bool) else default})")
+    return f"{refused.group(1)}=null: {key} takes a value, not null{shown}"
 
 
 _TWICE = re.compile(r"^(\S+) appears more than once in the final defaults list$")
