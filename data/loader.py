@@ -15,6 +15,7 @@ import os
 import re
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
+import time
 import weakref
 from typing import Any, Iterator, List, Optional
 
@@ -399,10 +400,31 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
         if not workers:  # (the dataset's own connection, in this process)
             raise
         _said_stall(token)
+        pid = _ended_worker(batches, owner)
+        if pid is not None:  # (the same line as where PyTorch's handler tells of it first)
+            raise LoaderWorkerDied(f"data: loader worker (pid {pid}) ended unexpectedly: "
+                                   f"{_ENDED}") from None
         raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
                                f"was received ({type(e).__name__}: {e}): {_ENDED}") from None
     finally:
         handover.unwatch(token)
+
+
+def _ended_worker(*holders: Any, wait_s: float = 1.0) -> Optional[int]:
+    """The pid of a loader worker of `holders` (DataLoader iterators, or loaders keeping one)
+    whose process has ended with an error, waited for up to `wait_s`: a worker that dies while
+    it hands a batch over breaks the connection before PyTorch's handler tells of it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for holder in holders:
+            for it in (holder, getattr(holder, "_iterator", None),
+                       getattr(holder, "_batches", None)):
+                for worker in getattr(it, "_workers", None) or ():
+                    if worker.exitcode not in (None, 0):
+                        return worker.pid
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _said_stall(token: Optional[int]) -> None:

@@ -247,6 +247,30 @@ def test_a_broken_connection_to_a_worker_is_its_end_and_a_datasets_own_is_not():
         list(readable(batches()))
 
 
+def test_a_broken_connection_from_a_worker_whose_process_ended_is_said_as_its_end():
+    """A worker killed while it hands a batch over broke the connection before PyTorch's
+    handler said the worker ended: the line was the connection's, now the same as the
+    handler's (a run's last line depended on which came first)."""
+    from types import SimpleNamespace
+
+    from data.loader import LoaderWorkerDied, readable
+
+    class Batches:  # a DataLoader iterator whose worker 4242 was killed by SIGSEGV
+        _workers = [SimpleNamespace(pid=4241, exitcode=None),
+                    SimpleNamespace(pid=4242, exitcode=-11)]
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(LoaderWorkerDied) as e:
+        list(readable(Batches(), workers=True))
+    assert str(e.value).startswith("data: loader worker (pid 4242) ended unexpectedly: PyTorch "
+                                   "does not tell how: the out-of-memory killer, usually")
+
+
 class _Hangs(torch.utils.data.Dataset):
     def __len__(self):
         return 8
