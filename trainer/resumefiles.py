@@ -152,12 +152,34 @@ def resume_args(run_dir: Path) -> str:
 
 
 def resume_said(run_dir: Path) -> str:
-    """How to resume the run in `run_dir`, for its last line: the command line's arguments;
-    from Python, the overrides to add to the config it was composed from."""
-    if _launched():
-        return resume_args(run_dir)
-    return ("the config this run was composed from and the overrides "
-            f"{_composed_overrides(run_dir)}")
+    """How to resume the run in `run_dir`, for its last line: the command, where it can be
+    told, and its arguments; from Python, the overrides to add to the config it was composed
+    from."""
+    if not _launched():
+        return ("the config this run was composed from and the overrides "
+                f"{_composed_overrides(run_dir)}")
+    command = launch_command()
+    if command is None:  # (several nodes, SLURM: flags this process cannot see)
+        return f"this launch's command and the arguments {resume_args(run_dir)}"
+    return f"{command} {resume_args(run_dir)}"
+
+
+def launch_command(environ=os.environ) -> Optional[str]:
+    """The command that started this run, before its arguments, where this process can tell
+    it: `python train.py`, or `torchrun --standalone --nproc_per_node=N train.py` for a
+    torchrun launch on one node (a pasted resume line lacked it under torchrun); None for a
+    launch on several nodes or by SLURM, whose other flags it cannot see."""
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
+    if script is None:
+        return None
+    from trainer.distributed import detect
+
+    env, script = detect(environ), shlex.quote(script)
+    if env.launcher == "none":
+        return f"python {script}"
+    if env.launcher != "torchrun" or env.local_world_size != env.world_size:
+        return None
+    return f"torchrun --standalone --nproc_per_node={env.world_size} {script}"
 
 
 def _launched() -> bool:

@@ -170,7 +170,7 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     out, status = preempted(run_dir, ["trainer.accumulate_grad_batches=2"], at_step=7)
     resume = resume_line([*JOB, "trainer.accumulate_grad_batches=2"], run_dir)
     assert status["resume"] == resume  # the launch's own overrides, then where to resume
-    assert f"resume with {resume}\n" in out
+    assert f"resume with python {ROOT / 'train.py'} {resume}\n" in out
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 7 and state["step"] == logged_step(run_dir)
     assert "failed at step" not in (run_dir / "train.log").read_text()  # (no failure)
@@ -203,7 +203,8 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     lines = [ln for ln in out.splitlines() if "stopped on a Ctrl-C" in ln]
     assert len(lines) == 1, out[-3000:]  # rank 0's only
     status = json.loads((run_dir / "status.json").read_text())
-    assert lines[0].endswith(f"resume with {status['resume']}")
+    launch = "python" if nproc == 1 else f"torchrun --standalone --nproc_per_node={nproc}"
+    assert lines[0].endswith(f"resume with {launch} {ROOT / 'train.py'} {status['resume']}")
     assert status["status"] == "interrupted" and status["exit_code"] == 130
     state = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] >= 10

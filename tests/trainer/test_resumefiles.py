@@ -116,3 +116,20 @@ def test_a_set_aside_state_is_known_by_the_step_its_roll_back_went_to(tmp_path):
     assert resumefiles.set_aside_step(folder / "last.pt", tmp_path) is None
     elsewhere = tmp_path / "other" / "checkpoints" / "abandoned-after-step-00000023"
     assert resumefiles.set_aside_step(elsewhere / "last.pt", tmp_path) is None
+
+
+def test_the_resume_line_starts_with_the_command_where_it_can_be_told(monkeypatch):
+    """Under torchrun the line named the arguments alone: pasted after `python train.py`,
+    they resumed a job of several ranks as one process."""
+    monkeypatch.setattr(resumefiles.sys, "argv", ["train.py", "optim.lr=0.1"])
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert resumefiles.launch_command({}) == "python train.py"
+    assert resumefiles.launch_command(torchrun) == \
+        "torchrun --standalone --nproc_per_node=4 train.py"
+    # several nodes, SLURM: flags this process cannot see
+    assert resumefiles.launch_command({**torchrun, "LOCAL_WORLD_SIZE": "2"}) is None
+    assert resumefiles.launch_command({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                       "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "7",
+                                       "SLURM_NODELIST": "n1"}) is None
+    monkeypatch.setattr(resumefiles.sys, "argv", ["-c"])
+    assert resumefiles.launch_command({}) is None
