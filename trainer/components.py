@@ -149,9 +149,12 @@ def missing_key(key: str, node: Any, arg: str) -> Optional[str]:
 
 
 def _no_argument(key: str, name: str, arg: str, params: Dict[str, inspect.Parameter]) -> str:
-    """The line for an argument `arg` that the target `name` at `key` does not take."""
-    return (f"{key}.{arg}: {name} takes no argument '{arg}' (it takes: "
-            f"{', '.join(params) or 'no arguments'})")
+    """The line for an argument `arg` that the target `name` at `key` does not take, with the
+    one it misspells where there is one (`layer` for `layers`)."""
+    meant = spelling.closest(arg, params)
+    return (f"{key}.{arg}: {name} takes no argument '{arg}' "
+            + (f"(did you mean {key}.{meant}? " if meant else "(")
+            + f"it takes: {', '.join(params) or 'no arguments'})")
 
 
 def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,

@@ -85,10 +85,12 @@ def test_describe_lists_valid_keys_for_a_typo(make_cfg):
 @pytest.mark.parametrize("override,said", [
     # a misspelt argument: what the target takes (Hydra's "not in struct" with a hint to add it
     # with +, which led to the message below only then)
-    ("optim.lrr=1e-3", "optim.lrr: torch.optim.AdamW takes no argument 'lrr' (it takes: "
-                       "params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, "),
-    ("model.hiden=[64]", "model.hiden: trainer.models.MLP takes no argument 'hiden' (it takes: "
-                         "input_shape, num_classes, hidden, dropout, activation_checkpointing)"),
+    ("optim.lrr=1e-3", "optim.lrr: torch.optim.AdamW takes no argument 'lrr' (did you mean "
+                       "optim.lr? it takes: params, lr, betas, eps, weight_decay, amsgrad, "
+                       "maximize, foreach, "),
+    ("model.hiden=[64]", "model.hiden: trainer.models.MLP takes no argument 'hiden' (did you "
+                         "mean model.hidden? it takes: input_shape, num_classes, hidden, "
+                         "dropout, activation_checkpointing)"),
     ("sched.warmup=5", "sched.warmup: trainer.schedules.warmup_cosine takes no argument "
                        "'warmup' (it takes: optimizer, total_steps, warmup_steps, min_lr_ratio)"),
     # an argument the target takes and the config does not list: how to add it

@@ -85,8 +85,13 @@ def test_a_hugging_face_configs_misspelt_setting_is_refused_and_an_extra_one_sai
 
 def test_unknown_and_missing_arguments_are_named():
     with pytest.raises(ConfigError, match=r"^model.hiden: trainer.models.MLP takes no argument "
-                                          r"'hiden' \(it takes: input_shape, num_classes"):
+                                          r"'hiden' \(did you mean model.hidden\? it takes: "
+                                          r"input_shape, num_classes"):
         build(node(_target_="trainer.models.MLP", hiden=[4]), "model", {"input_shape": [3]})
+    # a word for another is no misspelling: no guess (sched's warmup is not warmup_steps)
+    with pytest.raises(ConfigError, match=r"^sched.warmup: trainer.schedules.warmup_cosine "
+                                          r"takes no argument 'warmup' \(it takes: "):
+        build(node(_target_="trainer.schedules.warmup_cosine", warmup=5), "sched")
     with pytest.raises(ConfigError, match=r"^model: trainer.models.MLP needs 'num_classes': set "
                                           r"data.num_classes \(the classes of a classification\) "
                                           r"or \+model.num_classes=N \(its outputs: 1 for one "

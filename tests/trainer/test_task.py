@@ -166,8 +166,8 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
 
 @pytest.mark.parametrize("args,fragment", [
     (["model=custom", "model._target_=tests.helpers.TwoHeads", "+model.widht=3"],
-     "model.widht: tests.helpers.TwoHeads takes no argument 'widht' (it takes: input_shape, "
-     "num_classes, width)"),
+     "model.widht: tests.helpers.TwoHeads takes no argument 'widht' (did you mean "
+     "model.width? it takes: input_shape, num_classes, width)"),
     (["model._target_=tests.helpers.TwoHeads"],
      "model.hidden: tests.helpers.TwoHeads takes no argument 'hidden' (it takes: input_shape, "
      "num_classes, width); model=custom starts from no keys but _target_"),
