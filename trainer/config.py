@@ -164,6 +164,7 @@ class TrainerConfig:
     detect_anomaly: bool = False
     profile: bool = False
     progress_bar: bool = True
+    print_config: bool = True  # the resolved config at start (config.yaml holds it either way)
     tensorboard: bool = True
     save_checkpoint: bool = True
     resume: Optional[str] = None  # null | auto | path to a checkpoint

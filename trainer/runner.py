@@ -229,7 +229,8 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
 
 def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogger,
                   run_dir: Path, n_train: int) -> None:
-    logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    if cfg.trainer.print_config:
+        logger.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
     logger.info("run dir %s | device %s | strategy %s | precision %s | world size %d",
                 run_dir, spec.device, spec.strategy.value, spec.precision.value, env.world_size)
     logger.info("global batch %d = per-rank batch %d x accumulation %d x world size %d "

@@ -834,3 +834,13 @@ def test_a_jobs_shm_copy_is_removed_when_the_job_ends_not_when_the_process_does(
     # (a copy per split, a job's own)
     assert len(copies) == 6 and copies[0] == copies[2] != copies[3] == copies[5]
     assert all(len(c) == 2 and c[0].startswith("stoker-") for c in copies)
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_the_config_is_printed_at_start_unless_switched_off(make_cfg, tmp_path, caplog, shown):
+    """The resolved config is some 120 lines at every start; config.yaml holds it either way."""
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        train(make_cfg("trainer.max_steps=1", f"trainer.print_config={str(shown).lower()}"))
+    printed = [r for r in caplog.records if r.getMessage().startswith("config:\n")]
+    assert len(printed) == int(shown)
+    assert "print_config" in (tmp_path / "run" / "config.yaml").read_text()
