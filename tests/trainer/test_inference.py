@@ -43,3 +43,28 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_model(tmp_path / "gone" / "last.pt")
     assert str(e.value).endswith("last.pt: no such file")
+
+
+def test_image_files_prepared_for_a_checkpoints_model_give_the_runs_numbers(make_cfg, tmp_path):
+    """image_inputs decodes, crops and normalises files as the run's image folder and device
+    transform did: the model given them scores the run's last validation."""
+    from data.images import ImageFolder
+    from scripts.make_images import write_images
+    from trainer.inference import image_inputs
+
+    write_images(tmp_path / "images", count=60, size=40, classes=3)
+    summary = train(make_cfg("data=image_folder", f"data.dataset.root={tmp_path / 'images'}",
+                             "data.dataset.size=24", "model=cnn", "trainer.max_epochs=2"))
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    files = ImageFolder("val", str(tmp_path / "images"), size=24).samples
+    x = image_inputs(last, [path for path, _ in files])
+    y = torch.tensor([label for _, label in files])
+    assert x.shape == (len(files), 3, 24, 24) and x.dtype == torch.float32
+    with torch.no_grad():
+        out = load_model(last)(x)
+    assert (out.argmax(1) == y).float().mean().item() == pytest.approx(summary["val_acc"])
+    assert torch.nn.functional.cross_entropy(out, y).item() == pytest.approx(
+        summary["val_loss"], rel=1e-5)
+    with pytest.raises(CheckpointError, match=r"its run's inputs were no square RGB images"):
+        train(make_cfg("trainer.max_steps=1", run_dir=tmp_path / "digits"))
+        image_inputs(tmp_path / "digits" / "checkpoints" / "last.pt", [files[0][0]])
