@@ -31,6 +31,7 @@ line naming the file, the run stops).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -258,6 +259,10 @@ class ImageFolder(Dataset):
         self.classes, self.samples = image_lists(self.root, split, val_fraction, split_seed)
         self.unreadable = Unreadable(on_error, len(self.samples), "image", "files")
         self.collate_fn = SkipCollate((3, size, size))
+        self.held_out = None  # drawn from the classes' files: which they are (checkpoints)
+        if val_fraction is not None and split == "val":
+            names = sorted(os.path.relpath(path, self.root) for path, _ in self.samples)
+            self.held_out = hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -100,7 +100,9 @@ class Loop:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
                 "callbacks": self._callback_states(), **asdict(self.state),
                 # what the position counts into: a resume over a changed set says so
-                "train_samples": len(self.train_feed.loader.dataset)}
+                "train_samples": len(self.train_feed.loader.dataset),
+                # which files a drawn validation split holds out (ImageFolder.held_out)
+                "held_out": getattr(getattr(self.val_feed, "source", None), "held_out", None)}
 
     def _callback_states(self) -> Dict[str, Any]:
         states = {}

@@ -239,11 +239,27 @@ def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Lo
                               + (f"its run had {had}" if had is not None else "another dataset?")
                               + "); resume over the data it trained on, or start a new run "
                               f"from its weights alone: trainer.init_from={path}")
+    said = _held_out_changed(state, path, loop)
     if had is None or had == n:  # (the sampler's order is a function of the length)
-        return []
+        return said
     return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: epoch "
             f"{loop.state.epoch} goes on {loop.state.position} samples in, over another order "
-            "of them (some may come twice in it, or not at all); later epochs are whole"]
+            "of them (some may come twice in it, or not at all); later epochs are whole", *said]
+
+
+def _held_out_changed(state: Dict[str, Any], path: Path, loop: Loop) -> List[str]:
+    """A warning where the checkpoint's run held out other validation files than this run's
+    draw (data.dataset.val_fraction draws them anew when a class's files change): the model
+    trained on some of the files it is now validated on, which nothing said."""
+    had = state.get("held_out")
+    now = getattr(getattr(loop.val_feed, "source", None), "held_out", None)
+    if had is None or now is None or had == now:
+        return []
+    return [f"checkpoint {path}: its run held out other validation files than this one "
+            "(data.dataset.val_fraction draws them from each class's files, which changed): "
+            "the model has trained on some of the files it is now validated on, so its "
+            "validation values are no longer of unseen data; put the files back as they were, "
+            "or start a new run"]
 
 
 def _schedule_position(cfg: DictConfig, loop: Loop) -> Tuple[List[str], bool]:

@@ -844,3 +844,34 @@ def test_the_config_is_printed_at_start_unless_switched_off(make_cfg, tmp_path, 
     printed = [r for r in caplog.records if r.getMessage().startswith("config:\n")]
     assert len(printed) == int(shown)
     assert "print_config" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_resume_whose_drawn_validation_files_changed_says_so(make_cfg, tmp_path, caplog):
+    """With data.dataset.val_fraction a file added to a class draws another share of it for
+    validation: files the model trained on were validated on, and a resume said only that
+    the count of training samples changed."""
+    import shutil
+
+    from scripts.make_images import write_images
+
+    write_images(tmp_path / "images", count=40, size=24, classes=2, val_fraction=0.0)
+    root = tmp_path / "images" / "train"
+    data = ["data=image_folder", f"data.dataset.root={root}", "data.dataset.size=16",
+            "data.dataset.val_fraction=0.25", "model=cnn", "data.batch_size=8"]
+    train(make_cfg(*data, "trainer.max_steps=2", "trainer.checkpoint.every_n_steps=2"))
+    path = tmp_path / "run" / "checkpoints" / "step-00000002.pt"
+    for run, change in (("same", False), ("changed", True)):
+        if change:
+            first = sorted((root / "class_00").iterdir())[0]
+            shutil.copy(first, root / "class_00" / "added.jpg")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stoker"):
+            train(make_cfg(*data, "trainer.max_steps=3", f"trainer.resume={path}",
+                           run_dir=tmp_path / run))
+        said = [r.getMessage() for r in caplog.records if "held out other" in r.getMessage()]
+        assert said == ([f"checkpoint {path}: its run held out other validation files than "
+                         "this one (data.dataset.val_fraction draws them from each class's "
+                         "files, which changed): the model has trained on some of the files it "
+                         "is now validated on, so its validation values are no longer of unseen "
+                         "data; put the files back as they were, or start a new run"]
+                        if change else [])
