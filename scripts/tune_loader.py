@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -100,6 +101,7 @@ def overrides_first(argv: List[str], parser: argparse.ArgumentParser) -> List[st
     return overrides + rest
 
 
+FEW_BATCHES = 10  # fewer timed batches a setting than this: the result is said to be rough
 WORKERS_PER_CPU = 8  # loader workers worth timing per usable CPU (waiting on reads, say)
 
 
@@ -132,6 +134,8 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     dataset = build_datasets(cfg)[0]
     pins = [False, True] if device.type == "cuda" else [False]
     rows = []
+    # (more workers than CPUs is a setting it times on purpose: those waiting on reads)
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
     for workers in a.workers:
         for prefetch in (a.prefetch if workers else a.prefetch[:1]):  # no effect without workers
             for pin in pins:
@@ -148,6 +152,9 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             + (f" data.prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
             + (f" data.pin_memory={str(best['pin_memory']).lower()}" if len(pins) > 1 else ""))
     print(f"best: {best['samples_per_s']:.0f} samples/s with\n  {line}")
+    if a.batches < FEW_BATCHES:  # (a shared machine's bursts decide between close rows)
+        print(f"({a.batches} batches a setting: a rough reading; --batches {FEW_BATCHES * 2} or "
+              "more for a steadier one)")
     result = {"machine": machine(), "device": str(device), "overrides": a.overrides,
               "batches": a.batches, "results": rows, "best": best, "best_overrides": line}
     return publish(a.out, result)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ def test_smoke_prints_best_override_line(tmp_path):
     # with workers, their prefetch depth; without, none (it would mean nothing)
     assert ("data.prefetch_factor=" in line) == (best["num_workers"] > 0)
     assert line in proc.stdout
+    assert "(3 batches a setting: a rough reading; --batches 20 or more" in proc.stdout
 
 
 @pytest.mark.slow
@@ -94,6 +96,21 @@ def test_an_image_folder_is_timed_through_its_own_collate(tmp_path, capsys):
         main([*common, "--out", str(tmp_path / "b.json")])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and err.startswith("stoker: error: data: no sample was read")
+
+
+def test_more_workers_than_cpus_is_timed_without_pytorchs_warning(tmp_path, capsys):
+    """A setting it times on purpose (workers waiting on reads): PyTorch's warning, printed
+    twice for each, was noise."""
+    import warnings as py_warnings
+
+    from scripts.tune_loader import main
+
+    with py_warnings.catch_warnings(record=True) as seen:
+        py_warnings.simplefilter("always")
+        main(["--workers", str(2 * len(os.sched_getaffinity(0)) + 1), "--batches", "2",
+              "--out", str(tmp_path / "t.json"), "data=synthetic",
+              "data.dataset.num_samples=256"])
+    assert not [w for w in seen if "This DataLoader will create" in str(w.message)]
 
 
 @pytest.mark.parametrize("args,needle", [
