@@ -1,5 +1,5 @@
-"""README.md's examples of code of one's own (the Hugging Face model's data, a task with dict
-batches and a two-head model), written to files and run with the README's own commands, as a
+"""README.md's examples of code of one's own (the Hugging Face models' data and factory, a
+task with dict batches and a two-head model), written to files and run with the README's own commands, as a
 new user copies them: an example that no longer runs fails here, not in a user's hands."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 # where each block goes, told by what it holds (the README names the files in its prose)
 FILES = {"class PaddedTokens": "mypkg/data.py", "class DigitAndParity": "mypkg/tasks.py",
-         "class DictDigits": "mypkg/digits.py",
+         "class DictDigits": "mypkg/digits.py", "def vit(": "mypkg/vision.py",
          "transformers.GPT2LMHeadModel": "myconf/model/gpt2_tiny.yaml",
          "mypkg.data.PaddedTokens": "myconf/data/padded_tokens.yaml",
          "mypkg.tasks.DigitAndParity": "myconf/task/digit_parity.yaml"}
@@ -54,11 +54,12 @@ def _write_examples(folder) -> list:
 def test_the_readmes_own_code_examples_train_as_written(tmp_path):
     pytest.importorskip("transformers")  # (the Hugging Face model's example needs it)
     commands = _write_examples(tmp_path)
-    assert len(commands) == 2, commands  # the Hugging Face model's, the task's
+    assert len(commands) == 3, commands  # the Hugging Face models', the task's
     for n, args in enumerate(commands):
         run_dir = tmp_path / f"run{n}"
         proc = run_cli([*args, *QUIET, "trainer.max_steps=6", f"hydra.run.dir={run_dir}"],
                        cwd=tmp_path)
         assert proc.returncode == 0, f"{args}\n{proc.stderr[-3000:]}"
         assert summary_of(run_dir)["steps"] == 6
-    assert "val_f1" in summary_of(tmp_path / "run1")  # the task's metrics
+    assert "val_acc" in summary_of(tmp_path / "run1")  # the vision model's
+    assert "val_f1" in summary_of(tmp_path / "run2")  # the task's metrics
