@@ -128,6 +128,9 @@ def image_settings(size: int, resize: Optional[int], on_error: str) -> int:
     shorter side to resize to (null: size / 0.875, the usual 256 for 224)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"data.dataset.on_error={on_error!r}: must be skip or fail")
+    for key, value in (("size", size), ("resize", resize)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"data.dataset.{key}={value}: must be a whole number of pixels")
     if size < 1 or (resize is not None and resize < size):
         raise ValueError(f"data.dataset.size={size}, resize={resize}: need size >= 1 and "
                          "resize >= size (or null)")

@@ -112,8 +112,10 @@ class ShardStream:
                  resize: Optional[int] = None, on_error: str = "skip",
                  shuffle_buffer: int = 1000):
         self.resize = image_settings(size, resize, on_error)
-        if shuffle_buffer < 1:
-            raise ValueError(f"data.dataset.shuffle_buffer={shuffle_buffer}: must be >= 1")
+        if not isinstance(shuffle_buffer, int) or isinstance(shuffle_buffer, bool) or \
+                shuffle_buffer < 1:
+            raise ValueError(f"data.dataset.shuffle_buffer={shuffle_buffer}: must be a whole "
+                             "number >= 1")
         self.split, self.root = split, root
         self.size, self.on_error, self.shuffle_buffer = size, on_error, shuffle_buffer
         folder = _join(root, split)

@@ -410,6 +410,12 @@ def build_model(cfg: Any) -> Any:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
                           f"{type(model).__name__}, not a torch.nn.Module")
+    meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.is_meta), None)
+    if meta is not None:  # (its move to the device raised "Cannot copy out of meta tensor")
+        raise ConfigError(f"model._target_={cfg.model._target_}: its {meta} is on the meta "
+                          "device, a shape with no data; build the model with its weights "
+                          "(or materialise them, e.g. to_empty() then their initialisation)")
     return model
 
 

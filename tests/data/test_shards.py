@@ -310,3 +310,14 @@ sys.exit(3)
 """)
     proc = bounded([sys.executable, str(script)], ROOT, {"PYTHONPATH": str(ROOT)}, 60)
     assert (proc.returncode, proc.stdout) == (3, "a batch\n"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key,value,said", [
+    ("shuffle_buffer", 1.5, "data.dataset.shuffle_buffer=1.5: must be a whole number >= 1"),
+    ("size", 32.5, "data.dataset.size=32.5: must be a whole number of pixels"),
+    ("resize", 40.0, "data.dataset.resize=40.0: must be a whole number of pixels")])
+def test_a_shard_option_that_is_no_whole_number_is_one_line(shards, key, value, said):
+    """It passed the checks, and a loader worker met it in a traceback after the run began."""
+    with pytest.raises(ValueError) as e:
+        ShardStream("train", str(shards), **{key: value})
+    assert str(e.value) == said

@@ -267,3 +267,16 @@ def test_an_errors_first_line_takes_the_reason_a_colon_leads_to():
         == "Validation error for field 'x': expected a list"
     assert first_line(ValueError("one\ntwo")) == "one"
     assert first_line(ValueError("")) == "ValueError"
+
+
+def test_a_model_on_the_meta_device_is_one_line_naming_a_tensor_without_data():
+    """Its move to the training device raised "Cannot copy out of meta tensor" in a traceback."""
+    from omegaconf import OmegaConf
+
+    from trainer.components import build_model
+
+    cfg = OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "in_features": 2,
+                                      "out_features": 3, "device": "meta"}})
+    with pytest.raises(ConfigError, match=r"^model._target_=torch.nn.Linear: its weight is on "
+                                          r"the meta device, a shape with no data; build"):
+        build_model(cfg)
