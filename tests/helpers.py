@@ -557,6 +557,17 @@ class Float64Digits(DigitsDataset):
         return x.double(), y
 
 
+class ThreadLeavingMLP(MLP):
+    """An MLP whose constructor starts a thread that is no daemon and sleeps an hour (a
+    user's uploader, say): Python's exit waits for it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import threading
+
+        threading.Thread(target=time.sleep, args=(3600,), name="uploader").start()
+
+
 class DrawingMLP(MLP):
     """An MLP whose forward draws from torch's, python's and numpy's random streams in eval
     mode too (a sampling model's way): a pass the run makes outside training would shift

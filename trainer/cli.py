@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 import sys
-from typing import Callable, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
 from hydra.errors import HydraException
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -392,7 +392,7 @@ def complete() -> None:
     def ending(signum, frame) -> None:
         if os.getpid() != pid:  # (a process forked from this one: not its to decide)
             return
-        if seen:
+        if seen or threads_left():  # (the exit would wait on for threads of the user's code)
             os._exit(0)
         seen.append(signum)
 
@@ -401,6 +401,27 @@ def complete() -> None:
         if signal.getsignal(sig) != signal.SIG_IGN:  # (nohup: SIGHUP stays ignored)
             signal.signal(sig, ending)
     _COMPLETE[:] = [pid]
+
+
+def threads_left() -> List[Any]:
+    """The threads Python's exit waits for (alive, not daemons) besides the main one: threads
+    the user's code started, since Stoker's own are daemons."""
+    import threading
+
+    return [t for t in threading.enumerate() if t is not threading.main_thread()
+            and not t.daemon and t.is_alive()]
+
+
+def _say_threads_left() -> None:
+    """After a complete run, the threads of the user's code that the exit waits for, in one
+    line: the process sat silent after `done:` (ten minutes, once), and let the first SIGTERM
+    pass; one now ends it (complete())."""
+    left = threads_left()
+    if left and _COMPLETE and _COMPLETE[0] == os.getpid():
+        names = ", ".join(t.name for t in left[:3]) + (", ..." if len(left) > 3 else "")
+        print(f"stoker: the run is complete; the process waits for {len(left)} thread"
+              f"{'' if len(left) == 1 else 's'} of your code to end ({names}; not daemon "
+              "threads): a Ctrl-C or SIGTERM ends it now", file=sys.stderr, flush=True)
 
 
 def _ignored_once_complete() -> None:
@@ -433,6 +454,7 @@ def exit_on_error(main: Callable[[], None]) -> None:
     # errors said in one line are turned into SystemExit inside it, which it does not record
     # (torchrun printed a rank's whole traceback for a misspelt key)
     record(lambda: _one_line_errors(main))()
+    _say_threads_left()
 
 
 def _escape_what_the_console_cannot_show() -> None:
