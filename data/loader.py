@@ -17,7 +17,7 @@ import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours ru
 import signal
 import time
 import weakref
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -238,6 +238,40 @@ def worker_signals(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, _second_ends)
     for sig in (signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    _first_batch_sendable()
+
+
+def _first_batch_sendable() -> None:
+    """In a loader worker: its first batch is pickled as the queue to the training process
+    will pickle it, and one that cannot be (a collate that returns a generator, an open file)
+    raises a ConfigError there, which reaches the training process as any worker error does.
+    The queue's own thread printed the pickling error's traceback and dropped the batch, and
+    the run waited for it until data.timeout, then blamed a stuck worker. (Fetchers are this
+    worker process's classes: patched here, in it alone.)"""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.utils.data._utils import fetch
+
+    state: Dict[str, Any] = {"checked": False, "error": None}
+    for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher):
+        def checked(self, index, _fetch=cls.fetch):
+            if state["error"] is not None:  # (the batches after it: the same, not pickled)
+                raise state["error"]
+            batch = _fetch(self, index)
+            if not state["checked"]:
+                state["checked"] = True
+                try:
+                    ForkingPickler.dumps(batch)
+                except Exception as e:  # noqa: BLE001  (whatever pickling raises)
+                    state["error"] = ConfigError(
+                        f"data: a loader worker cannot send its batch to the training process "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                        "the collate (data.collate_fn, or the dataset's own) must return "
+                        "tensors, numbers, strings, and lists, tuples or dicts of them; "
+                        "data.num_workers=0 takes the batch as it is")
+                    raise state["error"] from None
+            return batch
+        cls.fetch = checked
 
 
 def _second_ends(signum, frame) -> None:
@@ -295,13 +329,18 @@ _ENDED = (f"PyTorch does not tell how: the out-of-memory killer, usually ({_LESS
           "os._exit); data.num_workers=0 runs it in the training process, where that shows")
 
 
-def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
+def _worker_ended(text: str, holders: Sequence[Any] = ()) -> Optional[LoaderWorkerDied]:
     """PyTorch's words for a worker whose process ended, as one line that says what the
     usual cause is and where to look."""
     m = _WORKER_ENDED.search(text.splitlines()[0] if text else "")
     if m is None:
         return None
     pid, signal_name, code = m.group(1).strip(), m.group(3), m.group(4)
+    if signal_name is None and code is None and pid.isdigit():
+        # PyTorch does not always tell how (one race of its own says "exited unexpectedly"
+        # for a worker it saw killed): the worker's own exit status says, as its Process
+        # object kept it, or unreaped
+        signal_name, code = _exit_status(int(pid), holders)
     if code is not None:
         what = (f"exited with code {code} (sys.exit or os._exit in the dataset's code?); "
                 "data.num_workers=0 runs it in the training process, where its traceback shows")
@@ -321,11 +360,40 @@ def _worker_ended(text: str) -> Optional[LoaderWorkerDied]:
     return LoaderWorkerDied(f"data: loader worker (pid {pid}) {what}")
 
 
-def worker_died(e: BaseException) -> Optional[LoaderWorkerDied]:
-    """The one line for PyTorch's error for a loader worker whose process ended, or None. Its
-    SIGCHLD handler raises that error wherever the training thread is (inside the model's
-    forward, say), not only where batches are read."""
-    return _worker_ended(str(e)) if isinstance(e, RuntimeError) else None
+def _exit_status(pid: int, holders: Sequence[Any] = ()) -> Tuple[Optional[str], Optional[str]]:
+    """(the signal's name, as PyTorch writes it, or None; the exit code, or None) of the
+    ended child `pid`: from its Process among the workers of `holders`, else read without
+    reaping it (as PyTorch's SIGCHLD handler reads it); both None where it cannot be read."""
+    for worker in _workers_of(holders):
+        if worker.pid == pid and worker.exitcode not in (None, 0):
+            code = worker.exitcode
+            return ((signal.strsignal(-code) or f"signal {-code}", None) if code < 0
+                    else (None, str(code)))
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError, AttributeError):
+        return None, None
+    if info is None:
+        return None, None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return signal.strsignal(info.si_status) or f"signal {info.si_status}", None
+    return (None, str(info.si_status)) if info.si_status else (None, None)
+
+
+def worker_died(e: BaseException, holders: Sequence[Any] = ()) -> Optional[LoaderWorkerDied]:
+    """The one line for PyTorch's error for a loader worker whose process ended, or None
+    (`holders`: the DataLoader iterators or loaders whose workers it may be). Its SIGCHLD
+    handler raises that error wherever the training thread is (inside the model's forward,
+    say), not only where batches are read."""
+    return _worker_ended(str(e), holders) if isinstance(e, RuntimeError) else None
+
+
+def _workers_of(holders: Sequence[Any]) -> List[Any]:
+    """The worker processes of DataLoader iterators, or of the ones loaders keep."""
+    return [worker for holder in holders
+            for it in (holder, getattr(holder, "_iterator", None),
+                       getattr(holder, "_batches", None))
+            for worker in (getattr(it, "_workers", None) or ())]
 
 
 def as_is(batch: Any) -> Any:
@@ -340,7 +408,7 @@ class Unbatchable(ConfigError):
     """The dataset's samples are not batched by the default collate (the line says why)."""
 
 
-def loader_error(e: BaseException) -> BaseException:
+def loader_error(e: BaseException, holders: Sequence[Any] = ()) -> BaseException:
     """One line for what goes wrong inside a DataLoader, else `e` itself: a ConfigError for
     samples the default collate cannot batch (types it does not know, tensors of different
     shapes), LoaderStalled for a worker that sent nothing for data.timeout seconds.
@@ -352,7 +420,7 @@ def loader_error(e: BaseException) -> BaseException:
         return LoaderStalled(f"data: {str(e).rstrip('.')} (data.timeout) waiting for a batch "
                              "from a loader worker: stuck or stopped; raise data.timeout if "
                              "single batches are that slow")
-    ended = worker_died(e)
+    ended = worker_died(e, holders)
     if ended is not None:
         return ended
     last = ([line.strip() for line in str(e).splitlines() if line.strip()] or [repr(e)])[-1]
@@ -390,7 +458,7 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
         yield from batches  # delegated in C: nothing per batch on the training thread
     except (TypeError, RuntimeError, KeyError, ConfigError) as e:
         _said_stall(token)
-        error = loader_error(e)
+        error = loader_error(e, (batches, owner))
         if isinstance(error, LoaderStalled):
             kill_workers(batches, owner)
         if error is e:
@@ -400,28 +468,30 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
         if not workers:  # (the dataset's own connection, in this process)
             raise
         _said_stall(token)
-        pid = _ended_worker(batches, owner)
-        if pid is not None:  # (the same line as where PyTorch's handler tells of it first)
-            raise LoaderWorkerDied(f"data: loader worker (pid {pid}) ended unexpectedly: "
-                                   f"{_ENDED}") from None
+        worker = _ended_worker(batches, owner)
+        if worker is not None:  # (the same line as where PyTorch's handler tells of it first)
+            code = worker.exitcode
+            raise _worker_ended(
+                f"DataLoader worker (pid {worker.pid}) is killed by signal: "
+                f"{signal.strsignal(-code) or f'signal {-code}'}." if code < 0 else
+                f"DataLoader worker (pid {worker.pid}) exited unexpectedly with exit code "
+                f"{code}.") from None
         raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
                                f"was received ({type(e).__name__}: {e}): {_ENDED}") from None
     finally:
         handover.unwatch(token)
 
 
-def _ended_worker(*holders: Any, wait_s: float = 1.0) -> Optional[int]:
-    """The pid of a loader worker of `holders` (DataLoader iterators, or loaders keeping one)
-    whose process has ended with an error, waited for up to `wait_s`: a worker that dies while
-    it hands a batch over breaks the connection before PyTorch's handler tells of it."""
+def _ended_worker(*holders: Any, wait_s: float = 1.0) -> Optional[Any]:
+    """A loader worker (its multiprocessing Process) of `holders` (DataLoader iterators, or
+    loaders keeping one) whose process has ended with an error, waited for up to `wait_s`: a
+    worker that dies while it hands a batch over breaks the connection before PyTorch's
+    handler tells of it."""
     deadline = time.monotonic() + wait_s
     while True:
-        for holder in holders:
-            for it in (holder, getattr(holder, "_iterator", None),
-                       getattr(holder, "_batches", None)):
-                for worker in getattr(it, "_workers", None) or ():
-                    if worker.exitcode not in (None, 0):
-                        return worker.pid
+        for worker in _workers_of(holders):
+            if worker.exitcode not in (None, 0):
+                return worker
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)

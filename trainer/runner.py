@@ -397,7 +397,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             if unwritten is not None and env.is_main:
                 log.warning("checkpoint: the last background write failed too: %s",
                             describe(unwritten))
-        died = worker_died(e)  # (said in one line wherever the training thread met it)
+        # (said in one line wherever the training thread met it; how, from its process)
+        died = worker_died(e, [] if loop is None else [
+            feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None])
         lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
                                cfg.trainer.ddp.timeout_s)
         if lost is not None or died is not None:

@@ -422,8 +422,6 @@ def test_a_pass_ends_its_loader_workers_when_its_reader_is_done(tmp_path, monkey
     a reference cycle held the iterator, the garbage collector ended it after stopping the
     threads that feed its workers' requests, so the request to stop never reached them and
     the shutdown waited 5 s for each, twice (10 s an epoch). Persistent workers are kept."""
-    import multiprocessing
-
     from data.datasets import DigitsDataset
     from data.shards import ShardLoader, ShardStream
     from data.shardwriter import write_shards
@@ -448,7 +446,8 @@ def test_a_pass_ends_its_loader_workers_when_its_reader_is_done(tmp_path, monkey
         feed = DevicePrefetcher(loader, CPU)
         assert len(list(feed.take(len(loader)))) == len(loader) == 23
         keeps = persistent and not shards  # (a shard loader starts its workers per pass)
-        assert kept[-1]._shutdown is not keeps
-        assert bool(multiprocessing.active_children()) is keeps
+        workers = kept[-1]._workers
+        assert kept[-1]._shutdown is not keeps and len(workers) == 2
+        assert all(w.is_alive() is keeps for w in workers)
         feed.close()
-        assert not multiprocessing.active_children()
+        assert not any(w.is_alive() for w in workers)
