@@ -770,6 +770,18 @@ class PerSampleLoss(Classification):
         return torch.nn.functional.cross_entropy(output, batch[1], reduction="none")
 
 
+class NothingCounted(Classification):
+    """A task whose every batch counts 0 units (a token task whose labels are all -100): its
+    loss averages over nothing."""
+
+    def count(self, batch):
+        return torch.zeros((), dtype=torch.int64)
+
+    def loss(self, output, batch):
+        ignored = torch.full_like(batch[1], -100)
+        return torch.nn.functional.cross_entropy(output, ignored)  # (nan: 0 / 0)
+
+
 class DetachedLoss(Classification):
     """A task whose loss was computed away from the graph."""
 

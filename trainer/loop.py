@@ -67,6 +67,7 @@ class Loop:
         self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
         self.run_samples = 0
+        self.counted = False  # a training batch counted a unit for the loss (check_counted)
         self.val_read = False  # a validation of this run read a sample
         self.val_samples = 0  # the samples the latest validation read, over every rank
         self.val_failure_agreed = False  # a validation raised on every rank alike (a save meets)
@@ -222,17 +223,21 @@ class Loop:
         datasets skipped files as unreadable (on_error=skip): a run on nothing. One small
         all-reduce (ranks decide alike); only while no logging boundary counted samples.
         Batches whose size cannot be told (a dataclass of one's own) count as read."""
-        counts = torch.tensor([float(self.window.samples),
-                               float(len(skipped_files(self.train_feed)))],
-                              dtype=torch.float64, device=self.device)
+        counts = torch.stack([torch.tensor(float(self.window.samples), dtype=torch.float64,
+                                           device=self.device),
+                              torch.tensor(float(len(skipped_files(self.train_feed))),
+                                           dtype=torch.float64, device=self.device),
+                              torch.as_tensor(self.window.count, dtype=torch.float64,
+                                              device=self.device).reshape(())])
         if self.world > 1:
             counts = distributed.all_reduce_sum(counts)
-        samples, files = counts.tolist()
+        samples, files, count = counts.tolist()
         if self.run_samples + samples == 0 and files > 0:
             raise ConfigError(
                 f"data: no training sample was read in {self.state.step} optimizer steps: "
                 f"every one of them was skipped as unreadable ({int(files)} files, "
                 "data.dataset.on_error=skip); check the training files")
+        windowlog.check_counted(self, samples, count)
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and

@@ -22,6 +22,26 @@ class NonFiniteLoss(RuntimeError):
     """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
 
 
+def check_counted(loop: "Loop", samples: float, count: float) -> None:
+    """TaskError where the run's batches so far held samples and counted no unit for the loss
+    to average over (every target ignored: labels all -100 under task.count=tokens): the run
+    trained on nothing (zero gradients) and logged NaN losses, exit 0. `samples` and `count`:
+    every rank's, since the run's last check."""
+    if loop.counted or samples == 0:
+        return
+    if count > 0:
+        loop.counted = True
+        return
+    from trainer.task import TaskError  # (lazy: trainer.task imports this module's users)
+
+    task = loop.task
+    raise TaskError(
+        f"task {getattr(task, 'label', type(task).__name__)}: the run's {loop.state.step} "
+        f"optimizer steps so far counted nothing for the loss to average over, in "
+        f"{int(samples)} samples: is every target ignored? ({type(task).__name__}.count(batch) "
+        "was 0 for every batch; with task.count=tokens, labels of -100 are left out)")
+
+
 def log_window(loop: "Loop", w: Window, epoch: int, grad_norm, bar) -> None:
     """Averages the window over ranks (one all-reduce, one host sync) and records it."""
     if loop.device.type == "cuda":
@@ -36,6 +56,7 @@ def log_window(loop: "Loop", w: Window, epoch: int, grad_norm, bar) -> None:
         sums = distributed.all_reduce_sum(
             torch.tensor(sums, dtype=torch.float64, device=loop.device)).tolist()
     loss_sum, count, samples, wait_s, wall_sum = sums[:5]
+    check_counted(loop, samples, count)
     world = loop.world
     loop.run_wait_s += w.wait_s
     loop.run_samples += int(samples)

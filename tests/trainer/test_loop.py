@@ -223,3 +223,24 @@ def test_a_stop_one_rank_asks_for_stops_every_rank(tmp_path):
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert results == [[12, "a callback on another rank asked to stop"],
                        [12, "rank 1's budget"]]  # both after epoch 0 (12 steps)
+
+
+@pytest.mark.parametrize("limits", [["trainer.max_epochs=2"],  # said at the first epoch's end
+                                    ["trainer.max_steps=30", "trainer.log_every_n_steps=5"]])
+def test_a_run_whose_batches_count_nothing_for_the_loss_stops_in_one_line(make_cfg, tmp_path,
+                                                                          limits):
+    """Every target ignored (labels all -100 under task.count=tokens): the run trained on
+    zero gradients, logged NaN losses and exited 0 with its checkpoints. It stops at its
+    first epoch's end or logging boundary, whichever comes first, naming the count."""
+    from trainer.task import TaskError
+
+    with pytest.raises(TaskError) as e:
+        train(make_cfg("task._target_=tests.helpers.NothingCounted", *limits))
+    steps = 23 if limits[0].startswith("trainer.max_epochs") else 5
+    assert str(e.value).startswith(
+        f"task classification: the run's {steps} optimizer steps so far counted nothing for "
+        "the loss to average over, in ")
+    assert str(e.value).endswith("is every target ignored? (NothingCounted.count(batch) was 0 "
+                                 "for every batch; with task.count=tokens, labels of -100 are "
+                                 "left out)")
+    assert not (tmp_path / "run" / "checkpoints").exists()
