@@ -865,6 +865,20 @@ class ExitingMLP(MLP):
         return super().forward(x)
 
 
+class ExitsAtMLP(MLP):
+    """A model whose `at`-th forward (0: none) calls sys.exit(`code`)."""
+
+    def __init__(self, *args, at: int = 0, code: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at, self.code, self.calls = at, code, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            sys.exit(self.code)
+        return super().forward(x)
+
+
 class ReshapedDigits(DigitsDataset):
     """Digits whose 64 pixels come as (4, 16) samples, not data.input_shape's [1, 8, 8]."""
 

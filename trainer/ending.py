@@ -107,6 +107,19 @@ def end_sweep(e: BaseException, validating: bool = False) -> NoReturn:
     raise SystemExit(exit_code(e))
 
 
+def said_exit(e: SystemExit, at: str, validating: bool = False) -> None:
+    """A `sys.exit()` in the user's code during a run (`at`: where), said in one line from
+    rank 0; in a sweep that stops there, the sweep's stop line too, and an exit of 0 becomes
+    1 (its next jobs never ran: the sweep did not complete). Raises that exit in a sweep."""
+    code = exit_code(e)
+    if distributed.detect().is_main:
+        print(f"stoker: the run ended on your code's sys.exit({e.code!r}){at}", file=sys.stderr,
+              flush=True)
+    if stops_sweep():
+        say_sweep_stopped(validating=validating)
+        raise SystemExit(code or 1)
+
+
 def say_sweep_stopped(e: Optional[BaseException] = None, validating: bool = False) -> None:
     """One line from rank 0: which job stopped the sweep, and how to run on from there (not
     for `e` that a resume of the sweep would meet again: its dir holds another sweep; for a

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from unittest.mock import ANY
 
 import pytest
@@ -286,6 +287,26 @@ def test_sys_exit_in_the_users_code_is_recorded_as_what_it_was(make_cfg, tmp_pat
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert (status["status"], status["exit_code"], status["error"]) == (
         "exited: SystemExit raised during the run", 0, "SystemExit(0)")
+
+
+def test_sys_exit_in_the_users_code_is_said_and_stops_a_sweep_as_unfinished(tmp_path):
+    """The process ended silent, and a sweep whose job called sys.exit(0) ended 0 with its
+    next jobs never run, as if it had completed."""
+    proc = run_cli(["-m", "model._target_=tests.helpers.ExitsAtMLP", "+model.at=0,5,0",
+                    "trainer.max_steps=8", "trainer.progress_bar=false"], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert re.fullmatch(r"stoker: the run ended on your code's sys.exit\(0\) \(raised at "
+                        r".*tests/helpers.py:\d+\)", lines[-2]), lines[-2]
+    assert lines[-1].startswith("stoker: the sweep stopped at job 1; the jobs after it were "
+                                "not run"), lines[-1]
+    [sweep] = (tmp_path / "multirun").glob("*/*")
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # 2 never ran
+    proc = run_cli(["model._target_=tests.helpers.ExitsAtMLP", "+model.at=5", "+model.code=3",
+                    "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'one'}"],
+                   cwd=tmp_path)  # one run: its own code, said
+    assert proc.returncode == 3
+    assert "stoker: the run ended on your code's sys.exit(3) (raised at " in proc.stderr
 
 
 def test_a_run_stopped_on_non_finite_losses_before_any_save_says_none_was_saved(make_cfg,
