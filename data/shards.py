@@ -87,6 +87,11 @@ def _check_index(index: Any, where: str) -> List[Dict]:
             raise ValueError(f"{where}: shards[{i}] is {json.dumps(shard)[:80]}; each shard "
                              "needs a \"url\" (a string) and a \"samples\" count (an integer "
                              ">= 0)")
+    empty = next((i for i, shard in enumerate(shards) if shard["samples"] == 0), None)
+    if empty is not None:  # (read as holding none: its samples were left out, unsaid)
+        raise ValueError(f"{where}: shards[{empty}] ({json.dumps(shards[empty]['url'])[:80]}) "
+                         "says 0 samples; list only shards that hold samples, with their "
+                         "counts (scripts/prepare_data.py --format shards writes them)")
     first: Dict[str, int] = {}
     for i, shard in enumerate(shards):  # (a shard listed twice: its samples twice an epoch)
         j = first.setdefault(shard["url"], i)

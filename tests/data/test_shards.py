@@ -216,6 +216,8 @@ def test_an_unreadable_image_sample_is_skipped_once_or_fails_in_one_line(tmp_pat
     ({"shards": [{"url": "a.tar", "samples": 2}, {"url": "b.tar", "samples": 2},
                  {"url": "a.tar", "samples": 2}]},  # (its samples read twice an epoch)
      r'shards\[0\] and shards\[2\] are both "a.tar"; list each shard once$'),
+    ({"shards": [{"url": "a.tar", "samples": 2}, {"url": "b.tar", "samples": 0}]},
+     r'shards\[1\] \("b.tar"\) says 0 samples; list only shards that hold samples'),
 ])
 def test_an_index_that_is_not_a_shard_index_is_one_line_naming_it(tmp_path, index, fragment):
     (tmp_path / "train").mkdir()
