@@ -433,6 +433,17 @@ class SlowDigits(DigitsDataset):
         return super().__getitem__(i)
 
 
+class SlowToBuildDigits(DigitsDataset):
+    """Digits whose train split takes `seconds` to build (a slow listing, a cache being
+    made), after touching `marker`: a signal can come while the run is built."""
+
+    def __init__(self, split: str = "train", marker: str = "", seconds: float = 5.0, **kw):
+        super().__init__(split, **kw)
+        if split == "train":
+            Path(marker).touch()
+            time.sleep(seconds)
+
+
 class DictDigits(DigitsDataset):
     """Digits as dict samples {"image", "label", "name"}: a string the default collate would
     turn into a list, batched by `stack_images` instead."""

@@ -188,6 +188,23 @@ class Preemption:
         self._mine = max(self._mine, 2 if signum == signal.SIGINT else 1)
         self.requested = True
 
+    def stop_before_training(self) -> None:
+        """Raises Preempted on every rank where any rank was signalled while the run was
+        built (a dataset, a model or a cache that took minutes): nothing is trained and
+        nothing saved. It trained a step and saved it, past a scheduler's grace period.
+        (One blocking all-reduce in multi-rank jobs, once.)"""
+        kind = self._mine
+        if self._group is not None:
+            flag = torch.tensor([self._mine], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            kind = int(flag.item())
+        if kind:
+            self.kind, self._stopping = kind, True
+            raise Preempted(f"stopped on {'a Ctrl-C' if kind == 2 else 'a preemption signal'} "
+                            "before the first step: nothing trained, nothing saved; the same "
+                            "command starts it again",
+                            EXIT_INTERRUPTED if kind == 2 else EXIT_PREEMPTED)
+
     def agreed(self) -> bool:
         """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
         if self._group is None:

@@ -375,6 +375,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                 Preemption(env, saving=t.save_checkpoint and not t.fast_dev_run) as preemption:
             loop, checkpointing = _build(cfg, env, spec, run_dir, logger, prof, preemption,
                                          resume, callbacks)
+            preemption.stop_before_training()
             if t.validate_only and loop.val_feed is None:
                 raise ConfigError("trainer.validate_only=true: the data has no validation set "
                                   "(data.dataset's val split, or data.val_dataset)")

@@ -178,6 +178,28 @@ def test_sigterm_single_process_exit_code_and_checkpoint(tmp_path):
     assert state["position"] % 64 == 0
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_signal_while_the_run_is_built_stops_it_before_its_first_step(tmp_path, nproc):
+    """A SIGTERM while the datasets were built (minutes for a large listing or cache) was
+    noted, the build went on, and the run then trained a step and saved it: past a
+    scheduler's grace period, for nothing. It stops before the first step now, every rank,
+    nothing saved."""
+    run_dir, marker = tmp_path / "run", tmp_path / "building"
+    proc = start_and_wait(
+        launcher(nproc) + [f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+                           "data.dataset._target_=tests.helpers.SlowToBuildDigits",
+                           f"+data.dataset.marker={marker}", "+data.dataset.seconds=3"],
+        until=marker.exists)
+    os.killpg(proc.pid, signal.SIGTERM)  # (a scheduler's: every process of the job)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == (75 if nproc == 1 else 1), out[-3000:]
+    lines = [ln for ln in out.splitlines() if "before the first step" in ln]
+    assert len(lines) == 1 and lines[0].endswith(
+        "stopped on a preemption signal before the first step: nothing trained, nothing "
+        "saved; the same command starts it again"), out[-3000:]
+    assert not (run_dir / "checkpoints").exists()
+
+
 def test_a_preempted_run_without_checkpoints_names_no_resume(tmp_path):
     run_dir = tmp_path / "run"
     out, status = preempted(run_dir, ["trainer.save_checkpoint=false"], at_step=3)
