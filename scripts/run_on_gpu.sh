@@ -31,12 +31,14 @@
 # tests; the runs 10-16 s each, compile_cudagraphs 36 s) | overhead_probe (110 s) |
 # overhead_cnn strategies (283 s: overhead_cnn 206 s, strategies 72 s); 12.5 of 15 minutes.
 # The third session of 2026-11-27 found 149 s of device time left (under the 4 minutes a
-# start needs): nothing ran; the rows below stand.
+# start needs), and the fourth was lent no device: nothing ran; the rows below stand.
 # Next, one row per lent session, the first unrun row first:
 #   1. gpu_tests runs (~5.5 min, timeout_s 420) | bench_images speed (~7 min, timeout_s 480)
 #   2. bench_gpu (BENCH_GPU_REPEATS=1) | bench_overhead
-# Row 1 runs the CUDA paths again (the prefetcher's C++ stream entry and the DDP sampler's
-# change among them, never run on CUDA) and the two benchmarks not run since their code changed;
+# Row 1 runs the CUDA paths again (never run on CUDA: the prefetcher's C++ stream entry and
+# its pass now a generator that ends its loader's workers, the DDP sampler's change, the
+# validation's values gathered as objects (NCCL), the write-barrier and start-up preemption
+# all-reduces on the gloo groups) and the two benchmarks not run since their code changed;
 # row 2 the feed rows and the tiny step (0.963 device, 0.907 host placement of plain in
 # lockstep on the H200; 0.946 host without the prefetcher).
 # Wheels the machine lacks (Hydra, OmegaConf, ANTLR, WebDataset) may wait in .gpu/whl; they are
