@@ -793,6 +793,19 @@ class NothingCounted(Classification):
         return torch.nn.functional.cross_entropy(output, ignored)  # (nan: 0 / 0)
 
 
+class FirstBatchesUncounted(Classification):
+    """A task whose first 3 training batches count 0 units (padding alone), the rest their
+    samples."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counted_batches = 0
+
+    def count(self, batch):  # (a tensor, as a count of valid tokens is)
+        self.counted_batches += 1
+        return torch.tensor(0 if self.counted_batches <= 3 else super().count(batch))
+
+
 class DetachedLoss(Classification):
     """A task whose loss was computed away from the graph."""
 

@@ -392,8 +392,8 @@ def complete() -> None:
     def ending(signum, frame) -> None:
         if os.getpid() != pid:  # (a process forked from this one: not its to decide)
             return
-        if seen or threads_left():  # (the exit would wait on for threads of the user's code)
-            os._exit(0)
+        if seen or threads_left(locked=False):  # (the exit would wait on for threads of the
+            os._exit(0)                           # user's code)
         seen.append(signum)
 
     for name in _ENDING:
@@ -403,13 +403,19 @@ def complete() -> None:
     _COMPLETE[:] = [pid]
 
 
-def threads_left() -> List[Any]:
-    """The threads Python's exit waits for (alive, not daemons) besides the main one: threads
-    the user's code started, since Stoker's own are daemons."""
+def threads_left(locked: bool = True) -> List[Any]:
+    """The threads Python's exit waits for (alive, not daemons) besides the main one and the
+    workers of thread pools, which the exit ends itself (torch.compile leaves some): threads
+    the user's code started, since Stoker's own are daemons. `locked=False` reads the table
+    of threads without its lock (a signal handler's: the lock may be held by the code the
+    signal interrupted)."""
     import threading
+    from concurrent.futures import thread as pools
 
-    return [t for t in threading.enumerate() if t is not threading.main_thread()
-            and not t.daemon and t.is_alive()]
+    threads = threading.enumerate() if locked else list(threading._active.values())
+    pooled = set(getattr(pools, "_threads_queues", {}).keys())
+    return [t for t in threads if t is not threading.main_thread() and not t.daemon
+            and t not in pooled and t.is_alive()]
 
 
 def _say_threads_left() -> None:

@@ -68,6 +68,8 @@ class Loop:
         self.run_train_s = 0.0
         self.run_samples = 0
         self.counted = False  # a training batch counted a unit for the loss (check_counted)
+        self.uncounted_samples = 0.0  # ... the samples of the windows before it
+        self.whole_epoch_seen = False  # the run trained an epoch, or ended
         self.val_read = False  # a validation of this run read a sample
         self.val_samples = 0  # the samples the latest validation read, over every rank
         self.val_failure_agreed = False  # a validation raised on every rank alike (a save meets)
@@ -183,6 +185,7 @@ class Loop:
             steps_before = self.state.step
             if not self.train_epoch(epoch):
                 break  # max_steps inside the epoch
+            self.whole_epoch_seen = True
             if not self.run_samples and self.state.step > steps_before:
                 self._check_read()  # (until a logging boundary counted samples)
             self.state.epoch, self.state.position = epoch + 1, 0
@@ -193,6 +196,7 @@ class Loop:
             for callback in self.callbacks:
                 callback.after_epoch(self, val)
             self.window.paused_s += time.perf_counter() - paused
+        self.whole_epoch_seen = True  # (the run's end)
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
             self._check_read()
         if self.window.steps:  # the steps since the last logging boundary (a collective)
@@ -237,7 +241,7 @@ class Loop:
                 f"data: no training sample was read in {self.state.step} optimizer steps: "
                 f"every one of them was skipped as unreadable ({int(files)} files, "
                 "data.dataset.on_error=skip); check the training files")
-        windowlog.check_counted(self, samples, count)
+        windowlog.check_counted(self, samples, count, window_done=False)
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and

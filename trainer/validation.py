@@ -128,8 +128,15 @@ def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:
     """The validation's values on this rank: the loss, the task's metrics (torchmetrics
     gathers every rank's state) and the values derived from them."""
     values = {"val_loss": loss_sum / count if count else math.nan}
+    failed = None
     for name, metric in loop.task.metrics.items():
-        values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else math.nan
+        try:
+            values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else \
+                math.nan
+        except Exception as e:  # (the metrics after it still computed: each may sync the
+            failed = failed or e  # ranks in its compute, and every rank must meet there)
+    if failed is not None:
+        raise failed
     values.update(loop.task.derived_values(values))
     return values
 

@@ -22,15 +22,23 @@ class NonFiniteLoss(RuntimeError):
     """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
 
 
-def check_counted(loop: "Loop", samples: float, count: float) -> None:
-    """TaskError where the run's batches so far held samples and counted no unit for the loss
-    to average over (every target ignored: labels all -100 under task.count=tokens): the run
-    trained on nothing (zero gradients) and logged NaN losses, exit 0. `samples` and `count`:
-    every rank's, since the run's last check."""
-    if loop.counted or samples == 0:
+def check_counted(loop: "Loop", samples: float, count: float, window_done: bool = True
+                  ) -> None:
+    """TaskError where the run's batches, over a whole epoch or the whole run, held samples
+    and counted no unit for the loss to average over (every target ignored: labels all -100
+    under task.count=tokens): the run trained on nothing (zero gradients) and logged NaN
+    losses, exit 0. A batch of padding alone is fine (it weighs 0), and so is a first window
+    of them. `samples` and `count`: every rank's, of a logging window (`window_done`) or of
+    the current one so far."""
+    if loop.counted:
         return
     if count > 0:
         loop.counted = True
+        return
+    if window_done:
+        loop.uncounted_samples += samples
+    samples = loop.uncounted_samples + (0 if window_done else samples)
+    if not samples or not loop.whole_epoch_seen:
         return
     from trainer.task import TaskError  # (lazy: trainer.task imports this module's users)
 

@@ -435,3 +435,25 @@ def test_a_thread_of_the_users_code_left_running_is_said_and_one_sigterm_ends_it
     assert said == ["stoker: the run is complete; the process waits for 1 thread of your code "
                     "to end (uploader; not daemon threads): a Ctrl-C or SIGTERM ends it now"]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+
+
+def test_the_threads_left_are_the_users_not_a_pools_the_exit_ends_itself():
+    """torch.compile leaves a thread pool's workers, which Python's exit shuts down: they
+    were said as threads of the user's code after every compiled run."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer.cli import threads_left
+
+    before = set(threads_left())  # (a test runner's own, if any)
+    pool, release = ThreadPoolExecutor(2), threading.Event()
+    pool.submit(lambda: None).result()
+    mine = threading.Thread(target=release.wait, name="mine")
+    mine.start()
+    try:
+        for locked in (True, False):
+            assert set(threads_left(locked)) - before == {mine}
+    finally:
+        release.set()
+        mine.join()
+        pool.shutdown()

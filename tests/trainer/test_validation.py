@@ -286,8 +286,11 @@ def test_a_metric_whose_compute_fails_under_ddp_keeps_the_epoch_on_every_rank(tm
     ranks ended with the epoch's training unsaved. They agree on it where they agree on the
     values: every one saves the trained state, and the run resumes from it."""
     run_dir = tmp_path / "run"
-    metric = ["+task.metrics.seen._target_=tests.helpers.FailsInCompute",
-              f"+task.metrics.seen.rank={failing}", "trainer.max_epochs=3"]
+    # (before the built-in accuracy, which syncs the ranks in its compute: the failing rank
+    # still meets its peers there)
+    metric = ["~task.metrics.acc", "+task.metrics.seen._target_=tests.helpers.FailsInCompute",
+              f"+task.metrics.seen.rank={failing}", "+task.metrics.acc._target_="
+              "trainer.metrics.Accuracy", "trainer.max_epochs=3"]
     proc = torchrun(2, [f"hydra.run.dir={run_dir}", *metric], cwd=tmp_path)
     err = proc.stdout + proc.stderr
     assert proc.returncode == 1, err[-3000:]
