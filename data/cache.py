@@ -181,13 +181,20 @@ def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool
     return alive(who)
 
 
+def _records(cache_dir: Path, key: str) -> List[Path]:
+    """This host's writer records of the disk cache `key` (`*` of a glob would also take
+    another host's whose name is this one's and more: `node1` and `node1-2`)."""
+    exact = re.compile(re.escape(WRITER.format(key=key, host=socket.gethostname(), pid="@"))
+                       .replace("@", r"\d+") + "$")
+    return [path for path in cache_dir.glob(f"{key}.writer-*.json") if exact.match(path.name)]
+
+
 def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
                        alive: Callable[[dict], bool]) -> Optional[bool]:
     """`_writer_state` over this host's writer records of the disk cache `key`: True while a
     writer of this launch is alive, False when its only writers are gone, None when none
     has recorded itself."""
-    states = {_writer_state(path, me, alive) for path in
-              cache_dir.glob(WRITER.format(key=key, host=socket.gethostname(), pid="*"))}
+    states = {_writer_state(path, me, alive) for path in _records(cache_dir, key)}
     return True if True in states else False if False in states else None
 
 
@@ -280,13 +287,14 @@ def _remove_shm(root: Path, failed: Path) -> None:
 def _reclaim_tmp(cache_dir: Path) -> None:
     """Removes this host's unfinished cache folders and writer records whose writer process
     is gone (killed mid-write); another host's are left to that host."""
-    host = socket.gethostname()
-    for path in [*cache_dir.glob(f"*.tmp-{host}-*"),
-                 *cache_dir.glob(WRITER.format(key="*", host=host, pid="*"))]:
+    mine = re.compile(rf"^[^.]+\.(?:tmp-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]+|"
+                      rf"writer-{re.escape(socket.gethostname())}-(\d+)\.json)$")
+    for path in cache_dir.iterdir() if cache_dir.is_dir() else ():
+        found = mine.match(path.name)  # (exactly: not another host's named this one's and more)
+        if found is None:
+            continue
         try:
-            pid = int(re.split(rf"\.(?:tmp|writer)-{re.escape(host)}-", path.name, maxsplit=1)[1]
-                      .split("-")[0].removesuffix(".json"))
-            os.kill(pid, 0)
+            os.kill(int(found.group(1) or found.group(2)), 0)
         except ProcessLookupError:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

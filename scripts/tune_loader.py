@@ -134,18 +134,20 @@ def tune(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     dataset = build_datasets(cfg)[0]
     pins = [False, True] if device.type == "cuda" else [False]
     rows = []
-    # (more workers than CPUs is a setting it times on purpose: those waiting on reads)
-    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    for workers in a.workers:
-        for prefetch in (a.prefetch if workers else a.prefetch[:1]):  # no effect without workers
-            for pin in pins:
-                data_cfg = cfg.data.copy()
-                data_cfg.num_workers, data_cfg.prefetch_factor = workers, prefetch
-                data_cfg.pin_memory, data_cfg.persistent_workers = pin, False
-                rows.append({"num_workers": workers,  # (a dash: nothing prefetches)
-                             "prefetch_factor": prefetch if workers else None,
-                             "pin_memory": pin,
-                             **throughput(dataset, data_cfg, device, a.batches)})
+    with warnings.catch_warnings():
+        # (more workers than CPUs is a setting it times on purpose: those waiting on reads)
+        warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                category=UserWarning)
+        for workers in a.workers:
+            for prefetch in (a.prefetch if workers else a.prefetch[:1]):  # (none: no workers)
+                for pin in pins:
+                    data_cfg = cfg.data.copy()
+                    data_cfg.num_workers, data_cfg.prefetch_factor = workers, prefetch
+                    data_cfg.pin_memory, data_cfg.persistent_workers = pin, False
+                    rows.append({"num_workers": workers,  # (a dash: nothing prefetches)
+                                 "prefetch_factor": prefetch if workers else None,
+                                 "pin_memory": pin,
+                                 **throughput(dataset, data_cfg, device, a.batches)})
     print(table(rows, COLUMNS))
     best = max(rows, key=lambda r: r["samples_per_s"])
     line = (f"data.num_workers={best['num_workers']}"  # (prefetching needs workers)

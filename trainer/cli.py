@@ -254,7 +254,8 @@ def _null_refused(text: str) -> str:
     except OmegaConfBaseException:
         default = None
     shown = "" if default is None or isinstance(default, (dict, list, DictConfig)) else (
-        f" (its default is {str(default).lower() if isinstance(default, bool) else default})")
+        f" (the schema's default is "
+        f"{str(default).lower() if isinstance(default, bool) else default})")
     return f"{refused.group(1)}=null: {key} takes a value, not null{shown}"
 
 

@@ -45,9 +45,11 @@ def image_inputs(path: Union[str, Path], images: Sequence[Any],
     data = OmegaConf.create(state.get("config") or {}).get("data") or {}
     dataset = data.get("dataset") or {}
     shape = data.get("input_shape")
+    # an image folder's or shards' size; packed arrays of images (data=memmap) carry the
+    # ImageNet normalisation their pack recorded (a synthetic [3, s, s] set carries none)
     size = dataset.get("size") if isinstance(dataset.get("size"), int) else (
         shape[-1] if isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and
-        shape[1] == shape[2] else None)
+        shape[1] == shape[2] and data.get("normalize_mean") is not None else None)
     if size is None:
         raise CheckpointError(f"checkpoint {path}: its run's inputs were no square RGB "
                               f"images (data.input_shape {_shown(shape)}); prepare them as its "

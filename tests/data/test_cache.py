@@ -186,13 +186,15 @@ def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path)
     for folder in (dead, alive, elsewhere):
         folder.mkdir()
     # and the writer records of processes gone (killed mid-write), one per process
+    # (a host named as this one and more is another: its records are its own)
     records = [tmp_path / cache.WRITER.format(key="k", host=h, pid=p)
-               for h, p in ((host, gone), (host, os.getpid()), ("otherhost", 1))]
+               for h, p in ((host, gone), (host, os.getpid()), ("otherhost", 1),
+                            (f"{host}-{gone}", gone))]
     for record in records:
         record.write_text("{}")
     cache._reclaim_tmp(tmp_path)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
-    assert [r.exists() for r in records] == [False, True, True]
+    assert [r.exists() for r in records] == [False, True, True, True]
 
 
 def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):
@@ -404,8 +406,10 @@ def test_two_jobs_writing_one_disk_cache_at_once_keep_their_own_writer_records(t
         return path
 
     ours, theirs = record(11, me["job"]), record(22, "TORCHELASTIC_RUN_ID=b")
-    (tmp_path / cache.WRITER.format(key="k2", host=socket.gethostname(), pid=33)).write_text(
-        json.dumps({"pid": 33, "job": me["job"], "attempt": 0}))  # another cache's writer
+    for other in (cache.WRITER.format(key="k2", host=socket.gethostname(), pid=33),
+                  cache.WRITER.format(key="k", host=socket.gethostname() + "-2", pid=33)):
+        (tmp_path / other).write_text(  # another cache's writer, another host's
+            json.dumps({"pid": 33, "job": me["job"], "attempt": 0}))
     assert state(lambda who: True) is True
     assert state(lambda who: who["pid"] != 11) is False  # ours gone, theirs alive: not ours
     theirs.unlink()  # the other job finished first

@@ -38,9 +38,9 @@ from trainer.cli import describe
                "sched=constant|step|warmup_cosine)"),
     # null for a key that takes none: Hydra's "is not Optional" named no value that does
     ("data.cache=null", "stoker: error: data.cache=null: data.cache takes a value, not null "
-                        "(its default is none)"),
-    ("trainer.tensorboard=null", "trainer.tensorboard takes a value, not null (its default is "
-                                 "true)"),
+                        "(the schema's default is none)"),
+    ("trainer.tensorboard=null", "trainer.tensorboard takes a value, not null (the schema's "
+                                 "default is true)"),
     # a group the config chooses already, added with +: Hydra's words named no fix
     ("+data=digits", "stoker: error: +data=digits: data appears more than once in the final "
                      "defaults list (the config chooses a data already: write data=digits, "

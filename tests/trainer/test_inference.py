@@ -65,6 +65,8 @@ def test_image_files_prepared_for_a_checkpoints_model_give_the_runs_numbers(make
     assert (out.argmax(1) == y).float().mean().item() == pytest.approx(summary["val_acc"])
     assert torch.nn.functional.cross_entropy(out, y).item() == pytest.approx(
         summary["val_loss"], rel=1e-5)
-    with pytest.raises(CheckpointError, match=r"its run's inputs were no square RGB images"):
-        train(make_cfg("trainer.max_steps=1", run_dir=tmp_path / "digits"))
-        image_inputs(tmp_path / "digits" / "checkpoints" / "last.pt", [files[0][0]])
+    for name, data in (("digits", []), ("synthetic", ["data=synthetic", "model=cnn",
+                                                      "data.input_shape=[3,8,8]"])):
+        train(make_cfg(*data, "trainer.max_steps=1", run_dir=tmp_path / name))
+        with pytest.raises(CheckpointError, match=r"its run's inputs were no square RGB "):
+            image_inputs(tmp_path / name / "checkpoints" / "last.pt", [files[0][0]])
