@@ -28,8 +28,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 import trainer.config  # noqa: E402,F401  (registers the schema)
 from benchlib import (at_least, check_out, default_out, machine, publish,  # noqa: E402
                       run_main, table)
-from data.loader import (LoaderStalled, LoaderWorkerDied, build_loader,  # noqa: E402
-                         worker_died)
+from data.loader import LoaderStalled, build_loader  # noqa: E402
+from data.workerdeath import LoaderWorkerDied, worker_died  # noqa: E402
 from data.prefetch import DevicePrefetcher  # noqa: E402
 from trainer.checks import resolve  # noqa: E402
 from trainer.cli import USER_ERRORS, fail, import_from_cwd  # noqa: E402

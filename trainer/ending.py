@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
 from data.cache import WriterGone
-from data.loader import LoaderStalled, LoaderWorkerDied
+from data.loader import LoaderStalled
+from data.workerdeath import LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs
 from trainer.sweep import in_sweep
 from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, complete,

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import WriterGone, release_shm
-from data.loader import worker_died
+from data.workerdeath import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
                      resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
