@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.advice import count_of
+from data.cachewait import WRITER, _await, _disk_writer_state, _reclaim_tmp, _writer_state
 from data.datasets import MemmapDataset
 from data.loader import Unbatchable, readable
 from data.lrucache import LRUCache
@@ -154,78 +155,6 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
-class WriterGone(RuntimeError):
-    """The local rank writing a node's shared cache ended, or never began, while the other
-    ranks waited for it (one line: its own error is in its output)."""
-
-
-# who writes a node's disk cache now (`owner`), beside it: one record per writing process,
-# so that another job writing the same cache at once keeps its own (a record per host that
-# the second job's writer replaced, then removed, left the first job's ranks waiting for a
-# writer that "never began")
-WRITER = "{key}.writer-{host}-{pid}.json"
-
-
-def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
-                  ) -> Optional[bool]:
-    """Whether the writer that `record` names is alive: None while no writer of this launch
-    (the same job and attempt as `me`, this process's `owner`) has recorded itself there; a
-    record of an earlier launch (one killed mid-write) is not this launch's writer."""
-    try:
-        who = json.loads(record.read_text())
-    except (OSError, ValueError):  # not there yet, or being written
-        return None
-    if not isinstance(who, dict) or me is None or \
-            (who.get("job"), who.get("attempt")) != (me.get("job"), me.get("attempt")):
-        return None
-    return alive(who)
-
-
-def _records(cache_dir: Path, key: str) -> List[Path]:
-    """This host's writer records of the disk cache `key` (`*` of a glob would also take
-    another host's whose name is this one's and more: `node1` and `node1-2`)."""
-    exact = re.compile(re.escape(WRITER.format(key=key, host=socket.gethostname(), pid="@"))
-                       .replace("@", r"\d+") + "$")
-    return [path for path in cache_dir.glob(f"{key}.writer-*.json") if exact.match(path.name)]
-
-
-def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
-                       alive: Callable[[dict], bool]) -> Optional[bool]:
-    """`_writer_state` over this host's writer records of the disk cache `key`: True while a
-    writer of this launch is alive, False when its only writers are gone, None when none
-    has recorded itself."""
-    states = {_writer_state(path, me, alive) for path in _records(cache_dir, key)}
-    return True if True in states else False if False in states else None
-
-
-def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
-           None, start_s: float = 0.0) -> None:
-    """Blocks until another process wrote `done` (or `failed`: then raises its message).
-
-    Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
-    than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
-    `writer()` says whether the writing process is alive (None: it has not begun): one that
-    ended without a word, or that has not begun within `start_s` seconds (0: no limit; it does
-    the same work as this rank until then), raises WriterGone, so that no rank waits on for a
-    writer that is gone (a launch without torchrun's agent would never end it)."""
-    start = last = time.monotonic()
-    while not done.exists():
-        if failed.exists():
-            raise ConfigError(f"{what}: local rank 0 failed to write it: {failed.read_text()}")
-        state = writer()
-        if state is False and not done.exists() and not failed.exists():
-            raise WriterGone(f"{what}: local rank 0, which was writing it, ended before it "
-                             "finished; its own error, if it had one, is in its output")
-        if state is None and start_s and time.monotonic() - start > start_s:
-            raise WriterGone(f"{what}: local rank 0 did not begin writing it within "
-                             f"{start_s:g} s (trainer.ddp.timeout_s); its own error, if it had "
-                             "one, is in its output")
-        if time.monotonic() - last > 60:
-            last = time.monotonic()
-            log.info("waiting for local rank 0 to write %s (%.0f s)", what, last - start)
-        time.sleep(0.2)
-
-
 def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path) -> None:
     """write_arrays, leaving `failed` (the error's one line) for the waiting ranks if it fails."""
     try:
@@ -282,26 +211,6 @@ def _remove_shm(root: Path, failed: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif path.name not in (OWNER, failed.name):
             path.unlink(missing_ok=True)
-
-
-def _reclaim_tmp(cache_dir: Path) -> None:
-    """Removes this host's unfinished cache folders and writer records whose writer process
-    is gone (killed mid-write); another host's are left to that host."""
-    mine = re.compile(rf"^[^.]+\.(?:tmp-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]+|"
-                      rf"writer-{re.escape(socket.gethostname())}-(\d+)\.json)$")
-    for path in cache_dir.iterdir() if cache_dir.is_dir() else ():
-        found = mine.match(path.name)  # (exactly: not another host's named this one's and more)
-        if found is None:
-            continue
-        try:
-            os.kill(int(found.group(1) or found.group(2)), 0)
-        except ProcessLookupError:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError, OverflowError):
-            continue
 
 
 def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_rank: int,

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
-from data.cache import WriterGone
+from data.cachewait import WriterGone
 from data.loader import LoaderStalled
 from data.workerdeath import LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs

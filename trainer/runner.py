@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cache import WriterGone, release_shm
+from data.cache import release_shm
+from data.cachewait import WriterGone
 from data.workerdeath import worker_died
 from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
                      resumefiles, rundir, schedules, speed, startup, sweep)

@@ -161,42 +161,6 @@ def test_a_failed_disk_write_leaves_no_folder_that_a_later_run_would_trust(tmp_p
     assert ok.made == 10 and not any(".failed-" in p.name for p in tmp_path.iterdir())
 
 
-def test_waiting_ranks_poll_for_the_writer_and_hear_of_its_failure(tmp_path):
-    import threading
-
-    done, failed = tmp_path / "done.json", tmp_path / "failed.txt"
-    threading.Timer(0.3, done.write_text, args=("{}",)).start()
-    cache._await(done, failed, "the cache")  # returns once the writer is done
-    with pytest.raises(ConfigError, match="the other: local rank 0 failed to write it: boom"):
-        failed.write_text("boom")
-        cache._await(tmp_path / "never", failed, "the other")
-
-
-def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path):
-    import socket
-    import subprocess
-    import sys
-
-    host = socket.gethostname()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
-    dead = tmp_path / f"k.tmp-{host}-{gone}-abcd1234"
-    alive = tmp_path / f"k.tmp-{host}-{os.getpid()}-abcd1234"
-    elsewhere = tmp_path / "k.tmp-otherhost-1-abcd1234"
-    for folder in (dead, alive, elsewhere):
-        folder.mkdir()
-    # and the writer records of processes gone (killed mid-write), one per process
-    # (a host named as this one and more is another: its records are its own)
-    records = [tmp_path / cache.WRITER.format(key="k", host=h, pid=p)
-               for h, p in ((host, gone), (host, os.getpid()), ("otherhost", 1),
-                            (f"{host}-{gone}", gone))]
-    for record in records:
-        record.write_text("{}")
-    cache._reclaim_tmp(tmp_path)
-    assert not dead.exists() and alive.exists() and elsewhere.exists()
-    assert [r.exists() for r in records] == [False, True, True, True]
-
-
 def test_write_arrays_keeps_only_the_rows_of_samples_not_skipped(tmp_path):
     from torch.utils.data import default_collate
 
@@ -299,40 +263,6 @@ def test_every_rank_refuses_a_damaged_cache_alike_after_the_barrier(tmp_path):
     assert barrier == [1, 0]  # both passed the barrier before refusing
 
 
-def _record(tmp_path, pid, job="TORCHELASTIC_RUN_ID=r1", attempt=0):
-    path = tmp_path / "owner.json"
-    path.write_text(json.dumps({"host": "h", "pid": pid, "job": job, "attempt": attempt}))
-    return path
-
-
-def test_a_waiting_rank_stops_when_the_writer_of_its_launch_is_gone(tmp_path):
-    """Without torchrun's agent (a SLURM launch) nothing else would end a rank that waits for
-    a writer that died: it stops in one line, at once for a writer it saw, after the
-    collective timeout for one that never began. An earlier launch's record (a writer killed
-    mid-write, not yet reclaimed) is not this launch's writer."""
-    me = {"job": "TORCHELASTIC_RUN_ID=r1", "attempt": 0}
-    done, failed = tmp_path / "done.json", tmp_path / "failed.txt"
-    record = _record(tmp_path, 1234)
-    assert cache._writer_state(record, me, lambda who: True) is True
-    with pytest.raises(cache.WriterGone, match=r"^the cache: local rank 0, which was writing "
-                                               r"it, ended before it finished; its own error"):
-        cache._await(done, failed, "the cache",
-                     lambda: cache._writer_state(record, me, lambda who: who["pid"] != 1234))
-    for stale in (_record(tmp_path, 1234, attempt=1), _record(tmp_path, 1234, job="other")):
-        assert cache._writer_state(stale, me, lambda who: False) is None
-    with pytest.raises(cache.WriterGone, match=r"did not begin writing it within 0.3 s "
-                                               r"\(trainer.ddp.timeout_s\)"):
-        cache._await(done, failed, "the cache",
-                     lambda: cache._writer_state(tmp_path / "none.json", me, lambda w: True),
-                     start_s=0.3)
-    import threading
-
-    record = _record(tmp_path, 1234)  # a live writer is waited for, past start_s
-    threading.Timer(0.5, done.write_text, args=("{}",)).start()
-    cache._await(done, failed, "the cache",
-                 lambda: cache._writer_state(record, me, lambda who: True), start_s=0.1)
-
-
 def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, monkeypatch):
     """The writer's exit removes the node's copy, but not the one line the other ranks are
     polling for (they would wait on for a writer that is gone); a later run reclaims it."""
@@ -390,29 +320,3 @@ def test_a_disk_cache_of_arrays_written_again_is_rebuilt(tmp_path):
     assert len(fewer) == 5 and float(fewer[0][0][0]) == 3.0
 
 
-def test_two_jobs_writing_one_disk_cache_at_once_keep_their_own_writer_records(tmp_path):
-    """Each writing process has a record of its own: a second job's writer, starting while
-    the first's writes the same cache, replaced the one record of the host, then removed it
-    when done, and the first job's ranks stopped, their writer said "never began"."""
-    import socket
-
-    me = {"job": "TORCHELASTIC_RUN_ID=a", "attempt": 0}
-    state = lambda alive: cache._disk_writer_state(tmp_path, "k", me, alive)  # noqa: E731
-    assert state(lambda who: True) is None  # no writer yet
-
-    def record(pid, job):
-        path = tmp_path / cache.WRITER.format(key="k", host=socket.gethostname(), pid=pid)
-        path.write_text(json.dumps({"pid": pid, "job": job, "attempt": 0}))
-        return path
-
-    ours, theirs = record(11, me["job"]), record(22, "TORCHELASTIC_RUN_ID=b")
-    for other in (cache.WRITER.format(key="k2", host=socket.gethostname(), pid=33),
-                  cache.WRITER.format(key="k", host=socket.gethostname() + "-2", pid=33)):
-        (tmp_path / other).write_text(  # another cache's writer, another host's
-            json.dumps({"pid": 33, "job": me["job"], "attempt": 0}))
-    assert state(lambda who: True) is True
-    assert state(lambda who: who["pid"] != 11) is False  # ours gone, theirs alive: not ours
-    theirs.unlink()  # the other job finished first
-    assert state(lambda who: True) is True
-    ours.unlink()
-    assert state(lambda who: True) is None
