@@ -614,12 +614,15 @@ class NamedLabelDigits(DigitsDataset):
 
 
 class DyingWorkerDigits(DigitsDataset):
-    """Digits whose loader worker ends its own process at its `at`-th sample, by `signal`
-    (KILL as the out-of-memory killer does, SEGV as a crash in native code)."""
+    """Digits whose training loader worker ends its own process at its `at`-th sample, by
+    `signal` (KILL as the out-of-memory killer does, SEGV as a crash in native code). (The
+    validation split's workers live: a second death, of a validation worker prefetching in
+    the background, could come while the training process forks, where PyTorch's SIGCHLD
+    handler raising inside an at-fork hook printed "Exception ignored" and a traceback.)"""
 
     def __init__(self, split: str = "train", at: int = 100, signal: str = "KILL", **kw):
         super().__init__(split, **kw)
-        self.at, self.signal, self.seen = at, signal, 0
+        self.at, self.signal, self.seen = at if split == "train" else -1, signal, 0
 
     def __getitem__(self, i):
         self.seen += 1
