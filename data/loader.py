@@ -25,8 +25,8 @@ from data.resident import ResidentBatches, rows_of
 from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
 from data.shards import ShardLoader, ShardPlan, ShardStream
-from data.workerdeath import (_ENDED, LoaderWorkerDied, _ended_worker, _worker_ended,
-                              worker_died)
+from data.workerdeath import (_ENDED, LoaderWorkerDied, _ended_worker, ended, how,
+                              iterators_of, worker_died)
 
 from trainer.config import ConfigError, DataConfig
 
@@ -154,15 +154,14 @@ def kill_workers(*holders: Any) -> None:
     ones a loader keeps (a DataLoader's persistent iterator, the run-on loader's)."""
     from torch.utils.data._utils import signal_handling
 
-    for holder in holders:
-        for it in (holder, getattr(holder, "_iterator", None), getattr(holder, "_batches", None)):
-            if getattr(it, "_worker_pids_set", False):  # (as its shutdown does first: else
-                # the SIGCHLD handler raises "worker killed" over the stall's own line)
-                signal_handling._remove_worker_pids(id(it))
-                it._worker_pids_set = False
-            for worker in getattr(it, "_workers", None) or ():
-                if worker.is_alive():
-                    kill_with_children(worker)
+    for it in iterators_of(holders):
+        if getattr(it, "_worker_pids_set", False):  # (as its shutdown does first: else the
+            # SIGCHLD handler raises "worker killed" over the stall's own line)
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for worker in getattr(it, "_workers", None) or ():
+            if worker.is_alive():
+                kill_with_children(worker)
 
 
 def kill_with_children(process: Any) -> None:
@@ -386,12 +385,7 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
         _said_stall(token)
         worker = _ended_worker(batches, owner)
         if worker is not None:  # (the same line as where PyTorch's handler tells of it first)
-            code = worker.exitcode
-            raise _worker_ended(
-                f"DataLoader worker (pid {worker.pid}) is killed by signal: "
-                f"{signal.strsignal(-code) or f'signal {-code}'}." if code < 0 else
-                f"DataLoader worker (pid {worker.pid}) exited unexpectedly with exit code "
-                f"{code}.") from None
+            raise ended(worker.pid, *how(worker.exitcode)) from None
         raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
                                f"was received ({type(e).__name__}: {e}): {_ENDED}") from None
     finally:

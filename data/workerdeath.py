@@ -39,6 +39,12 @@ def _worker_ended(text: str, holders: Sequence[Any] = ()) -> Optional[LoaderWork
         # for a worker it saw killed): the worker's own exit status says, as its Process
         # object kept it, or unreaped
         signal_name, code = _exit_status(int(pid), holders)
+    return ended(pid, signal_name, code)
+
+
+def ended(pid: Any, signal_name: Optional[str], code: Optional[str]) -> LoaderWorkerDied:
+    """The one line for worker `pid` that ended by `signal_name` (as PyTorch writes it:
+    "Killed", "Segmentation fault") or with exit `code`; neither: not known how."""
     if code is not None:
         what = (f"exited with code {code} (sys.exit or os._exit in the dataset's code?); "
                 "data.num_workers=0 runs it in the training process, where its traceback shows")
@@ -64,9 +70,7 @@ def _exit_status(pid: int, holders: Sequence[Any] = ()) -> Tuple[Optional[str], 
     reaping it (as PyTorch's SIGCHLD handler reads it); both None where it cannot be read."""
     for worker in _workers_of(holders):
         if worker.pid == pid and worker.exitcode not in (None, 0):
-            code = worker.exitcode
-            return ((signal.strsignal(-code) or f"signal {-code}", None) if code < 0
-                    else (None, str(code)))
+            return how(worker.exitcode)
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except (ChildProcessError, OSError, AttributeError):
@@ -74,8 +78,16 @@ def _exit_status(pid: int, holders: Sequence[Any] = ()) -> Tuple[Optional[str], 
     if info is None:
         return None, None
     if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-        return signal.strsignal(info.si_status) or f"signal {info.si_status}", None
-    return (None, str(info.si_status)) if info.si_status else (None, None)
+        return how(-info.si_status)
+    return how(info.si_status) if info.si_status else (None, None)
+
+
+def how(exitcode: int) -> Tuple[Optional[str], Optional[str]]:
+    """(the signal's name, as PyTorch writes it; None) for a multiprocessing exit code below
+    0, (None; the code) for one above it."""
+    if exitcode < 0:
+        return signal.strsignal(-exitcode) or f"signal {-exitcode}", None
+    return None, str(exitcode)
 
 
 def worker_died(e: BaseException, holders: Sequence[Any] = ()) -> Optional[LoaderWorkerDied]:
@@ -86,11 +98,17 @@ def worker_died(e: BaseException, holders: Sequence[Any] = ()) -> Optional[Loade
     return _worker_ended(str(e), holders) if isinstance(e, RuntimeError) else None
 
 
+def iterators_of(holders: Sequence[Any]) -> List[Any]:
+    """DataLoader iterators: `holders` themselves, and the ones loaders among them keep (a
+    DataLoader's persistent iterator, the run-on loader's)."""
+    return [it for holder in holders
+            for it in (holder, getattr(holder, "_iterator", None),
+                       getattr(holder, "_batches", None)) if it is not None]
+
+
 def _workers_of(holders: Sequence[Any]) -> List[Any]:
     """The worker processes of DataLoader iterators, or of the ones loaders keep."""
-    return [worker for holder in holders
-            for it in (holder, getattr(holder, "_iterator", None),
-                       getattr(holder, "_batches", None))
+    return [worker for it in iterators_of(holders)
             for worker in (getattr(it, "_workers", None) or ())]
 
 
