@@ -24,9 +24,11 @@ class SampleCost(NamedTuple):
     blocked_s: Optional[float]
 
     def waits(self) -> bool:
-        """At least 50 microseconds, more than half of them blocked."""
+        """At least 50 microseconds blocked, more than the CPU time it took (time queued for a
+        CPU counts on neither side: on a loaded machine it can be most of the wall time, and a
+        sample that waits then read as one that computes)."""
         return self.blocked_s is not None and self.blocked_s >= 50e-6 \
-            and self.blocked_s > 0.5 * self.wall_s
+            and self.blocked_s > self.cpu_s
 
 
 def _queued_s() -> Optional[float]:
@@ -217,8 +219,9 @@ def _sample_fix(sample: SampleCost, n: int, wait_frac: float, batch_size: int,
                    max(4 * n, 8), 32)
         pay = ("data.cache=memory (or shm, disk) if the samples fit" if pairs
                else "fetch what __getitem__ reads ahead of the run, to local storage")
-        return (f"making a sample mostly waits ({_duration(sample.wall_s)} a sample, "
-                f"{sample.blocked_s / sample.wall_s:.0%} of it neither on a CPU nor queued for "
+        own = sample.blocked_s + sample.cpu_s  # (its time queued for a CPU left out)
+        return (f"making a sample mostly waits ({_duration(own)} a sample, "
+                f"{sample.blocked_s / own:.0%} of it neither on a CPU nor queued for "
                 "one: storage, a network, a lock?): " + (
                     "workers overlap such waits without competing for the cores, so raise "
                     f"data.num_workers from {n} to about {more} (scripts/tune_loader.py "

@@ -68,11 +68,14 @@ def cfg(**kw) -> DataConfig:
      "CPU-bound reading memory-mapped arrays: 4 workers on 4 cores"),  # not the budget
     # what making a sample took (data.loader.sample_cost) tells waiting from computing
     (dict(), dict(workers=2, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",
-     "making a sample mostly waits (2.0 ms a sample, 95% of it neither on a CPU nor queued for "
+     "making a sample mostly waits (1.9 ms a sample, 98% of it neither on a CPU nor queued for "
      "one: storage, a network, a lock?): workers overlap such waits without competing for the "
      "cores, so raise data.num_workers from 2 to about 4 (scripts/tune_loader.py --workers 2 4 "
      "measures; PyTorch's warning that suggests no more workers than cores is for workers that "
      "compute), or pay the wait once: data.cache=memory (or shm, disk) if the samples fit"),
+    # (a loaded machine: 50 ms of the sample's 52 queued for a CPU, which is not computing)
+    (dict(), dict(workers=2, sample=SampleCost(52e-3, 3e-5, 1.9e-3)), "cpu",
+     "making a sample mostly waits (1.9 ms a sample, 98% of it neither on a CPU nor queued"),
     (dict(), dict(workers=32, sample=SampleCost(2e-3, 3e-5, 1.9e-3)), "cpu",  # (at the cap)
      "32 workers overlap such waits already; pay the wait once: data.cache=memory"),
     (dict(), dict(workers=0, sample=SampleCost(2e-3, 3e-5, 1.9e-3), pairs=False), "cpu",
