@@ -39,7 +39,7 @@ from data.cachewait import WRITER, _await, _disk_writer_state, _reclaim_tmp, _wr
 from data.datasets import MemmapDataset
 from data.loader import Unbatchable, readable
 from data.lrucache import LRUCache
-from trainer.config import ConfigError
+from trainer.config import ConfigError, first_line
 
 log = logging.getLogger("stoker")
 SHM_ROOT = Path("/dev/shm")
@@ -160,7 +160,7 @@ def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path
     try:
         write_arrays(dataset, folder, num_workers)
     except BaseException as e:
-        failed.write_text(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        failed.write_text(first_line(e))
         raise
 
 
@@ -281,7 +281,7 @@ _PACKED_WAY_OUT = re.compile(r";\s*write (it again|them) with scripts/prepare_da
 
 def _damaged(root: Path, e: BaseException) -> ConfigError:
     """A disk cache whose files were changed or cut after it was written."""
-    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    reason = first_line(e)
     reason = _PACKED_WAY_OUT.sub("", reason)  # (a packed array's own way out: not this)
     return ConfigError(f"data.cache=disk: the cache {root} is damaged ({type(e).__name__}: "
                        f"{reason[:200]}); delete that folder and the next run writes it again")

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from data.imagefiles import check_split_seed
+from trainer.config import first_line
 
 SPLITS = ("train", "val")
 
@@ -189,7 +190,7 @@ class NpyRows:
                                else np.lib.format.read_array_header_2_0)
                 self.shape, fortran, self.dtype = read_header(f)
             except ValueError as e:  # numpy's words name neither the file nor a way out
-                raise ValueError(f"{self.path}: not a .npy array ({str(e).splitlines()[0]}); "
+                raise ValueError(f"{self.path}: not a .npy array ({first_line(e)}); "
                                  "write it again with scripts/prepare_data.py") from None
             self.offset = f.tell()
         if self.dtype.hasobject:  # pickled objects: no fixed row size to map

@@ -28,7 +28,7 @@ from data.shards import ShardLoader, ShardPlan, ShardStream
 from data.workerdeath import (_ENDED, LoaderWorkerDied, _ended_worker, ended, how,
                               iterators_of, worker_died)
 
-from trainer.config import ConfigError, DataConfig
+from trainer.config import ConfigError, DataConfig, first_line
 
 
 class EvalShardSampler(Sampler[int]):
@@ -264,7 +264,7 @@ def _first_batch_sendable() -> None:
                 except Exception as e:  # noqa: BLE001  (whatever pickling raises)
                     state["error"] = ConfigError(
                         f"data: a loader worker cannot send its batch to the training process "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                        f"({type(e).__name__}: {first_line(e, empty='')}): "
                         "the collate (data.collate_fn, or the dataset's own) must return "
                         "tensors, numbers, strings, and lists, tuples or dicts of them; "
                         "data.num_workers=0 takes the batch as it is")

@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from data.imagefiles import IMAGE_EXTENSIONS
 from data.images import SkipCollate, Unreadable, decode, image_settings, unreadable_errors
-from trainer.config import ConfigError
+from trainer.config import ConfigError, first_line
 
 INDEX = "index.json"
 log = logging.getLogger("stoker")
@@ -189,7 +189,7 @@ class ShardStream:
                 if got == take and skip + take < count:
                     return
         except (tarfile.TarError, OSError, ValueError) as e:  # damaged, cut short, missing
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = first_line(e)
             raise ConfigError(f"data: shard {url} cannot be read ({type(e).__name__}: "
                               f"{reason}); write it again (scripts/prepare_data.py --format "
                               "shards) or remove it from its index.json") from None
@@ -236,7 +236,7 @@ class ShardStream:
                     raise ValueError(f"its {member} member is not a .npy array (no NumPy header)")
                 arrays.append(torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False)))
             except (ValueError, OSError, EOFError) as e:
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                reason = first_line(e)
                 raise ConfigError(f"data: shard {sample.get('__url__')}: sample "
                                   f"{sample.get('__key__')} cannot be read ({reason}); write the "
                                   "set again (scripts/prepare_data.py --format shards)") from None

@@ -28,6 +28,7 @@ import torch
 
 from data.prefetch import each_tensor, map_tensors
 from data.resident import nbytes
+from trainer.config import first_line
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.pt"
@@ -115,7 +116,7 @@ def _write_cause(e: BaseException, path: Path, tmp: str) -> str:
     if reached and "unexpected pos" in str(e):
         return f"file too large: this process may write files of {limit} bytes at most " \
                "(ulimit -f)"
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return first_line(e)
 
 
 def _file_size_limit() -> Optional[int]:
@@ -162,7 +163,7 @@ def check_loadable(state: Dict[str, Any]) -> None:
         found = _foreign(skeleton, "")
         named = _GLOBAL.search(str(e))
         what = (f"a {type(found[1]).__module__}.{type(found[1]).__qualname__}" if found else
-                named.group(1) if named else _ANSI.sub("", str(e)).splitlines()[0][:160])
+                named.group(1) if named else _ANSI.sub("", first_line(e))[:160])
         where = f"state{found[0]}" if found else "the state"
     raise CheckpointError(f"checkpoint: {where} holds {what}, which a checkpoint cannot load "
                           "back (torch.load with weights_only=True refuses what could run "
@@ -245,13 +246,13 @@ def read(path: Path, map_location: str | torch.device = "cpu", mmap: bool = Fals
         named = _GLOBAL.search(str(e))
         if named is None:
             raise CheckpointError(f"checkpoint {path}: unreadable (UnpicklingError: "
-                                  f"{_ANSI.sub('', str(e)).splitlines()[0]})") from e
+                                  f"{_ANSI.sub('', first_line(e))})") from e
         raise CheckpointError(f"checkpoint {path}: holds {named.group(1)}, which a safe load "
                               "(torch.load with weights_only=True) refuses as code that could "
                               f"run; {refused}") from None
     except Exception as e:  # torch raises many types for a damaged zip/pickle
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
+                              f"{first_line(e, empty='no detail')})") from e
 
 
 def verify(path: Path) -> None:

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import spelling
-from trainer.config import ConfigError, plain
+from trainer.config import ConfigError, first_line, plain
 
 RESERVED = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 _OURS = ("data", "trainer", "tests")  # Stoker's top-level packages
@@ -252,15 +252,6 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
                           f"({type(cause).__name__}: {first_line(cause)})") from None
 
 
-def first_line(e: BaseException) -> str:
-    """An error's first line, with the next one where the first only leads to it (pydantic's
-    and Hugging Face's "Validation error for field 'x':" and the reason below it)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
-
-
 _CALLED = re.compile(r"Error in call to target '([^']+)'")
 
 
@@ -355,7 +346,7 @@ def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
     except (ValueError, TypeError) as e:
         if not _raised_in_torch_optim(e):
             raise  # a bug in the user's own factory keeps its traceback
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        text = first_line(e)
         lowered = text.lower()
         names = [k for k in node if k not in RESERVED]
         named = next((k for k in names if k in lowered), None) or next(

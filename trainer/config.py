@@ -24,6 +24,16 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message is one line naming the key."""
 
 
+def first_line(e: BaseException, empty: Optional[str] = None) -> str:
+    """An error's first line, with the next one where the first only leads to it (pydantic's
+    and Hugging Face's "Validation error for field 'x':" and the reason below it); an error
+    without words gives `empty`, or its type's name."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__ if empty is None else empty
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"

@@ -298,7 +298,8 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
     except dist.DistError as e:  # a peer that never came, an address nobody listens on
         where = (f"{env.master_addr}:{env.master_port}" if env.launcher == "slurm" else
                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        from trainer.config import first_line  # (trainer.config imports this module)
+        reason = first_line(e)[:200]
         raise JoinFailed(f"rank {env.rank} of {env.world_size} could not join the job's "
                          f"process group at {where} within trainer.ddp.timeout_s="
                          f"{timeout_s:g} s ({type(e).__name__}: {reason}); did every rank "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from data.loader import LoaderStalled
 from trainer import distributed
+from trainer.config import first_line
 
 BEAT_S = 5.0  # seconds between heartbeats
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
@@ -294,7 +295,7 @@ def writer_barrier(write_s: float, arrive_s: float) -> None:
             raise
         if time.monotonic() - start < 0.9 * timeout:  # its time did not run out: a peer left
             raise LeftTheBarrier(f"a peer left the checkpoint write's barrier (gloo: "
-                                 f"{str(e).splitlines()[0]})") from None
+                                 f"{first_line(e)})") from None
         raise WriteWaitTimedOut("trainer.ddp.timeout_s" if writer
                                 else "trainer.checkpoint.timeout_s", timeout, str(e),
                                 writer) from None

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from trainer import distributed
+from trainer.config import first_line
 from trainer.task import Task, TaskError, _note, describe
 
 log = logging.getLogger("stoker")
@@ -55,7 +56,7 @@ def check_metrics(task: Task, output: Any, batch: Any, compute: bool = True) -> 
                     log.warning("task.metrics.%s: %s.compute() failed on the first "
                                 "training batch (%s: %s); validation computes it over the "
                                 "whole set", name, type(metric).__name__, type(e).__name__,
-                                str(e).splitlines()[0] if str(e) else "")
+                                first_line(e, empty=""))
                 # (the same failure over the validation set names these inputs; the copy,
                 # holding this batch, is given the sanity check's too: check_compute_again)
                 task.__dict__.setdefault("_compute_failed", {})[name] = (

@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, first_line
 from trainer.strategy import unwrap
 
 Count = Union[int, torch.Tensor]
@@ -245,7 +245,7 @@ class Task:
                 raise
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                            f"{first_line(e)}"
                             f"{_raised_in_own_code(e)}") from None
         except Exception as e:  # inside the metric's own code: its traceback stays
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from trainer.config import first_line
 from trainer.checkpoint import CheckpointError, checkpoints_in, nearby, read, verify
 
 # where trainers keep a model's weights inside a saved dict of their own
@@ -217,7 +218,7 @@ def _safetensors(path: Path, key: str) -> Dict[str, Any]:
         return load_file(str(path), device="cpu")
     except Exception as e:  # noqa: BLE001  (its Rust side raises its own types)
         raise CheckpointError(f"{key}: a damaged safetensors file ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+                              f"{first_line(e, empty='no detail')})") from None
 
 
 def _is_weights(obj: Any) -> bool:
