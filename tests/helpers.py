@@ -984,6 +984,12 @@ class NotADataset:
         self.split = split
 
 
+class Endless(Empty):
+    """A stream's "endless" length given as a map-style set's: 10**13 samples."""
+    def __len__(self):
+        return 10 ** 13
+
+
 class NegativeLength(DigitsDataset):
     def __len__(self):
         return -1

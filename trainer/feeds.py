@@ -16,7 +16,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -63,7 +63,6 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         keys = ("data.train_dataset", "data.val_dataset")
         sets = [None if node is None or s not in splits else components.build(node, key)
                 for node, key, s in zip((d.train_dataset, d.val_dataset), keys, ("train", "val"))]
-    taken = None  # the split whose `classes` gave data.num_classes
     trained = None  # the training split's count of classes, where it names them
     if all(isinstance(ds, ShardStream) for ds in sets):
         _same_index(*sets)
@@ -86,6 +85,8 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
                               "return the number of samples") from None
         if n == 0:
             raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
+        if not isinstance(ds, ShardStream):
+            _order_fits(key, ds, n)
         classes = getattr(ds, "classes", None)  # an image folder's (shards': their index's)
         if not isinstance(classes, (list, tuple)):
             continue
@@ -104,8 +105,24 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
             if len(classes) < 2:
                 raise ConfigError(f"data: {key} has {named}; a classifier needs 2 or more "
                                   "(task=regression for one real value)")
-            d.num_classes, taken = len(classes), key
+            d.num_classes = len(classes)
     return sets[0], sets[1]
+
+
+def _order_fits(key: str, ds: Any, n: int) -> None:
+    """A map-style set's epoch order fits in memory: the sampler draws a permutation of its
+    whole length on every rank (8 bytes a sample), so a `__len__` of 10**12 (a stream's
+    "endless" length) would fill the machine's memory before the first step, unsaid."""
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # a platform that does not say
+        return
+    if 8 * n > have // 2:
+        raise ConfigError(f"{key}: {type(ds).__name__} has {n:,} samples, whose shuffled order "
+                          f"alone takes {8 * n / 1e9:,.0f} GB, more than half of this machine's "
+                          f"{have / 1e9:,.0f} GB of memory; check its __len__, or stream a set "
+                          "this size from shards (data=shards, written by "
+                          "scripts/prepare_data.py --format shards)")
 
 
 def _same_index(train: ShardStream, val: ShardStream) -> None:
