@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import re
 import stat
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
@@ -74,15 +75,17 @@ class ImageError(ConfigError):
 DECODER = 4
 
 
-def decode(source: Any, size: int, resize: int) -> torch.Tensor:
+def decode(source: Any, size: int, resize: int, name: Optional[str] = None) -> torch.Tensor:
     """An image file (a path or an open binary file) as a uint8 (3, size, size) tensor: its
-    shorter side resized to `resize` (bilinear, antialiased), then the centre `size` x `size`."""
+    shorter side resized to `resize` (bilinear, antialiased), then the centre `size` x `size`.
+    `name`: what a warning calls it (an open file's own name, or its path, else)."""
     out = torch.empty((3, size, size), dtype=torch.uint8)
-    decode_into(source, out.numpy(), size, resize)
+    decode_into(source, out.numpy(), size, resize, name)
     return out
 
 
-def decode_into(source: Any, out: np.ndarray, size: int, resize: int) -> None:
+def decode_into(source: Any, out: np.ndarray, size: int, resize: int,
+                name: Optional[str] = None) -> None:
     """`decode`, written into `out` (uint8, (3, size, size)); `out` is left as it was when the
     file cannot be read."""
     from PIL import Image
@@ -90,7 +93,12 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int) -> None:
     if isinstance(source, (str, os.PathLike)) and not stat.S_ISREG(os.stat(source).st_mode):
         # a pipe or a device would be read until it ends (a FIFO: forever)
         raise OSError(f"not a regular file: {source}")
-    with Image.open(source) as img:
+    with warnings.catch_warnings():  # (Pillow's own warning names no file: said below)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        opened = Image.open(source)
+    with opened as img:
+        if Image.MAX_IMAGE_PIXELS and img.width * img.height > Image.MAX_IMAGE_PIXELS:
+            _say_large(name or getattr(source, "name", source), img.width, img.height, Image.MAX_IMAGE_PIXELS)
         if img.mode == "F":  # 32-bit float (TIFF): no scale to read it in; RGB would clip it
             raise ValueError("a 32-bit float image (mode F): store it with 8 or 16 bits")
         if img.format == "JPEG" and min(img.size) >= 2 * resize:
@@ -141,6 +149,19 @@ def default_resize(size: int, resize: Optional[int]) -> int:
     """The shorter side an image is resized to before its centre crop of `size`: `resize`,
     or size / 0.875 (the usual 256 for 224)."""
     return resize if resize is not None else round(size / 0.875)
+
+
+_LARGE_SAID: List[bool] = []  # once per process (each loader worker says its first)
+
+
+def _say_large(name: Any, w: int, h: int, bound: int) -> None:
+    if _LARGE_SAID:
+        return
+    _LARGE_SAID.append(True)
+    log.warning("data: the image %s is %dx%d (%s pixels), over Pillow's decompression-bomb "
+                "bound (PIL.Image.MAX_IMAGE_PIXELS=%s): decoded, each time in full size "
+                "(%.0f MB); such files are best resized once, ahead of the runs",
+                name, w, h, f"{w * h:,}", f"{bound:,}", 3 * w * h / 1e6)
 
 
 class Unreadable:

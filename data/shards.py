@@ -214,7 +214,7 @@ class ShardStream:
             text = sample["cls"].decode(errors="replace").strip()
             if not re.fullmatch(r"-?[0-9]+", text):
                 raise ValueError(f"its .cls member holds {text[:20]!r}, not a class index")
-            image = decode(io.BytesIO(sample[ext]), self.size, self.resize)
+            image = decode(io.BytesIO(sample[ext]), self.size, self.resize, name=where)
         except unreadable_errors() as e:
             key = sample.get("__key__", "")
             self.unreadable.handle(e, int(key) if key.isdigit() else None, where)

@@ -3,6 +3,7 @@ policy, directly and through loader workers."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -113,6 +114,27 @@ def test_16_bit_grayscale_keeps_its_top_8_bits_not_a_clipped_white(tmp_path, nam
     out = decode(tmp_path / name, 48, 48)
     want = torch.from_numpy((wide >> 8).astype(np.uint8))
     assert all(torch.equal(out[c], want) for c in range(3))
+
+
+def test_an_image_over_pillows_bomb_bound_is_one_warning_naming_it_once(tmp_path, caplog,
+                                                                        monkeypatch):
+    from PIL import Image
+
+    Image.new("RGB", (20, 20)).save(tmp_path / "wide.png")  # 400 pixels, under twice 300
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)
+    monkeypatch.setattr(images, "_LARGE_SAID", [])
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert decode(str(tmp_path / "wide.png"), 8, 8).shape == (3, 8, 8)
+        Image.new("RGB", (20, 20)).save(tmp_path / "other.png")
+        decode(str(tmp_path / "other.png"), 8, 8)  # (another file: said once in all)
+    assert not [w for w in raised if issubclass(w.category, Image.DecompressionBombWarning)]
+    said = [r.getMessage() for r in caplog.records if "decompression-bomb" in r.getMessage()]
+    assert said == [f"data: the image {tmp_path / 'wide.png'} is 20x20 (400 pixels), over "
+                    "Pillow's decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS=300): "
+                    "decoded, each time in full size (0 MB); such files are best resized "
+                    "once, ahead of the runs"]
 
 
 def test_every_format_pillow_reads_is_found_and_other_files_are_named_once(tmp_path, caplog):
