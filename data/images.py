@@ -97,8 +97,9 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int,
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         opened = Image.open(source)
     with opened as img:
-        if Image.MAX_IMAGE_PIXELS and img.width * img.height > Image.MAX_IMAGE_PIXELS:
-            _say_large(name or getattr(source, "name", source), img.width, img.height, Image.MAX_IMAGE_PIXELS)
+        bound = Image.MAX_IMAGE_PIXELS  # (None: the user turned the check off)
+        if bound and img.width * img.height > bound:
+            _say_large(name or getattr(source, "name", source), img.width, img.height, bound)
         if img.mode == "F":  # 32-bit float (TIFF): no scale to read it in; RGB would clip it
             raise ValueError("a 32-bit float image (mode F): store it with 8 or 16 bits")
         if img.format == "JPEG" and min(img.size) >= 2 * resize:

@@ -733,6 +733,23 @@ class BrokenMetric(torch.nn.Module):
         return torch.tensor(1.0 / (self.updates * 0))  # ZeroDivisionError (a bug in compute)
 
 
+class FailsOnForward(torch.nn.Module):
+    """A model of one's own with a bug: its `at`-th forward in training (`when="train"`) or
+    in evaluation (`when="eval"`: the sanity check's is the first) raises."""
+
+    def __init__(self, input_shape, num_classes: int, at: int = 3, when: str = "train"):
+        super().__init__()
+        self.lin = torch.nn.Linear(int(np.prod(input_shape)), num_classes)
+        self.at, self.when, self.calls = at, when, 0
+
+    def forward(self, x):
+        if self.training == (self.when == "train"):
+            self.calls += 1
+            if self.calls == self.at:
+                raise RuntimeError("a bug in the model's own forward")
+        return self.lin(x.flatten(1))
+
+
 class FailsInCompute(torch.nn.Module):
     """A metric (a count of samples, not synced over ranks) whose compute raises on rank
     `rank` (-1: every rank) from its `at`-th computation on (its copies tried by the sanity

@@ -13,6 +13,7 @@ never per step.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -263,12 +264,14 @@ class Loop:
         planned = sum(windows)
         done = self.state.position // per_batch  # (the batches before a mid-epoch resume)
         bar = self.logger.progress(done + planned, f"epoch {epoch}", done)
-        batches = self.train_feed.take(planned)  # nothing loaded past the plan
         epoch_start = time.perf_counter()
-        try:  # an error mid-epoch clears the bar's line too: its one line starts a line
-            complete = self._epoch_steps(epoch, windows, batches, per_batch, bar)
-        finally:
-            bar.close()
+        # (closed as an error leaves the epoch: its workers end then, not in the interpreter's
+        # shutdown, where the traceback's frames kept the pass and its clean-up failed)
+        with contextlib.closing(self.train_feed.take(planned)) as batches:  # none past the plan
+            try:  # an error mid-epoch clears the bar's line too: its one line starts a line
+                complete = self._epoch_steps(epoch, windows, batches, per_batch, bar)
+            finally:
+                bar.close()
         if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
             torch.cuda.synchronize(self.device)  # validation's (once an epoch)
         self.run_train_s += time.perf_counter() - epoch_start

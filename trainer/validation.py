@@ -3,6 +3,7 @@ the whole validation set, exact on any world size (each rank its shard, without 
 all-reduced, metrics synced by their own state), under the training loop's precision."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -59,15 +60,16 @@ def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
     kept = rng_state(generator.get_state() if generator is not None else None, gpus)
     model.eval()
     try:
-        for batch in feed.take(1):
-            with loop.precision.autocast():
-                output = checked_forward(task, model, batch, True, loop.input_shape,
-                                         find_unused=True, which=SANITY)
-                count = task.count(batch)
-                check_count(task, count, batch)
-                task.loss(output, batch)
-            metricchecks.check_metrics(task, output, batch, compute=False)
-            metricchecks.check_compute_again(task, output, batch)
+        with contextlib.closing(feed.take(1)) as batches:
+            for batch in batches:
+                with loop.precision.autocast():
+                    output = checked_forward(task, model, batch, True, loop.input_shape,
+                                             find_unused=True, which=SANITY)
+                    count = task.count(batch)
+                    check_count(task, count, batch)
+                    task.loss(output, batch)
+                metricchecks.check_metrics(task, output, batch, compute=False)
+                metricchecks.check_compute_again(task, output, batch)
     except ConfigError as e:  # the task's or a metric's line: say which split it met
         if "trainer.sanity_check" in str(e):
             raise
@@ -217,22 +219,23 @@ def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
         metric.reset()
     sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
     samples = 0
-    for batch in loop.val_feed.take(loop.val_limit):
-        first = not loop.val_read and samples == 0  # the run's first validation batch
-        samples += batch_size(batch)  # (shapes only)
-        with loop.precision.autocast():
-            # the run's first: data the model cannot take (only the validation split's dtype
-            # or shape differs from training's) is one line, as the first training batch's is
-            output = checked_forward(task, model, batch, first, loop.input_shape,
-                                     find_unused=True, which="the first validation batch")
-            count = task.count(batch)
-            if first:
-                check_count(task, count, batch)
-            sums[0] += counted(task.loss(output, batch), count)
-            sums[1] += count
-        if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
-            task.update_metrics(map_tensors(output, torch.clone) if loop.replays else output,
-                                batch)
+    with contextlib.closing(loop.val_feed.take(loop.val_limit)) as batches:
+        for batch in batches:
+            first = not loop.val_read and samples == 0  # the run's first validation batch
+            samples += batch_size(batch)  # (shapes only)
+            with loop.precision.autocast():
+                # the run's first: data the model cannot take (only the validation split's dtype
+                # or shape differs from training's) is one line, as the first training batch's is
+                output = checked_forward(task, model, batch, first, loop.input_shape,
+                                         find_unused=True, which="the first validation batch")
+                count = task.count(batch)
+                if first:
+                    check_count(task, count, batch)
+                sums[0] += counted(task.loss(output, batch), count)
+                sums[1] += count
+            if task.metrics:  # (a metric may keep the output itself: AUROC's list of preds)
+                task.update_metrics(map_tensors(output, torch.clone) if loop.replays else output,
+                                    batch)
     sums[2], sums[3] = samples, len(skipped_files(loop.val_feed))
     return sums
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, final_weights
+from tests.helpers import ROOT, final_weights, run_cli
 from trainer.loop import Callback
 from trainer.runner import train
 
@@ -131,6 +131,22 @@ class CountSteps(Callback):
 
     def load_state_dict(self, state):
         self.steps = state["steps"]
+
+
+@pytest.mark.parametrize("when", ["train", "eval"])
+def test_a_crash_mid_pass_ends_its_workers_then_not_in_the_interpreters_shutdown(tmp_path,
+                                                                                 when):
+    """The pass's generator is closed as the error leaves it: left to the shutdown (the
+    traceback's frames held it), its clean-up printed "Exception ignored ... sys.meta_path is
+    None" as the run's last lines, below the error."""
+    proc = run_cli(["model=custom", "model._target_=tests.helpers.FailsOnForward",
+                    f"+model.when={when}", "+model.at=2", "data.placement=host",
+                    "data.num_workers=2", "trainer.max_steps=30", "trainer.progress_bar=false",
+                    "trainer.print_config=false", f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == \
+        "RuntimeError: a bug in the model's own forward", proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr
 
 
 def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
