@@ -23,7 +23,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.saver import writing_in_background
 from trainer.config import ConfigError
 from trainer import components, resumeargs, spelling, stamp
-from trainer.distributed import LaunchError, detect
+from trainer.distributed import LaunchError, detect, mark_said, rank0_said
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -325,14 +325,32 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
     "Error executing job" line.
     """
     rank = getattr(e, "said_by_its_rank", None)  # an error of that rank's own (runner.train)
-    if any_rank or rank is not None or detect().is_main:
-        from trainer.task import raised_in_users_code  # (lazy: the task imports torch)
+    env = detect()
+    if getattr(e, "said_early", False):  # (rank 0, before it left the group: runner.train)
+        pass
+    elif any_rank or rank is not None:
+        say(e)
+    elif env.is_main:
+        say(e)
+        mark_said(env)
+    elif not getattr(e, "rank0_asked", False):  # met before the group, or after it
+        from trainer.liveness import OWN_WAIT_S  # (lazy: it imports the data pipeline)
 
-        said = describe(e) + raised_in_users_code(e)
-        said = said if rank is None else f"rank {rank}: {said}"
-        print(f"stoker: error: {said}{resumeargs.took()}", file=sys.stderr, flush=True)
+        if not rank0_said(env, OWN_WAIT_S):
+            e.said_by_its_rank = env.rank
+            say(e)
     reap_children()
     raise SystemExit(code)
+
+
+def say(e: BaseException) -> None:
+    """Prints `e`'s one line on stderr (`fail`'s; runner.train's rank 0 says it early)."""
+    from trainer.task import raised_in_users_code  # (lazy: the task imports torch)
+
+    rank = getattr(e, "said_by_its_rank", None)
+    said = describe(e) + raised_in_users_code(e)
+    said = said if rank is None else f"rank {rank}: {said}"
+    print(f"stoker: error: {said}{resumeargs.took()}", file=sys.stderr, flush=True)
 
 
 def reap_children() -> None:

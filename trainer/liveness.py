@@ -174,23 +174,11 @@ def record_error(rank: int, line: str) -> None:
 
 def unmet_by_rank_0(rank: int) -> bool:
     """Whether this rank must say its recorded error itself: under torchrun, a rank other
-    than 0 whose error rank 0 did not meet as well (no error of rank 0's in the store within
-    OWN_WAIT_S). Rank 0, waiting in a collective for this rank, may learn of the error only
+    than 0 whose error rank 0 did not say (distributed.rank0_said, within OWN_WAIT_S). Rank 0, waiting in a collective for this rank, may learn of the error only
     when this process ends, and torchrun's agent ends every rank as soon as one exits with
-    an error: rank 0 was at times ended before it said it (no line at all)."""
-    store = _store()
-    if store is None or rank == 0 or not distributed.agent_store(distributed.detect()):
-        return False  # (SLURM: no agent ends rank 0 before it says it)
-    until = time.monotonic() + OWN_WAIT_S
-    while True:
-        try:
-            if store.check([ERROR_KEY.format(0)]):
-                return False  # rank 0 met an error of its own: it says it
-        except Exception:  # noqa: BLE001  (the store is gone)
-            return True
-        if time.monotonic() > until:
-            return True
-        time.sleep(0.05)
+    an error: rank 0 was at times ended before it said it (no line at all), also where it
+    met the same error (rank 0 now says it before leaving the group: runner.train)."""
+    return rank != 0 and not distributed.rank0_said(distributed.detect(), OWN_WAIT_S)
 
 
 def peer_errors(rank: int, world_size: int) -> Dict[int, str]:

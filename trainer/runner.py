@@ -26,7 +26,7 @@ from trainer import (checkpoint, components, distributed, ending, liveness, resu
                      resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
 from trainer.validation import PeerFailedValidation, validate_once
-from trainer.cli import SignalledAgain, describe, fail, wants_traceback
+from trainer.cli import SignalledAgain, describe, fail, say, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds, too_many_workers
 from trainer.distributed import DistEnv
@@ -131,8 +131,17 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
             if env.world_size > 1 and not liveness.from_a_lost_peer(e) and \
                     not isinstance(e, Preempted):
                 liveness.record_error(env.rank, ending.status_error(e))
-                if isinstance(e, ending.ONE_LINE) and liveness.unmet_by_rank_0(env.rank):
-                    e.said_by_its_rank = env.rank  # (cli.fail; a crash says its traceback)
+                if isinstance(e, ending.ONE_LINE) and env.is_main and not wants_traceback():
+                    # said now, the job's store still up to tell the others it is: a rank
+                    # whose same error ended it first had torchrun end this one before its
+                    # line, said after the process group's teardown (no line at all)
+                    say(e)
+                    e.said_early = True
+                    distributed.mark_said(env)
+                elif isinstance(e, ending.ONE_LINE):
+                    e.rank0_asked = True  # (cli.fail asks no more)
+                    if liveness.unmet_by_rank_0(env.rank):
+                        e.said_by_its_rank = env.rank  # (cli.fail; a crash says its traceback)
             raise
 
 

@@ -6,6 +6,7 @@ from hydra.errors import ConfigCompositionException
 
 from tests.helpers import run_cli
 from trainer.cli import describe
+from trainer.config import ConfigError
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -142,6 +143,64 @@ def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_pat
                                "'num_worker' not in 'DataConfig' (key: data.num_worker)")
     # torchrun reports the ranks' exit codes, not a traceback it read from their error files
     assert "hydra/_internal" not in out and "error_file: <N/A>" in out
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A store as torchrun's agent keeps one, this process as rank `rank` of two under it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer import distributed, liveness
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                          timeout=datetime.timedelta(seconds=10))
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(distributed, "_SAID_STORE", [])
+    monkeypatch.setattr(liveness, "OWN_WAIT_S", 0.5)
+    from trainer import cli
+
+    monkeypatch.setattr(cli, "reap_children", lambda: None)
+
+    def as_rank(rank: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setattr(distributed, "_SAID_STORE", [])
+
+    return store, as_rank
+
+
+@pytest.mark.parametrize("said_by_rank_0", [True, False])
+def test_under_torchrun_a_ranks_error_line_waits_for_rank_0s_and_is_said_where_it_never_comes(
+        agent_store, capsys, said_by_rank_0):
+    """An error every rank meets is said by rank 0 only; torchrun's agent ends every rank as
+    soon as one exits with an error, and a rank that met it first (before the ranks joined a
+    group, as an override a node's target does not take) had rank 0 ended before its line:
+    no line at all. The other ranks wait for rank 0's word that it said its line, and say
+    their own where it never comes."""
+    from trainer import cli
+
+    store, as_rank = agent_store
+    if said_by_rank_0:
+        as_rank(0)
+        with pytest.raises(SystemExit) as done:
+            cli.fail(ConfigError("model.hiden: takes no argument 'hiden'"))
+        assert done.value.code == 2
+        assert capsys.readouterr().err == "stoker: error: model.hiden: takes no argument " \
+                                          "'hiden'\n"
+        assert store.check(["stoker/attempt-0/said/0"])
+    as_rank(1)
+    with pytest.raises(SystemExit) as done:
+        cli.fail(ConfigError("model.hiden: takes no argument 'hiden'"))
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("" if said_by_rank_0 else "stoker: error: rank 1: "
+                                       "model.hiden: takes no argument 'hiden'\n")
 
 
 def test_a_misspelt_key_in_a_config_file_of_ones_own_lists_the_valid_keys(tmp_path):
