@@ -143,3 +143,8 @@ def _check_schedule_step(scheduler: LRScheduler) -> None:
     if isinstance(step_size, int) and step_size < 1:
         raise ConfigError(f"sched.step_size={step_size}: {name} needs at least 1 optimizer "
                           "step between decays")
+    gamma = getattr(scheduler, "gamma", None)  # StepLR's, MultiStepLR's, ExponentialLR's factor
+    if isinstance(gamma, (int, float)) and not (0 < gamma < math.inf):
+        # (a negative factor trained at a negative lr every other decay, and diverged, exit 0)
+        raise ConfigError(f"sched.gamma={gamma}: {name} multiplies the lr by it; it must be a "
+                          "number > 0 (0.1 to 0.5 are usual decays)")

@@ -244,6 +244,10 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
     (["sched=step", "sched.step_size=0"], "sched.step_size=0: StepLR needs at least 1 "
                                           "optimizer step between decays"),
     (["sched=step", "sched.step_size=-3"], "sched.step_size=-3: StepLR needs at least 1"),
+    # a negative factor trained at a negative lr every other decay, diverged and exited 0
+    (["sched=step", "sched.gamma=-1"], "sched.gamma=-1: StepLR multiplies the lr by it; it must "
+                                       "be a number > 0"),
+    (["sched=step", "sched.gamma=0"], "sched.gamma=0: StepLR multiplies the lr by it"),
     (["sched=constant", "sched._target_=torch.optim.lr_scheduler.ReduceLROnPlateau",
       "~sched.warmup_steps"],
      "sched: ReduceLROnPlateau.step() needs metrics (a validation metric, say), but the loop "
