@@ -217,6 +217,7 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
     (augmentation on the training feed only); and a line per split for the log, which the
     caller writes once every check passed."""
     d = cfg.data
+    _check_worker_count(d, env.local_world_size)
     collate = components.build_callable(d.collate_fn, "data.collate_fn")
     # (too_many_workers says it once, in a line naming the key)
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
@@ -334,6 +335,21 @@ def describe_feed(split: str, dataset: Dataset, where: str, workers: int,
     return (f"{split} set: {count_of(len(dataset), 'sample')} {source}through a DataLoader with "
             f"{count_of(workers, 'worker')} (data.num_workers={d.num_workers}, "
             f"data.placement={d.placement}){why}")
+
+
+def _check_worker_count(d: DictConfig, local_world_size: int) -> None:
+    """A count of loader workers per rank no machine runs: 16 per CPU of the rank's share (64
+    at least), four times what too_many_workers warns past. Each is a forked process holding
+    its copy of the dataset: `data.num_workers=100000` (zeros too many) forked until the
+    memory ran out, and the processes outlived the run that started them."""
+    workers, cpus = cpu_workers(d, local_world_size), distributed.cpus_per_rank(local_world_size)
+    most = max(16 * cpus, 64)
+    if workers > most:
+        raise ConfigError(f"data.num_workers={d.num_workers}: {workers} loader processes per rank "
+                          f"for {count_of(cpus, 'CPU')}; at most {most} (16 per CPU, 64 at "
+                          "least): each is a process holding its copy of the dataset; "
+                          f"data.num_workers=auto gives "
+                          f"{distributed.auto_num_workers(local_world_size)}")
 
 
 def too_many_workers(d: DictConfig, feed: DevicePrefetcher, local_world_size: int) -> List[str]:

@@ -550,6 +550,24 @@ def test_more_workers_than_any_sample_uses_is_one_warning_naming_the_key(make_cf
     assert not [w for w in torch_said if "worker processes in total" in str(w.message)]
 
 
+def test_a_worker_count_no_machine_runs_is_refused_before_a_worker_starts(make_cfg, tmp_path):
+    """`data.num_workers=100000` (zeros too many) forked until the memory ran out, and the
+    processes outlived the run: past 16 per CPU (64 at least) is one line, nothing forked."""
+    from omegaconf import OmegaConf
+
+    from trainer.feeds import _check_worker_count
+
+    with two_cores(1), pytest.raises(ConfigError) as info:
+        train(make_cfg("data.placement=host", "data.num_workers=100000", run_dir=tmp_path))
+    assert str(info.value) == (
+        "data.num_workers=100000: 100000 loader processes per rank for 1 CPU; at most 64 (16 "
+        "per CPU, 64 at least): each is a process holding its copy of the dataset; "
+        "data.num_workers=auto gives 1")
+    assert not (tmp_path / "checkpoints").exists()
+    with two_cores(1):  # 64 is not past it (too_many_workers warns)
+        _check_worker_count(OmegaConf.create({"num_workers": 64}), 1)
+
+
 def test_workers_past_the_ranks_share_of_cpus_name_the_share(monkeypatch):
     """Under torchrun the node's CPUs are shared by its ranks: 4 ranks of 24 workers on 16
     CPUs are past 4 per CPU of a rank's 4 (16, as 8 at least is not more)."""
