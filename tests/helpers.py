@@ -433,6 +433,25 @@ class SlowDigits(DigitsDataset):
         return super().__getitem__(i)
 
 
+class SignalsInValidation(DigitsDataset):
+    """Digits whose val split sends its own process SIGTERM when it reads the rank's first
+    sample the `at`-th time (the sanity check reads it first), on rank `rank` only: a
+    preemption signal that comes during an epoch's validation (data.num_workers=0)."""
+
+    def __init__(self, split: str = "train", at: int = 2, rank: int = 1, **kw):
+        super().__init__(split, **kw)
+        self.at, self.rank, self.reads, self.val = at, rank, 0, split == "val"
+        self.first = None
+
+    def __getitem__(self, i):
+        self.first = i if self.first is None else self.first
+        if self.val and i == self.first and int(os.environ.get("RANK", "0")) == self.rank:
+            self.reads += 1
+            if self.reads == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(i)
+
+
 class SlowToBuildDigits(DigitsDataset):
     """Digits whose train split takes `seconds` to build (a slow listing, a cache being
     made), after touching `marker`: a signal can come while the run is built."""

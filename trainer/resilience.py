@@ -205,12 +205,25 @@ class Preemption:
                             "command starts it again",
                             EXIT_INTERRUPTED if kind == 2 else EXIT_PREEMPTED)
 
-    def agreed(self) -> bool:
-        """True on every rank once any rank was signalled (collective in multi-rank jobs)."""
+    def agreed(self, now: bool = False) -> bool:
+        """True on every rank once any rank was signalled (collective in multi-rank jobs: an
+        all-reduce read a step later, or, `now`, at once: at an epoch's end, after a
+        validation a signal may have come in)."""
         if self._group is None:
             self.kind = self._mine
             self._stopping = self.requested
             return self.requested
+        if now:
+            previous, self._pending = self._pending, None
+            kind = 0
+            if previous is not None:
+                previous[1].wait()
+                kind = int(previous[0].item())
+            flag = torch.tensor([self._mine], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            self.kind = max(kind, int(flag.item()))
+            self._stopping = self.kind > 0
+            return self.kind > 0
         previous = self._pending
         flag = torch.tensor([self._mine], dtype=torch.int32)
         self._pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
@@ -351,9 +364,10 @@ class Checkpointing(Callback):
             self.save(loop)
         self._stop_if_agreed(loop)
 
-    def _stop_if_agreed(self, loop) -> None:
-        """Saves and raises Preempted once the ranks agree a stop was asked for."""
-        if self.preemption is not None and self.preemption.agreed():
+    def _stop_if_agreed(self, loop, now: bool = False) -> None:
+        """Saves and raises Preempted once the ranks agree a stop was asked for (`now`: the
+        agreement read at once, Preemption.agreed)."""
+        if self.preemption is not None and self.preemption.agreed(now):
             self.save(loop)
             self.finish()
             ctrl_c = self.preemption.kind == 2
@@ -369,9 +383,14 @@ class Checkpointing(Callback):
     def after_epoch(self, loop, val: Optional[Dict[str, float]]) -> None:
         n = self.c.every_n_epochs
         self.save_ranked(loop, val, periodic=bool(n and loop.state.epoch % n == 0))
+        if loop.reached_limit():
+            # the run's last epoch, validated: it completes now (its summary, the status
+            # "completed"). Stopped here as preempted, its resume found nothing to train and
+            # left the run "preempted" for ever, with no summary.json
+            return
         # a signal during the epoch's validation stops here, at the epoch's end, not a step
-        # into the next epoch (one process; ranks agree a step later, as after a step)
-        self._stop_if_agreed(loop)
+        # into the next epoch (under DDP too: the ranks agree at once, not a step later)
+        self._stop_if_agreed(loop, now=True)
 
     def validation_failed(self, loop) -> None:
         """The trained state saved before the validation's error is said (the steps since

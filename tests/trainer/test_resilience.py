@@ -567,6 +567,45 @@ def test_a_ctrl_c_during_an_epochs_validation_stops_at_that_epochs_end(make_cfg,
     assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == at.step
 
 
+def test_a_signal_during_a_validation_under_ddp_stops_at_that_epochs_end(tmp_path):
+    """The ranks agree on a stop a step after it came (an all-reduce read the next step), and
+    a signal during an epoch's validation stopped the run a step into the next epoch: at an
+    epoch's end the ranks agree at once."""
+    run_dir = tmp_path / "run"
+    proc = run(launcher(2) + [f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
+                              "data.dataset._target_=tests.helpers.SignalsInValidation",
+                              "data.placement=host", "data.num_workers=0",
+                              "trainer.max_epochs=3"])
+    assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first_val = [r["step"] for r in rows if r.get("split") == "val"]
+    assert len(first_val) == 1, rows  # epoch 0's validation, during which the signal came
+    assert f"stopped on a preemption signal at step {first_val[0]};" in proc.stdout + \
+        proc.stderr
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] == first_val[0]
+
+
+def test_a_signal_during_the_last_epochs_validation_lets_the_run_complete(make_cfg, tmp_path):
+    """Stopped there as preempted, the run's resume found nothing to train and left it
+    "preempted" for ever, with no summary.json (a sweep's table showed the job without its
+    values): the run is validated at its end, so it completes."""
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    class SigtermAtTheEnd(Callback):  # (before the checkpointing's own after_epoch)
+        def after_epoch(self, loop, val):
+            if loop.state.epoch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    run_dir = tmp_path / "run"
+    summary = train(make_cfg("trainer.max_epochs=2", "trainer.progress_bar=false",
+                             run_dir=run_dir), callbacks=[SigtermAtTheEnd()])
+    assert summary["epochs"] == 2 and "val_loss" in summary
+    assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 2
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["epoch"] == 2
+
+
 @pytest.mark.parametrize("async_save", ["true", "false"])
 def test_a_failed_validation_whose_save_fails_too_says_both(make_cfg, tmp_path, caplog,
                                                             monkeypatch, async_save):
