@@ -58,12 +58,31 @@ def locate(path: str, key: str) -> Callable:
                     raise ConfigError(f"{key}={path}: no module named '{owner}.{attr}' (and "
                                       f"{owner} has no attribute '{attr}')"
                                       + (_shadowed(owner) if j == 1 else "")) from None
+                meant = _meant(obj, attr)
                 raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'"
+                                  + (f" (did you mean {owner}.{meant}?)" if meant else "")
                                   + (_shadowed(owner) if j == 1 else "")) from None
             obj = getattr(obj, attr)
+        if inspect.ismodule(obj):  # (Hydra's words: "Expected a callable target, got '<module")
+            names = [n for n, v in vars(obj).items() if not n.startswith("_") and
+                     (inspect.isclass(v) or inspect.isfunction(v))
+                     and getattr(v, "__module__", None) == obj.__name__]
+            raise ConfigError(f"{key}={path}: a module, not a class or function in it"
+                              + (f" (it defines {', '.join(names[:8])}"
+                                 f"{', ...' if len(names) > 8 else ''})" if names else ""))
         return obj
     raise ConfigError(f"{key}={path}: no module named '{parts[0]}' (is it installed, or in the "
                       "directory you run from?)")
+
+
+def _meant(owner: Any, attr: str) -> Optional[str]:
+    """The public name of `owner` that `attr` misspells (`Adamw` for AdamW, `MLPP`), or None."""
+    try:
+        names = [n for n in dir(owner) if not n.startswith("_")]
+    except Exception:  # noqa: BLE001  (a module's own __dir__ that fails)
+        return None
+    same = [n for n in names if n.lower() == attr.lower()]
+    return same[0] if same else spelling.closest(attr, names)
 
 
 def _shadowed(top: str) -> str:

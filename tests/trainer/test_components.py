@@ -103,8 +103,15 @@ def test_unknown_and_missing_arguments_are_named():
 
 
 @pytest.mark.parametrize("path,fragment", [
-    ("trainer.models.MLPP", "trainer.models has no attribute 'MLPP'"),
-    ("torch.nn.Linearr", r"torch.nn has no attribute 'Linearr'$"),  # a class in a package
+    ("trainer.models.MLPP", r"trainer.models has no attribute 'MLPP' \(did you mean "
+                            r"trainer.models.MLP\?\)$"),
+    ("torch.nn.Linearr", r"torch.nn has no attribute 'Linearr' \(did you mean "
+                         r"torch.nn.Linear\?\)$"),  # a class in a package
+    ("torch.optim.Adamw", r"torch.optim has no attribute 'Adamw' \(did you mean "
+                          r"torch.optim.AdamW\?\)$"),  # (letters of another case)
+    ("trainer.models.Perceptron", r"trainer.models has no attribute 'Perceptron'$"),  # (none)
+    # a module named where a class goes: Hydra's "Expected a callable target" named no key
+    ("trainer.models", r"a module, not a class or function in it \(it defines .*\bMLP\b"),
     ("nopkg.models.MLP", "no module named 'nopkg'"),
     # a package: the module is what was meant
     ("trainer.modelz.MLP", r"no module named 'trainer.modelz' \(and trainer has no attribute "
