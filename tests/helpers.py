@@ -733,6 +733,14 @@ class Scripted(torch.nn.Module):
         return torch.tensor(self.value)
 
 
+class KeywordMetric(torch.nn.Module):
+    """A metric that takes any keyword, as torchmetrics' do (**kwargs), and needs one."""
+
+    def __init__(self, num_classes: int, **kwargs):
+        super().__init__()
+        self.num_classes = num_classes
+
+
 class BrokenMetric(torch.nn.Module):
     """A metric whose update (`fails="update"`) or compute raises inside its own code."""
 

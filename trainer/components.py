@@ -187,7 +187,10 @@ def _checked(node: Any, key: str, offered: Optional[Dict[str, Any]], hint: str,
     if params is not None:
         unknown = [k for k in given if k not in params]
         if unknown:
-            raise ConfigError(_no_argument(key, name, unknown[0], params) + hint)
+            # (the hint is for keys left from the group's other choice, not for a misspelling)
+            misspelt = spelling.closest(unknown[0], params) is not None
+            raise ConfigError(_no_argument(key, name, unknown[0], params)
+                              + ("" if misspelt else hint))
         # torch's and Stoker's own signatures are known; a user's own class may take other
         # kinds than its defaults show (hidden=128 or [128, 64]), and would have no way round
         known = name.startswith(("torch.", "trainer."))
@@ -267,8 +270,27 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
         if where is None or e.__cause__ is None:
             raise
         cause = e.__cause__  # an inner node's target refused its arguments: name its key
-        raise ConfigError(f"{where}: {_CALLED.match(str(e)).group(1)} refused its arguments "
+        called = _CALLED.match(str(e)).group(1)
+        misspelt = _misspelt_required(cause, dict(_inner_nodes(node, key)).get(where))
+        if misspelt:  # (a target taking **kwargs took the misspelt key, then missed the other)
+            raise ConfigError(f"{where}.{misspelt[0]}: {called} needs '{misspelt[1]}', which it "
+                              f"was not given (did you mean {where}.{misspelt[1]}?)") from None
+        raise ConfigError(f"{where}: {called} refused its arguments "
                           f"({type(cause).__name__}: {first_line(cause)})") from None
+
+
+def _misspelt_required(cause: BaseException, node: Any) -> Optional[Tuple[str, str]]:
+    """(the key given, the argument it misspells) where `cause` is a TypeError for a required
+    argument missing (`num_classes`) that a key of `node` misspells (`num_clases`)."""
+    text = str(cause)
+    if not isinstance(cause, TypeError) or "missing" not in text or node is None:
+        return None
+    missing = re.findall(r"'(\w+)'", text.split("missing", 1)[1])
+    for given in (k for k in node if k not in RESERVED):
+        meant = spelling.closest(str(given), missing)
+        if meant:
+            return str(given), meant
+    return None
 
 
 _CALLED = re.compile(r"Error in call to target '([^']+)'")

@@ -18,8 +18,13 @@ def closest(name: str, names: Iterable[str]) -> Optional[str]:
     """The one of `names` that `name` misspells: the same words (split at `_`) but for letters
     within one (`num_hiden_layers`, `lrr`), not a word for another (`sep_token_id` is no
     misspelt `pad_token_id`, nor `bos` of `eos`); None if none is."""
-    words = name.split("_")
-    for other in difflib.get_close_matches(name, list(names), n=3, cutoff=0.8):
+    words, names = name.split("_"), list(names)
+    # a short word one letter off scores under the ratio (`sise` for size): taken where it is
+    # the one word that differs, of 4 letters or more (`bos` is a word, not a misspelt `eos`)
+    near = [n for n in names if _word_one_edit(words, n.split("_"))]
+    if len(near) == 1:
+        return near[0]
+    for other in difflib.get_close_matches(name, names, n=3, cutoff=0.8):
         theirs = other.split("_")
         if len(theirs) != len(words):  # (an underscore left out or added: the same letters)
             if other.replace("_", "") == name.replace("_", ""):
@@ -29,6 +34,24 @@ def closest(name: str, names: Iterable[str]) -> Optional[str]:
                for a, b in zip(words, theirs)):
             return other
     return None
+
+
+def _word_one_edit(words: List[str], theirs: List[str]) -> bool:
+    differ = [(a, b) for a, b in zip(words, theirs) if a != b]
+    return len(words) == len(theirs) and len(differ) == 1 and \
+        min(map(len, differ[0])) >= 4 and _one_edit(*differ[0])
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """`a` and `b` differ by one letter changed, added, left out, or two letters swapped."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1
+                                  and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
 
 
 def check_keyword_config(target: Callable, name: str, node: Any, given: List[str], key: str,

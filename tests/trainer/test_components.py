@@ -210,12 +210,25 @@ def test_a_function_is_a_collate_as_it_stands():
      r"\+task.metrics.acc.out_features=...$"),
     (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=["update", 2]),
      r"^task.metrics.acc: tests.helpers.BrokenMetric refused its arguments \(TypeError: "),
+    # a target taking **kwargs took the misspelt key, then missed the one it misspells
+    (dict(_target_="tests.helpers.KeywordMetric", num_clases=3),
+     r"^task.metrics.acc.num_clases: tests.helpers.KeywordMetric needs 'num_classes', which it "
+     r"was not given \(did you mean task.metrics.acc.num_classes\?\)$"),
 ])
 def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
     """A task's metrics are built inside it (Hydra's recursion): their mistakes name
     task.metrics.<name>, as a model's name model.<key>, not Hydra's whole message."""
     with pytest.raises(ConfigError, match=message):
         build(node(_target_="trainer.tasks.Classification", metrics={"acc": metric}), "task")
+
+
+def test_a_misspelt_argument_is_said_without_the_hint_for_keys_left_from_another_choice():
+    with pytest.raises(ConfigError) as info:
+        build(node(_target_="tests.helpers.TwoHeads", input_shape=[4], num_classes=2, widht=3),
+              "model", hint="; model=custom starts from no keys but _target_")
+    assert str(info.value) == ("model.widht: tests.helpers.TwoHeads takes no argument 'widht' "
+                               "(did you mean model.width? it takes: input_shape, num_classes, "
+                               "width)")
 
 
 def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():

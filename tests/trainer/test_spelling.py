@@ -11,3 +11,14 @@ def test_a_misspelling_is_letters_within_a_word_not_a_word_for_another():
     assert closest("bos_token_id", ["eos_token_id"]) is None  # (a word for another)
     assert closest("sep_token_id", ["pad_token_id"]) is None
     assert closest("encoder_layers", ["num_decoder_layers"]) is None
+
+
+def test_a_short_name_one_letter_off_is_a_misspelling():
+    """Four letters with one changed score 0.75, under the ratio longer names are held to."""
+    takes = ["split", "size", "label_offset"]
+    assert closest("sise", takes) == "size"  # (a letter changed)
+    assert closest("szie", takes) == "size"  # (two swapped)
+    assert closest("bos_token_id", ["eos_token_id"]) is None  # (a 3-letter word: a word)
+    assert closest("spit", takes) == "split"  # (one left out)
+    assert closest("sise", ["size", "side"]) is None  # (one letter from either: no guess)
+    assert closest("bos", ["eos"]) is None
