@@ -103,6 +103,7 @@ def init_weights(model: nn.Module, init_from: str, strict: bool, training: bool 
     initialised is no validation of the file), and nothing else starts."""
     path = Path(init_from)
     key = f"trainer.init_from={init_from}"
+    path = _one_weights_file(path)
     if not path.is_file():
         raise CheckpointError(f"{key}: {_not_a_file(path)}")
     own = model.state_dict()
@@ -135,6 +136,20 @@ def init_weights(model: nn.Module, init_from: str, strict: bool, training: bool 
             f"; the file's keys the model lacks: {_first(misfits['unexpected'])}"
             if misfits["unexpected"] else "")
     return line + ("; the optimizer, schedule and step count start fresh" if training else "")
+
+
+PRETRAINED_FILES = ("model.safetensors", "pytorch_model.bin")  # save_pretrained's one file
+
+
+def _one_weights_file(path: Path) -> Path:
+    """A Hugging Face save_pretrained folder's one weights file, where `path` is such a
+    folder (one of PRETRAINED_FILES, no shards' index, no checkpoint of a run's); `path`
+    otherwise."""
+    if not path.is_dir() or checkpoints_in(path) or \
+            any(path.glob("*.index.json")):
+        return path
+    found = [path / name for name in PRETRAINED_FILES if (path / name).is_file()]
+    return found[0] if len(found) == 1 else path
 
 
 def _not_a_file(path: Path) -> str:

@@ -128,6 +128,25 @@ def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
     assert "lm_head.weight: tied to a loaded one" in line
 
 
+def test_a_save_pretrained_folder_is_read_through_its_one_weights_file(tmp_path):
+    """init_from=<a save_pretrained folder> was refused as a directory that "holds
+    model.safetensors": its one weights file is what was meant. Two candidates stay refused."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")
+    source = tiny_gpt2()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(2.0)
+    source.save_pretrained(tmp_path / "pre")
+    model = tiny_gpt2()
+    line = init_weights(model, str(tmp_path / "pre"), strict=True)
+    assert same(model, source)
+    assert line.startswith(f"model weights from {tmp_path / 'pre' / 'model.safetensors'}: ")
+    torch.save(source.state_dict(), tmp_path / "pre" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r": a directory, not a file; it holds "):
+        init_weights(tiny_gpt2(), str(tmp_path / "pre"), strict=True)
+
+
 def test_strict_refuses_a_misfit_naming_the_keys_and_leaves_the_model_as_it_was(tmp_path):
     torch.save(trained(hidden=8, classes=5).state_dict(), tmp_path / "w.pt")
     model, fresh = net(), net()
