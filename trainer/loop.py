@@ -192,7 +192,14 @@ class Loop:
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
-            if self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
+            if self.state.step == steps_before == self.state.validated_step:
+                # a resume whose position is past the epoch's batches (trainer.
+                # limit_train_batches lowered): nothing trained since that step's validation,
+                # which gave a second row for the step
+                self.logger.info("epoch %d: nothing trained since step %d, validated then (the "
+                                 "run's position is past this epoch's batches)", epoch,
+                                 self.state.step)
+            elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
                 val = self._evaluate_trained(epoch)
             for callback in self.callbacks:
                 callback.after_epoch(self, val)

@@ -149,6 +149,18 @@ def test_a_crash_mid_pass_ends_its_workers_then_not_in_the_interpreters_shutdown
     assert "Exception ignored" not in proc.stderr
 
 
+def test_a_resume_past_a_lowered_epoch_limit_does_not_validate_its_step_again(make_cfg,
+                                                                               tmp_path):
+    """Stopped at step 15 (validated there), resumed with trainer.limit_train_batches=5: the
+    epoch's plan is empty, and its end validated step 15 again, a second row for the step."""
+    run_dir = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=15", "trainer.max_epochs=-1", run_dir=run_dir))
+    train(make_cfg("trainer.max_epochs=2", "trainer.limit_train_batches=5",
+                   f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}", run_dir=run_dir))
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("split") == "val"] == [15, 20]
+
+
 def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
     first, second, stateless = CountSteps(), CountSteps(), Callback()
     train(make_cfg("trainer.max_epochs=1"), callbacks=[first, stateless, second])
