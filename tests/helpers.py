@@ -1028,6 +1028,17 @@ class NotADataset:
         self.split = split
 
 
+class EmptyVal(DigitsDataset):
+    """Digits whose val split has no samples."""
+
+    def __len__(self):
+        return 0 if self.val_split else super().__len__()
+
+    def __init__(self, split: str = "train", **kw):
+        super().__init__(split, **kw)
+        self.val_split = split == "val"
+
+
 class Endless(Empty):
     """A stream's "endless" length given as a map-style set's: 10**13 samples."""
     def __len__(self):

@@ -83,8 +83,10 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
         except (TypeError, ValueError) as e:  # a __len__ that returns -1, None, ...
             raise ConfigError(f"{key}: {type(ds).__name__}.__len__() failed ({e}); it must "
                               "return the number of samples") from None
-        if n == 0:
-            raise ConfigError(f"{key}: {type(ds).__name__} has no samples")
+        if n == 0:  # (of data.dataset, built once per split: which split)
+            split = f" split={'val' if ds is sets[1] else 'train'}" \
+                if keys[0] == keys[1] else ""
+            raise ConfigError(f"{key}: {type(ds).__name__}{split} has no samples")
         if not isinstance(ds, ShardStream):
             _order_fits(key, ds, n)
         classes = getattr(ds, "classes", None)  # an image folder's (shards': their index's)

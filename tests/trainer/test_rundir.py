@@ -292,7 +292,10 @@ def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path):
     (["data.batch_size=5000", "data.drop_last=true"],
      "data.batch_size=5000: no optimizer step per epoch with 1438 training samples"),
     (["data=custom", "+data.dataset._target_=tests.helpers.Empty", "data.input_shape=[4]",
-      "data.num_classes=2"], "data.dataset: Empty has no samples"),
+      "data.num_classes=2"], "data.dataset: Empty split=train has no samples"),
+    # of a dataset built once per split, the empty one is named (it was the whole dataset)
+    (["data.dataset._target_=tests.helpers.EmptyVal"], "data.dataset: EmptyVal split=val has "
+                                                       "no samples"),
     (["data=custom", "+data.dataset._target_=tests.helpers.Endless", "data.input_shape=[4]",
       "data.num_classes=2"], "data.dataset: Endless has 10,000,000,000,000 samples, whose "
                              "shuffled order alone takes 80,000 GB, more than half of this "
