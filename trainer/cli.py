@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, List, NoReturn, Optional
 
 from hydra.errors import HydraException
@@ -282,7 +283,12 @@ def _os_error(e: OSError) -> str:
     (hydra.run.dir, data.cache_dir) fails where the OS says so, not in our checks."""
     path = str(e.filename)
     if isinstance(e, (FileExistsError, NotADirectoryError)):  # where a folder was to be made
-        said = f"{path}: a file is in the way where a folder must be ({e.strerror})"
+        blocker = next((p for p in [Path(path), *Path(path).parents]
+                        if p.is_symlink() and not p.exists()), None)
+        said = (f"{path}: a file is in the way where a folder must be ({e.strerror})"
+                if blocker is None else
+                f"{path}: {blocker} is a link to {os.readlink(blocker)}, which does not exist "
+                "(or leads back to itself); make that folder, or give another path")
     else:
         said = f"{path}: {e.strerror}"
     override = _override_of(path)

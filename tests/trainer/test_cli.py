@@ -228,6 +228,16 @@ def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine"
 
 
+def test_a_dangling_link_as_the_run_dir_is_said_as_a_link_not_a_file(tmp_path):
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"stoker: error: hydra.run.dir={tmp_path / 'run'}: {tmp_path / 'run'} is a link to "
+        f"{tmp_path / 'gone'}, which does not exist (or leads back to itself); make that "
+        "folder, or give another path")
+
+
 def test_a_folder_the_os_cannot_make_is_said_with_the_key_that_named_it(tmp_path):
     (tmp_path / "afile").write_text("mine")
     proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "data.cache=disk",
