@@ -136,7 +136,7 @@ def _launched_otherwise(cfg: DictConfig, state: Dict[str, Any], path: Path,
     mine = _set_by_this_command(differ)
     advice = (f"this command sets {' '.join(mine)}: leave {'it' if len(mine) == 1 else 'them'} "
               f"out to {verb} the run as it was" if mine else
-              f"{verb} it with the overrides it was launched with{_its_command(path)}")
+              f"{verb} it with the overrides it was launched with{_its_command(path, config)}")
     return (" (its run had other model settings: " + ", ".join(
         f"{k}={theirs.get(k, '(not set)')}" for k in differ[:3])
         + (f" (+{len(differ) - 3} more)" if len(differ) > 3 else "") + f"; {advice})")
@@ -165,9 +165,16 @@ _SIZES_THE_MODEL = ("data.input_shape", "data.num_classes", "data.dataset._targe
                     "data.train_dataset._target_")
 
 
-def _its_command(path: Path) -> str:
+def _its_command(path: Path, config: Dict[str, Any]) -> str:
     """Where a checkpoint's run keeps the overrides it was launched with: its status.json's
-    `resume` (a stopped run's), else Hydra's record of them (a finished run's too)."""
+    `resume` (a stopped run's), else Hydra's record of them (a finished run's too); the run
+    its config names, where the file was copied from another run's dir (this dir's records
+    are another run's)."""
+    saved_in = config.get("run_dir")
+    if isinstance(saved_in, str) and saved_in and path.parent.name == checkpoint.CHECKPOINT_DIR \
+            and os.path.realpath(saved_in) != os.path.realpath(path.parent.parent):
+        return (f"; the file was saved by the run in {saved_in}, not this dir's"
+                + _its_command(Path(saved_in) / checkpoint.CHECKPOINT_DIR / path.name, {}))
     if path.parent.name != checkpoint.CHECKPOINT_DIR:
         return ""
     run = path.parent.parent

@@ -146,6 +146,28 @@ def test_a_checkpoint_of_another_model_names_the_settings_its_run_was_launched_w
     assert str(e.value).endswith(f"launched with; {hydra / 'overrides.yaml'} lists them)")
 
 
+def test_a_checkpoint_copied_from_another_run_names_that_runs_records(make_cfg, tmp_path):
+    """Another run's last.pt put in this run's checkpoints/: the line pointed at this dir's
+    overrides.yaml, another run's, which cannot give the file's settings."""
+    import shutil
+
+    from trainer.runner import train
+
+    train(make_cfg("model=cnn", "trainer.max_steps=2", run_dir=tmp_path / "cnn"))
+    train(make_cfg("trainer.max_steps=2", run_dir=tmp_path / "mlp"))
+    for run, overrides in (("cnn", "- model=cnn\n"), ("mlp", "- trainer.max_steps=2\n")):
+        (tmp_path / run / ".hydra").mkdir()
+        (tmp_path / run / ".hydra" / "overrides.yaml").write_text(overrides)
+    shutil.copy(tmp_path / "cnn" / "checkpoints" / "last.pt",
+                tmp_path / "mlp" / "checkpoints" / "last.pt")
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto", run_dir=tmp_path / "mlp"))
+    assert str(e.value).endswith(
+        f"resume it with the overrides it was launched with; the file was saved by the run in "
+        f"{tmp_path / 'cnn'}, not this dir's; {tmp_path / 'cnn' / '.hydra' / 'overrides.yaml'} "
+        "lists them)")
+
+
 def test_a_model_setting_the_command_changes_is_named_as_the_commands(tmp_path):
     """The misfit line told a user to give the run's own overrides, which its overrides.yaml
     did not hold (the model's width came from a config file), where the command's own
