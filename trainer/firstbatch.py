@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -115,20 +116,104 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
     (`first`: the run's first such batch, named `which`). Another error raised in a task's
     own forward, before its model (`batch["image"]` of a tuple batch), keeps its traceback
     with a note saying what the task was given, as the model's own first forward does."""
+    if first:  # (on CUDA an id past the embedding is a device-side assert no process survives)
+        said = out_of_range(batch, unwrap(model))
+        if said:
+            raise ConfigError(f"{said} (in {which})")
     try:
         return task.forward(model, batch)
-    except RuntimeError as e:
+    except (RuntimeError, IndexError) as e:
+        said = out_of_range(batch, unwrap(model))  # (a later batch's, on a CPU)
+        if said:
+            raise ConfigError(f"{said} (in a batch after {which})") from None
+        if isinstance(e, IndexError):
+            _forward_failed(task, e, batch, first, which)
+            raise
         error = forward_error(e, batch, unwrap(model), first, input_shape, find_unused, which)
         if error is e:
             raise
         raise error from None
-    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
-        if first and not isinstance(e, ConfigError) and not any(
-                str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
-            _note(e, f"stoker: task {task.label}: its forward failed on {which}, given "
-                     f"{describe(batch)}: does the task's forward take the batches the data "
-                     "(data=...) yields?")
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        _forward_failed(task, e, batch, first, which)
         raise
+
+
+def _forward_failed(task: Task, e: Exception, batch: Any, first: bool, which: str) -> None:
+    """Notes on an error of the task's own forward what it was given (`first` batch only)."""
+    if first and not isinstance(e, ConfigError) and not any(
+            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
+        _note(e, f"stoker: task {task.label}: its forward failed on {which}, given "
+                 f"{describe(batch)}: does the task's forward take the batches the data "
+                 "(data=...) yields?")
+
+
+# models whose integer `labels` are classes of config.num_labels (Hugging Face's heads)
+_CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification",
+                "ForImageClassification", "ForAudioClassification")
+_LABEL_KEYS = ("labels", "label", "target", "targets")
+
+
+def out_of_range(batch: Any, model: nn.Module) -> Optional[str]:
+    """Why a batch's integers cannot index the model: token ids past its input embedding's
+    rows (a tokenizer of a larger vocabulary than the model's vocab_size), or a Hugging Face
+    classifier's `labels` past its config's num_labels; None where neither is the case.
+    (Both were an IndexError deep in the model's code on a CPU, a device-side assert on
+    CUDA; under task=model_loss the classification task's target check does not run.)"""
+    if isinstance(batch, Mapping):
+        entries = [(repr(k), k, t) for k, t in batch.items()]
+    elif isinstance(batch, (list, tuple)) and batch:
+        entries = [("item 0", None, batch[0])]  # (inputs, target): the inputs
+    else:
+        entries = [("the batch", None, batch)]
+    ints = [(name, k, t) for name, k, t in entries if isinstance(t, torch.Tensor)
+            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            and t.numel()]
+    if not ints:
+        return None
+    embedding = _input_embedding(model)
+    if embedding is not None:
+        rows = embedding.num_embeddings
+        for name, k, t in ints:
+            if k in _LABEL_KEYS:
+                continue
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= rows:
+                where = next((n for n, m in model.named_modules() if m is embedding), "")
+                return (f"data: the batch's {name} holds ids from {lo} to {hi}, but the "
+                        f"model's input embedding ({where or type(embedding).__name__}) has "
+                        f"{rows} rows: ids must be from 0 to {rows - 1} (does the tokenizer's "
+                        "vocabulary fit the model's vocab_size?)")
+    config = getattr(model, "config", None)
+    classes = getattr(config, "num_labels", None)
+    if isinstance(classes, int) and classes > 1 and type(model).__name__.endswith(
+            _CLASSIFIERS) and getattr(config, "problem_type", None) in (
+            None, "single_label_classification"):
+        for name, k, t in ints:
+            if k != "labels":
+                continue
+            bad = t[(t != -100) & ((t < 0) | (t >= classes))]
+            if bad.numel():
+                return (f"data: the batch's 'labels' holds class {int(bad[0])}, but "
+                        f"{type(model).__name__} has {classes} labels (its config's "
+                        f"num_labels): labels must be from 0 to {classes - 1} (-100 leaves one "
+                        "out); give the model's config num_labels=<the data's class count>")
+    return None
+
+
+def _input_embedding(model: nn.Module) -> Optional[nn.Embedding]:
+    """The embedding the model's token ids index: the model's own word for it
+    (`get_input_embeddings`, as Hugging Face's models and Stoker's Transformer say), else its
+    one nn.Embedding (of several, which one the inputs index is not known: categorical
+    features, say, each with a table of its own)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        found = get() if callable(get) else None
+    except Exception:  # noqa: BLE001  (a model that does not implement it)
+        found = None
+    if isinstance(found, nn.Embedding):
+        return found
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return tables[0] if len(tables) == 1 else None
 
 
 def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,

@@ -180,6 +180,10 @@ class Transformer(nn.Module):
         for table in (self.tokens, self.positions):
             nn.init.normal_(table.weight, std=0.02)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The table the token ids index (Hugging Face's name for it)."""
+        return self.tokens
+
     def forward(self, tokens):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tokens(tokens) + self.positions(pos)

@@ -165,3 +165,60 @@ def test_samples_of_another_shape_than_the_model_was_sized_by_warn(make_cfg, cap
                    "task=language_model", "data.input_shape=[64]", "data.dataset.tokens=32",
                    run_dir=tmp_path / "lm"))
     assert not [r for r in caplog.records if "data.input_shape" in r.getMessage()]
+
+
+def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_model_loss():
+    """Under task=model_loss (a Hugging Face model's own loss) token ids past vocab_size and
+    labels past num_labels were a 114-line IndexError from inside the model (on CUDA a
+    device-side assert): checked on the first batch, and where a later one fails."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from tests.helpers import tiny_gpt2
+    from trainer.firstbatch import checked_forward
+
+    lm = tiny_gpt2(vocab_size=20)
+    ids = torch.randint(0, 20, (2, 8))
+    fine = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    assert checked_forward(ModelLoss(), lm, fine, True, None, True) is not None
+    past = {**fine, "input_ids": ids + 5}
+    with pytest.raises(ConfigError) as e:
+        checked_forward(ModelLoss(), lm, past, True, None, True)
+    assert str(e.value) == (
+        f"data: the batch's 'input_ids' holds ids from {int(ids.min()) + 5} to "
+        f"{int(ids.max()) + 5}, but the model's input embedding (transformer.wte) has 20 rows: "
+        "ids must be from 0 to 19 (does the tokenizer's vocabulary fit the model's "
+        "vocab_size?) (in the first batch)")
+    with pytest.raises(ConfigError, match=r"holds ids from .* \(in a batch after the first"):
+        checked_forward(ModelLoss(), lm, past, False, None, True)  # (raised, then found)
+    torch.manual_seed(0)
+    classifier = GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=20, n_positions=8, n_embd=16, n_layer=1, n_head=2, num_labels=2,
+        pad_token_id=0))
+    labels = {"input_ids": ids, "labels": torch.tensor([1, 2])}
+    with pytest.raises(ConfigError) as e:
+        checked_forward(ModelLoss(), classifier, labels, True, None, True)
+    assert str(e.value) == (
+        "data: the batch's 'labels' holds class 2, but GPT2ForSequenceClassification has 2 "
+        "labels (its config's num_labels): labels must be from 0 to 1 (-100 leaves one out); "
+        "give the model's config num_labels=<the data's class count> (in the first batch)")
+    ignored = {"input_ids": ids, "labels": torch.tensor([1, -100])}
+    assert checked_forward(ModelLoss(), classifier, ignored, True, None, True) is not None
+
+
+def test_integers_of_a_model_of_several_tables_are_not_judged_by_one():
+    """Categorical features, each with a table of its own: which one the inputs index is not
+    known, so no line blames the first table."""
+    from trainer.firstbatch import out_of_range
+
+    class Tabular(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Embedding(3, 4), torch.nn.Embedding(50, 4)
+
+    codes = torch.tensor([[2, 40], [1, 7]])
+    assert out_of_range((codes, torch.zeros(2)), Tabular()) is None
+    one = torch.nn.Sequential(torch.nn.Embedding(3, 4))
+    assert out_of_range((codes, torch.zeros(2)), one).startswith(
+        "data: the batch's item 0 holds ids from 1 to 40, but the model's input embedding (0) "
+        "has 3 rows")
