@@ -828,6 +828,14 @@ class PerSampleLoss(Classification):
         return torch.nn.functional.cross_entropy(output, batch[1], reduction="none")
 
 
+class BinaryLossOnClassLogits(Classification):
+    """A task of one's own whose loss does not fit the model's output: a binary loss on 10
+    classes' logits (a ValueError inside torch's loss)."""
+
+    def loss(self, output, batch):
+        return torch.nn.functional.binary_cross_entropy_with_logits(output, batch[1].float())
+
+
 class NothingCounted(Classification):
     """A task whose every batch counts 0 units (a token task whose labels are all -100): its
     loss averages over nothing."""

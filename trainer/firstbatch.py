@@ -147,6 +147,16 @@ def _forward_failed(task: Task, e: Exception, batch: Any, first: bool, which: st
                  "(data=...) yields?")
 
 
+def loss_failed(task: Task, e: Exception, output: Any, batch: Any) -> None:
+    """Notes on an error the task's loss raised on the run's first batch (a loss of one's
+    own, whose traceback stays) what it was given, as a failing first forward says."""
+    if not isinstance(e, ConfigError) and not any(
+            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
+        _note(e, f"stoker: task {task.label}: its loss failed on the first batch, given the "
+                 f"model's output {describe(output)} and the batch {describe(batch)}: do the "
+                 "loss, the model's output and the data's targets fit together?")
+
+
 # models whose integer `labels` are classes of config.num_labels (Hugging Face's heads)
 _CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification",
                 "ForImageClassification", "ForAudioClassification")

@@ -29,7 +29,7 @@ from trainer.callbacks import Callback, callback_keys  # (Callback: users import
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
 from trainer.firstbatch import (check_batch, check_count, check_input_shape, check_loss,
-                                checked_forward)
+                                checked_forward, loss_failed)
 from trainer.ledger import Ledger, window_factor
 from trainer.logging import RunLogger
 from trainer.precision import MixedPrecision
@@ -344,13 +344,19 @@ class Loop:
     def _forward_backward(self, batch, weight) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
         returns the loss."""
-        if self._autocast is None:  # fp32: no context to enter
-            output = self._forward(batch)
-            loss = self.task.loss(output, batch)
-        else:
-            with self._autocast():
+        output = None
+        try:  # (free unless it raises)
+            if self._autocast is None:  # fp32: no context to enter
                 output = self._forward(batch)
                 loss = self.task.loss(output, batch)
+            else:
+                with self._autocast():
+                    output = self._forward(batch)
+                    loss = self.task.loss(output, batch)
+        except Exception as e:
+            if not self._loss_checked and output is not None:  # (the forward passed)
+                loss_failed(self.task, e, output, batch)
+            raise
         first = not self._loss_checked
         if first:
             check_batch(self.task, batch)

@@ -167,6 +167,19 @@ def test_samples_of_another_shape_than_the_model_was_sized_by_warn(make_cfg, cap
     assert not [r for r in caplog.records if "data.input_shape" in r.getMessage()]
 
 
+def test_a_loss_of_ones_own_failing_on_the_first_batch_says_what_it_was_given(make_cfg):
+    """Its traceback stays (the task's own code), closed by a line, as a failing first forward
+    is: a custom loss of the wrong shape ended in torch's words alone."""
+    with pytest.raises(ValueError, match="Target size") as e:
+        train(make_cfg("task._target_=tests.helpers.BinaryLossOnClassLogits",
+                       "trainer.max_steps=2"))
+    assert getattr(e.value, "__notes__", []) == [
+        "stoker: task classification: its loss failed on the first batch, given the model's "
+        "output tensor(64, 10) float32 and the batch list(tensor(64, 1, 8, 8) float32, "
+        "tensor(64,) int64): do the loss, the model's output and the data's targets fit "
+        "together?"]
+
+
 def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_model_loss():
     """Under task=model_loss (a Hugging Face model's own loss) token ids past vocab_size and
     labels past num_labels were a 114-line IndexError from inside the model (on CUDA a
