@@ -39,7 +39,7 @@ from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.resilience import Checkpointing, Preempted, Preemption
 from trainer.runlock import RunDirLock
 from trainer.strategy import wrap
-from trainer.task import Task, _raised_in_own_code
+from trainer.task import Task, raised_in_own_code
 from trainer.windowlog import NonFiniteLoss
 
 log = logging.getLogger("stoker")
@@ -79,7 +79,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         ending.sweep_job_failed(e)
         if isinstance(e, Exception) and ending.stops_sweep():
             ending.end_sweep(e, validating)
-        at = _raised_in_own_code(e, not_the_projects=True) if type(e) is SystemExit else ""
+        at = raised_in_own_code(e, not_the_projects=True) if type(e) is SystemExit else ""
         if at:  # sys.exit() in the user's code: the process ended, silent, even with 0 in a
             # sweep whose next jobs never ran
             ending.said_exit(e, at, validating)

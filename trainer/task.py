@@ -61,7 +61,7 @@ _PROJECT = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                  + os.sep for d in ("trainer", "data", "scripts"))
 
 
-def _raised_in_own_code(e: BaseException, not_the_projects: bool = False) -> str:
+def raised_in_own_code(e: BaseException, not_the_projects: bool = False) -> str:
     """` (raised at FILE:LINE)` where the innermost frame of `e` is code of one's own (not an
     installed package's, nor Python's; with `not_the_projects`, nor Stoker's own): there the
     refusal may be a bug, and that is where."""
@@ -86,7 +86,7 @@ def raised_in_users_code(e: BaseException) -> str:
     away") named neither its type nor where it came from."""
     if not isinstance(e, OSError):
         return ""
-    at = _raised_in_own_code(e, not_the_projects=True)
+    at = raised_in_own_code(e, not_the_projects=True)
     return f" ({type(e).__name__} {at[2:]}" if at else ""
 
 
@@ -246,7 +246,7 @@ class Task:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
                             f"{first_line(e)}"
-                            f"{_raised_in_own_code(e)}") from None
+                            f"{raised_in_own_code(e)}") from None
         except Exception as e:  # inside the metric's own code: its traceback stays
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "
                      f"given {describe((preds, target))}")
