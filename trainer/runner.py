@@ -405,20 +405,9 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
-        if checkpointing is not None and not isinstance(e, (KeyboardInterrupt, SignalledAgain)):
-            # the checkpoint being written in the background is the last good state: complete
-            # it before the process ends (a second signal stops at once: cli._exit)
-            unwritten = checkpointing.saver.settle()
-            if unwritten is not None and env.is_main:
-                log.warning("checkpoint: the last background write failed too: %s",
-                            describe(unwritten))
-        # (said in one line wherever the training thread met it; how, from its process)
-        died = worker_died(e, [] if loop is None else [
-            feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None])
-        lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
-                               cfg.trainer.ddp.timeout_s)
-        if lost is not None or died is not None:
-            raise (lost or died) from None
+        said = _failed(e, cfg, env, run_dir, loop, checkpointing, outputs, ours)
+        if said is not None:
+            raise said from None
         raise
     finally:
         if loop is not None:  # the loaders' workers, also after an error
@@ -428,6 +417,28 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         release_shm()  # (a sweep's next job runs in this process: not at its exit)
         logger.close()
         lock.release()
+
+
+def _failed(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
+            loop: Optional[Loop], checkpointing: Optional[Checkpointing],
+            outputs: Optional[startup.FirstStepOutputs], ours: bool
+            ) -> Optional[BaseException]:
+    """What a run that raised `e` leaves behind (its background checkpoint write completed,
+    its failure recorded) and the error to raise instead of `e`: a loader worker's death or
+    a lost peer said in one line; None to raise `e` itself."""
+    if checkpointing is not None and not isinstance(e, (KeyboardInterrupt, SignalledAgain)):
+        # the checkpoint being written in the background is the last good state: complete
+        # it before the process ends (a second signal stops at once: cli._exit)
+        unwritten = checkpointing.saver.settle()
+        if unwritten is not None and env.is_main:
+            log.warning("checkpoint: the last background write failed too: %s",
+                        describe(unwritten))
+    # (said in one line wherever the training thread met it; how, from its process)
+    died = worker_died(e, [] if loop is None else [
+        feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None])
+    lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
+                           cfg.trainer.ddp.timeout_s)
+    return lost or died
 
 
 def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
