@@ -1105,6 +1105,33 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@__import__("contextlib").contextmanager
+def train_until(args, marker: str, timeout: float = 120):
+    """`python train.py ARGS` in a session of its own, its stderr read on a thread until a
+    line holds `marker`: yields (the process, its stderr lines so far) once one did with the
+    process still running (asserted), and kills the session on the way out."""
+    import threading
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if marker in line:
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert seen.wait(timeout) and proc.poll() is None, "".join(lines[-40:])
+        yield proc, lines
+    finally:
+        kill_session(proc.pid)
+
+
 def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: float = 150):
     """A torchrun job run until a line of its stderr starts with `prefix` (or it ends, or
     `timeout` passes), then its whole process group killed: for jobs whose remaining ranks

@@ -424,40 +424,20 @@ def test_a_signal_after_the_run_completed_leaves_its_exit_0(tmp_path, phase, sig
     import json
     import os
     import signal
-    import subprocess
-    import sys
-    import threading
     import time
 
-    from tests.helpers import QUIET, ROOT, kill_session
+    from tests.helpers import train_until
 
     seconds = 6.0
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *QUIET, f"hydra.run.dir={run_dir}",
-         "trainer.max_epochs=1", "model._target_=tests.helpers.SlowExitMLP",
-         f"+model.phase={phase}", f"+model.seconds={seconds}"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    seen, lines = threading.Event(), []
-
-    def read():
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("slow exit:"):
-                seen.set()
-        seen.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert seen.wait(120) and proc.poll() is None, "".join(lines[-40:])
+    with train_until([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1",
+                      "model._target_=tests.helpers.SlowExitMLP", f"+model.phase={phase}",
+                      f"+model.seconds={seconds}"], "slow exit:") as (proc, lines):
         for _ in range(signals):
             os.kill(proc.pid, signal.SIGTERM)
             time.sleep(0.3)
         start = time.monotonic()
         code = proc.wait(timeout=60)
-    finally:
-        kill_session(proc.pid)
     assert code == 0, "".join(lines[-40:])
     if signals == 2:  # (at once, not after the exit handler's seconds)
         assert time.monotonic() - start < seconds - 1
@@ -471,34 +451,15 @@ def test_a_thread_of_the_users_code_left_running_is_said_and_one_sigterm_ends_it
     import json
     import os
     import signal
-    import subprocess
-    import sys
-    import threading
 
-    from tests.helpers import QUIET, ROOT, kill_session
+    from tests.helpers import train_until
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *QUIET, f"hydra.run.dir={run_dir}",
-         "trainer.max_epochs=1", "model._target_=tests.helpers.ThreadLeavingMLP"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    seen, lines = threading.Event(), []
-
-    def read():
-        for line in proc.stderr:
-            lines.append(line)
-            if "the process waits for" in line:
-                seen.set()
-        seen.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert seen.wait(120) and proc.poll() is None, "".join(lines[-40:])
+    with train_until([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1",
+                      "model._target_=tests.helpers.ThreadLeavingMLP"],
+                     "the process waits for") as (proc, lines):
         os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=30)
-    finally:
-        kill_session(proc.pid)
     assert code == 0, "".join(lines[-40:])
     said = [ln.strip() for ln in lines if "the process waits for" in ln]
     assert said == ["stoker: the run is complete; the process waits for 1 thread of your code "
