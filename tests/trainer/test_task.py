@@ -351,7 +351,8 @@ def test_modules_in_the_directory_the_command_runs_from_are_found(tmp_path):
                    cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "stoker: error: model._target_=mynet.Nett: mynet has no attribute 'Nett'")
+        "stoker: error: model._target_=mynet.Nett: mynet has no attribute 'Nett' (did you "
+        "mean mynet.Net?)")
 
 
 class Embedder(torch.nn.Module):
