@@ -176,7 +176,7 @@ class ShardStream:
         from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
 
         samples = group_by_keys(tar_file_expander(url_opener([{"url": url}])))
-        got, more = 0, False
+        got, more, i = 0, False, -1
         try:
             for i, sample in enumerate(samples):
                 if i < skip:
@@ -190,9 +190,14 @@ class ShardStream:
                     return
         except (tarfile.TarError, OSError, ValueError) as e:  # damaged, cut short, missing
             reason = first_line(e)
+            # nothing came from an address (curl's empty stream: a wrong host, a network down)
+            remote = url.startswith(("http://", "https://", "pipe:")) and i < 0
+            fix = ("is the address right, and reachable from this machine? (the same command "
+                   "with curl, or the pipe's own, says more)" if remote else
+                   "write it again (scripts/prepare_data.py --format shards) or remove it from "
+                   "its index.json")
             raise ConfigError(f"data: shard {url} cannot be read ({type(e).__name__}: "
-                              f"{reason}); write it again (scripts/prepare_data.py --format "
-                              "shards) or remove it from its index.json") from None
+                              f"{reason}); {fix}") from None
         if more:
             raise ConfigError(f"data: shard {url} holds more samples than the {count} its "
                               "index says (written after its index.json?); write the set again "

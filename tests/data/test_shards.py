@@ -227,6 +227,34 @@ def test_an_index_that_is_not_a_shard_index_is_one_line_naming_it(tmp_path, inde
         ShardStream("train", str(tmp_path))
 
 
+def test_an_unreachable_remote_shard_asks_about_the_address_not_to_write_the_set_again(
+        tmp_path, free_port_url):
+    """Nothing came from an http:// shard (a wrong host, a network down): the line said to
+    write the set again, as for a damaged file."""
+    from data.loader import readable
+    from trainer.config import ConfigError
+
+    root = tmp_path / "shards"
+    write_shards(numbered(10), root / "train", samples_per_shard=10)
+    index = json.loads((root / "train" / "index.json").read_text())
+    index["shards"][0]["url"] = f"{free_port_url}/shard-000000.tar"
+    (root / "train" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError) as info:
+        list(readable(iter(loader(root, workers=0, shuffle=False))))
+    assert str(info.value).startswith(f"data: shard {free_port_url}/shard-000000.tar cannot be "
+                                      "read (")
+    assert str(info.value).endswith("is the address right, and reachable from this machine? "
+                                    "(the same command with curl, or the pipe's own, says more)")
+
+
+@pytest.fixture
+def free_port_url():
+    """An http:// address on this machine where nothing listens."""
+    from tests.helpers import free_port
+
+    return f"http://127.0.0.1:{free_port()}"
+
+
 @pytest.mark.parametrize("damage", ["cut", "garbage", "missing", "short index", "long shard"])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, workers):
