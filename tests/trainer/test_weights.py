@@ -113,14 +113,21 @@ def test_a_missing_file_or_a_dir_names_the_files_beside_or_in_it(tmp_path):
         init_weights(net(), str(tmp_path / "run"), strict=True)
 
 
-def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
+def saved_gpt2(folder):
+    """A tiny GPT-2 whose weights differ from a fresh one's, saved by save_pretrained into
+    `folder` (its model.safetensors stores the tied lm_head.weight once)."""
     pytest.importorskip("safetensors")
     pytest.importorskip("transformers")
     source = tiny_gpt2()
     with torch.no_grad():
         for p in source.parameters():
             p.mul_(2.0)
-    source.save_pretrained(tmp_path)  # model.safetensors stores lm_head.weight (tied) once
+    source.save_pretrained(folder)
+    return source
+
+
+def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
+    source = saved_gpt2(tmp_path)
     model = tiny_gpt2()
     line = init_weights(model, str(tmp_path / "model.safetensors"), strict=True)
     assert same(model, source)
@@ -131,13 +138,7 @@ def test_safetensors_and_a_hugging_face_file_with_tied_weights(tmp_path):
 def test_a_save_pretrained_folder_is_read_through_its_one_weights_file(tmp_path):
     """init_from=<a save_pretrained folder> was refused as a directory that "holds
     model.safetensors": its one weights file is what was meant. Two candidates stay refused."""
-    pytest.importorskip("safetensors")
-    pytest.importorskip("transformers")
-    source = tiny_gpt2()
-    with torch.no_grad():
-        for p in source.parameters():
-            p.mul_(2.0)
-    source.save_pretrained(tmp_path / "pre")
+    source = saved_gpt2(tmp_path / "pre")
     model = tiny_gpt2()
     line = init_weights(model, str(tmp_path / "pre"), strict=True)
     assert same(model, source)
