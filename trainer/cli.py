@@ -24,7 +24,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.saver import writing_in_background
 from trainer.config import ConfigError
 from trainer import components, resumeargs, spelling, stamp
-from trainer.distributed import LaunchError, detect, mark_said, rank0_said
+from trainer.distributed import LaunchError, detect
 
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -338,9 +338,12 @@ def fail(e: BaseException, code: int = EXIT_CONFIG, any_rank: bool = False) -> N
         say(e)
     elif env.is_main:
         say(e)
-        mark_said(env)
+        if env.world_size > 1:
+            from trainer.liveness import mark_said  # (lazy: it imports the data pipeline)
+
+            mark_said(env)
     elif not getattr(e, "rank0_asked", False):  # met before the group, or after it
-        from trainer.liveness import OWN_WAIT_S  # (lazy: it imports the data pipeline)
+        from trainer.liveness import OWN_WAIT_S, rank0_said
 
         if not rank0_said(env, OWN_WAIT_S):
             e.said_by_its_rank = env.rank

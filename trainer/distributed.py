@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
@@ -274,56 +273,6 @@ def agent_store(env: DistEnv) -> bool:
     rank), not one a rank hosts (SLURM's: rank 0's process)."""
     return env.launcher != "slurm" and \
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-
-
-SAID_KEY = "said/{}"  # (under the attempt's prefix) set once that rank said its error line
-_SAID_STORE: List[Any] = []  # the client of the agent's store, once made (None: unreachable)
-
-
-def _said_store(env: DistEnv) -> Any:
-    """A client of torchrun's agent store, under this attempt's prefix: it outlives the process
-    group, and exists before it (an error met before the ranks join)."""
-    if not _SAID_STORE:
-        try:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=datetime.timedelta(seconds=5))
-            _SAID_STORE.append(dist.PrefixStore(f"stoker/attempt-{attempt()}", store))
-        except Exception:  # noqa: BLE001  (the agent is gone: nothing to tell or ask)
-            _SAID_STORE.append(None)
-    return _SAID_STORE[0]
-
-
-def mark_said(env: DistEnv) -> None:
-    """Tells the job's other ranks that this rank has said its one-line error (rank0_said)."""
-    if env.world_size > 1 and agent_store(env):
-        store = _said_store(env)
-        try:
-            if store is not None:
-                store.set(SAID_KEY.format(env.rank), "1")
-        except Exception:  # noqa: BLE001  (the agent is gone)
-            pass
-
-
-def rank0_said(env: DistEnv, wait_s: float) -> bool:
-    """Whether rank 0 says its one-line error (mark_said) within `wait_s`: under torchrun,
-    whose agent ends every rank as soon as one exits with an error, a rank whose error ended
-    it first had rank 0 ended before its line (of the same error: only rank 0 says it), so the
-    other ranks wait for it, and say their own where it never comes. True where no agent
-    store ends rank 0 early (one process, SLURM: rank 0 says its line)."""
-    if env.world_size <= 1 or not agent_store(env):
-        return True
-    store = _said_store(env)
-    until = time.monotonic() + wait_s
-    while store is not None:
-        try:
-            if store.check([SAID_KEY.format(0)]):
-                return True
-        except Exception:  # noqa: BLE001  (the store is gone)
-            return False
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.05)
-    return False
 
 
 def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:

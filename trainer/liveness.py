@@ -12,17 +12,20 @@ longer timeout (`trainer.checkpoint.timeout_s`).
 """
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import re
 import threading
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
 from data.loader import LoaderStalled
 from trainer import distributed
 from trainer.config import first_line
+from trainer.distributed import DistEnv
 
 BEAT_S = 5.0  # seconds between heartbeats
 _TIMEOUT = re.compile(r"timed? ?out|timeout|deadline", re.IGNORECASE)
@@ -172,13 +175,65 @@ def record_error(rank: int, line: str) -> None:
         pass
 
 
+SAID_KEY = "said/{}"  # (under the attempt's prefix) set once that rank said its error line
+_SAID_STORE: List[Any] = []  # the client of the agent's store, once made (None: unreachable)
+
+
+def _said_store() -> Any:
+    """A client of torchrun's agent store, under this attempt's prefix: it outlives the process
+    group, and exists before it (an error met before the ranks join)."""
+    if not _SAID_STORE:
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=datetime.timedelta(seconds=5))
+            attempt = distributed.attempt()
+            _SAID_STORE.append(dist.PrefixStore(f"stoker/attempt-{attempt}", store))
+        except Exception:  # noqa: BLE001  (the agent is gone: nothing to tell or ask)
+            _SAID_STORE.append(None)
+    return _SAID_STORE[0]
+
+
+def mark_said(env: DistEnv) -> None:
+    """Tells the job's other ranks that this rank has said its one-line error (rank0_said)."""
+    if env.world_size > 1 and distributed.agent_store(env):
+        store = _said_store()
+        try:
+            if store is not None:
+                store.set(SAID_KEY.format(env.rank), "1")
+        except Exception:  # noqa: BLE001  (the agent is gone)
+            pass
+
+
+def rank0_said(env: DistEnv, wait_s: float) -> bool:
+    """Whether rank 0 says its one-line error (mark_said) within `wait_s`: under torchrun,
+    whose agent ends every rank as soon as one exits with an error, a rank whose error ended
+    it first had rank 0 ended before its line (of the same error: only rank 0 says it), so the
+    other ranks wait for it, and say their own where it never comes. True where no agent
+    store ends rank 0 early (one process, SLURM: rank 0 says its line)."""
+    if env.world_size <= 1 or not distributed.agent_store(env):
+        return True
+    store = _said_store()
+    until = time.monotonic() + wait_s
+    while store is not None:
+        try:
+            if store.check([SAID_KEY.format(0)]):
+                return True
+        except Exception:  # noqa: BLE001  (the store is gone)
+            return False
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.05)
+    return False
+
+
 def unmet_by_rank_0(rank: int) -> bool:
     """Whether this rank must say its recorded error itself: under torchrun, a rank other
-    than 0 whose error rank 0 did not say (distributed.rank0_said, within OWN_WAIT_S). Rank 0, waiting in a collective for this rank, may learn of the error only
-    when this process ends, and torchrun's agent ends every rank as soon as one exits with
-    an error: rank 0 was at times ended before it said it (no line at all), also where it
-    met the same error (rank 0 now says it before leaving the group: runner.train)."""
-    return rank != 0 and not distributed.rank0_said(distributed.detect(), OWN_WAIT_S)
+    than 0 whose error rank 0 did not say (rank0_said, within OWN_WAIT_S). Rank 0, waiting
+    in a collective for this rank, may learn of the error only when this process ends, and
+    torchrun's agent ends every rank as soon as one exits with an error: rank 0 was at times
+    ended before it said it (no line at all), also where it met the same error (rank 0 now
+    says it before leaving the group: runner.train)."""
+    return rank != 0 and not rank0_said(distributed.detect(), OWN_WAIT_S)
 
 
 def peer_errors(rank: int, world_size: int) -> Dict[int, str]:

@@ -137,7 +137,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
                     # line, said after the process group's teardown (no line at all)
                     say(e)
                     e.said_early = True
-                    distributed.mark_said(env)
+                    liveness.mark_said(env)
                 elif isinstance(e, ending.ONE_LINE):
                     e.rank0_asked = True  # (cli.fail asks no more)
                     if liveness.unmet_by_rank_0(env.rank):

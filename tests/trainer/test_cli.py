@@ -152,7 +152,7 @@ def agent_store(monkeypatch):
 
     import torch.distributed as dist
 
-    from trainer import distributed, liveness
+    from trainer import liveness
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True,
                           timeout=datetime.timedelta(seconds=10))
@@ -162,7 +162,7 @@ def agent_store(monkeypatch):
         monkeypatch.setenv(key, value)
     for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(distributed, "_SAID_STORE", [])
+    monkeypatch.setattr(liveness, "_SAID_STORE", [])
     monkeypatch.setattr(liveness, "OWN_WAIT_S", 0.5)
     from trainer import cli
 
@@ -171,7 +171,7 @@ def agent_store(monkeypatch):
     def as_rank(rank: int) -> None:
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
-        monkeypatch.setattr(distributed, "_SAID_STORE", [])
+        monkeypatch.setattr(liveness, "_SAID_STORE", [])
 
     return store, as_rank
 
