@@ -93,10 +93,11 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int,
     if isinstance(source, (str, os.PathLike)) and not stat.S_ISREG(os.stat(source).st_mode):
         # a pipe or a device would be read until it ends (a FIFO: forever)
         raise OSError(f"not a regular file: {source}")
-    with warnings.catch_warnings():  # (Pillow's own warning names no file: said below)
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        opened = Image.open(source)
-    with opened as img:
+    if not _LARGE_QUIET:  # Pillow's own warning names no file: said below. (Set once: a
+        # catch_warnings per image reset every module's once-only warnings at each exit)
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+        _LARGE_QUIET.append(True)
+    with Image.open(source) as img:
         bound = Image.MAX_IMAGE_PIXELS  # (None: the user turned the check off)
         if bound and img.width * img.height > bound:
             _say_large(name or getattr(source, "name", source), img.width, img.height, bound)
@@ -153,6 +154,7 @@ def default_resize(size: int, resize: Optional[int]) -> int:
 
 
 _LARGE_SAID: List[bool] = []  # once per process (each loader worker says its first)
+_LARGE_QUIET: List[bool] = []  # Pillow's warning filtered out, once per process
 
 
 def _say_large(name: Any, w: int, h: int, bound: int) -> None:

@@ -49,6 +49,7 @@ def end_without_peer(e: PeerLost) -> NoReturn:
     the lost peer, and destroying them then aborts the process (SIGABRT, 'terminate called
     without an active exception') after the line was said."""
     validating = isinstance(e, PeerFailedValidation)  # (rank 0 lives: it says it, once)
+    e.rank0_asked = True  # (cli.fail: no wait for rank 0's word; the sleep below is this one's)
     try:
         fail(e, code=exit_code(e), any_rank=not validating)
     except SystemExit as done:

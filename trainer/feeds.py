@@ -111,20 +111,28 @@ def build_datasets(cfg: DictConfig) -> Tuple[Dataset, Optional[Dataset]]:
     return sets[0], sets[1]
 
 
+ORDER_BYTES = 48  # a sample's share of an epoch's order: its index in a tensor, then a list
+# of Python ints the sampler hands out (40 bytes a sample measured)
+
+
 def _order_fits(key: str, ds: Any, n: int) -> None:
     """A map-style set's epoch order fits in memory: the sampler draws a permutation of its
-    whole length on every rank (8 bytes a sample), so a `__len__` of 10**12 (a stream's
-    "endless" length) would fill the machine's memory before the first step, unsaid."""
+    whole length on every rank of the node (ORDER_BYTES a sample), so a `__len__` of 10**12
+    (a stream's "endless" length) would fill the machine's memory before the first step,
+    unsaid."""
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):  # a platform that does not say
         return
-    if 8 * n > have // 2:
+    ranks = distributed.detect().local_world_size
+    need = ORDER_BYTES * n * ranks
+    if need > have // 2:
         raise ConfigError(f"{key}: {type(ds).__name__} has {n:,} samples, whose shuffled order "
-                          f"alone takes {8 * n / 1e9:,.0f} GB, more than half of this machine's "
-                          f"{have / 1e9:,.0f} GB of memory; check its __len__, or stream a set "
-                          "this size from shards (data=shards, written by "
-                          "scripts/prepare_data.py --format shards)")
+                          f"alone takes {need / 1e9:,.0f} GB"
+                          + (f" for this node's {ranks} ranks" if ranks > 1 else "")
+                          + f", more than half of this machine's {have / 1e9:,.0f} GB of "
+                          "memory; check its __len__, or stream a set this size from shards "
+                          "(data=shards, written by scripts/prepare_data.py --format shards)")
 
 
 def _same_index(train: ShardStream, val: ShardStream) -> None:

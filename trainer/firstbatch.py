@@ -123,7 +123,8 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
     try:
         return task.forward(model, batch)
     except (RuntimeError, IndexError) as e:
-        said = out_of_range(batch, unwrap(model))  # (a later batch's, on a CPU)
+        # (a later batch's, on a CPU: on CUDA the assert left no device to read the ids from)
+        said = out_of_range(batch, unwrap(model), cpu_only=True)
         if said:
             raise ConfigError(f"{said} (in a batch after {which})") from None
         if isinstance(e, IndexError):
@@ -160,31 +161,34 @@ def loss_failed(task: Task, e: Exception, output: Any, batch: Any) -> None:
 # models whose integer `labels` are classes of config.num_labels (Hugging Face's heads)
 _CLASSIFIERS = ("ForSequenceClassification", "ForTokenClassification",
                 "ForImageClassification", "ForAudioClassification")
-_LABEL_KEYS = ("labels", "label", "target", "targets")
 
 
-def out_of_range(batch: Any, model: nn.Module) -> Optional[str]:
-    """Why a batch's integers cannot index the model: token ids past its input embedding's
-    rows (a tokenizer of a larger vocabulary than the model's vocab_size), or a Hugging Face
-    classifier's `labels` past its config's num_labels; None where neither is the case.
-    (Both were an IndexError deep in the model's code on a CPU, a device-side assert on
-    CUDA; under task=model_loss the classification task's target check does not run.)"""
+def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Optional[str]:
+    """Why a batch's integers cannot index the model: token ids (a dict batch's `input_ids`,
+    a sequence batch's inputs of int64 or int32) past the rows of the embedding the model
+    names as its input's (`get_input_embeddings`, as Hugging Face's models and Stoker's
+    Transformer do: a tokenizer of a larger vocabulary than the model's vocab_size), or a
+    Hugging Face classifier's `labels` past its config's num_labels; None where neither is
+    the case or nothing says which table the ids index (`cpu_only`: only tensors in host
+    memory are read). Both were an IndexError deep in the model's code on a CPU, a
+    device-side assert on CUDA; under task=model_loss the classification task's target check
+    does not run."""
     if isinstance(batch, Mapping):
-        entries = [(repr(k), k, t) for k, t in batch.items()]
+        entries = [(repr(k), k, t) for k, t in batch.items() if k in ("input_ids", "labels")]
     elif isinstance(batch, (list, tuple)) and batch:
         entries = [("item 0", None, batch[0])]  # (inputs, target): the inputs
     else:
         entries = [("the batch", None, batch)]
     ints = [(name, k, t) for name, k, t in entries if isinstance(t, torch.Tensor)
-            and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-            and t.numel()]
+            and t.dtype in (torch.int64, torch.int32) and t.numel()
+            and not (cpu_only and t.device.type != "cpu")]
     if not ints:
         return None
     embedding = _input_embedding(model)
     if embedding is not None:
         rows = embedding.num_embeddings
         for name, k, t in ints:
-            if k in _LABEL_KEYS:
+            if k == "labels":
                 continue
             lo, hi = int(t.min()), int(t.max())
             if lo < 0 or hi >= rows:
@@ -211,19 +215,15 @@ def out_of_range(batch: Any, model: nn.Module) -> Optional[str]:
 
 
 def _input_embedding(model: nn.Module) -> Optional[nn.Embedding]:
-    """The embedding the model's token ids index: the model's own word for it
-    (`get_input_embeddings`, as Hugging Face's models and Stoker's Transformer say), else its
-    one nn.Embedding (of several, which one the inputs index is not known: categorical
-    features, say, each with a table of its own)."""
+    """The embedding the model's token ids index, where the model says which
+    (`get_input_embeddings`); None else (a model's one table may be a class embedding, or
+    one of categorical features: which the inputs index is not known)."""
     get = getattr(model, "get_input_embeddings", None)
     try:
         found = get() if callable(get) else None
     except Exception:  # noqa: BLE001  (a model that does not implement it)
         found = None
-    if isinstance(found, nn.Embedding):
-        return found
-    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    return tables[0] if len(tables) == 1 else None
+    return found if isinstance(found, nn.Embedding) else None
 
 
 def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,

@@ -192,7 +192,8 @@ class Loop:
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
-            if self.state.step == steps_before == self.state.validated_step:
+            if self.state.step == steps_before == self.state.validated_step and \
+                    not self.reached_limit():  # (the run's last: validated, for its summary)
                 # a resume whose position is past the epoch's batches (trainer.
                 # limit_train_batches lowered): nothing trained since that step's validation,
                 # which gave a second row for the step

@@ -138,7 +138,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
                     say(e)
                     e.said_early = True
                     liveness.mark_said(env)
-                elif isinstance(e, ending.ONE_LINE):
+                elif isinstance(e, ending.ONE_LINE) and not wants_traceback():
                     e.rank0_asked = True  # (cli.fail asks no more)
                     if liveness.unmet_by_rank_0(env.rank):
                         e.said_by_its_rank = env.rank  # (cli.fail; a crash says its traceback)

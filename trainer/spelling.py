@@ -14,16 +14,19 @@ from trainer.config import ConfigError, plain
 log = logging.getLogger(__name__)
 
 
-def closest(name: str, names: Iterable[str]) -> Optional[str]:
+def closest(name: str, names: Iterable[str], short_words: bool = True) -> Optional[str]:
     """The one of `names` that `name` misspells: the same words (split at `_`) but for letters
     within one (`num_hiden_layers`, `lrr`), not a word for another (`sep_token_id` is no
-    misspelt `pad_token_id`, nor `bos` of `eos`); None if none is."""
+    misspelt `pad_token_id`, nor `bos` of `eos`); None if none is, or if two are as close
+    (`Conv` of Conv1d, Conv2d, Conv3d). `short_words`: also a word of 4 letters one letter
+    off (`sise` for size), which a word for another can be too (`bias`, `bins`): for a hint,
+    not for a refusal."""
     words, names = name.split("_"), list(names)
-    # a short word one letter off scores under the ratio (`sise` for size): taken where it is
-    # the one word that differs, of 4 letters or more (`bos` is a word, not a misspelt `eos`)
-    near = [n for n in names if _word_one_edit(words, n.split("_"))]
-    if len(near) == 1:
-        return near[0]
+    if short_words:  # (under the ratio below: 0.75 for 4 letters)
+        near = [n for n in names if _word_one_edit(words, n.split("_"))]
+        if len(near) == 1:
+            return near[0]
+    found = []
     for other in difflib.get_close_matches(name, names, n=3, cutoff=0.8):
         theirs = other.split("_")
         if len(theirs) != len(words):  # (an underscore left out or added: the same letters)
@@ -32,8 +35,10 @@ def closest(name: str, names: Iterable[str]) -> Optional[str]:
             continue
         if all(a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
                for a, b in zip(words, theirs)):
-            return other
-    return None
+            found.append((difflib.SequenceMatcher(None, name, other).ratio(), other))
+    if len(found) > 1 and found[0][0] == found[1][0]:
+        return None  # (a guess between equals)
+    return found[0][1] if found else None
 
 
 def _word_one_edit(words: List[str], theirs: List[str]) -> bool:
@@ -76,7 +81,7 @@ def check_keyword_config(target: Callable, name: str, node: Any, given: List[str
         if k in known or hasattr(default, k) or k.endswith("_token_id") or \
                 _read_by(target, k, node[k]):
             continue
-        close = closest(k, sorted(known))
+        close = closest(k, sorted(known), short_words=False)  # (a refusal: no guess)
         if close:
             raise ConfigError(f"{key}.{k}: {name} has no setting '{k}'; did you mean "
                               f"{close}? (it would be kept as an extra attribute, and "

@@ -172,7 +172,8 @@ def _its_command(path: Path, config: Dict[str, Any]) -> str:
     are another run's)."""
     saved_in = config.get("run_dir")
     if isinstance(saved_in, str) and saved_in and path.parent.name == checkpoint.CHECKPOINT_DIR \
-            and os.path.realpath(saved_in) != os.path.realpath(path.parent.parent):
+            and os.path.realpath(saved_in) != os.path.realpath(path.parent.parent) \
+            and os.path.isdir(saved_in):  # (a run dir moved since: its records came with it)
         return (f"; the file was saved by the run in {saved_in}, not this dir's"
                 + _its_command(Path(saved_in) / checkpoint.CHECKPOINT_DIR / path.name, {}))
     if path.parent.name != checkpoint.CHECKPOINT_DIR:

@@ -145,6 +145,21 @@ def test_a_misspelt_key_under_torchrun_is_one_line_not_a_ranks_traceback(tmp_pat
     assert "hydra/_internal" not in out and "error_file: <N/A>" in out
 
 
+def test_an_error_every_rank_meets_under_torchrun_is_said_once_by_rank_0(tmp_path):
+    """Rank 0 says it before it leaves the process group and tells the agent's store; the
+    other ranks wait for that word, so torchrun ending every rank at the first exit cannot
+    end rank 0 before its line (no line at all before, in 4 runs of 4 of a user's typo)."""
+    from tests.helpers import torchrun
+
+    proc = torchrun(2, ["data=custom", "+data.dataset._target_=tests.helpers.Empty",
+                        "data.input_shape=[4]", "data.num_classes=2",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+             if ln.startswith("stoker: error:")]
+    assert lines == ["stoker: error: data.dataset: Empty split=train has no samples"], \
+        (proc.stdout + proc.stderr)[-3000:]
+
+
 @pytest.fixture
 def agent_store(monkeypatch):
     """A store as torchrun's agent keeps one, this process as rank `rank` of two under it."""

@@ -219,10 +219,12 @@ def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_mod
     assert checked_forward(ModelLoss(), classifier, ignored, True, None, True) is not None
 
 
-def test_integers_of_a_model_of_several_tables_are_not_judged_by_one():
-    """Categorical features, each with a table of its own: which one the inputs index is not
-    known, so no line blames the first table."""
+def test_integers_are_judged_only_by_the_table_the_model_names_as_its_inputs():
+    """Categorical features with tables of their own, a class embedding beside uint8 images,
+    a decoder's ids beside an encoder's: which table the integers index is not known, so no
+    line blames one; a model naming its input table (get_input_embeddings) is judged by it."""
     from trainer.firstbatch import out_of_range
+    from trainer.models import Transformer
 
     class Tabular(torch.nn.Module):
         def __init__(self):
@@ -232,6 +234,11 @@ def test_integers_of_a_model_of_several_tables_are_not_judged_by_one():
     codes = torch.tensor([[2, 40], [1, 7]])
     assert out_of_range((codes, torch.zeros(2)), Tabular()) is None
     one = torch.nn.Sequential(torch.nn.Embedding(3, 4))
-    assert out_of_range((codes, torch.zeros(2)), one).startswith(
-        "data: the batch's item 0 holds ids from 1 to 40, but the model's input embedding (0) "
-        "has 3 rows")
+    assert out_of_range((codes, torch.zeros(2)), one) is None
+    lm = Transformer(input_shape=[4], num_classes=30, dim=8, layers=1, heads=2)
+    pixels = torch.full((2, 4), 200, dtype=torch.uint8)
+    assert out_of_range((pixels, torch.zeros(2)), lm) is None  # (uint8: no token ids)
+    assert out_of_range({"input_ids": codes % 30, "decoder_input_ids": codes + 100}, lm) is None
+    assert out_of_range((codes, codes), lm).startswith(
+        "data: the batch's item 0 holds ids from 1 to 40, but the model's input embedding "
+        "(tokens) has 30 rows")

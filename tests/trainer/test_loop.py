@@ -159,6 +159,14 @@ def test_a_resume_past_a_lowered_epoch_limit_does_not_validate_its_step_again(ma
                    f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}", run_dir=run_dir))
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("split") == "val"] == [15, 20]
+    # where that epoch is the run's last, it validates: its summary holds the values
+    other = tmp_path / "other"
+    train(make_cfg("trainer.max_steps=15", "trainer.max_epochs=-1", run_dir=other))
+    summary = train(make_cfg("trainer.max_epochs=1", "trainer.limit_train_batches=5",
+                             f"trainer.resume={other / 'checkpoints' / 'last.pt'}",
+                             run_dir=other))
+    assert "val_loss" in summary and "val_loss" in json.loads(
+        (other / "summary.json").read_text())
 
 
 def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):

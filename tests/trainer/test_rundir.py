@@ -298,7 +298,7 @@ def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path):
                                                        "no samples"),
     (["data=custom", "+data.dataset._target_=tests.helpers.Endless", "data.input_shape=[4]",
       "data.num_classes=2"], "data.dataset: Endless has 10,000,000,000,000 samples, whose "
-                             "shuffled order alone takes 80,000 GB, more than half of this "
+                             "shuffled order alone takes 480,000 GB, more than half of this "
                              "machine's"),
     (["data.input_shape=[32]"], "model: MLP cannot take the first batch (list(tensor(64, 1, "
                                 "8, 8) float32, tensor(64,) int64)): mat1 and mat2 shapes "

@@ -22,3 +22,9 @@ def test_a_short_name_one_letter_off_is_a_misspelling():
     assert closest("spit", takes) == "split"  # (one left out)
     assert closest("sise", ["size", "side"]) is None  # (one letter from either: no guess)
     assert closest("bos", ["eos"]) is None
+
+
+def test_no_guess_between_equals_and_no_short_word_guess_for_a_refusal():
+    assert closest("Conv", ["Conv1d", "Conv2d", "Conv3d"]) is None  # (which one?)
+    assert closest("bias", ["bins"]) == "bins"  # (a hint may guess)
+    assert closest("bias", ["bins"], short_words=False) is None  # (a refusal may not)
