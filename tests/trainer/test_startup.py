@@ -166,6 +166,12 @@ def test_a_checkpoint_copied_from_another_run_names_that_runs_records(make_cfg, 
         f"resume it with the overrides it was launched with; the file was saved by the run in "
         f"{tmp_path / 'cnn'}, not this dir's; {tmp_path / 'cnn' / '.hydra' / 'overrides.yaml'} "
         "lists them)")
+    # a run dir moved since (its saved run_dir gone): its own records are the ones
+    (tmp_path / "cnn").rename(tmp_path / "moved")
+    with pytest.raises(CheckpointError) as e:
+        train(make_cfg("trainer.max_steps=4", "trainer.resume=auto", run_dir=tmp_path / "moved"))
+    moved = tmp_path / "moved" / ".hydra" / "overrides.yaml"
+    assert str(e.value).endswith(f"launched with; {moved} lists them)")
 
 
 def test_a_model_setting_the_command_changes_is_named_as_the_commands(tmp_path):
