@@ -24,7 +24,8 @@ class Callback:
 
     def should_stop(self, loop: "Loop") -> Optional[str]:
         """Asked before every epoch (after the last one's callbacks; at a start or resume):
-        a reason ends the run there, and makes a run resumed from its checkpoint complete.
+        a reason ends the run there, and makes a run resumed from its checkpoint complete
+        where it says so again (decide from the loop, or from state kept in `state_dict`).
         Keep it free of side effects. The loop agrees it over the ranks (a stop on one stops
         all)."""
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -188,6 +188,8 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    # callbacks of one's own by name, each a _target_ node building a trainer.loop.Callback
+    callbacks: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -252,6 +252,22 @@ def _start_banner(cfg: DictConfig, env: DistEnv, spec: RunSpec, logger: RunLogge
                 cfg.trainer.accumulate_grad_batches, env.world_size, n_train)
 
 
+def _own_callbacks(cfg: DictConfig, given: Sequence[Any]) -> List[Callback]:
+    """The user's callbacks: trainer.callbacks' nodes (by name, in their order), then those
+    given to `train` from Python; each checked to be a trainer.loop.Callback instance."""
+    built = [(f"trainer.callbacks.{name}", components.build(node, f"trainer.callbacks.{name}"))
+             for name, node in (cfg.trainer.get("callbacks") or {}).items() if node is not None]
+    for key, cb in [*built, *((f"callbacks[{i}]", cb) for i, cb in enumerate(given))]:
+        if isinstance(cb, type) and issubclass(cb, Callback):
+            raise ConfigError(f"{key}: the class {cb.__name__}, not an instance of it: "
+                              f"give {cb.__name__}(...)")
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"{key}: {type(cb).__module__}.{type(cb).__qualname__} is not a "
+                              "trainer.loop.Callback (subclass it: after_step, after_epoch, "
+                              "should_stop, state_dict)")
+    return [cb for _, cb in built] + list(given)
+
+
 def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: RunLogger,
            prof, preemption: Preemption, resume: Optional[str],
            callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
@@ -285,7 +301,8 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                 # the checkpointing last: each checkpoint holds every other callback's
                 # state as of its own step and epoch (a resume neither repeats nor skips one)
                 callbacks=[*([ProfilerSteps(prof)] if cfg.trainer.profile else []),
-                           *_early_stopping(cfg, mode), *callbacks, checkpointing],
+                           *_early_stopping(cfg, mode), *_own_callbacks(cfg, callbacks),
+                           checkpointing],
                 input_shape=cfg.data.input_shape)
     if cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run:  # (not an epoch later)
         checkpoint.check_loadable(loop.state_dict())

@@ -181,6 +181,42 @@ def test_callback_states_travel_in_checkpoints_by_class_name(make_cfg):
     assert saved == {"CountSteps": {"steps": 46}, "CountSteps.1": {"steps": 46}}
 
 
+def test_callbacks_from_the_config_run_beside_pythons_and_their_state_travels(make_cfg,
+                                                                            tmp_path):
+    """trainer.callbacks: the way train.py, sweeps and torchrun jobs attach one's own
+    (before: from Python only); built by _target_, before those given to train()."""
+    python = CountSteps()
+    args = ("+trainer.callbacks.count._target_=tests.trainer.test_loop.CountSteps",)
+    summary = train(make_cfg("trainer.max_steps=5", *args, run_dir=tmp_path / "run"),
+                    callbacks=[python])
+    saved = torch.load(Path(summary["checkpoint"]), weights_only=True)["callbacks"]
+    assert python.steps == 5 and saved == {"CountSteps": {"steps": 5},
+                                           "CountSteps.1": {"steps": 5}}
+    again = train(make_cfg("trainer.max_steps=8", *args, "trainer.resume=auto",
+                           run_dir=tmp_path / "run"), callbacks=[CountSteps()])
+    assert torch.load(Path(again["checkpoint"]), weights_only=True)["callbacks"] == {
+        "CountSteps": {"steps": 8}, "CountSteps.1": {"steps": 8}}
+
+
+@pytest.mark.parametrize("args,given,said", [
+    (["+trainer.callbacks.x._target_=collections.OrderedDict"], [],
+     "trainer.callbacks.x: collections.OrderedDict is not a trainer.loop.Callback (subclass "
+     "it: after_step, after_epoch, should_stop, state_dict)"),
+    ([], [CountSteps], "callbacks[0]: the class CountSteps, not an instance of it: give "
+                       "CountSteps(...)"),
+    ([], [CountSteps(), object()], "callbacks[1]: builtins.object is not a "
+                                   "trainer.loop.Callback"),
+])
+def test_a_callback_that_is_none_is_one_line_naming_it(make_cfg, args, given, said):
+    """A class for an instance, or any other object: a traceback from inside the loop's
+    state_dict before."""
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        train(make_cfg("trainer.max_steps=2", *args), callbacks=given)
+    assert str(e.value).startswith(said)
+
+
 class StopAtTwoValidations(Callback):
     """Counts validations in its own state and stops after the second."""
 
