@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.config import (CACHE_MODES, COMPILE_MODES, MP_CONTEXTS, PLACEMENTS, Accelerator,
                             ConfigError, Precision, RunSpec, Strategy, TrainConfig, tri_state)
 from trainer.overrides import override_key
+from trainer.spelling import closest
 
 WEEK_S = 604800  # the longest timeout taken: longer ones overflow the C types they reach
 
@@ -361,8 +362,11 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]]) -> Opti
     _check(bool(directions), "trainer.checkpoint.monitor", c.monitor,
            f"nothing is validated in this run ({why}), so there is no value to monitor; set "
            "it to null, or validate")
-    _check(c.monitor in directions, "trainer.checkpoint.monitor", c.monitor,
-           "must be null or a logged validation key: " + ", ".join(directions))
+    if c.monitor not in directions:
+        meant = closest(str(c.monitor), directions)
+        _check(False, "trainer.checkpoint.monitor", c.monitor,
+               "must be null or a logged validation key: " + ", ".join(directions)
+               + (f" (did you mean {meant}?)" if meant else ""))
     higher = directions[c.monitor]
     if c.mode is None:
         _check(higher is not None, "trainer.checkpoint.mode", None,

@@ -42,9 +42,15 @@ def closest(name: str, names: Iterable[str], short_words: bool = True) -> Option
 
 
 def _word_one_edit(words: List[str], theirs: List[str]) -> bool:
+    """The one word that differs is one edit away: of 4 letters or more, or two neighbours
+    swapped in a word of 3 (`mpl` for mlp; `bos` is a word, not a misspelt `eos`)."""
     differ = [(a, b) for a, b in zip(words, theirs) if a != b]
-    return len(words) == len(theirs) and len(differ) == 1 and \
-        min(map(len, differ[0])) >= 4 and _one_edit(*differ[0])
+    if len(words) != len(theirs) or len(differ) != 1:
+        return False
+    a, b = differ[0]
+    if min(len(a), len(b)) >= 4:
+        return _one_edit(a, b)
+    return len(a) == len(b) == 3 and a != b and sorted(a) == sorted(b) and _one_edit(a, b)
 
 
 def _one_edit(a: str, b: str) -> bool:

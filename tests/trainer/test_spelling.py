@@ -22,6 +22,8 @@ def test_a_short_name_one_letter_off_is_a_misspelling():
     assert closest("spit", takes) == "split"  # (one left out)
     assert closest("sise", ["size", "side"]) is None  # (one letter from either: no guess)
     assert closest("bos", ["eos"]) is None
+    assert closest("wine_mpl", ["wine_mlp", "synthetic_cnn"]) == "wine_mlp"  # (3: a swap)
+    assert closest("mlp", ["cnn", "mpl"]) == "mpl"
 
 
 def test_no_guess_between_equals_and_no_short_word_guess_for_a_refusal():
