@@ -190,7 +190,7 @@ def describe(e: BaseException) -> str:
                                      getattr(cur.__context__, "full_key", None), text)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _missing_key(cur, key, text)
-        text = _group_added_twice(_group_to_choose(text))
+        text = _package_line(_group_added_twice(_group_to_choose(text)))
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
@@ -478,6 +478,7 @@ def exit_on_error(main: Callable[[], None]) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own report
     _escape_what_the_console_cannot_show()
     _check_flag_order(sys.argv[1:])
+    _check_search_path(sys.argv[1:])
     # (before Hydra composes: a run resumed in place keeps the overrides it was launched with)
     try:
         sys.argv[1:] = resumeargs.with_runs_own(sys.argv[1:])
@@ -511,6 +512,32 @@ def _check_flag_order(args: List[str]) -> None:
         fail(ConfigError(f"{args[flags[0]]} (a sweep) goes before the overrides, not among "
                          f"them: python train.py {args[flags[0]]} "
                          + " ".join(a for a in args if a != args[flags[0]])))
+
+
+_SEARCH_ITEM = re.compile(r"file://([^,\]'\"]+)")
+
+
+def _check_search_path(args: List[str]) -> None:
+    """A `hydra.searchpath` folder that is not there: Hydra printed a raw warning naming it,
+    then blamed the config that folder was to give (`Could not find 'experiment/mine'`)."""
+    for arg in args:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key != "hydra.searchpath":
+            continue
+        for path in _SEARCH_ITEM.findall(value):
+            if not os.path.isdir(path.strip()):
+                fail(ConfigError(f"{arg}: {path.strip()} is not a folder (a config folder of "
+                                 "your own, given as file:///its/absolute/path)"))
+
+
+def _package_line(text: str) -> str:
+    """Hydra's `Could not override 'data@experiment.data'` for a config of one's own under a
+    group (experiment/) that overrides other groups without `# @package _global_`."""
+    found = re.search(r"Could not override '(\w+)@(\w+)\.\1'", text)
+    if not found:
+        return text
+    return (f"{text} (a config under {found.group(2)}/ that overrides other groups' choices "
+            "needs '# @package _global_' as its first line, as conf/experiment/*.yaml have)")
 
 
 def _ctrl_c_kept(main: Callable[[], None]) -> None:

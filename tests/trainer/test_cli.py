@@ -43,6 +43,9 @@ from trainer.config import ConfigError
     ("trainer.tensorboard=null", "trainer.tensorboard takes a value, not null (the schema's "
                                  "default is true)"),
     # a group the config chooses already, added with +: Hydra's words named no fix
+    # a search path folder that is not there: Hydra's raw warning, then it blamed the config
+    ("hydra.searchpath=[file:///nonexistent/stoker-conf]", "hydra.searchpath=[file:///"
+     "nonexistent/stoker-conf]: /nonexistent/stoker-conf is not a folder"),
     ("+data=digits", "stoker: error: +data=digits: data appears more than once in the final "
                      "defaults list (the config chooses a data already: write data=digits, "
                      "without the +, to choose it)"),
@@ -54,6 +57,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, override, needle):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("stoker: error:") and needle in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_an_experiment_of_ones_own_without_its_package_line_is_told_to_add_it(tmp_path):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "defaults:\n  - override /data: synthetic\n")
+    proc = run_cli([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "experiment=mine",
+                    f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        "Could not override 'data@experiment.data'. Did you mean to override data? (a config "
+        "under experiment/ that overrides other groups' choices needs '# @package _global_' as "
+        "its first line, as conf/experiment/*.yaml have)"), proc.stderr
 
 
 def test_an_empty_run_dir_is_refused_and_nothing_lands_in_the_current_dir(tmp_path):
