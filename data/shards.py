@@ -38,6 +38,7 @@ import io
 import json
 import logging
 import math
+import os
 import posixpath
 import re
 import tarfile
@@ -128,9 +129,11 @@ class ShardStream:
             with _open(_join(folder, INDEX)) as f:
                 index = json.loads(f.read())
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"data.dataset.root={root}: cannot read {split}/{INDEX} "
-                                    f"({e}); write shards with scripts/prepare_data.py "
-                                    "--format shards") from None
+            arrays = os.path.isfile(os.path.join(root, split, "x.npy"))  # (npy's, not shards)
+            raise FileNotFoundError(f"data.dataset.root={root}: " + (
+                f"arrays ({split}/x.npy), which data=memmap reads" if arrays else
+                f"cannot read {split}/{INDEX} ({e}); write shards with "
+                "scripts/prepare_data.py --format shards")) from None
         shards = _check_index(index, f"data.dataset.root={root}: {split}/{INDEX}")
         self.urls = [_join(folder, s["url"]) for s in shards]
         self.counts = [s["samples"] for s in shards]

@@ -264,8 +264,11 @@ def _dataset_meta(root: str, key: str) -> Any:
     if key in ("normalize_mean", "normalize_std"):  # written for image data only
         return meta.get(key)
     if key not in meta:
-        raise ConfigError(f"data.dataset.root={root}: its meta.json has no '{key}' (not "
-                          "written by scripts/prepare_data.py --format npy?)")
+        shards = os.path.isfile(os.path.join(root, "train", "index.json"))
+        raise ConfigError(f"data.dataset.root={root}: " + (
+            "a shard set (train/index.json), which data=shards reads" if shards else
+            f"its meta.json has no '{key}' (not written by scripts/prepare_data.py "
+            "--format npy?)"))
     return meta[key]
 
 

@@ -32,6 +32,27 @@ def test_prepare_then_train_on_memmap(tmp_path):
     assert cached["val_acc"] == direct["val_acc"]  # same samples, same run
 
 
+def test_each_kind_of_prepared_set_given_to_the_others_reader_names_its_reader(tmp_path):
+    """Shards given to data=memmap were "meta.json has no 'input_shape' (not written by
+    scripts/prepare_data.py?)", which wrote them; arrays given to data=shards, "cannot read
+    train/index.json"."""
+    from tests.helpers import run_cli
+
+    for fmt in ("npy", "shards"):
+        proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--out",
+                               str(tmp_path / fmt), "--format", fmt], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for data, root, said in (("memmap", "shards", "a shard set (train/index.json), which "
+                                                    "data=shards reads"),
+                             ("shards", "npy", "arrays (train/x.npy), which data=memmap reads")):
+        proc = run_cli([f"data={data}", f"data.dataset.root={tmp_path / root}",
+                        f"hydra.run.dir={tmp_path / 'run'}"])
+        assert proc.returncode == 2
+        assert proc.stderr.strip().startswith(
+            f"stoker: error: data.dataset.root={tmp_path / root}: {said}"), proc.stderr
+
+
 def test_a_table_naming_its_classes_is_packed_with_their_count_and_no_cnn(tmp_path):
     """meta.json said num_classes null beside the dataset's class names, and the line to use
     it asked for model=cnn, which cannot take 64 features."""
