@@ -31,7 +31,7 @@ class SampleCost(NamedTuple):
             and self.blocked_s > self.cpu_s
 
 
-def _queued_s() -> Optional[float]:
+def queued_s() -> Optional[float]:
     """Seconds this thread has spent queued for a CPU (Linux's schedstat; None elsewhere)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
@@ -56,12 +56,12 @@ def sample_cost(dataset: Any, samples: int = 16, budget_s: float = 1.0
     wall = cpu = queued = 0.0
     start, count = time.perf_counter(), 0
     for i in range(n):
-        q0, c0, w0 = _queued_s(), time.thread_time(), time.perf_counter()
+        q0, c0, w0 = queued_s(), time.thread_time(), time.perf_counter()
         try:
             dataset[i * len(dataset) // n]
         except Exception:  # noqa: BLE001  (advice only: a sample that fails says nothing)
             return None
-        w1, c1, q1 = time.perf_counter(), time.thread_time(), _queued_s()
+        w1, c1, q1 = time.perf_counter(), time.thread_time(), queued_s()
         wall, cpu, count = wall + w1 - w0, cpu + c1 - c0, count + 1
         queued = None if None in (q0, q1, queued) else queued + q1 - q0
         if w1 - start > budget_s and (count >= 2 or w1 - w0 > budget_s):

@@ -253,6 +253,32 @@ def report(cfg: DictConfig, env: DistEnv, spec: RunSpec, loop: Loop,
             and not t.fast_dev_run and env.is_main:  # (it times a few samples: rank 0's line)
         logger.info("%s", feed_advice(cfg.data, loop.train_feed, spec.device, stalled,
                                       env.local_world_size, gpu_idle))
+    busy = busy_cpu_line(loop.run_queued_s, loop.run_train_s, torch.get_num_threads(),
+                         spec.device)
+    if busy and env.is_main:  # (advice, as the data-wait line's)
+        logger.info("%s", busy)
+
+
+BUSY_CPU_ABOVE = 0.25  # the training thread's share of its time queued for a CPU, warned past
+
+
+def busy_cpu_line(queued_s: Optional[float], train_s: float, threads: int,
+                  device: torch.device) -> Optional[str]:
+    """A warning for a run on a CPU that other work shares, with PyTorch's threads past one:
+    each operation's threads wait on each other, so one thread taken by another process
+    stalls every step (a new user's default job trained 25 to 60 times slower so, the
+    data-wait share telling nothing). None where the training thread seldom waited for a
+    CPU, ran one thread, or on a GPU (whose host work is the step's launching)."""
+    if device.type != "cpu" or threads <= 1 or not queued_s or train_s < 1.0:
+        return None
+    share = queued_s / train_s
+    if share <= BUSY_CPU_ABOVE:
+        return None
+    return (f"the training thread waited for a CPU {share:.0%} of its time: other work shares "
+            f"this machine's cores, and PyTorch's {threads} threads wait on each other at every "
+            "operation, so each one taken stalls the step; OMP_NUM_THREADS=1 python train.py "
+            "... (or fewer threads) is often many times faster then (README \"A CPU that other "
+            "work shares\")")
 
 
 def save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from omegaconf import DictConfig, OmegaConf
 
+from data.advice import queued_s
 from data.prefetch import DevicePrefetcher
 from trainer import checkpoint, devicewait, distributed, metricchecks, validation, windowlog
 from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
@@ -67,6 +68,8 @@ class Loop:
         self.device_wait = devicewait.for_device(device)
         self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
+        # the training thread's time queued for a CPU over its epochs (None: not known)
+        self.run_queued_s: Optional[float] = 0.0
         self.run_samples = 0
         self.counted = False  # a training batch counted a unit for the loss (check_counted)
         self.uncounted_samples = 0.0  # ... the samples of the windows before it
@@ -272,7 +275,7 @@ class Loop:
         planned = sum(windows)
         done = self.state.position // per_batch  # (the batches before a mid-epoch resume)
         bar = self.logger.progress(done + planned, f"epoch {epoch}", done)
-        epoch_start = time.perf_counter()
+        epoch_start, queued = time.perf_counter(), queued_s()
         # (closed as an error leaves the epoch: its workers end then, not in the interpreter's
         # shutdown, where the traceback's frames kept the pass and its clean-up failed)
         with contextlib.closing(self.train_feed.take(planned)) as batches:  # none past the plan
@@ -283,6 +286,9 @@ class Loop:
         if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
             torch.cuda.synchronize(self.device)  # validation's (once an epoch)
         self.run_train_s += time.perf_counter() - epoch_start
+        now = queued_s()
+        self.run_queued_s = None if None in (now, queued, self.run_queued_s) else \
+            self.run_queued_s + now - queued
         return complete
 
     def _epoch_steps(self, epoch: int, windows: List[int], batches, per_batch: int,

@@ -1,6 +1,8 @@
 """trainer/ending.py: the exit code and status line of a run's ending."""
 from __future__ import annotations
 
+import torch
+
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.ending import exit_code, status_error
@@ -74,3 +76,20 @@ def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make
     assert ended["steps"] == step
     again = train(make_cfg(*quick, "trainer.max_epochs=5", "trainer.resume=auto", run_dir=run))
     assert again["steps"] == 115  # (5 epochs of 23: on from where it stopped)
+
+
+def test_a_busy_cpu_with_threads_past_one_is_said_and_nothing_else_is():
+    """A new user's default job trained 25 to 60 times slower on a CPU other work shared,
+    with PyTorch's two threads, and nothing said why (its data wait was 2%)."""
+    from trainer.ending import busy_cpu_line
+
+    cpu = torch.device("cpu")
+    said = busy_cpu_line(1.8, 3.0, 2, cpu)
+    assert said.startswith("the training thread waited for a CPU 60% of its time: other work "
+                           "shares this machine's cores, and PyTorch's 2 threads wait on each "
+                           "other at every operation") and "OMP_NUM_THREADS=1" in said
+    assert busy_cpu_line(0.3, 3.0, 2, cpu) is None  # (seldom queued)
+    assert busy_cpu_line(1.8, 3.0, 1, cpu) is None  # (one thread: its fair share of a CPU)
+    assert busy_cpu_line(1.8, 3.0, 2, torch.device("meta")) is None  # (not a CPU's step)
+    assert busy_cpu_line(None, 3.0, 2, cpu) is None  # (not known: no schedstat)
+    assert busy_cpu_line(0.6, 0.9, 2, cpu) is None  # (too short a run to tell)
