@@ -50,3 +50,12 @@ def callback_keys(callbacks: Sequence[Callback]) -> List[str]:
         keys.append(name if name not in seen else f"{name}.{seen[name]}")
         seen[name] = seen.get(name, 0) + 1
     return keys
+
+
+def callback_failed(e: Exception, callback: Callback, hook: str, step: int) -> None:
+    """Notes under an error raised in a callback of one's own which hook raised it, at which
+    step (its traceback stays: the callback's own code). Stoker's own callbacks say theirs."""
+    if type(callback).__module__.startswith(("trainer.", "data.")) or not hasattr(e, "add_note"):
+        return
+    e.add_note(f"stoker: in the callback {type(callback).__module__}."
+               f"{type(callback).__qualname__}.{hook}, at step {step}")

@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from data.advice import queued_s
 from data.prefetch import DevicePrefetcher
 from trainer import checkpoint, devicewait, distributed, metricchecks, validation, windowlog
-from trainer.callbacks import Callback, callback_keys  # (Callback: users import it here)
+from trainer.callbacks import (Callback,  # (users import it here)
+                               callback_failed, callback_keys)
 from trainer.config import ConfigError, Precision, TrainerConfig
 from trainer.feeds import skipped_files
 from trainer.firstbatch import (check_batch, check_count, check_input_shape, check_loss,
@@ -205,8 +206,12 @@ class Loop:
                                  self.state.step)
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
                 val = self._evaluate_trained(epoch)
-            for callback in self.callbacks:
-                callback.after_epoch(self, val)
+            try:
+                for callback in self.callbacks:
+                    callback.after_epoch(self, val)
+            except Exception as e:
+                callback_failed(e, callback, "after_epoch", self.state.step)
+                raise
             self.window.paused_s += time.perf_counter() - paused
         self.whole_epoch_seen = True  # (the run's end)
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
@@ -341,8 +346,12 @@ class Loop:
             if log_now:
                 windowlog.log_window(self, window, epoch, grad_norm, bar)
                 window = self.window = Window()
-            for callback in callbacks:
-                callback.after_step(self)
+            try:  # (free unless it raises)
+                for callback in callbacks:
+                    callback.after_step(self)
+            except Exception as e:
+                callback_failed(e, callback, "after_step", state.step)
+                raise
             if max_steps > 0 and state.step >= max_steps:
                 complete = w == len(windows) - 1
                 break

@@ -217,6 +217,26 @@ def test_a_callback_that_is_none_is_one_line_naming_it(make_cfg, args, given, sa
     assert str(e.value).startswith(said)
 
 
+@pytest.mark.parametrize("hook", ["after_step", "after_epoch"])
+def test_a_callback_that_raises_keeps_its_traceback_with_a_line_naming_its_hook(make_cfg,
+                                                                                hook):
+    class Breaks(Callback):
+        def after_step(self, loop):
+            if hook == "after_step" and loop.state.step == 3:
+                raise ValueError("a bug in my callback")
+
+        def after_epoch(self, loop, val):
+            if hook == "after_epoch":
+                raise ValueError("a bug in my callback")
+
+    with pytest.raises(ValueError, match="a bug in my callback") as e:
+        train(make_cfg("trainer.max_epochs=1"), callbacks=[Breaks()])
+    step = 3 if hook == "after_step" else 23
+    assert e.value.__notes__ == [
+        f"stoker: in the callback {__name__}.test_a_callback_that_raises_keeps_its_traceback_"
+        f"with_a_line_naming_its_hook.<locals>.Breaks.{hook}, at step {step}"]
+
+
 class StopAtTwoValidations(Callback):
     """Counts validations in its own state and stops after the second."""
 
