@@ -193,17 +193,22 @@ class Preemption:
         built (a dataset, a model or a cache that took minutes): nothing is trained and
         nothing saved. It trained a step and saved it, past a scheduler's grace period.
         (One blocking all-reduce in multi-rank jobs, once.)"""
-        kind = self._mine
-        if self._group is not None:
-            flag = torch.tensor([self._mine], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            kind = int(flag.item())
+        kind = self._reduced_now()
         if kind:
             self.kind, self._stopping = kind, True
             raise Preempted(f"stopped on {'a Ctrl-C' if kind == 2 else 'a preemption signal'} "
                             "before the first step: nothing trained, nothing saved; the same "
                             "command starts it again",
                             EXIT_INTERRUPTED if kind == 2 else EXIT_PREEMPTED)
+
+    def _reduced_now(self) -> int:
+        """The kind of stop any rank received, agreed at once (a blocking all-reduce in
+        multi-rank jobs; this rank's own in one process)."""
+        if self._group is None:
+            return self._mine
+        flag = torch.tensor([self._mine], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())
 
     def agreed(self, now: bool = False) -> bool:
         """True on every rank once any rank was signalled (collective in multi-rank jobs: an
@@ -215,13 +220,9 @@ class Preemption:
             return self.requested
         if now:
             previous, self._pending = self._pending, None
-            kind = 0
-            if previous is not None:
+            if previous is not None:  # (every rank issued it: it completes)
                 previous[1].wait()
-                kind = int(previous[0].item())
-            flag = torch.tensor([self._mine], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            self.kind = max(kind, int(flag.item()))
+            self.kind = self._reduced_now()
             self._stopping = self.kind > 0
             return self.kind > 0
         previous = self._pending
