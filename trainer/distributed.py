@@ -275,6 +275,15 @@ def agent_store(env: DistEnv) -> bool:
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
+def attempt_store(timeout: datetime.timedelta, world_size: Optional[int] = None) -> Any:
+    """A client of torchrun's agent store (MASTER_ADDR:MASTER_PORT) under this attempt's
+    prefix: the process group's store, and the ranks' records outside the group
+    (trainer/liveness.py)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"stoker/attempt-{attempt()}", store)
+
+
 def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) -> None:
     global _TIMEOUT
     if device.type == "cuda":
@@ -290,9 +299,7 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
         # --max-restarts; the group's keys from the previous attempt would then hand the new
         # ranks stale peer addresses (pytorch/pytorch#135712). A prefix per attempt avoids it.
         if agent_store(env):
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  env.world_size, is_master=False, timeout=timeout)
-            kwargs["store"] = dist.PrefixStore(f"stoker/attempt-{attempt()}", store)
+            kwargs["store"] = attempt_store(timeout, env.world_size)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, **kwargs)
     except dist.DistError as e:  # a peer that never came, an address nobody listens on

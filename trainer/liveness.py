@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
 import threading
 import time
@@ -184,10 +183,7 @@ def _said_store() -> Any:
     group, and exists before it (an error met before the ranks join)."""
     if not _SAID_STORE:
         try:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=datetime.timedelta(seconds=5))
-            attempt = distributed.attempt()
-            _SAID_STORE.append(dist.PrefixStore(f"stoker/attempt-{attempt}", store))
+            _SAID_STORE.append(distributed.attempt_store(datetime.timedelta(seconds=5)))
         except Exception:  # noqa: BLE001  (the agent is gone: nothing to tell or ask)
             _SAID_STORE.append(None)
     return _SAID_STORE[0]
