@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
+from trainer.task import _note
+
 if TYPE_CHECKING:
     from trainer.loop import Loop
 
@@ -55,7 +57,6 @@ def callback_keys(callbacks: Sequence[Callback]) -> List[str]:
 def callback_failed(e: Exception, callback: Callback, hook: str, step: int) -> None:
     """Notes under an error raised in a callback of one's own which hook raised it, at which
     step (its traceback stays: the callback's own code). Stoker's own callbacks say theirs."""
-    if type(callback).__module__.startswith(("trainer.", "data.")) or not hasattr(e, "add_note"):
-        return
-    e.add_note(f"stoker: in the callback {type(callback).__module__}."
-               f"{type(callback).__qualname__}.{hook}, at step {step}")
+    if not type(callback).__module__.startswith(("trainer.", "data.")):
+        _note(e, f"stoker: in the callback {type(callback).__module__}."
+                 f"{type(callback).__qualname__}.{hook}, at step {step}")

@@ -139,23 +139,28 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
         raise
 
 
+def _note_once(e: Exception, line: str) -> None:
+    """`line` under `e`'s traceback, unless `e` is said in one line already (ConfigError) or
+    carries a line of Stoker's (a note from deeper down)."""
+    if not isinstance(e, ConfigError) and not any(
+            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
+        _note(e, line)
+
+
 def _forward_failed(task: Task, e: Exception, batch: Any, first: bool, which: str) -> None:
     """Notes on an error of the task's own forward what it was given (`first` batch only)."""
-    if first and not isinstance(e, ConfigError) and not any(
-            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
-        _note(e, f"stoker: task {task.label}: its forward failed on {which}, given "
-                 f"{describe(batch)}: does the task's forward take the batches the data "
-                 "(data=...) yields?")
+    if first:
+        _note_once(e, f"stoker: task {task.label}: its forward failed on {which}, given "
+                      f"{describe(batch)}: does the task's forward take the batches the data "
+                      "(data=...) yields?")
 
 
 def loss_failed(task: Task, e: Exception, output: Any, batch: Any) -> None:
     """Notes on an error the task's loss raised on the run's first batch (a loss of one's
     own, whose traceback stays) what it was given, as a failing first forward says."""
-    if not isinstance(e, ConfigError) and not any(
-            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
-        _note(e, f"stoker: task {task.label}: its loss failed on the first batch, given the "
-                 f"model's output {describe(output)} and the batch {describe(batch)}: do the "
-                 "loss, the model's output and the data's targets fit together?")
+    _note_once(e, f"stoker: task {task.label}: its loss failed on the first batch, given the "
+                  f"model's output {describe(output)} and the batch {describe(batch)}: do the "
+                  "loss, the model's output and the data's targets fit together?")
 
 
 # models whose integer `labels` are classes of config.num_labels (Hugging Face's heads)
