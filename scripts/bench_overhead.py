@@ -114,7 +114,7 @@ def _check_overrides(p: argparse.ArgumentParser, w: Dict[str, Any]) -> None:
     from overhead_runners import EPOCHS, _stoker_cfg
 
     from trainer.checks import resolve
-    from trainer.cli import describe
+    from trainer.oneline import describe
 
     overrides = w["overrides"]
     with tempfile.TemporaryDirectory(prefix="stoker-overhead-") as tmp:

@@ -29,7 +29,8 @@ from trainer.distributed import DistEnv
 from trainer.earlystop import improves
 from trainer.liveness import writer_barrier
 from trainer.loop import Callback
-from trainer.cli import EXIT_INTERRUPTED, SignalledAgain, describe
+from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
+from trainer.oneline import describe
 from trainer.config import async_checkpoints
 
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later

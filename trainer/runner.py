@@ -26,7 +26,8 @@ from trainer import (checkpoint, components, distributed, ending, liveness, resu
                      resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
 from trainer.validation import PeerFailedValidation, validate_once
-from trainer.cli import SignalledAgain, describe, fail, say, wants_traceback
+from trainer.cli import SignalledAgain, fail, say, wants_traceback
+from trainer.oneline import describe
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds, too_many_workers
 from trainer.distributed import DistEnv

@@ -159,7 +159,7 @@ def test_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path, monkeypat
     file; the line is the path and the cause."""
     import errno
 
-    from trainer.cli import describe
+    from trainer.oneline import describe
 
     monkeypatch.setattr("sys.argv", ["train.py"])  # (no override names the run dir)
     logger = RunLogger(tmp_path, main=True, write=True, tensorboard=False, progress_bar=False)
@@ -187,7 +187,7 @@ def test_an_event_file_that_cannot_be_written_names_the_file(tmp_path):
     named no file and no key (its flush is what fails: /dev/full fails each one)."""
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    from trainer.cli import describe
+    from trainer.oneline import describe
 
     events = EventFile(tmp_path / "tb")
     real, events._file = events._file, open("/dev/full", "wb")
