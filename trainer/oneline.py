@@ -144,7 +144,8 @@ def describe(e: BaseException) -> str:
                                      getattr(cur.__context__, "full_key", None), text)
         if isinstance(cur, OmegaConfBaseException) and " not in " in text:
             text += _missing_key(cur, key, text)
-        text = _package_line(_group_added_twice(_group_to_choose(text)))
+        text = _package_line(_group_added_twice(_group_to_choose(
+            _primary_config(text, str(cur)))))
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
@@ -171,6 +172,27 @@ def _group_to_choose(text: str) -> str:
         return text
     return (f"{text} (a config group: choose one, {missing.group(1)}="
             f"{'|'.join(o for o in options if not o.startswith('_'))})")
+
+
+_PRIMARY = re.compile(r"^Cannot find primary config '([^']+)'\. Check that it's in your config "
+                      r"search path$")
+
+
+def _primary_config(text: str, report: str) -> str:
+    """Hydra's `Cannot find primary config 'trian'` (`--config-name`), with the configs in the
+    folders of the search path its report lists (it named none) and the one it misspells."""
+    missing = _PRIMARY.match(text)
+    if not missing:
+        return text
+    folders = re.findall(r"provider=(?!hydra,|schema,)[^,]+, path=file://(.+)$", report,
+                         flags=re.MULTILINE)
+    options = sorted({f.stem for folder in folders for f in Path(folder.strip()).glob("*.yaml")
+                      if not f.name.startswith("_")})
+    if not options:
+        return text
+    meant = spelling.closest(missing.group(1), options)
+    return (f"--config-name {missing.group(1)}: no such config in the config search path "
+            f"(it has: {', '.join(options)})" + (f"; did you mean {meant}?" if meant else ""))
 
 
 _NOT_FOUND = re.compile(r"Could not find '([\w/]+)/([\w.-]+)' Available options in '[^']+': "

@@ -70,6 +70,22 @@ def test_an_experiment_of_ones_own_without_its_package_line_is_told_to_add_it(tm
         "its first line, as conf/experiment/*.yaml have)"), proc.stderr
 
 
+def test_a_config_name_not_in_the_search_path_lists_the_configs_there(tmp_path):
+    """Hydra's `Cannot find primary config 'trian'` named none of the configs there are."""
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "--config-name", "trian"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("stoker: error: --config-name trian: no such config in the "
+                                   "config search path (it has: train); did you mean train?")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "pretrain.yaml").write_text("x: 1\n")
+    proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "--config-dir", str(tmp_path / "mine"),
+                    "--config-name", "zzz"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("stoker: error: --config-name zzz: no such config in the "
+                                   "config search path (it has: pretrain, train)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_empty_run_dir_is_refused_and_nothing_lands_in_the_current_dir(tmp_path):
     """`hydra.run.dir=$UNSET_VARIABLE` would otherwise make the current directory the run
     dir: checkpoints, config and logs written among the user's files."""
