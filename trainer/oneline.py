@@ -146,6 +146,7 @@ def describe(e: BaseException) -> str:
             text += _missing_key(cur, key, text)
         text = _package_line(_group_added_twice(_group_to_choose(
             _primary_config(text, str(cur)))))
+        text = _override_unmatched(_blamed_file(text, str(cur)), str(cur))
         if text and text not in parts:
             parts.append(text)
         cur = cur.__cause__
@@ -184,15 +185,77 @@ def _primary_config(text: str, report: str) -> str:
     missing = _PRIMARY.match(text)
     if not missing:
         return text
-    folders = re.findall(r"provider=(?!hydra,|schema,)[^,]+, path=file://(.+)$", report,
-                         flags=re.MULTILINE)
-    options = sorted({f.stem for folder in folders for f in Path(folder.strip()).glob("*.yaml")
-                      if not f.name.startswith("_")})
+    options = sorted({f.stem for folder in _search_folders(report)
+                      for f in folder.glob("*.yaml") if not f.name.startswith("_")})
     if not options:
         return text
     meant = spelling.closest(missing.group(1), options)
     return (f"--config-name {missing.group(1)}: no such config in the config search path "
             f"(it has: {', '.join(options)})" + (f"; did you mean {meant}?" if meant else ""))
+
+
+def _search_folders(report: str) -> List[Path]:
+    """The folders of the config search path: those Hydra's report lists (its own and the
+    schema's left out), else those the command names (the script's `conf/`, `--config-dir`,
+    `hydra.searchpath`)."""
+    found = re.findall(r"provider=(?!hydra,|schema,)[^,]+, path=file://(.+)$", report,
+                       flags=re.MULTILINE)
+    if not found:
+        args = sys.argv[1:]
+        found = [str(Path(sys.argv[0]).resolve().parent / "conf")]
+        found += [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--config-dir", "-cd")]
+        found += [a.partition("=")[2] for a in args if a.startswith("--config-dir=")]
+        found += [p for a in args if a.lstrip("+").startswith("hydra.searchpath=")
+                  for p in re.findall(r"file://([^,\]'\"]+)", a)]
+    return [Path(f.strip()) for f in found if Path(f.strip()).is_dir()]
+
+
+_IN_CHOICE = re.compile(r"^In '([\w/]+)': (Could not find '([\w/]+)/([\w.-]+)')")
+
+
+def _blamed_file(text: str, report: str) -> str:
+    """Hydra blames the primary config (`In 'train': Could not find 'data/synthtic'`) for a
+    choice misspelt in a config file of one's own (an experiment's defaults list): the file
+    that makes the choice, where the command line does not."""
+    found = _IN_CHOICE.match(text)
+    if not found:
+        return text
+    group, choice = found.group(3), found.group(4)
+    key = group.replace("/", ".")
+    if any(a.lstrip("+~").partition("=")[::2] == (key, choice) for a in sys.argv[1:]):
+        return text  # (the command's own choice)
+    entry = re.compile(rf"^\s*-\s*(?:override\s+)?/?{re.escape(group)}\s*:\s*"
+                       rf"{re.escape(choice)}\s*(?:#.*)?$", re.MULTILINE)
+    for folder in _search_folders(report):
+        for path in sorted(folder.rglob("*.yaml")):
+            try:
+                if not entry.search(path.read_text()):
+                    continue
+            except (OSError, UnicodeDecodeError):
+                continue
+            named = path.relative_to(folder).with_suffix("").as_posix()
+            text = (f"In '{named}' ({path}): {found.group(2)}" + text[found.end():])
+            return re.sub(rf"; did you mean {re.escape(key)}=([\w.-]+)\?$",
+                          rf"; did you mean {group}: \1 there?", text)
+    return text
+
+
+_UNMATCHED = re.compile(r"Could not override '(\w+)'\. No match in the defaults list$")
+
+
+def _override_unmatched(text: str, report: str) -> str:
+    """Hydra's `In 'experiment/mine': Could not override 'dat'. No match in the defaults
+    list`, with the config groups there are and the one it misspells."""
+    found = _UNMATCHED.search(text)
+    if not found:
+        return text
+    groups = sorted({d.name for folder in _search_folders(report) for d in folder.iterdir()
+                     if d.is_dir() and not d.name.startswith(("_", "."))})
+    if not groups:
+        return text
+    meant = spelling.closest(found.group(1), groups)
+    return (f"{text} (the groups: {', '.join(groups)})"
+            + (f"; did you mean {meant}?" if meant else ""))
 
 
 _NOT_FOUND = re.compile(r"Could not find '([\w/]+)/([\w.-]+)' Available options in '[^']+': "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from tests.helpers import run_cli
 from trainer.oneline import describe
 
 
@@ -86,3 +87,32 @@ def test_a_key_a_node_lacks_names_the_keys_it_has_and_the_one_it_is_close_to():
     with pytest.raises(Exception) as e:
         typed.data.num_worker = 8
     assert describe(e.value).endswith(", augment); did you mean data.num_workers?")
+
+
+def test_a_group_or_choice_misspelt_in_an_experiment_of_ones_own_names_that_file(tmp_path):
+    """Hydra blamed `train` for a choice misspelt in one's own experiment, and named no group
+    for an override of a group misspelt there."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    choice = tmp_path / "conf" / "experiment" / "choice.yaml"
+    choice.write_text("# @package _global_\ndefaults:\n  - override /data: synthtic\n")
+    (tmp_path / "conf" / "experiment" / "group.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /dat: synthetic\n")
+    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    proc = run_cli([search, "experiment=choice", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"stoker: error: In 'experiment/choice' ({choice}): Could not find 'data/synthtic' "
+        "Available options in 'data': custom digits heavy image_folder memmap shards synthetic "
+        "tokens; did you mean data: synthetic there?")
+    proc = run_cli([search, "experiment=group", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "stoker: error: In 'experiment/group': Could not override 'dat'. No match in the "
+        "defaults list (the groups: data, debug, experiment, hydra, model, optim, sched, task, "
+        "trainer); did you mean data?")
+    # the command's own misspelt choice stays the command's
+    proc = run_cli(["data=synthtic", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.stderr.strip().startswith("stoker: error: In 'train': Could not find "
+                                          "'data/synthtic'")
+    assert proc.stderr.strip().endswith("; did you mean data=synthetic?")
+    assert not (tmp_path / "run").exists()
