@@ -7,9 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -21,13 +19,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import release_shm
 from data.cachewait import WriterGone
-from data.workerdeath import worker_died
-from trainer import (checkpoint, components, distributed, ending, liveness, resumeargs,
-                     resumefiles, rundir, schedules, speed, startup, sweep)
+from trainer import (checkpoint, components, distributed, ending, failure, liveness,
+                     resumeargs, resumefiles, rundir, schedules, speed, startup, sweep)
 from trainer.checks import monitor_mode, resolve
 from trainer.validation import PeerFailedValidation, validate_once
-from trainer.cli import SignalledAgain, fail, say, wants_traceback
-from trainer.oneline import describe
+from trainer.cli import fail, say, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feeds import build_feeds, too_many_workers
 from trainer.distributed import DistEnv
@@ -150,26 +146,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # every device's generator
-
-
-def _process_flags(cfg: DictConfig) -> None:
-    t = cfg.trainer
-    torch.autograd.set_detect_anomaly(bool(t.detect_anomaly))
-    if t.deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    _deterministic(bool(t.deterministic), compiling=bool(t.compile.enabled))
-    speed.backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
-
-
-def _deterministic(mode: bool, compiling: bool) -> None:
-    """torch.use_deterministic_algorithms(mode), without its start-up cost where it has none
-    to set: the public call also sets torch.compile's own flag, importing torch._inductor
-    (about 1.5 s), which only a compiled model reads."""
-    if compiling or "torch._inductor" in sys.modules:  # inductor's flag too, every time
-        torch.use_deterministic_algorithms(mode)
-    elif torch.are_deterministic_algorithms_enabled() != mode:
-        torch._C._set_deterministic_algorithms(mode)
 
 
 def _check_launcher() -> None:
@@ -380,7 +356,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
            callbacks: Sequence[Callback]) -> Dict[str, Any]:
     t = cfg.trainer
     run_dir = Path(cfg.run_dir)
-    _process_flags(cfg)
+    speed.process_flags(cfg.trainer)
     seed_everything(cfg.seed)
     _reset_peak_memory(spec)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
@@ -423,7 +399,8 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
-        said = _failed(e, cfg, env, run_dir, loop, checkpointing, outputs, ours)
+        said = failure.left_behind(e, cfg, env, run_dir, loop, checkpointing, outputs,
+                                   ours)
         if said is not None:
             raise said from None
         raise
@@ -435,28 +412,6 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         release_shm()  # (a sweep's next job runs in this process: not at its exit)
         logger.close()
         lock.release()
-
-
-def _failed(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
-            loop: Optional[Loop], checkpointing: Optional[Checkpointing],
-            outputs: Optional[startup.FirstStepOutputs], ours: bool
-            ) -> Optional[BaseException]:
-    """What a run that raised `e` leaves behind (its background checkpoint write completed,
-    its failure recorded) and the error to raise instead of `e`: a loader worker's death or
-    a lost peer said in one line; None to raise `e` itself."""
-    if checkpointing is not None and not isinstance(e, (KeyboardInterrupt, SignalledAgain)):
-        # the checkpoint being written in the background is the last good state: complete
-        # it before the process ends (a second signal stops at once: cli._exit)
-        unwritten = checkpointing.saver.settle()
-        if unwritten is not None and env.is_main:
-            log.warning("checkpoint: the last background write failed too: %s",
-                        describe(unwritten))
-    # (said in one line wherever the training thread met it; how, from its process)
-    died = worker_died(e, [] if loop is None else [
-        feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None])
-    lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
-                           cfg.trainer.ddp.timeout_s)
-    return lost or died
 
 
 def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
@@ -485,26 +440,3 @@ def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                 raise
             # (its line says it all: not the backend's text)
             raise PeerLost(f"{lost}; {ending.last_good(run_dir)}") from None
-
-
-def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optional[Loop],
-                    outputs: Optional[startup.FirstStepOutputs],
-                    ours: bool, timeout_s: float) -> Optional[PeerLost]:
-    """Leaves a failed run's record where the run dir should keep one; `ours`: the dir's
-    checks passed, so it is this run's to write. Returns the error that names a lost peer (with
-    its own error) when `e` was a collective whose peer ended, to be raised instead of `e`."""
-    lost = liveness.lost_at(e, env.rank, env.world_size,
-                            None if outputs is None else loop.state.step, timeout_s)
-    e = lost or e
-    if (outputs is not None and outputs.writing) or (ours and lost is not None) or (
-            ours and isinstance(e, Exception) and not isinstance(e, ending.ONE_LINE)
-            and not (run_dir / rundir.STATUS).exists()):
-        # before the first step, a crash or a lost peer (what is said in one line is said
-        # on the console, and leaves no dir behind) into a dir with no run's record
-        ending.record_failure(run_dir, e)
-        if isinstance(e, Exception) and not isinstance(e, Preempted):  # (it says so itself)
-            where = "before the first step" if outputs is None else f"at step {loop.state.step}"
-            ending.to_run_log(run_dir, f"failed {where}: {ending.status_error(e)}")
-    elif ours and isinstance(e, ending.ONE_LINE):
-        ending.refused_before_first_step(run_dir, e)
-    return lost

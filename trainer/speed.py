@@ -18,6 +18,9 @@ Each is one config key, applied once before training:
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,3 +78,24 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> nn.Module:
         log.info("torch.compile: backend %s, mode %s (the first steps include compilation)",
                  cfg.backend, cfg.mode)
     return model
+
+
+def process_flags(t: Any) -> None:
+    """The process's backend flags from the trainer config `t`: anomaly detection,
+    deterministic algorithms, TF32 and cuDNN autotuning."""
+    torch.autograd.set_detect_anomaly(bool(t.detect_anomaly))
+    if t.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    _deterministic(bool(t.deterministic), compiling=bool(t.compile.enabled))
+    backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
+
+
+def _deterministic(mode: bool, compiling: bool) -> None:
+    """torch.use_deterministic_algorithms(mode), without its start-up cost where it has none
+    to set: the public call also sets torch.compile's own flag, importing torch._inductor
+    (about 1.5 s), which only a compiled model reads."""
+    if compiling or "torch._inductor" in sys.modules:  # inductor's flag too, every time
+        torch.use_deterministic_algorithms(mode)
+    elif torch.are_deterministic_algorithms_enabled() != mode:
+        torch._C._set_deterministic_algorithms(mode)
