@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.advice import count_of
-from trainer import (checkpoint, components, distributed, ending, resumeargs, resumefiles,
+from trainer import (argvalues, checkpoint, distributed, ending, resumeargs, resumefiles,
                      rundir, schedules, stamp)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, plain
@@ -363,7 +363,7 @@ def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
     values = [float(v) if isinstance(v, (int, float)) and v == v else  # (bools too)
               float(zlib.crc32(repr(v).encode())) for v in compared.values()]  # (null, nan)
     low, high = distributed.spread(values, device)
-    differ = [f"{key} ({lo:g} to {hi:g})" if components.is_number(compared[key]) else key
+    differ = [f"{key} ({lo:g} to {hi:g})" if argvalues.is_number(compared[key]) else key
               for key, lo, hi in zip(keys, low, high) if lo != hi]
     if differ == ["run_dir"]:  # (each node named its own: a static launch with no run id)
         raise ConfigError("the ranks run in different run dirs, and every rank reads the run's "
