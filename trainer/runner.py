@@ -19,8 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.cache import release_shm
 from data.cachewait import WriterGone
-from trainer import (checkpoint, components, distributed, ending, failure, liveness,
-                     resumeargs, resumefiles, rundir, schedules, speed, startup, sweep)
+from trainer import (agreement, checkpoint, components, distributed, ending, failure,
+                     liveness, resumeargs, resumefiles, rundir, schedules, speed, startup,
+                     sweep)
 from trainer.checks import monitor_mode, resolve
 from trainer.validation import PeerFailedValidation, validate_once
 from trainer.cli import fail, say, wants_traceback
@@ -249,7 +250,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
            prof, preemption: Preemption, resume: Optional[str],
            callbacks: Sequence[Callback] = ()) -> Tuple[Loop, Checkpointing]:
     train_feed, val_feed, data_lines = build_feeds(cfg, env, spec.device)
-    startup.same_data_everywhere(train_feed, val_feed, spec.device)
+    agreement.same_data_everywhere(train_feed, val_feed, spec.device)
     train_loader = train_feed.loader
     # re-seed so the initial weights depend on the seed alone, not on how much randomness
     # building the datasets and loaders happened to draw
@@ -368,7 +369,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     loop = checkpointing = None
     ours = False  # the run dir is this run's to write (its checks passed)
     try:
-        startup.same_settings_everywhere(cfg, spec.device)  # (the first collective of the run)
+        agreement.same_settings_everywhere(cfg, spec.device)  # (the run's first collective)
         if not t.fast_dev_run:  # a fast dev run writes nothing, so it may share a dir
             rundir.agreed(lambda: (lock.acquire(), rundir.check_fresh_start(
                 run_dir, resume, t.validate_only)), env)
