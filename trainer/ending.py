@@ -24,7 +24,8 @@ from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAg
                          describe, exit_now, fail)
 from trainer.config import RunSpec
 from trainer.distributed import DistEnv, JoinFailed
-from trainer.feeds import feed_advice, skipped_files
+from trainer.feedadvice import feed_advice
+from trainer.feeds import skipped_files
 from trainer.liveness import OWN_WAIT_S, PeerLost
 from trainer.logging import RunLogger
 from trainer.loop import Loop

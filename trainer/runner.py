@@ -26,7 +26,8 @@ from trainer.checks import monitor_mode, resolve
 from trainer.validation import PeerFailedValidation, validate_once
 from trainer.cli import fail, say, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
-from trainer.feeds import build_feeds, too_many_workers
+from trainer.feedadvice import too_many_workers
+from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
 from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
