@@ -22,7 +22,8 @@ from trainer.checkpoint import CheckpointError
 from trainer.saver import writing_in_background
 from trainer.config import ConfigError
 from trainer import resumeargs, stamp
-from trainer.distributed import LaunchError, detect
+from trainer.distributed import detect
+from trainer.launchvars import LaunchError
 from trainer.oneline import describe
 
 EXIT_CONFIG = 2

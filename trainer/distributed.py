@@ -16,7 +16,6 @@ import datetime
 import gc
 import logging
 import os
-import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from trainer.launchvars import LaunchError, check_launch, tasks_on_this_node
 
 log = logging.getLogger(__name__)
 
@@ -59,85 +60,8 @@ def _slurm_master(environ: Mapping[str, str]) -> str:
     return first or "127.0.0.1"
 
 
-class LaunchError(ValueError):
-    """A launcher's variables that cannot describe a job (a rank past the world size, a count
-    that is not a number): one line naming the variable, exit code 2."""
-
-
 class JoinFailed(RuntimeError):
     """The job's ranks did not all join its process group in time: one line, exit code 1."""
-
-
-# (variable, lowest value) of each launcher, and the (rank, world size) pair among them
-_LAUNCH_VARS = {"torchrun": ([("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0),
-                              ("LOCAL_WORLD_SIZE", 1)], ("RANK", "WORLD_SIZE")),
-                "slurm": ([("SLURM_PROCID", 0), ("SLURM_NTASKS", 1), ("SLURM_LOCALID", 0),
-                           ("SLURM_JOB_ID", 0), ("MASTER_PORT", 1)],
-                          ("SLURM_PROCID", "SLURM_NTASKS"))}
-
-
-def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) -> None:
-    """LaunchError for launcher variables `detect` would read that cannot describe a job: a
-    value that is not a whole number, or below its least, or a rank at or past the world
-    size (a job script that sets them by hand, or an srun outside its allocation); with
-    `meeting`, also a torchrun-style job without the address its ranks meet at, and a port
-    that is no port (the process group's start raised them, a 68-line traceback)."""
-    launcher = ("torchrun" if "RANK" in environ and "WORLD_SIZE" in environ else
-                "slurm" if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ else None)
-    if launcher is None:
-        return
-    names, (rank, world) = _LAUNCH_VARS[launcher]
-    for name, low in names:
-        raw = environ.get(name)
-        if raw is None:
-            continue
-        if not re.fullmatch(r"[0-9]+", raw.strip()) or int(raw) < low:  # (ASCII: not "²")
-            raise LaunchError(f"{name}={raw}: must be a whole number >= {low} ({launcher} sets "
-                              "it; a job script that sets it by hand?)")
-    if int(environ[rank]) >= int(environ[world]):
-        raise LaunchError(f"{rank}={environ[rank]}: must be below {world}={environ[world]} "
-                          "(the job's ranks are 0 to one less than its size)")
-    if launcher == "slurm":
-        _tasks_on_this_node(environ)  # (its own one line: `4,3`, `abc` raised int()'s error)
-    if meeting:
-        _check_meeting_point(environ, launcher, environ[rank], environ[world])
-
-
-_TASKS_PER_NODE = re.compile(r"[0-9]+(\(x[0-9]+\))?(,[0-9]+(\(x[0-9]+\))?)*")
-
-
-def _tasks_on_this_node(environ: Mapping[str, str]) -> int:
-    """SLURM_NTASKS_PER_NODE's count for this node (SLURM_NODEID's entry): SLURM writes `4`,
-    `4(x2)` (two nodes of 4) or `4,3` (nodes of 4 and 3 tasks); LaunchError for anything
-    else."""
-    raw = environ.get("SLURM_NTASKS_PER_NODE", "1").strip()
-    if not _TASKS_PER_NODE.fullmatch(raw):
-        raise LaunchError(f"SLURM_NTASKS_PER_NODE={raw}: must be tasks per node as SLURM "
-                          "writes them (4, 4(x2), 4,3); a job script that sets it by hand?")
-    counts: List[int] = []
-    for part in raw.split(","):
-        n, _, times = part.partition("(x")
-        counts += [int(n)] * int(times.rstrip(")") or 1)
-    node = environ.get("SLURM_NODEID", "0").strip()
-    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else counts[0]
-
-
-def _check_meeting_point(environ: Mapping[str, str], launcher: str, rank: str,
-                         world: str) -> None:
-    if int(world) == 1:
-        return  # (one process meets no one)
-    if launcher == "torchrun":  # (SLURM's has defaults)
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not environ.get(name, "").strip():
-                raise LaunchError(
-                    f"RANK={rank} and WORLD_SIZE={world} are set but {name} "
-                    "is not: the job's processes meet at MASTER_ADDR:MASTER_PORT (torchrun "
-                    "sets all four; launch with torchrun, or unset RANK and WORLD_SIZE to run "
-                    "one process)")
-    port = environ.get("MASTER_PORT", "").strip()
-    if port and (not re.fullmatch(r"[0-9]+", port) or not 1 <= int(port) <= 65535):
-        raise LaunchError(f"MASTER_PORT={environ['MASTER_PORT']}: must be a port number, 1 to "
-                          "65535")
 
 
 def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -161,7 +85,7 @@ def _detect(environ: Mapping[str, str]) -> DistEnv:
         return DistEnv(rank=int(environ["SLURM_PROCID"]),
                        local_rank=int(environ.get("SLURM_LOCALID", 0)),
                        world_size=int(environ["SLURM_NTASKS"]),
-                       local_world_size=_tasks_on_this_node(environ),
+                       local_world_size=tasks_on_this_node(environ),
                        launcher="slurm",
                        master_addr=environ.get("MASTER_ADDR") or _slurm_master(environ),
                        # a port derived from the job id keeps concurrent jobs on a node apart

@@ -29,6 +29,7 @@ from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feedadvice import too_many_workers
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
+from trainer.launchvars import LaunchError, check_launch
 from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
@@ -70,7 +71,7 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         try:  # (a launch the variables cannot describe, a rank that could not join, or that
             # lost the writer of its node's cache, which may be rank 0: each says it)
             fail(e, code=ending.exit_code(e), any_rank=isinstance(
-                e, (distributed.LaunchError, distributed.JoinFailed, WriterGone)))
+                e, (LaunchError, distributed.JoinFailed, WriterGone)))
         finally:
             if stops:  # the last line: which job stopped the sweep, how to run on
                 ending.say_sweep_stopped(e, validating)
@@ -109,7 +110,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
     rundir.check_is_hydras(cfg)
     rundir.check_plain_files(Path(cfg.run_dir))
     if env is None:
-        distributed.check_launch()
+        check_launch()
         env = distributed.detect()
     distributed.end_with_launcher()
     if not env.is_main:  # other ranks say warnings only (distributed.warn prefixes the rank)

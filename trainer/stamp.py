@@ -151,6 +151,6 @@ def _stamp(environ: Mapping[str, str], fmt: str) -> Tuple[str, bool]:
 
 def _count(environ: Mapping[str, str], key: str) -> int:
     """A launcher's count, 1 where it is missing or not a number (which the run then refuses
-    in one line, distributed.check_launch: the stamp must not fail before it can)."""
+    in one line, launchvars.check_launch: the stamp must not fail before it can)."""
     raw = environ.get(key, "1").strip()
     return int(raw) if re.fullmatch(r"[0-9]+", raw) else 1
