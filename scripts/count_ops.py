@@ -136,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     check_out(p, a.out)
     from trainer.cli import USER_ERRORS, fail, import_from_cwd
     from trainer.distributed import detect
-    from trainer.resilience import Preempted
+    from trainer.preemption import Preempted
 
     import_from_cwd()  # the user's own modules, as train.py finds them
 

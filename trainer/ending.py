@@ -29,7 +29,8 @@ from trainer.feeds import skipped_files
 from trainer.liveness import OWN_WAIT_S, PeerLost
 from trainer.logging import RunLogger
 from trainer.loop import Loop
-from trainer.resilience import Checkpointing, Preempted
+from trainer.preemption import Preempted
+from trainer.resilience import Checkpointing
 from trainer.task import raised_in_users_code
 from trainer.validation import PeerFailedValidation
 from trainer.windowlog import NonFiniteLoss

@@ -16,7 +16,8 @@ from trainer.distributed import DistEnv
 from trainer.liveness import PeerLost
 from trainer.loop import Loop
 from trainer.oneline import describe
-from trainer.resilience import Checkpointing, Preempted
+from trainer.preemption import Preempted
+from trainer.resilience import Checkpointing
 
 log = logging.getLogger("stoker")
 

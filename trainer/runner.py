@@ -36,7 +36,8 @@ from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, Loop
 from trainer.progress import FitState, total_steps
 from trainer.precision import MixedPrecision, optimizer_choice
-from trainer.resilience import Checkpointing, Preempted, Preemption
+from trainer.preemption import Preempted, Preemption
+from trainer.resilience import Checkpointing
 from trainer.runlock import RunDirLock
 from trainer.strategy import wrap
 from trainer.task import Task, raised_in_own_code

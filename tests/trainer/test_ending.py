@@ -7,7 +7,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.ending import exit_code, status_error
 from trainer.windowlog import NonFiniteLoss
-from trainer.resilience import Preempted
+from trainer.preemption import Preempted
 
 
 def test_exit_codes_say_what_ended_the_process():

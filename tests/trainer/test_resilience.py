@@ -371,26 +371,6 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monkeypatch):
-    """SLURM's SIGUSR1 before the limit, then SIGTERM at it, while the preemption checkpoint
-    is being written: the write goes on (only a step that never ends is cut short)."""
-    from trainer import resilience
-    from trainer.cli import SignalledAgain
-    from trainer.distributed import DistEnv
-
-    env = DistEnv()
-    clock = [100.0]
-    monkeypatch.setattr(resilience.time, "monotonic", lambda: clock[0])
-    stop, waiting = resilience.Preemption(env), resilience.Preemption(env)
-    for p in (stop, waiting):
-        p._handle(signal.SIGUSR1, None)
-    assert stop.agreed()  # the step boundary: stopping, with a checkpoint
-    clock[0] += 5  # the second signal comes later than a second
-    stop._handle(signal.SIGTERM, None)  # no SignalledAgain: the save finishes
-    with pytest.raises(SignalledAgain):  # still inside the step: stop at once
-        waiting._handle(signal.SIGTERM, None)
-
-
 @pytest.mark.parametrize("when", ["periodic", "final"])
 def test_a_second_signal_during_a_checkpoint_write_lets_it_finish(make_cfg, tmp_path,
                                                                     monkeypatch, when):
@@ -492,20 +472,6 @@ def test_ranks_whose_torchrun_is_killed_save_and_stop(tmp_path):
     assert not alive, "ranks trained on after torchrun was killed"
     status = json.loads((run_dir / "status.json").read_text())
     assert status["exit_code"] == 75 and newest_step(run_dir) > 0, status
-
-
-@pytest.mark.parametrize("saving,line", [
-    (True, "stoker: stopping at the end of this step with a checkpoint (Ctrl-C again to stop "
-           "at once, without one)"),
-    (False, "stoker: stopping at the end of this step (Ctrl-C again to stop at once)")])
-def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capfd, saving,
-                                                                           line):
-    from trainer.distributed import DistEnv
-    from trainer.resilience import Preemption
-
-    preemption = Preemption(DistEnv(), saving=saving)
-    preemption._handle(signal.SIGINT, None)
-    assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
 
 
 def test_a_refused_save_with_no_checkpoint_before_it_says_so(make_cfg, caplog):
