@@ -24,7 +24,8 @@ from data import handover
 from data.resident import ResidentBatches, rows_of
 from data.runon import RunOnLoader
 from data.sampler import ResumableDistributedSampler
-from data.shards import ShardLoader, ShardPlan, ShardStream
+from data.shardplan import ShardPlan
+from data.shards import ShardLoader, ShardStream
 from data.workerdeath import (_ENDED, LoaderWorkerDied, _ended_worker, ended, how,
                               iterators_of, worker_died)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data.loader import build_loader
-from data.shards import ShardStream, turn_order, worker_blocks
+from data.shards import ShardStream
 from data.shardwriter import write_shards
 from tests.helpers import numbered
 from trainer.config import DataConfig
@@ -87,11 +87,6 @@ def test_resume_at_any_batch_continues_exactly(shards, workers):
         ld.sampler.set_start(taken * 8 * 2)  # global samples: batches x batch x ranks
         assert [y.tolist() for _, y in ld] == full[taken:], taken
         assert len(ld.sampler) == sum(len(b) for b in full[taken:])
-
-
-def test_worker_blocks_and_turns_follow_the_dataloader():
-    assert worker_blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
-    assert turn_order(worker_blocks(5, 2)) == [(0, 0), (1, 3), (0, 1), (1, 4), (0, 2)]
 
 
 def test_image_shards_decode_like_the_folder_and_a_bad_root_is_one_line(tmp_path):
