@@ -1,12 +1,13 @@
 """A run's progress and its plan: what a checkpoint carries (`FitState`), the sums of one
 logging window (`Window`), and how an epoch's micro-batches group into optimizer steps
-(`window_plan`: k micro-batches a step with `accumulate_grad_batches=k`, a short last one).
+(`window_plan`: k micro-batches a step with `accumulate_grad_batches=k`, a short last one), and
+the batches an epoch and a validation take (`batch_limits`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
@@ -128,3 +129,35 @@ def total_steps(cfg: DictConfig, train_loader, train_limit: Optional[int]
                        f"optimizer steps: the lr rises for the whole run (its last step's is "
                        f"{total / warmup:.0%} of optim.lr) and never decays")
     return total, too_big
+
+
+def batch_limits(cfg: DictConfig, train_loader,
+                 val_feed) -> Tuple[Optional[int], Optional[int]]:
+    """The batches an epoch trains and a validation takes (None: all), a share of them
+    (`trainer.limit_*_batches=0.25`) counted from this rank's loaders."""
+    t = cfg.trainer
+    if t.fast_dev_run:
+        return 1, 1
+    val = batches_of(t.limit_val_batches, val_feed, "trainer.limit_val_batches", "split")
+    if t.overfit_batches:
+        return t.overfit_batches, val
+    return batches_of(t.limit_train_batches, train_loader, "trainer.limit_train_batches",
+                    "epoch"), val
+
+
+def batches_of(limit: Any, loader, key: str, what: str) -> Optional[int]:
+    """A limit as a number of batches: a share of `loader`'s (rounded down; a share that
+    comes to none is one line naming the key), an int or None as it is."""
+    if not isinstance(limit, float):
+        return limit
+    if limit == 0:  # (0.0: no validation, no split built)
+        return 0
+    if loader is None:  # (no validation split to count)
+        return None
+    n = len(loader)
+    taken = int(limit * n + 1e-9)  # (0.3 of 10 batches is 3, not 2.9999999999999996)
+    if not taken:
+        raise ConfigError(f"{key}={limit:g}: that share of the {what}'s {n} batches on this "
+                          f"rank is less than one; raise it, or give a number of batches "
+                          f"({key}=1)")
+    return taken

@@ -34,7 +34,7 @@ from trainer.earlystop import EarlyStopping
 from trainer.liveness import Heartbeat, PeerLost
 from trainer.logging import RunLogger, profiler
 from trainer.loop import Callback, Loop
-from trainer.progress import FitState, total_steps
+from trainer.progress import FitState, batch_limits, total_steps
 from trainer.precision import MixedPrecision, optimizer_choice
 from trainer.preemption import Preempted, Preemption
 from trainer.resilience import Checkpointing
@@ -173,37 +173,6 @@ def _empty_hydra_dir() -> Optional[str]:
     return key if not str(value or "").strip() else None
 
 
-def _limits(cfg: DictConfig, train_loader, val_feed) -> Tuple[Optional[int], Optional[int]]:
-    """The batches an epoch trains and a validation takes (None: all), a share of them
-    (`trainer.limit_*_batches=0.25`) counted from this rank's loaders."""
-    t = cfg.trainer
-    if t.fast_dev_run:
-        return 1, 1
-    val = _batches(t.limit_val_batches, val_feed, "trainer.limit_val_batches", "split")
-    if t.overfit_batches:
-        return t.overfit_batches, val
-    return _batches(t.limit_train_batches, train_loader, "trainer.limit_train_batches",
-                    "epoch"), val
-
-
-def _batches(limit: Any, loader, key: str, what: str) -> Optional[int]:
-    """A limit as a number of batches: a share of `loader`'s (rounded down; a share that
-    comes to none is one line naming the key), an int or None as it is."""
-    if not isinstance(limit, float):
-        return limit
-    if limit == 0:  # (0.0: no validation, no split built)
-        return 0
-    if loader is None:  # (no validation split to count)
-        return None
-    n = len(loader)
-    taken = int(limit * n + 1e-9)  # (0.3 of 10 batches is 3, not 2.9999999999999996)
-    if not taken:
-        raise ConfigError(f"{key}={limit:g}: that share of the {what}'s {n} batches on this "
-                          f"rank is less than one; raise it, or give a number of batches "
-                          f"({key}=1)")
-    return taken
-
-
 def _model_and_task(cfg: DictConfig, spec: RunSpec):
     """The user's model (offered data.input_shape/num_classes where it takes them) on its
     device and wrapped for the strategy, and the task on the same device."""
@@ -265,7 +234,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     chosen = optimizer_choice(factory, spec.precision, spec.device, params)
     optimizer = components.call(factory, "optim", cfg.optim, params, **chosen)
     startup.check_optimizer_step(optimizer)
-    train_limit, val_limit = _limits(cfg, train_loader, val_feed)
+    train_limit, val_limit = batch_limits(cfg, train_loader, val_feed)
     if hasattr(train_loader, "limit"):  # a run-on loader hands out what the loop takes
         train_loader.limit = train_limit
     total, too_big = total_steps(cfg, train_loader, train_limit)

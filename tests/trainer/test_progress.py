@@ -53,3 +53,12 @@ def test_steps_left_counts_the_current_epochs_rest_and_the_epochs_after_it():
     plain = DataLoader(list(range(230)), batch_size=10)  # a sampler that cannot start mid-epoch
     assert steps_left(plain, None, 1, state, max_epochs=4, max_steps=-1) is None
     assert steps_left(plain, None, 1, FitState(epoch=2, step=46), 4, -1) == 46
+
+
+def test_a_share_is_rounded_down_without_a_float_error():
+    from trainer.progress import batches_of
+
+    assert batches_of(0.3, range(10), "k", "epoch") == 3  # (0.3 * 10 = 2.9999999999999996)
+    assert batches_of(0.999, range(10), "k", "epoch") == 9
+    assert batches_of(7, range(10), "k", "epoch") == 7 and batches_of(None, None, "k", "x") is None
+    assert batches_of(0.0, None, "k", "split") == 0  # (no validation: no split to count)

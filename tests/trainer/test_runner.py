@@ -536,15 +536,6 @@ def test_a_limit_given_as_a_share_takes_that_share_of_the_batches(make_cfg, tmp_
         train(make_cfg("trainer.limit_val_batches=0.01", run_dir=tmp_path / "none"))
 
 
-def test_a_share_is_rounded_down_without_a_float_error():
-    from trainer.runner import _batches
-
-    assert _batches(0.3, range(10), "k", "epoch") == 3  # (0.3 * 10 = 2.9999999999999996)
-    assert _batches(0.999, range(10), "k", "epoch") == 9
-    assert _batches(7, range(10), "k", "epoch") == 7 and _batches(None, None, "k", "x") is None
-    assert _batches(0.0, None, "k", "split") == 0  # (no validation: no split to count)
-
-
 def test_a_dataclass_batch_of_ones_own_trains_and_counts_its_samples(make_cfg):
     summary = train(make_cfg("+data.collate_fn._target_=tests.helpers.pair_batch",
                              "task=model_loss", "task._target_=tests.helpers.PairBatchTask",
