@@ -212,6 +212,14 @@ class Regression(Task):
                 raise self.error(f"outputs {tuple(pred.shape)} that do not match the targets",
                                  target, "one output value per target value (a model with "
                                  "num_classes=1, say, for one real target per sample)")
+            if not _same_layout(pred.shape, target.shape):
+                # (B, 2, 4) outputs against (B, 4, 2) targets: paired flattened, every value
+                # met another's target, and the run trained and scored that silently
+                raise self.error(f"outputs {tuple(pred.shape)} laid out otherwise than the "
+                                 "targets", target, "the targets' layout (the same sizes in "
+                                 "the same order, size-1 dimensions aside, or one flat value "
+                                 "per sample)", "permute the model's output, or the targets "
+                                 "in the dataset, to match")
             target = target.reshape(pred.shape)
         return pred.float(), target.float()  # never bf16/fp16 targets or metrics
 
@@ -224,6 +232,16 @@ class Regression(Task):
 
     def metric_inputs(self, output: Any, batch: Any) -> Tuple[Any, Any]:
         return self.pair(output, batch)
+
+
+def _same_layout(a: torch.Size, b: torch.Size) -> bool:
+    """Whether outputs of shape `a` and targets of shape `b` (as many values) pair value by
+    value when one is reshaped to the other: the same sizes in the same order once size-1
+    dimensions are left out ((B, 1) and (B,)), or one of them a flat row per sample ((B, 12)
+    against (B, 3, 4), a Linear's output)."""
+    if [d for d in a if d != 1] == [d for d in b if d != 1]:
+        return True
+    return len(a) >= 1 and len(b) >= 1 and a[0] == b[0] and (len(a) == 2 or len(b) == 2)
 
 
 def causal_lm(model: nn.Module) -> bool:

@@ -189,6 +189,19 @@ def test_regression_loss_and_shapes():
         task.loss(pred, (None, torch.zeros(5, dtype=torch.int64)))
 
 
+def test_regression_outputs_laid_out_otherwise_than_the_targets_are_one_line():
+    """(B, 2, 4) outputs against (B, 4, 2) targets were paired flattened: the run trained and
+    scored every value against another's target, silently."""
+    task, y = Regression(), torch.randn(3, 4, 2)
+    with pytest.raises(TaskError, match=r"^task regression: outputs \(3, 2, 4\) laid out "
+                       r"otherwise than the targets: got .*permute the model's output"):
+        task.loss(torch.randn(3, 2, 4), (None, y))
+    for same in (torch.randn(3, 8), torch.randn(3, 4, 2, 1), torch.randn(3, 1, 4, 2)):
+        task.loss(same, (None, y))  # a flat row per sample, or size-1 dimensions aside
+    task.loss(torch.randn(3, 12), (None, torch.randn(3, 3, 4)))
+    task.loss(torch.randn(5), (None, torch.randn(5, 1)))
+
+
 def test_regression_keeps_targets_in_fp32_under_autocast_outputs():
     pred, y = torch.randn(4, 1).bfloat16(), torch.tensor([1.0001, 2.0002, 3.0003, 4.0004])
     p, t = Regression().metric_inputs(pred, (None, y))
