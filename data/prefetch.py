@@ -150,20 +150,28 @@ class DeviceAugment:
         return x[batch, channel, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
 
 
+# the entries of a dict batch that hold its images, where task.input_key names none: Hugging
+# Face vision models' keyword, then Stoker's own
+IMAGE_KEYS = ("pixel_values", "inputs")
+
+
 class InputTransform:
-    """Device-side preparation of a batch's inputs (element 0 of a tuple/list batch, or the
-    "inputs" entry of a dict batch); targets and everything else pass untouched. Order: uint8
-    to [0, 1], augmentation (training batches, when given a key), normalisation, memory format.
+    """Device-side preparation of a batch's inputs (element 0 of a tuple/list batch; of a dict
+    batch the entry `input_key` names (task.input_key), else its `pixel_values` or `inputs`);
+    targets and everything else pass untouched. Order: uint8 to [0, 1], augmentation
+    (training batches, when given a key), normalisation, memory format. A dict batch with no
+    such entry, given normalisation or augmentation, is a ConfigError: they would not apply.
     """
 
     def __init__(self, mean: Optional[Sequence[float]] = None,
                  std: Optional[Sequence[float]] = None, channels_last: bool = False,
-                 augment: Optional[DeviceAugment] = None):
+                 augment: Optional[DeviceAugment] = None, input_key: Optional[str] = None):
         self.mean = None if mean is None else torch.tensor(mean, dtype=torch.float32)
         self.std = None if std is None else torch.tensor(std, dtype=torch.float32)
         self.channels_last = channels_last
         self.augment = augment if augment else None
         self.identity = self.mean is None and not channels_last and self.augment is None
+        self.keys = (input_key,) if input_key else IMAGE_KEYS
 
     def _inputs(self, x: torch.Tensor, key: Optional[int]) -> torch.Tensor:
         if x.dtype == torch.uint8:
@@ -185,8 +193,19 @@ class InputTransform:
                 return batch
             items = [self._inputs(batch[0], key), *batch[1:]]
             return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-        if isinstance(batch, dict) and isinstance(batch.get("inputs"), torch.Tensor):
-            return {**batch, "inputs": self._inputs(batch["inputs"], key)}
+        if isinstance(batch, dict):
+            name = next((k for k in self.keys if isinstance(batch.get(k), torch.Tensor)), None)
+            if name is not None:
+                return {**batch, name: self._inputs(batch[name], key)}
+            if self.mean is not None or self.augment is not None:
+                where = (f"task.input_key={self.keys[0]}" if self.keys != IMAGE_KEYS else
+                         f"task.input_key, else {' or '.join(IMAGE_KEYS)}")
+                raise ConfigError(
+                    f"data.normalize_mean{'/augment' if self.augment is not None else ''}: a "
+                    f"dict batch's images are its entry named by {where}; this batch has "
+                    f"{', '.join(map(str, batch))}, none of them a tensor there (name the "
+                    "images' entry so; for data that is not images, data.normalize_mean=null "
+                    "and no data.augment)")
         return batch
 
 

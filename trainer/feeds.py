@@ -287,7 +287,8 @@ def build_feeds(cfg: DictConfig, env: DistEnv, device: torch.device):
         if augment:
             lines[-1] += (f"; augmented on the device (crop_padding={d.augment.crop_padding}, "
                           f"hflip={str(d.augment.hflip).lower()})")
-        transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last, augment)
+        transform = InputTransform(d.normalize_mean, d.normalize_std, d.channels_last, augment,
+                                   input_key=OmegaConf.select(cfg, "task.input_key"))
         feed = DevicePrefetcher(loader, device, transform, enabled=d.device_prefetch)
         feed.why_not_device = why_not  # for the stall advice
         feed.source = source  # the dataset as built (its classes, the files it skipped)

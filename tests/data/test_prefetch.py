@@ -195,6 +195,31 @@ def test_dict_batches_uint8_inputs_become_floats_and_the_rest_passes():
     assert first["meta"]["id"].tolist() == [0, 1, 2]
 
 
+def test_a_dict_batchs_images_are_its_pixel_values_or_the_entry_task_input_key_names():
+    """A Hugging Face vision collate's {"pixel_values", "labels"}: the model got raw 0-255
+    uint8 values, not normalised, not flipped, while the log said "augmented on the device"."""
+    from trainer.config import ConfigError
+
+    images = torch.full((2, 3, 2, 2), 255, dtype=torch.uint8)
+    labels = torch.tensor([0, 1])
+    t = InputTransform(mean=[0.5] * 3, std=[0.5] * 3)
+    out = t({"pixel_values": images, "labels": labels})
+    assert torch.equal(out["pixel_values"], torch.ones(2, 3, 2, 2)) and out["labels"] is labels
+    named = InputTransform(mean=[0.5] * 3, std=[0.5] * 3, input_key="image")
+    assert torch.equal(named({"image": images, "labels": labels})["image"],
+                       torch.ones(2, 3, 2, 2))
+    with pytest.raises(ConfigError, match=r"^data.normalize_mean: a dict batch's images are its "
+                       r"entry named by task.input_key, else pixel_values or inputs; this batch "
+                       r"has img, labels, none of them a tensor there"):
+        t({"img": images, "labels": labels})
+    with pytest.raises(ConfigError, match=r"named by task.input_key=image; this batch has "
+                       r"pixel_values, labels,"):
+        named({"pixel_values": images, "labels": labels})
+    # nothing asked of the inputs (text, say): a dict without images passes as it is
+    ids = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "labels": labels}
+    assert InputTransform(channels_last=True)(ids) is ids
+
+
 def test_transform_normalises_per_channel_and_sets_channels_last():
     t = InputTransform(mean=[0.5, 0.0], std=[0.5, 2.0], channels_last=True)
     x = torch.stack([torch.full((2, 3, 3), 255, dtype=torch.uint8)] * 2)
