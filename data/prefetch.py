@@ -172,9 +172,25 @@ class InputTransform:
         self.augment = augment if augment else None
         self.identity = self.mean is None and not channels_last and self.augment is None
         self.keys = (input_key,) if input_key else IMAGE_KEYS
+        self._scale_checked = False
+
+    def _check_scale(self) -> None:
+        """uint8 images are scaled to [0, 1] before normalising: statistics on the 0-255
+        scale (as some model zoos give them) left the model inputs near -2 whatever the
+        image, and it learnt nothing, silently. Once, on the host copy of the statistics."""
+        self._scale_checked = True
+        if float(self.mean.abs().max()) > 1:  # (a [0, 1] image's mean cannot be)
+            shown = lambda t: "[" + ",".join(f"{v:g}" for v in t.tolist()) + "]"  # noqa: E731
+            raise ConfigError(
+                f"data.normalize_mean={shown(self.mean)} data.normalize_std={shown(self.std)}: "
+                "on the 0-255 scale, and uint8 images are scaled to [0, 1] before they are "
+                f"normalised; divide them by 255 (data.normalize_mean={shown(self.mean / 255)} "
+                f"data.normalize_std={shown(self.std / 255)})")
 
     def _inputs(self, x: torch.Tensor, key: Optional[int]) -> torch.Tensor:
         if x.dtype == torch.uint8:
+            if self.mean is not None and not self._scale_checked:
+                self._check_scale()
             x = x.float().div_(255.0)
         if self.augment is not None and key is not None:
             x = self.augment(x, key)

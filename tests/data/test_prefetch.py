@@ -220,6 +220,21 @@ def test_a_dict_batchs_images_are_its_pixel_values_or_the_entry_task_input_key_n
     assert InputTransform(channels_last=True)(ids) is ids
 
 
+def test_statistics_on_the_0_255_scale_for_uint8_images_are_one_line():
+    """mmcv's and timm's mean/std in 0-255 units: every input near -2, chance accuracy, exit 0."""
+    from trainer.config import ConfigError
+
+    images = torch.full((2, 3, 2, 2), 255, dtype=torch.uint8)
+    zoo = InputTransform(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375])
+    with pytest.raises(ConfigError, match=r"^data.normalize_mean=\[123.675,116.28,103.53\] "
+                       r"data.normalize_std=\[58.395,57.12,57.375\]: on the 0-255 scale.*divide "
+                       r"them by 255 \(data.normalize_mean=\[0.485,0.456,0.406\] "):
+        zoo((images, torch.tensor([0, 1])))
+    # floats are not scaled: their statistics are the user's to give, in any units
+    floats = torch.full((2, 3, 2, 2), 200.0)
+    assert torch.allclose(zoo((floats, None))[0][:, 0], (200 - 123.675) / 58.395 * torch.ones(2, 2, 2))
+
+
 def test_transform_normalises_per_channel_and_sets_channels_last():
     t = InputTransform(mean=[0.5, 0.0], std=[0.5, 2.0], channels_last=True)
     x = torch.stack([torch.full((2, 3, 3), 255, dtype=torch.uint8)] * 2)
