@@ -433,6 +433,19 @@ class SlowDigits(DigitsDataset):
         return super().__getitem__(i)
 
 
+class SlowValDigits(DigitsDataset):
+    """Digits whose val split takes `delay` seconds a sample to read; training's are quick."""
+
+    def __init__(self, split: str = "train", delay: float = 0.5, **kw):
+        super().__init__(split, **kw)
+        self.delay = delay if split == "val" else 0.0
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
 class SignalsInValidation(DigitsDataset):
     """Digits whose val split sends its own process SIGTERM when it reads the rank's first
     sample the `at`-th time (the sanity check reads it first), on rank `rank` only: a

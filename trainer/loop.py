@@ -69,6 +69,7 @@ class Loop:
         self.device_wait = devicewait.for_device(device)
         self.run_device_wait_s = 0.0
         self.run_train_s = 0.0
+        self.epoch_paused_s = 0.0  # the sanity check's time inside an epoch: not training's
         # the training thread's time queued for a CPU over its epochs (None: not known)
         self.run_queued_s: Optional[float] = 0.0
         self.run_samples = 0
@@ -290,7 +291,8 @@ class Loop:
                 bar.close()
         if self.device.type == "cuda":  # the epoch's queued GPU work is its time, not
             torch.cuda.synchronize(self.device)  # validation's (once an epoch)
-        self.run_train_s += time.perf_counter() - epoch_start
+        self.run_train_s += time.perf_counter() - epoch_start - self.epoch_paused_s
+        self.epoch_paused_s = 0.0
         now = queued_s()
         self.run_queued_s = None if None in (now, queued, self.run_queued_s) else \
             self.run_queued_s + now - queued
@@ -394,7 +396,11 @@ class Loop:
         if first and self._sanity:  # after the training batch's own checks (a model that
             # takes no batch is said as training's) and its graph is freed; before any step
             self._sanity = False
+            start = time.perf_counter()
             loss = validation.sanity_check(self, loss)
+            # (a validation batch's time: not training's rate nor its data-wait share)
+            self.window.paused_s += time.perf_counter() - start
+            self.epoch_paused_s += time.perf_counter() - start
         return loss
 
     def _forward(self, batch) -> Any:

@@ -116,6 +116,19 @@ def test_the_sanity_check_leaves_no_trace_in_training(make_cfg, tmp_path):
     assert (numpy == numpy_off).all()
 
 
+def test_the_sanity_checks_time_is_not_trainings(make_cfg, tmp_path):
+    """Its validation batch (4 samples of 0.5 s) was counted as training time: throughput 5.6
+    times too low, the data-wait share diluted, the first metrics row's too."""
+    summary = train(make_cfg("data.dataset._target_=tests.helpers.SlowValDigits",
+                             "data.placement=host", "data.num_workers=0",
+                             "data.eval_batch_size=4", "trainer.limit_val_batches=1",
+                             "trainer.max_steps=3", "trainer.log_every_n_steps=1",
+                             run_dir=tmp_path))
+    assert summary["run_train_s"] < 2.0  # (the sanity batch alone sleeps 2 s)
+    first = next(r for r in read_metrics(tmp_path) if r["split"] == "train")
+    assert first["samples_per_s"] > 64 / 2.0, first
+
+
 def test_validate_only_gives_a_checkpoints_numbers_and_trains_nothing(make_cfg, tmp_path):
     """trainer.validate_only with trainer.init_from: the run's own validation numbers of the
     checkpoint, exactly, with no step, no checkpoint and a summary saying so; the command
