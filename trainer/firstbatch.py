@@ -15,10 +15,11 @@ nothing. Later batches run unchecked: the hot loop pays for none of this.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -182,6 +183,9 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
         entries = [(repr(k), k, t) for k, t in batch.items() if k in ("input_ids", "labels")]
     elif isinstance(batch, (list, tuple)) and batch:
         entries = [("item 0", None, batch[0])]  # (inputs, target): the inputs
+        labels = _positional_labels(model, batch)
+        if labels is not None:  # (task=model_loss: the items are the forward's arguments)
+            entries.append((f"item {labels} ('labels')", "labels", batch[labels]))
     else:
         entries = [("the batch", None, batch)]
     ints = [(name, k, t) for name, k, t in entries if isinstance(t, torch.Tensor)
@@ -217,6 +221,37 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
                         f"num_labels): labels must be from 0 to {classes - 1} (-100 leaves one "
                         "out); give the model's config num_labels=<the data's class count>")
     return None
+
+
+def _positional_labels(model: nn.Module, batch: Sequence[Any]) -> Optional[int]:
+    """Which item of a sequence batch a Hugging Face classifier takes as its `labels` when the
+    batch is its positional arguments (ConvNext's second, ViT's third); None for other
+    models, or where the items do not bind to its forward."""
+    if not type(model).__name__.endswith(_CLASSIFIERS):
+        return None
+    try:
+        names = list(inspect.signature(model.forward).bind_partial(*batch).arguments)
+    except (TypeError, ValueError):
+        return None
+    return names.index("labels") if "labels" in names else None
+
+
+def head_mismatch(model: nn.Module, classes: Any) -> Optional[str]:
+    """A warning where a Hugging Face classifier's head (its config's num_labels) is not the
+    data's class count (data.num_classes) under task=model_loss, whose loss is the model's own:
+    a larger head trained silently on classes no sample has; a smaller one failed at the first
+    label past it. task=classification refuses both at its first step."""
+    config = getattr(unwrap(model), "config", None)
+    heads = getattr(config, "num_labels", None)
+    if not type(unwrap(model)).__name__.endswith(_CLASSIFIERS) or not isinstance(heads, int) \
+            or not isinstance(classes, int) or classes < 2 or heads == classes or \
+            getattr(config, "problem_type", None) not in (None, "single_label_classification"):
+        return None
+    return (f"model: {type(unwrap(model)).__name__} has {heads} labels (its config's "
+            f"num_labels) and the data {classes} classes (data.num_classes): "
+            + ("its head scores classes no sample has" if heads > classes else
+               "a label past its head fails the run")
+            + f"; give the model's config num_labels={classes}")
 
 
 def _input_embedding(model: nn.Module) -> Optional[nn.Embedding]:

@@ -27,6 +27,7 @@ from trainer.validation import PeerFailedValidation, validate_once
 from trainer.cli import fail, say, wants_traceback
 from trainer.config import ConfigError, RunSpec, Strategy
 from trainer.feedadvice import too_many_workers
+from trainer.firstbatch import head_mismatch
 from trainer.feeds import build_feeds
 from trainer.distributed import DistEnv
 from trainer.launchvars import LaunchError, check_launch
@@ -293,7 +294,10 @@ def _training_warnings(cfg: DictConfig, env: DistEnv, loop: Loop, too_big: List[
                "trainer.save_checkpoint=false saves no checkpoint"]
               if monitor and not cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run
               and not cfg.trainer.early_stopping.patience else [])
-    return [*too_big, *unused, *too_many_workers(cfg.data, loop.train_feed, env.local_world_size)]
+    head = head_mismatch(loop.model, cfg.data.get("num_classes")) \
+        if getattr(loop.task, "name", None) == "model_loss" else None
+    return [*too_big, *unused, *too_many_workers(cfg.data, loop.train_feed, env.local_world_size),
+            *([head] if head else [])]
 
 
 def _early_stopping(cfg: DictConfig, mode: Optional[str]) -> List[Callback]:

@@ -219,6 +219,32 @@ def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_mod
     assert checked_forward(ModelLoss(), classifier, ignored, True, None, True) is not None
 
 
+def test_a_vision_classifiers_tuple_batch_labels_and_head_are_checked_under_model_loss():
+    """Tuple batches reach the model as its positional arguments (ConvNext's labels second,
+    ViT's third): labels past num_labels were an IndexError traceback; a head of another size
+    than the data's classes trained silently."""
+    pytest.importorskip("transformers")
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    from trainer.firstbatch import head_mismatch, out_of_range
+
+    model = ConvNextForImageClassification(ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=2,
+        num_labels=3))
+    images = torch.zeros(2, 3, 16, 16)
+    assert out_of_range((images, torch.tensor([0, 2])), model) is None
+    assert out_of_range((images, torch.tensor([0, 3])), model).startswith(
+        "data: the batch's 'labels' holds class 3, but ConvNextForImageClassification has 3 "
+        "labels")
+    assert head_mismatch(model, 3) is None and head_mismatch(model, None) is None
+    assert head_mismatch(model, 4) == (
+        "model: ConvNextForImageClassification has 3 labels (its config's num_labels) and the "
+        "data 4 classes (data.num_classes): a label past its head fails the run; give the "
+        "model's config num_labels=4")
+    assert "its head scores classes no sample has" in head_mismatch(model, 2)
+    assert head_mismatch(torch.nn.Linear(2, 3), 4) is None  # (not a Hugging Face classifier)
+
+
 def test_integers_are_judged_only_by_the_table_the_model_names_as_its_inputs():
     """Categorical features with tables of their own, a class embedding beside uint8 images,
     a decoder's ids beside an encoder's: which table the integers index is not known, so no
