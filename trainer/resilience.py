@@ -154,12 +154,16 @@ class Checkpointing(Callback):
         if folder is not None:
             if rows:
                 write_whole(folder / "metrics.jsonl", "".join(row + "\n" for row in rows))
+            summary = self.run_dir / "summary.json"  # (that timeline's numbers and last.pt:
+            if summary.is_file():  # the new one writes its own at its end)
+                summary.replace(folder / summary.name)
             self.logger.info(
                 "%s: resumed at step %d of this run, so the %d checkpoint files saved after it "
                 "(%s)%s moved to %s, out of the way of trainer.resume=auto and keep_last; "
                 "nothing was deleted", folder.parent, step, len(self.abandoned),
                 ", ".join(p.name for p in self.abandoned),
-                f" and the {len(rows)} metrics.jsonl rows logged after it" if rows else "",
+                (f", the {len(rows)} metrics.jsonl rows logged after it" if rows else "")
+                + (" and its summary.json" if (folder / "summary.json").is_file() else ""),
                 folder.name)
         self.abandoned = []
 

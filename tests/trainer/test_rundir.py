@@ -387,8 +387,12 @@ def test_a_run_rolled_back_to_its_own_earlier_checkpoint_sets_the_later_ones_asi
                                                                   else (46,))
     aside = folder / "abandoned-after-step-00000023"
     assert sorted(p.name for p in aside.iterdir()) == sorted(
-        ["step-00000046.pt", "step-00000069.pt", "last.pt", "metrics.jsonl"]
+        ["step-00000046.pt", "step-00000069.pt", "last.pt", "metrics.jsonl", "summary.json"]
         + (["best.pt"] if old_best > 23 else []))
+    # the old timeline's summary went too: a new attempt that failed left it naming its
+    # step 69 and a last.pt moved away
+    assert json.loads((aside / "summary.json").read_text())["steps"] == 69
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 46
     # the old timeline's metrics rows past step 23 went with its checkpoints (they left
     # metrics.jsonl, where the new timeline logs those steps, and were lost before)
     past = (aside / "metrics.jsonl").read_text().splitlines()
