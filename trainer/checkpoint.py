@@ -77,7 +77,7 @@ def save(state: Dict[str, Any], path: Path) -> Path:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         cause = _write_cause(e, path, tmp)
-        unlink_quietly(tmp)
+        discard(tmp)
         try:  # (the tmp file is gone)
             kept = any(p.suffix == ".pt" for p in path.parent.iterdir())
         except OSError:  # the folder went too (a deleted dir, a stale NFS handle)
@@ -87,7 +87,7 @@ def save(state: Dict[str, Any], path: Path) -> Path:
                                        "the previous checkpoints are kept" if kept else
                                        "no checkpoint was written before it")) from None
     except BaseException:
-        unlink_quietly(tmp)
+        discard(tmp)
         raise
     # the rename is durable only once the directory entry is on disk
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -135,6 +135,16 @@ def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
+        pass
+
+
+def discard(path: str) -> None:
+    """Removes the temp file of a write that failed, whose error is said already: nothing
+    where it is gone, or cannot go (an append-only or read-only folder: its PermissionError
+    replaced the write's own line; the next start removes it, saver.remove_leftovers)."""
+    try:
+        os.unlink(path)
+    except OSError:
         pass
 
 

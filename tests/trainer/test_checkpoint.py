@@ -42,6 +42,24 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "new"]
 
 
+def test_a_temp_file_that_cannot_be_removed_leaves_the_writes_own_line(tmp_path, monkeypatch):
+    """An append-only (or meanwhile read-only) folder: the rename failed, then the clean-up's
+    PermissionError on the temp file replaced the line, naming the hidden temp file."""
+    path = checkpoint.save({"model": {"w": torch.zeros(2)}, "step": 1}, tmp_path / "last.pt")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(args[0]))
+
+    monkeypatch.setattr(checkpoint.os, "replace", refused)
+    monkeypatch.setattr(checkpoint.os, "unlink", refused)
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=r"^checkpoint .*last.pt: the write failed \(.*Operation not "
+                             r"permitted.*\); the previous checkpoints are kept$"):
+        checkpoint.save({"model": {"w": torch.ones(2)}, "step": 2}, path)
+    monkeypatch.undo()
+    assert checkpoint.load(path)["step"] == 1
+
+
 def test_a_file_size_limit_under_torch_s_own_message_is_named(tmp_path):
     """`ulimit -f` (a batch system's file size limit): torch said 'enforce fail ... unexpected
     pos'; the line says the limit, and the last good checkpoint stays."""
