@@ -149,9 +149,18 @@ class RunLogger:
                 pass
             raise _named(e, jsonl.name) from None
         if self._tb is not None:
-            self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
-                                    if isinstance(v, (int, float)) and not isinstance(v, bool)
-                                    and k not in ("step", "epoch")})
+            try:
+                self._tb.scalars(step, {f"{split}/{k}": float(v) for k, v in values.items()
+                                        if isinstance(v, (int, float))
+                                        and not isinstance(v, bool)
+                                        and k not in ("step", "epoch")})
+            except OSError:  # (named: EventFile._write; closed now, as metrics.jsonl is)
+                tb, self._tb = self._tb, None
+                try:
+                    tb.close()
+                except OSError:
+                    pass
+                raise
 
     def summary(self, values: Dict[str, Any]) -> None:
         """Writes the run's final numbers to `summary.json` (read by the scripts/ tools)."""
@@ -172,13 +181,16 @@ class RunLogger:
                     unit="batch")
 
     def close(self) -> None:
+        """Closes the run's writers, every one of them even where one fails (a full disk,
+        whose error is raised after)."""
         logging.getLogger().removeHandler(self.warnings)
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        tb, jsonl, self._tb, self._jsonl = self._tb, self._jsonl, None, None
+        try:
+            if tb is not None:
+                tb.close()
+        finally:
+            if jsonl is not None:
+                jsonl.close()
 
 
 def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int, List[str]]:

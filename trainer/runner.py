@@ -343,6 +343,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     outputs = None
     start = time.perf_counter()
     loop = checkpointing = None
+    failing = False
     ours = False  # the run dir is this run's to write (its checks passed)
     try:
         agreement.same_settings_everywhere(cfg, spec.device)  # (the run's first collective)
@@ -376,6 +377,7 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
         ending.report(cfg, env, spec, loop, checkpointing, logger, summary, outputs.writing)
         return summary
     except BaseException as e:
+        failing = True
         said = failure.left_behind(e, cfg, env, run_dir, loop, checkpointing, outputs,
                                    ours)
         if said is not None:
@@ -387,8 +389,13 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
             if loop.val_feed is not None:
                 loop.val_feed.close()
         release_shm()  # (a sweep's next job runs in this process: not at its exit)
-        logger.close()
-        lock.release()
+        try:  # (a full disk: the flush at close fails again, and must not replace the
+            logger.close()  # error that named the file, nor keep the lock)
+        except OSError:
+            if not failing:
+                raise
+        finally:
+            lock.release()
 
 
 def _fit(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,

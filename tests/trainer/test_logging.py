@@ -198,6 +198,27 @@ def test_an_event_file_that_cannot_be_written_names_the_file(tmp_path):
     real.close()
 
 
+def test_a_full_disk_under_the_event_file_leaves_no_second_unnamed_error_at_close(tmp_path,
+                                                                                 monkeypatch):
+    """Its close flushed the buffered event again, failed again, unnamed, and that error
+    replaced the one naming the file (the run's clean-up stopped there: its lock stayed)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from trainer.oneline import describe
+
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    logger = RunLogger(tmp_path, main=True, write=True, tensorboard=True, progress_bar=False)
+    logger.open()
+    real = logger._tb._file
+    logger._tb._file = open("/dev/full", "wb")
+    logger._tb._records = RecordWriter(logger._tb._file)
+    with pytest.raises(OSError) as e:
+        logger.metrics("train", 1, {"loss": 1.0})
+    assert describe(e.value) == "/dev/full: No space left on device"
+    logger.close()  # (no second error)
+    real.close()
+
+
 def test_progress_is_a_line_a_logging_boundary_where_the_console_is_no_terminal(
         tmp_path, monkeypatch, caplog):
     """A SLURM output file or a pipe kept only a bar's `0%| 0/23` fragments: no loss, rate or
