@@ -136,6 +136,11 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
             raise
         raise error from None
     except (TypeError, ValueError, KeyError, AttributeError) as e:
+        if first and isinstance(e, ValueError) and "dtype" in str(e):  # (an RNN's: a
+            error = forward_error(e, batch, unwrap(model), first, input_shape,  # ValueError)
+                                  find_unused, which)
+            if error is not e:
+                raise error from None
         _forward_failed(task, e, batch, first, which)
         raise
 
@@ -266,15 +271,16 @@ def _input_embedding(model: nn.Module) -> Optional[nn.Embedding]:
     return found if isinstance(found, nn.Embedding) else None
 
 
-def forward_error(e: RuntimeError, batch: Any, model: nn.Module, first: bool,
+def forward_error(e: Exception, batch: Any, model: nn.Module, first: bool,
                   input_shape: Optional[Any], find_unused: bool,
                   which: str = "the first batch") -> Exception:
-    """What a forward pass's RuntimeError is reported as: a one-line ConfigError for the
-    mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
+    """What a forward pass's RuntimeError (or an RNN's dtype ValueError) is reported as: a
+    one-line ConfigError for the mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
     found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
     text = str(e)
     embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
-    if first and (embedding or any(w in text for w in ("shape", "size", "dtype"))):
+    # (Conv's "Input type (double) and bias type (float) should be the same" says no dtype)
+    if first and (embedding or any(w in text for w in ("shape", "size", "dtype", " type ("))):
         # the first batch of the run: inputs that do not fit the model are a
         # configuration mismatch (data.input_shape, the model's arguments), not a crash
         return ConfigError(f"model: {type(model).__name__} cannot take {which} "
@@ -297,7 +303,7 @@ def _input_fix(text: str, embedding: bool, batch: Any, model: nn.Module,
     if embedding:
         return ("token ids must be integers: make the dataset return int64 tensors "
                 "(torch.as_tensor(ids, dtype=torch.long))")
-    if "dtype" in text and floats and len(params) == 1:
+    if ("dtype" in text or " type (" in text) and floats and len(params) == 1:
         return (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
                 f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
                 "make the dataset return tensors of the model's dtype (numpy arrays are "

@@ -180,6 +180,21 @@ def test_a_loss_of_ones_own_failing_on_the_first_batch_says_what_it_was_given(ma
         "together?"]
 
 
+@pytest.mark.parametrize("layer", [torch.nn.Conv1d(3, 4, 3),
+                                   torch.nn.GRU(8, 4, batch_first=True)])
+def test_float64_inputs_to_a_convolution_or_an_rnn_are_one_line_as_to_a_linear(layer):
+    """Only a Linear's "must have the same dtype" was said so: a Conv1d's "Input type
+    (double) and bias type (float)" and a GRU's ValueError were tracebacks."""
+    from trainer.firstbatch import checked_forward
+    from trainer.tasks import Regression
+
+    batch = (torch.zeros(2, 3, 8, dtype=torch.float64), torch.zeros(2))
+    with pytest.raises(ConfigError, match=r"^model: .* cannot take the first batch .*the batch "
+                       r"holds float64 inputs and the model's parameters are float32: make the "
+                       r"dataset return tensors of the model's dtype"):
+        checked_forward(Regression(), layer, batch, True, None, False)
+
+
 def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_model_loss():
     """Under task=model_loss (a Hugging Face model's own loss) token ids past vocab_size and
     labels past num_labels were a 114-line IndexError from inside the model (on CUDA a
