@@ -60,3 +60,33 @@ def callback_failed(e: Exception, callback: Callback, hook: str, step: int) -> N
     if not type(callback).__module__.startswith(("trainer.", "data.")):
         _note(e, f"stoker: in the callback {type(callback).__module__}."
                  f"{type(callback).__qualname__}.{hook}, at step {step}")
+
+
+def callback_states(callbacks: Sequence[Callback], step: int) -> Dict[str, Any]:
+    """The callbacks' own states (Callback.state_dict) by their keys (callback_keys), for a
+    checkpoint; an error raised in one of one's own keeps its traceback, with a line naming
+    it and `step`."""
+    states = {}
+    for key, callback in zip(callback_keys(callbacks), callbacks):
+        try:
+            state = callback.state_dict()
+        except Exception as e:
+            callback_failed(e, callback, "state_dict", step)
+            raise
+        if state is not None:
+            states[key] = state
+    return states
+
+
+def load_callback_states(callbacks: Sequence[Callback], saved: Dict[str, Any],
+                         step: int) -> None:
+    """Gives each callback its state from a checkpoint's `saved` ones (callback_states); an
+    error raised in one of one's own keeps its traceback, with a line naming it: not the
+    checkpoint's fault (it was said as the optimizer's state not fitting the run)."""
+    for key, callback in zip(callback_keys(callbacks), callbacks):
+        if key in saved:
+            try:
+                callback.load_state_dict(saved[key])
+            except Exception as e:
+                callback_failed(e, callback, "load_state_dict", step)
+                raise

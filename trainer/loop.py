@@ -27,9 +27,8 @@ from data.advice import queued_s
 from data.prefetch import DevicePrefetcher
 from trainer import checkpoint, devicewait, distributed, metricchecks, validation, windowlog
 from trainer.callbacks import (Callback,  # (users import it here)
-                               callback_failed, callback_keys)
-from trainer.config import ConfigError, Precision, TrainerConfig
-from trainer.feeds import skipped_files
+                               callback_failed, callback_states, load_callback_states)
+from trainer.config import Precision, TrainerConfig
 from trainer.firstbatch import (check_batch, check_count, check_input_shape, check_loss,
                                 checked_forward, loss_failed)
 from trainer.ledger import Ledger, window_factor
@@ -107,22 +106,20 @@ class Loop:
         return {"model": unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
-                "callbacks": self._callback_states(), **asdict(self.state),
+                "callbacks": callback_states(self.callbacks, self.state.step),
+                **asdict(self.state),
                 # what the position counts into: a resume over a changed set says so
                 "train_samples": len(self.train_feed.loader.dataset),
                 # which files a drawn validation split holds out (ImageFolder.held_out)
                 "held_out": getattr(getattr(self.val_feed, "source", None), "held_out", None)}
 
-    def _callback_states(self) -> Dict[str, Any]:
-        states = {}
-        for key, cb in zip(callback_keys(self.callbacks), self.callbacks):
-            state = cb.state_dict()
-            if state is not None:
-                states[key] = state
-        return states
-
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what `state_dict` saved (model weights already checked to fit)."""
+        self.load_training_state(state)
+        self.load_callback_states(state)
+
+    def load_training_state(self, state: Dict[str, Any]) -> None:
+        """The weights, optimizer, scheduler, GradScaler and progress of `state`."""
         unwrap(self.model).load_state_dict(state["model"])
         checkpoint.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -130,10 +127,10 @@ class Loop:
         self.state = FitState(epoch=state["epoch"], step=state["step"],
                               position=state.get("position", 0),
                               validated_step=state.get("validated_step", -1))
-        saved = state.get("callbacks", {})
-        for key, cb in zip(callback_keys(self.callbacks), self.callbacks):
-            if key in saved:
-                cb.load_state_dict(saved[key])
+
+    def load_callback_states(self, state: Dict[str, Any]) -> None:
+        """The callbacks' own states of `state` (callbacks.load_callback_states)."""
+        load_callback_states(self.callbacks, state.get("callbacks", {}), state.get("step", 0))
 
     def bad_steps(self) -> int:
         """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective
@@ -164,7 +161,15 @@ class Loop:
         asked = [cb for cb in self.callbacks if type(cb).should_stop is not Callback.should_stop]
         if not asked:
             return None
-        reason = next((r for r in (cb.should_stop(self) for cb in asked) if r), None)
+        reason = None
+        for callback in asked:
+            try:
+                reason = callback.should_stop(self)
+            except Exception as e:
+                callback_failed(e, callback, "should_stop", self.state.step)
+                raise
+            if reason:
+                break
         if self.world > 1:
             flag = torch.tensor([0.0 if reason is None else 1.0], device=self.device)
             if distributed.all_reduce_max(flag).item() and reason is None:
@@ -193,7 +198,7 @@ class Loop:
                 break  # max_steps inside the epoch
             self.whole_epoch_seen = True
             if not self.run_samples and self.state.step > steps_before:
-                self._check_read()  # (until a logging boundary counted samples)
+                windowlog.check_read(self)  # (until a logging boundary counted samples)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
@@ -216,7 +221,7 @@ class Loop:
             self.window.paused_s += time.perf_counter() - paused
         self.whole_epoch_seen = True  # (the run's end)
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
-            self._check_read()
+            windowlog.check_read(self)
         if self.window.steps:  # the steps since the last logging boundary (a collective)
             windowlog.log_window(self, self.window,
                                  self.state.epoch - (0 if self.state.position else 1), None, None)
@@ -239,27 +244,6 @@ class Loop:
             for callback in self.callbacks:
                 callback.validation_failed(self)
             raise
-
-    def _check_read(self) -> None:
-        """ConfigError on every rank when the run's steps so far read no sample and the
-        datasets skipped files as unreadable (on_error=skip): a run on nothing. One small
-        all-reduce (ranks decide alike); only while no logging boundary counted samples.
-        Batches whose size cannot be told (a dataclass of one's own) count as read."""
-        counts = torch.stack([torch.tensor(float(self.window.samples), dtype=torch.float64,
-                                           device=self.device),
-                              torch.tensor(float(len(skipped_files(self.train_feed))),
-                                           dtype=torch.float64, device=self.device),
-                              torch.as_tensor(self.window.count, dtype=torch.float64,
-                                              device=self.device).reshape(())])
-        if self.world > 1:
-            counts = distributed.all_reduce_sum(counts)
-        samples, files, count = counts.tolist()
-        if self.run_samples + samples == 0 and files > 0:
-            raise ConfigError(
-                f"data: no training sample was read in {self.state.step} optimizer steps: "
-                f"every one of them was skipped as unreadable ({int(files)} files, "
-                "data.dataset.on_error=skip); check the training files")
-        windowlog.check_counted(self, samples, count, window_done=False)
 
     def _start_epoch(self, epoch: int) -> Tuple[List[int], int]:
         """Positions the sampler (mid-epoch after a resume); returns the epoch's windows and

@@ -72,10 +72,11 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"{e}{_launched_otherwise(cfg, state, path)}") from None
     check_schedule_kind(cfg, state, loop.scheduler, path)
     try:
-        loop.load_state_dict(state)
+        loop.load_training_state(state)
     except (ValueError, KeyError, RuntimeError) as e:  # parameter groups that do not fit
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
+    loop.load_callback_states(state)
     warnings += _check_position(cfg, state, path, loop, old_world)
     record_kept(cfg, kept)  # (config.yaml and the checkpoints say what the run used)
     if not resumefiles.in_run_dir(path, run_dir):

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Dict, Optional
 import torch
 
 from trainer import distributed
+from trainer.config import ConfigError
+from trainer.feeds import skipped_files
 from trainer.progress import Window
 
 if TYPE_CHECKING:
@@ -113,3 +115,25 @@ def run_rates(loop: "Loop") -> Dict[str, float]:
     if loop.device_wait is not None:
         rates["run_device_wait_frac"] = loop.run_device_wait_s / train_s
     return rates
+
+
+def check_read(loop: "Loop") -> None:
+    """ConfigError on every rank when the run's steps so far read no sample and the
+    datasets skipped files as unreadable (on_error=skip): a run on nothing. One small
+    all-reduce (ranks decide alike); only while no logging boundary counted samples.
+    Batches whose size cannot be told (a dataclass of one's own) count as read."""
+    counts = torch.stack([torch.tensor(float(loop.window.samples), dtype=torch.float64,
+                                       device=loop.device),
+                          torch.tensor(float(len(skipped_files(loop.train_feed))),
+                                       dtype=torch.float64, device=loop.device),
+                          torch.as_tensor(loop.window.count, dtype=torch.float64,
+                                          device=loop.device).reshape(())])
+    if loop.world > 1:
+        counts = distributed.all_reduce_sum(counts)
+    samples, files, count = counts.tolist()
+    if loop.run_samples + samples == 0 and files > 0:
+        raise ConfigError(
+            f"data: no training sample was read in {loop.state.step} optimizer steps: "
+            f"every one of them was skipped as unreadable ({int(files)} files, "
+            "data.dataset.on_error=skip); check the training files")
+    check_counted(loop, samples, count, window_done=False)

@@ -217,9 +217,12 @@ def test_a_callback_that_is_none_is_one_line_naming_it(make_cfg, args, given, sa
     assert str(e.value).startswith(said)
 
 
-@pytest.mark.parametrize("hook", ["after_step", "after_epoch"])
+@pytest.mark.parametrize("hook", ["after_step", "after_epoch", "should_stop", "state_dict",
+                                  "load_state_dict"])
 def test_a_callback_that_raises_keeps_its_traceback_with_a_line_naming_its_hook(make_cfg,
-                                                                                hook):
+                                                                                hook, tmp_path):
+    """should_stop and state_dict had no line; a load_state_dict that raised on a resume was
+    said as the checkpoint's optimizer or scheduler state not fitting the run, exit 2."""
     class Breaks(Callback):
         def after_step(self, loop):
             if hook == "after_step" and loop.state.step == 3:
@@ -229,9 +232,27 @@ def test_a_callback_that_raises_keeps_its_traceback_with_a_line_naming_its_hook(
             if hook == "after_epoch":
                 raise ValueError("a bug in my callback")
 
+        def should_stop(self, loop):
+            if hook == "should_stop" and loop.state.step == 23:  # (asked at epoch ends)
+                raise ValueError("a bug in my callback")
+            return None
+
+        def state_dict(self):
+            if hook == "state_dict":
+                raise ValueError("a bug in my callback")
+            return {"mine": 1}
+
+        def load_state_dict(self, state):
+            raise ValueError("a bug in my callback")
+
+    run_dir = tmp_path / "run"
+    if hook == "load_state_dict":
+        train(make_cfg("trainer.max_epochs=1", run_dir=run_dir), callbacks=[Breaks()])
     with pytest.raises(ValueError, match="a bug in my callback") as e:
-        train(make_cfg("trainer.max_epochs=1"), callbacks=[Breaks()])
-    step = 3 if hook == "after_step" else 23
+        train(make_cfg("trainer.max_epochs=2" if hook == "load_state_dict" else
+                       "trainer.max_epochs=1", "trainer.resume=auto", run_dir=run_dir),
+              callbacks=[Breaks()])
+    step = {"after_step": 3, "state_dict": 0}.get(hook, 23)  # (a state is taken at start)
     assert e.value.__notes__ == [
         f"stoker: in the callback {__name__}.test_a_callback_that_raises_keeps_its_traceback_"
         f"with_a_line_naming_its_hook.<locals>.Breaks.{hook}, at step {step}"]
