@@ -3,11 +3,17 @@ reported it: its SIGCHLD handler's words, its own check's, a connection broken m
 said in one line with the usual cause of that."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
 import time
 from typing import Any, List, Optional, Sequence, Tuple
+
+try:
+    import resource
+except ImportError:  # (not on Windows)
+    pass
 
 
 class LoaderWorkerDied(RuntimeError):
@@ -94,8 +100,29 @@ def worker_died(e: BaseException, holders: Sequence[Any] = ()) -> Optional[Loade
     """The one line for PyTorch's error for a loader worker whose process ended, or None
     (`holders`: the DataLoader iterators or loaders whose workers it may be). Its SIGCHLD
     handler raises that error wherever the training thread is (inside the model's forward,
-    say), not only where batches are read."""
+    say), not only where batches are read. Also for the process out of file descriptors,
+    which workers' shared batches use up (PyTorch's "Too many open files. Communication with
+    the workers is no longer possible", a traceback, or an OSError naming no file)."""
+    if out_of_files(e):
+        return LoaderWorkerDied(files_line())
     return _worker_ended(str(e), holders) if isinstance(e, RuntimeError) else None
+
+
+def out_of_files(e: BaseException) -> bool:
+    """Whether `e` is the process out of file descriptors (EMFILE)."""
+    return (isinstance(e, OSError) and e.errno == errno.EMFILE) or (
+        isinstance(e, RuntimeError) and str(e).startswith("Too many open files"))
+
+
+def files_line() -> str:
+    """What to do when the process ran out of file descriptors (its `ulimit -n`)."""
+    try:  # (imported with the module: an import needs a file descriptor)
+        limit = f" (ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    except (NameError, OSError, ValueError):
+        limit = ""
+    return (f"the process ran out of file descriptors{limit}: loader workers hand batches "
+            "over through them; raise the limit (ulimit -n 65536 in the job's shell) or use "
+            "fewer workers (data.num_workers)")
 
 
 def iterators_of(holders: Sequence[Any]) -> List[Any]:

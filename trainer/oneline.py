@@ -13,6 +13,7 @@ from typing import List, Optional
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from data.workerdeath import files_line, out_of_files
 from trainer import components, spelling
 
 # Hydra hints that do not apply to a typed schema or to this command line
@@ -111,6 +112,8 @@ def describe(e: BaseException) -> str:
         if isinstance(cur, OSError) and cur.filename and cur.strerror and \
                 getattr(cur, "filename2", None) is None:
             lines = [_os_error(cur)]
+        if out_of_files(cur):  # ("[Errno 24] Too many open files": what to change)
+            lines = [files_line()]
         key = getattr(cur, "full_key", None)
         text = _NOISE.sub("", " ".join(lines)).strip().rstrip(".")
         override = getattr(cur, "override", None)
