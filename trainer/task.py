@@ -270,7 +270,7 @@ class Task:
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
                             f"{describe(value)}, not one number; configure it to reduce "
-                            "(e.g. average: macro)")
+                            f"to one{_reduced_by(name, metric)}")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -384,6 +384,18 @@ class Task:
             if isinstance(metric, nn.Module):
                 metric.to(device)
         return self
+
+
+def _reduced_by(name: str, metric: Any) -> str:
+    """The argument of `metric` (torchmetrics' names) that reduces its value to one number,
+    as an override: a per-class average, a regression's multioutput, its num_outputs."""
+    if hasattr(metric, "multioutput"):  # (R2Score, ExplainedVariance)
+        return f" (task.metrics.{name}.multioutput=uniform_average)"
+    if isinstance(getattr(metric, "num_outputs", None), int):  # (MeanAbsoluteError, ...)
+        return f" (task.metrics.{name}.num_outputs=1: one value over every output)"
+    if hasattr(metric, "average"):  # (classification metrics)
+        return f" (task.metrics.{name}.average=macro)"
+    return ""
 
 
 def __getattr__(name: str) -> Any:

@@ -220,8 +220,21 @@ def test_a_metric_that_does_not_reduce_to_one_number_is_one_line():
     task = Classification(metrics={"f1": MulticlassF1Score(num_classes=3, average=None)})
     task.update_metrics(torch.randn(6, 3), (None, torch.tensor([0, 1, 2, 0, 1, 2])))
     with pytest.raises(TaskError, match=r"^task.metrics.f1: MulticlassF1Score computed "
-                                        r"tensor\(3,\) float32, not one number; configure"):
+                                        r"tensor\(3,\) float32, not one number; configure "
+                                        r"it to reduce to one \(task.metrics.f1.average=macro\)$"):
         task.compute_metric("f1", task.metrics["f1"])
+    # a regression's per-output values: its own argument (it was told to set `average`)
+    from torchmetrics import MeanAbsoluteError, R2Score
+
+    for metric, said in ((R2Score(multioutput="raw_values"),
+                          "(task.metrics.m.multioutput=uniform_average)"),
+                         (MeanAbsoluteError(num_outputs=3),
+                          "(task.metrics.m.num_outputs=1: one value over every output)")):
+        task = Regression(metrics={"m": metric})
+        task.update_metrics(torch.randn(6, 3), (None, torch.randn(6, 3)))
+        with pytest.raises(TaskError) as e:
+            task.compute_metric("m", task.metrics["m"])
+        assert str(e.value).endswith(f"not one number; configure it to reduce to one {said}")
 
 
 def test_a_model_returning_only_its_loss_trains_and_validates(make_cfg):
