@@ -100,7 +100,11 @@ def decode_into(source: Any, out: np.ndarray, size: int, resize: int,
     with Image.open(source) as img:
         bound = Image.MAX_IMAGE_PIXELS  # (None: the user turned the check off)
         if bound and img.width * img.height > bound:
-            _say_large(name or getattr(source, "name", source), img.width, img.height, bound)
+            # (a JPEG is decoded in draft mode below: at 1/2, 1/4 or 1/8 of its size)
+            scale = 1 if img.format != "JPEG" else next(
+                (s for s in (8, 4, 2) if min(img.size) >= s * resize), 1)
+            _say_large(name or getattr(source, "name", source), img.width, img.height, bound,
+                       scale)
         if img.mode == "F":  # 32-bit float (TIFF): no scale to read it in; RGB would clip it
             raise ValueError("a 32-bit float image (mode F): store it with 8 or 16 bits")
         if img.format == "JPEG" and min(img.size) >= 2 * resize:
@@ -157,14 +161,18 @@ _LARGE_SAID: List[bool] = []  # once per process (each loader worker says its fi
 _LARGE_QUIET: List[bool] = []  # Pillow's warning filtered out, once per process
 
 
-def _say_large(name: Any, w: int, h: int, bound: int) -> None:
+def _say_large(name: Any, w: int, h: int, bound: int, scale: int = 1) -> None:
+    """The first image over Pillow's bound, once per process, with what its decode costs
+    each time: in full, or (a JPEG's draft mode) at 1/`scale` of its size."""
     if _LARGE_SAID:
         return
     _LARGE_SAID.append(True)
+    decoded = ("in full size" if scale == 1 else
+               f"at 1/{scale} of its size in JPEG draft mode, {w // scale}x{h // scale}")
     log.warning("data: the image %s is %dx%d (%s pixels), over Pillow's decompression-bomb "
-                "bound (PIL.Image.MAX_IMAGE_PIXELS=%s): decoded, each time in full size "
-                "(%.0f MB); such files are best resized once, ahead of the runs",
-                name, w, h, f"{w * h:,}", f"{bound:,}", 3 * w * h / 1e6)
+                "bound (PIL.Image.MAX_IMAGE_PIXELS=%s): decoded each time %s (%.0f MB); such "
+                "files are best resized once, ahead of the runs", name, w, h, f"{w * h:,}",
+                f"{bound:,}", decoded, 3 * (w // scale) * (h // scale) / 1e6)
 
 
 class Unreadable:

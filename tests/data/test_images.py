@@ -134,8 +134,20 @@ def test_an_image_over_pillows_bomb_bound_is_one_warning_naming_it_once(tmp_path
     said = [r.getMessage() for r in caplog.records if "decompression-bomb" in r.getMessage()]
     assert said == [f"data: the image {tmp_path / 'wide.png'} is 20x20 (400 pixels), over "
                     "Pillow's decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS=300): "
-                    "decoded, each time in full size (0 MB); such files are best resized "
+                    "decoded each time in full size (0 MB); such files are best resized "
                     "once, ahead of the runs"]
+    # a JPEG is decoded in draft mode: at a fraction of its size (said in full size before)
+    Image.new("RGB", (80, 80)).save(tmp_path / "big.jpg")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)
+    monkeypatch.setattr(images, "_LARGE_SAID", [])
+    caplog.clear()
+    with warnings.catch_warnings():  # (the process's filter went with the block above)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        decode(str(tmp_path / "big.jpg"), 8, 8)
+    said = [r.getMessage() for r in caplog.records if "decompression-bomb" in r.getMessage()]
+    assert said and said[0].endswith("decoded each time at 1/8 of its size in JPEG draft mode, "
+                                     "10x10 (0 MB); such files are best resized once, ahead "
+                                     "of the runs"), said
 
 
 def test_every_format_pillow_reads_is_found_and_other_files_are_named_once(tmp_path, caplog):
