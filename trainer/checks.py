@@ -77,6 +77,11 @@ def _check_data(d: DictConfig) -> None:
            "set data.normalize_mean and data.normalize_std together")
     _check(std is None or (len(std) == len(mean) and all(v > 0 for v in std)),
            "data.normalize_std", std, "needs one value > 0 per data.normalize_mean entry")
+    if "data.dataset.size" in str(OmegaConf.to_container(d, resolve=False).get("input_shape")):
+        size = OmegaConf.select(d, "dataset.size")  # (the image configs' input_shape reads it:
+        _check(isinstance(size, int) and not isinstance(size, bool) and size >= 1,  # say it)
+               "data.dataset.size", size, "must be a whole number of pixels >= 1 (the side of "
+               "the images' square centre crop)")
     shape = d.input_shape
     _check(shape is None or ((OmegaConf.is_list(shape) or isinstance(shape, (list, tuple)))
                              and len(shape) >= 1

@@ -261,3 +261,16 @@ def test_a_debug_modes_single_strategy_under_torchrun_names_the_mode(tmp_path):
                      "use auto or ddp (debug=default sets it, for one process: add "
                      "trainer.strategy=auto to debug this job's ranks with its other "
                      "settings)"], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("size", ["0", "-5", "abc", "32.5"])
+def test_an_image_size_that_is_no_size_names_its_own_key(make_cfg, tmp_path, size):
+    """It was said as `data.input_shape=[3, 0, 0]`, a key the user never set."""
+    from scripts.make_images import write_images
+
+    write_images(tmp_path / "imgs", count=8, size=16, classes=2)
+    cfg = make_cfg("data=image_folder", f"data.dataset.root={tmp_path / 'imgs'}",
+                   f"data.dataset.size={size}")
+    with pytest.raises(ConfigError, match=rf"^data.dataset.size={size}: must be a whole number "
+                                          r"of pixels >= 1"):
+        resolve(cfg)
