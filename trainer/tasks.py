@@ -118,8 +118,10 @@ class Classification(Task):
             raise self.error(f"logits with {classes} classes but data.num_classes="
                              f"{self.num_classes}", logits,
                              "the model's output size to match data.num_classes (a "
-                             "Hugging Face model's is its config's num_labels: "
-                             f"+model.config.num_labels={self.num_classes})")
+                             "model's own argument, such as model.num_classes="
+                             f"{self.num_classes}; a Hugging Face model's is its config's "
+                             f"num_labels: model.config.num_labels={self.num_classes}, with a "
+                             "leading + where the config does not set it)")
         if not self._checked:
             self._checked = True
             valid = target if self.ignore_index is None else target[target != self.ignore_index]

@@ -37,8 +37,9 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
      "logits (2, 3) and targets of another shape"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2, 5),
      "logits with 5 classes but data.num_classes=3: got tensor(2, 5) float32; expected the "
-     "model's output size to match data.num_classes (a Hugging Face model's is its config's "
-     "num_labels: +model.config.num_labels=3)"),
+     "model's output size to match data.num_classes (a model's own argument, such as "
+     "model.num_classes=3; a Hugging Face model's is its config's num_labels: "
+     "model.config.num_labels=3, with a leading + where the config does not set it)"),
     # a squeezed output: the targets were blamed ("expected targets of shape ()")
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), torch.zeros(2),
      "logits (2,) of the targets' own shape: the model gives no score per class: got "
