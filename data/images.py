@@ -175,6 +175,14 @@ def _say_large(name: Any, w: int, h: int, bound: int, scale: int = 1) -> None:
                 f"{bound:,}", decoded, 3 * (w // scale) * (h // scale) / 1e6)
 
 
+def _rank_prefix() -> str:
+    """`[rank N] ` in a process of a multi-rank job's rank N > 0 (its loader workers too: the
+    launcher's variables are inherited), as every rank's warnings are said; "" on rank 0."""
+    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID")
+                                      if os.environ.get("SLURM_NTASKS", "1") != "1" else None)
+    return f"[rank {rank}] " if rank and rank.strip() not in ("", "0") else ""
+
+
 class Unreadable:
     """The on_error policy for samples Pillow cannot read, and the record of those skipped:
     a flag per sample (the first `flags` samples) in shared memory, which the loader workers
@@ -202,8 +210,8 @@ class Unreadable:
             if self.flags[index]:  # warned already (another worker, another epoch)
                 return
             self.flags[index] = 1
-        log.warning("data: skipped an unreadable %s %s (%s); data.dataset.on_error=skip",
-                    self.noun, where, reason)
+        log.warning("%sdata: skipped an unreadable %s %s (%s); data.dataset.on_error=skip",
+                    _rank_prefix(), self.noun, where, reason)
 
     def indices(self) -> np.ndarray:
         """The samples skipped so far, in this process and its workers."""

@@ -257,6 +257,21 @@ def test_skip_warns_once_per_file_in_the_process(folder, tmp_path, caplog):
         assert ds[bad] is None and ds[bad] is None
     lines = [r.getMessage() for r in caplog.records if "zz_garbage" in r.getMessage()]
     assert len(lines) == 1 and "on_error=skip" in lines[0]
+    assert lines[0].startswith("data: skipped an unreadable image ")
+
+
+def test_a_skipped_file_on_another_rank_is_said_with_its_rank(folder, tmp_path, caplog,
+                                                              monkeypatch):
+    """Under torchrun rank 1's line (the file fell to its shard in another epoch) read as a
+    second rank 0 line."""
+    root = broken_copy(folder, tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    ds = ImageFolder("train", str(root), size=16)
+    bad = [i for i, (p, _) in enumerate(ds.samples) if "zz_garbage" in p][0]
+    with caplog.at_level("WARNING", logger="stoker"):
+        assert ds[bad] is None
+    [line] = [r.getMessage() for r in caplog.records if "zz_garbage" in r.getMessage()]
+    assert line.startswith("[rank 1] data: skipped an unreadable image ")
 
 
 def test_a_batch_of_skipped_files_only_is_empty_with_the_right_shapes():
