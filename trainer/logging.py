@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -79,6 +80,19 @@ class WarningCount(logging.Handler):
             self._count.value += 1
 
 
+def _logged_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for a run: a warning that passed Python's filters as one log line
+    (`[rank N] ` on other ranks), where the console and train.log show it and the run's end
+    counts it; one written to a file of its own goes there as before."""
+    if file is not None:
+        file.write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    rank = os.environ.get("RANK", "0")
+    prefix = "" if rank.strip() in ("", "0") else f"[rank {rank}] "
+    logging.getLogger("py.warnings").warning("%s%s: %s (%s:%s)", prefix, category.__name__,
+                                             message, filename, lineno)
+
+
 class RunLogger:
     """Writes one JSON object per call to `metrics.jsonl` and the same scalars to TensorBoard.
 
@@ -99,6 +113,10 @@ class RunLogger:
         self.warnings = WarningCount()
         if main:  # every logger's (the modules' own too); removed at close: a sweep's next
             logging.getLogger().addHandler(self.warnings)  # job counts its own
+        # Python warnings (torch's, the user's code's) as log lines, for the run: on the
+        # console alone they were not in train.log, nor counted in the done line's warnings
+        self._showwarning = warnings.showwarning
+        warnings.showwarning = _logged_warning
 
     def open(self, step: int = 0, validated_step: int = -1) -> int:
         """Creates metrics.jsonl and the TensorBoard writer (rank 0, when writing) for a run
@@ -184,6 +202,8 @@ class RunLogger:
         """Closes the run's writers, every one of them even where one fails (a full disk,
         whose error is raised after)."""
         logging.getLogger().removeHandler(self.warnings)
+        if warnings.showwarning is _logged_warning:
+            warnings.showwarning = self._showwarning
         tb, jsonl, self._tb, self._jsonl = self._tb, self._jsonl, None, None
         try:
             if tb is not None:

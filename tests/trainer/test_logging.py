@@ -256,3 +256,30 @@ def test_progress_is_a_line_a_logging_boundary_where_the_console_is_no_terminal(
     silent = RunLogger(tmp_path, main=True, write=False, tensorboard=False, progress_bar=False)
     assert not isinstance(silent.progress(23, "epoch 3"), tqdm)
     silent.close()
+
+
+def test_a_python_warning_during_a_run_is_a_log_line_counted_with_the_others(make_cfg,
+                                                                             tmp_path, caplog):
+    """torch's "Using a target size ... different to the input size" from a task of one's
+    own reached the console alone: not train.log, not the done line's count, nor
+    summary.json's."""
+    import warnings
+
+    from trainer.loop import Callback
+    from trainer.runner import train
+
+    class Warns(Callback):
+        def after_step(self, loop):
+            if loop.state.step == 2:
+                warnings.warn("a warning of my own code")
+
+    before = warnings.showwarning
+    summary = train(make_cfg("trainer.max_steps=3", "sched=constant", run_dir=tmp_path),
+                    callbacks=[Warns()])  # (a warmup past 3 steps would warn too)
+    assert summary["warnings"] == 1
+    assert warnings.showwarning is before  # (put back at the run's end)
+    [record] = [r for r in caplog.records if "of my own code" in r.getMessage()]
+    assert (record.name, record.levelname) == ("py.warnings", "WARNING")  # (train.log's too)
+    assert record.getMessage() == ("UserWarning: a warning of my own code "
+                                   f"({__file__}:{Warns.after_step.__code__.co_firstlineno + 2})")
+
