@@ -433,6 +433,16 @@ class SlowDigits(DigitsDataset):
         return super().__getitem__(i)
 
 
+class NaNRowDigits(DigitsDataset):
+    """Digits whose training split holds `rows` rows of NaN pixels (a tensor dataset still:
+    kept on the device, batched by indexing)."""
+
+    def __init__(self, split: str = "train", rows: int = 3, **kw):
+        super().__init__(split, **kw)
+        if split == "train":
+            self.x[:rows] = float("nan")
+
+
 class SlowValDigits(DigitsDataset):
     """Digits whose val split takes `delay` seconds a sample to read; training's are quick."""
 

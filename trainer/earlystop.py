@@ -51,7 +51,9 @@ class EarlyStopping(Callback):
                  f"not improved on {self.best:.6g} (step {self.best_step})")
         by = f" by more than {self.min_delta:g}" if self.min_delta else ""
         return (f"{self.monitor} has {since}{by} in trainer.early_stopping.patience="
-                f"{self.patience} validations")
+                f"{self.patience} validations" + (" (NaN or inf in the validation data, or a "
+                                                  "metric that computes none?)"
+                                                  if self.best is None else ""))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode, "best": self.best,

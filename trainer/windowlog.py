@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 
+from data.resident import rows_of
 from trainer import distributed
 from trainer.config import ConfigError
 from trainer.feeds import skipped_files
@@ -100,7 +101,29 @@ def check_finite(loop: "Loop", bad: Optional[int] = None) -> None:
     if loop.cfg.max_bad_steps and bad >= loop.cfg.max_bad_steps:
         raise NonFiniteLoss(
             f"the loss was not finite for {bad} optimizer steps in a row (up to step "
-            f"{loop.state.step}, trainer.max_bad_steps={loop.cfg.max_bad_steps}); stopped")
+            f"{loop.state.step}, trainer.max_bad_steps={loop.cfg.max_bad_steps}); stopped"
+            + data_hint(loop))
+
+
+def data_hint(loop: "Loop") -> str:
+    """Why a run's losses went non-finite, where its training data can tell: the NaN or inf
+    values its tensors hold (arrays, a cache, device-resident data; up to 2**28 elements, read
+    once, when the run stops), else the usual suspects. A NaN row in the data was said as a
+    non-finite loss alone."""
+    loader = loop.train_feed.loader
+    tensors = getattr(loader, "tensors", None) or rows_of(loader.dataset)
+    floats = [(i, t) for i, t in enumerate(tensors or ()) if t.is_floating_point()]
+    if not floats or sum(t.numel() for _, t in floats) > 2**28:
+        return " (NaN or inf values in the data? too high a learning rate?)"
+    bad = [(i, int((~torch.isfinite(t)).sum())) for i, t in floats]
+    bad = [(i, n) for i, n in bad if n]
+    if not bad:
+        return (" (the training data holds no NaN or inf: too high a learning rate, optim.lr, "
+                "or no gradient clipping, trainer.grad_clip?)")
+    what = {0: "inputs", 1: "targets"}
+    return ("; the training data holds " + " and ".join(
+        f"{n} NaN or inf values in its {what.get(i, f'tensor {i}')}" for i, n in bad)
+        + ": a batch holding one has a loss that is not finite")
 
 
 def run_rates(loop: "Loop") -> Dict[str, float]:

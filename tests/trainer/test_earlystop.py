@@ -40,7 +40,8 @@ def test_a_value_that_is_not_a_number_never_improves_and_an_epoch_without_one_co
     stopper = EarlyStopping("val_loss", "min", patience=2)
     assert validate(stopper, float("nan"), float("nan")) == [
         None, "val_loss has no finite value yet in trainer.early_stopping.patience=2 "
-              "validations"]
+              "validations (NaN or inf in the validation data, or a metric that computes "
+              "none?)"]
     stopper = EarlyStopping("val_loss", "min", patience=1)
     validate(stopper, 1.0)
     stopper.after_epoch(None, None)  # an epoch that did not validate

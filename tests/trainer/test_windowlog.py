@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 import torch
 
 from tests.helpers import ROOT
@@ -57,3 +59,24 @@ def test_no_host_sync_per_step_only_at_logging_boundaries(make_cfg, tmp_path, mo
     assert syncs(4, 100) == syncs(16, 100) > 0
     # a window every step: the counter does see per-step syncs when there are some
     assert syncs(16, 1) > syncs(4, 1)
+
+
+def test_a_run_stopped_by_losses_that_are_not_finite_says_what_its_data_holds(make_cfg,
+                                                                            tmp_path):
+    """NaN rows in the training data were said as a non-finite loss alone."""
+    from trainer.runner import train
+    from trainer.windowlog import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss) as e:
+        train(make_cfg("data.dataset._target_=tests.helpers.NaNRowDigits",
+                       "+data.dataset.rows=300", "trainer.max_bad_steps=2",
+                       "trainer.log_every_n_steps=2", "trainer.max_steps=20",
+                       run_dir=tmp_path / "a"))
+    assert "; the training data holds 19200 NaN or inf values in its inputs: a batch holding " \
+        "one has a loss that is not finite" in str(e.value), str(e.value)
+    with pytest.raises(NonFiniteLoss) as e:  # the data is fine: what else it may be
+        train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=2",
+                       "trainer.max_bad_steps=2", "trainer.log_every_n_steps=2",
+                       "trainer.max_steps=20", run_dir=tmp_path / "b"))
+    assert "(the training data holds no NaN or inf: too high a learning rate" in str(e.value)
+
