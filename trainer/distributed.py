@@ -262,6 +262,21 @@ def _destroy(failed: bool = False) -> None:
     gc.collect()
 
 
+# how many collectives this process's threads wait in now (the heartbeat publishes it: a rank
+# stuck in its own code, a dataset read that never returns, is told from peers waiting for it)
+WAITING = [0]
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Marks a block where this rank waits for its peers (a collective)."""
+    WAITING[0] += 1
+    try:
+        yield
+    finally:
+        WAITING[0] -= 1
+
+
 def is_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -277,14 +292,16 @@ def rank() -> int:
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sums a tensor across ranks in place (no-op in a single process) and returns it."""
     if is_active():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """The elementwise maximum over ranks, in place (no-op in a single process)."""
     if is_active():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
 
@@ -298,7 +315,8 @@ def spread(values: List[float], device: torch.device) -> Tuple[List[float], List
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     if is_active():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with waiting():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
     return t
 
@@ -361,7 +379,8 @@ def write_group(timeout_s: Optional[float] = None):
 
 def barrier() -> None:
     if is_active():
-        dist.barrier()
+        with waiting():
+            dist.barrier()
 
 
 def broadcast_object(obj, src: int = 0):
@@ -369,7 +388,8 @@ def broadcast_object(obj, src: int = 0):
     if not is_active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with waiting():
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -378,7 +398,8 @@ def all_gather_object(obj) -> list:
     if not is_active():
         return [obj]
     box = [None] * dist.get_world_size()
-    dist.all_gather_object(box, obj)
+    with waiting():
+        dist.all_gather_object(box, obj)
     return box
 
 

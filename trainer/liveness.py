@@ -79,7 +79,8 @@ class Heartbeat:
         if (step, phase) != self._seen:
             self._seen, self._since = (step, phase), now
         self.store.set(f"stoker/beat/{self.rank}", json.dumps(
-            {"step": step, "phase": phase, "time": now, "since": self._since}))
+            {"step": step, "phase": phase, "time": now, "since": self._since,
+             "waiting": distributed.WAITING[0] > 0}))
 
     def beats(self) -> Dict[int, dict]:
         """Every rank's last heartbeat that the store holds."""
@@ -132,10 +133,15 @@ class Heartbeat:
                     f"stopped, cut off, or stuck where its threads cannot run; its last "
                     f"heartbeat, up to {BEAT_S:g} s before that, said step {b['step']}, "
                     f"{b['phase']})")
-        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1]["since"]))
+        # the oldest step; at the same one, a rank in its own code (a dataset read that never
+        # returns) before those waiting in a collective for it, whose (step, phase) is the
+        # same: the time each beat saw it change told them apart by chance
+        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1].get("waiting", False),
+                                                  kv[1]["since"]))
         # (a change is seen at the next beat: the time since is a lower bound)
         return (f"rank {r} made no progress for at least {now - b['since']:.0f} s (last "
-                f"heartbeat: step {b['step']}, {b['phase']})")
+                f"heartbeat: step {b['step']}, {b['phase']}"
+                + ("" if b.get("waiting", True) else ", not waiting in a collective") + ")")
 
     def _gone(self) -> str:
         """The peers whose heartbeat stopped: read, then read again a beat later."""
@@ -325,8 +331,10 @@ def writer_barrier(write_s: float, arrive_s: float) -> None:
     timeout = arrive_s if writer else write_s
     start = time.monotonic()
     try:
-        dist.monitored_barrier(group=distributed.write_group(),
-                               timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+        with distributed.waiting():
+            dist.monitored_barrier(group=distributed.write_group(),
+                                   timeout=datetime.timedelta(seconds=timeout),
+                                   wait_all_ranks=True)
     except RuntimeError as e:
         # gloo words every failure of it so, a peer's closed connection too: only one that
         # waited its time out is a timeout (the rest explain() names as a lost peer)

@@ -369,6 +369,9 @@ class Loop:
         output = None  # (held no longer than the graph holds it)
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
+        waits = distributed.WAITING if self._ddp else None  # (DDP's all-reduce: a peer
+        if waits is not None:  # stuck in its own code is told from the ranks waiting here)
+            waits[0] += 1
         try:
             self.precision.backward(loss if one else loss * weight)
         except RuntimeError:  # a later loss backward cannot start from (not 0-d, detached):
@@ -377,6 +380,9 @@ class Loop:
             except TaskError as said:
                 raise said from None
             raise
+        finally:
+            if waits is not None:
+                waits[0] -= 1
         if first and self._sanity:  # after the training batch's own checks (a model that
             # takes no batch is said as training's) and its graph is freed; before any step
             self._sanity = False

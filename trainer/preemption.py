@@ -125,7 +125,8 @@ class Preemption:
         if self._group is None:
             return self._mine
         flag = torch.tensor([self._mine], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        with distributed.waiting():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 
     def agreed(self, now: bool = False) -> bool:
@@ -139,7 +140,8 @@ class Preemption:
         if now:
             previous, self._pending = self._pending, None
             if previous is not None:  # (every rank issued it: it completes)
-                previous[1].wait()
+                with distributed.waiting():
+                    previous[1].wait()
             self.kind = self._reduced_now()
             self._stopping = self.kind > 0
             return self.kind > 0
@@ -149,7 +151,11 @@ class Preemption:
                                                async_op=True))
         if previous is None:
             return False
-        previous[1].wait()  # issued a step ago: done by now unless a rank lags behind
+        distributed.WAITING[0] += 1  # (inline: once a step)
+        try:
+            previous[1].wait()  # issued a step ago: done by now unless a rank lags behind
+        finally:
+            distributed.WAITING[0] -= 1
         self.kind = int(previous[0].item())
         self._stopping = self.kind > 0
         return self.kind > 0

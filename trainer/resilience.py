@@ -80,7 +80,8 @@ def gather(obj: Any) -> List[Any]:
     if not distributed.is_active():
         return [obj]
     out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with distributed.waiting():
+        dist.all_gather_object(out, obj)
     return out
 
 

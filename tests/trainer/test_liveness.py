@@ -264,3 +264,24 @@ def test_a_backend_timeout_outside_the_loop_is_a_lost_peer_and_a_write_wait_says
                   LeftTheBarrier(gloo), RuntimeError("the metrics server timed out")):
         assert lost_at(error, 1, 2, 3, 60) is None, error
     assert lost_at(RuntimeError(gloo), 0, 1, None, 5) is None
+
+
+def test_the_rank_named_is_the_one_in_its_own_code_not_one_waiting_for_it(monkeypatch):
+    """Rank 2 stuck in its dataset's read, ranks 0 and 1 in a collective waiting for it: all
+    three at the same step and phase, and which one was named depended on when each beat
+    saw it change (rank 1 named rank 0, rank 0 named rank 1)."""
+    from trainer.liveness import Heartbeat
+
+    now = time.time()
+    beat = {"step": 8, "phase": "validating", "time": now}
+    heart = Heartbeat.__new__(Heartbeat)
+    heart.rank, heart.world_size = 0, 3
+    heart.beats = lambda: {0: {**beat, "since": now - 30, "waiting": True},
+                           1: {**beat, "since": now - 30, "waiting": True},
+                           2: {**beat, "since": now - 20, "waiting": False}}
+    said = heart._slowest()
+    assert said.startswith("rank 2 made no progress for at least 20 s (last heartbeat: step "
+                           "8, validating, not waiting in a collective)"), said
+    heart.beats = lambda: {1: {**beat, "since": now - 30, "waiting": True},
+                           2: {**beat, "step": 7, "since": now - 10, "waiting": True}}
+    assert heart._slowest().startswith("rank 2 made no progress")  # (the oldest step first)
