@@ -30,6 +30,7 @@ def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) 
     launcher = ("torchrun" if "RANK" in environ and "WORLD_SIZE" in environ else
                 "slurm" if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ else None)
     if launcher is None:
+        _check_half_set(environ)
         return
     names, (rank, world) = _LAUNCH_VARS[launcher]
     for name, low in names:
@@ -46,6 +47,17 @@ def check_launch(environ: Mapping[str, str] = os.environ, meeting: bool = True) 
         tasks_on_this_node(environ)  # (its own one line: `4,3`, `abc` raised int()'s error)
     if meeting:
         _check_meeting_point(environ, launcher, environ[rank], environ[world])
+
+
+def _check_half_set(environ: Mapping[str, str]) -> None:
+    """RANK or WORLD_SIZE set alone, to a value that means a job of several processes
+    (RANK=1, WORLD_SIZE=2): the process trained alone as rank 0 of 1, writing as rank 0."""
+    for name, other, alone in (("RANK", "WORLD_SIZE", "0"), ("WORLD_SIZE", "RANK", "1")):
+        value = environ.get(name)
+        if value is not None and other not in environ and value.strip() != alone:
+            raise LaunchError(f"{name}={value} is set but {other} is not: a job's processes "
+                              "get both (and MASTER_ADDR, MASTER_PORT) from torchrun; launch "
+                              f"with torchrun, or unset {name} to run one process")
 
 
 _TASKS_PER_NODE = re.compile(r"[0-9]+(\(x[0-9]+\))?(,[0-9]+(\(x[0-9]+\))?)*")

@@ -56,3 +56,15 @@ def test_a_job_without_a_meeting_point_is_one_line(env, message):
     check_launch({"RANK": "0", "WORLD_SIZE": "1"})  # one process needs none
     check_launch({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "junk"})
     check_launch({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not: a job's processes get both"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+])
+def test_half_of_a_jobs_variables_is_one_line_not_a_lone_rank_0(env, message):
+    """A process told it is rank 1 trained alone, writing as rank 0."""
+    with pytest.raises(LaunchError, match=f"^{message}"):
+        check_launch(env)
+    check_launch({"RANK": "0"})  # (values that mean one process: as it runs)
+    check_launch({"WORLD_SIZE": "1"})
