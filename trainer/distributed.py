@@ -231,6 +231,11 @@ def _init(env: DistEnv, device: torch.device, backend: str, timeout_s: float) ->
                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
         from trainer.config import first_line  # (trainer.config imports this module)
         reason = first_line(e)[:200]
+        if "address already in use" in str(e).lower():  # (rank 0's port: at once, no wait)
+            raise JoinFailed(f"rank {env.rank} of {env.world_size} could not open the job's "
+                             f"meeting point {where}: another process on this machine uses "
+                             "that port (address already in use); choose a free MASTER_PORT "
+                             "(or torchrun --master-port, or --standalone)") from None
         raise JoinFailed(f"rank {env.rank} of {env.world_size} could not join the job's "
                          f"process group at {where} within trainer.ddp.timeout_s="
                          f"{timeout_s:g} s ({type(e).__name__}: {reason}); did every rank "

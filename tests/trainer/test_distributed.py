@@ -142,3 +142,24 @@ def test_a_task_srun_bound_to_its_own_cpus_counts_them_as_its_share(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert not distributed.bound_to_task() and distributed.cpus_per_rank(4) == 2
+
+
+def test_rank_0_whose_port_is_taken_says_so_not_that_its_peers_never_came(tmp_path):
+    """EADDRINUSE fails at once, yet the line asked whether every rank had started."""
+    import socket
+
+    from tests.helpers import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli([f"hydra.run.dir={tmp_path / 'run'}", "trainer.ddp.timeout_s=15"],
+                       env_extra={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                       timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: rank 0 of 2 could not open the job's meeting point 127.0.0.1:{port}: "
+        "another process on this machine uses that port (address already in use); choose a "
+        "free MASTER_PORT (or torchrun --master-port, or --standalone)")
