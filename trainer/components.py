@@ -257,26 +257,24 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
             raise
         cause = e.__cause__  # an inner node's target refused its arguments: name its key
         called = _CALLED.match(str(e)).group(1)
-        misspelt = _misspelt_required(cause, dict(_inner_nodes(node, key)).get(where))
+        inner = dict(_inner_nodes(node, key)).get(where)
+        misspelt = spelling.misspelt_required(
+            cause, None if inner is None else [str(k) for k in inner if k not in RESERVED])
         if misspelt:  # (a target taking **kwargs took the misspelt key, then missed the other)
             raise ConfigError(f"{where}.{misspelt[0]}: {called} needs '{misspelt[1]}', which it "
                               f"was not given (did you mean {where}.{misspelt[1]}?)") from None
         raise ConfigError(f"{where}: {called} refused its arguments "
-                          f"({type(cause).__name__}: {first_line(cause)})") from None
+                          f"({type(cause).__name__}: {first_line(cause)})"
+                          + spelling.unexpected_meant(cause, _target_or_none(inner, where),
+                                                      where)) from None
 
 
-def _misspelt_required(cause: BaseException, node: Any) -> Optional[Tuple[str, str]]:
-    """(the key given, the argument it misspells) where `cause` is a TypeError for a required
-    argument missing (`num_classes`) that a key of `node` misspells (`num_clases`)."""
-    text = str(cause)
-    if not isinstance(cause, TypeError) or "missing" not in text or node is None:
+def _target_or_none(node: Any, key: str) -> Optional[Callable]:
+    """The target of a `_target_` node, or None where there is none to find."""
+    try:
+        return None if node is None else target_of(node, key)
+    except ConfigError:
         return None
-    missing = re.findall(r"'(\w+)'", text.split("missing", 1)[1])
-    for given in (k for k in node if k not in RESERVED):
-        meant = spelling.closest(str(given), missing)
-        if meant:
-            return str(given), meant
-    return None
 
 
 _CALLED = re.compile(r"Error in call to target '([^']+)'")

@@ -1,12 +1,14 @@
 """Misspelt keys: `closest` tells a misspelling (letters within a word) from another word, and
 `check_keyword_config` holds a Hugging Face config's keys, which it takes all and keeps as
-attributes, to the settings the class has."""
+attributes, to the settings the class has; `misspelt_required` and `unexpected_meant` find the
+argument a key misspells in a target's own refusal (one taking **kwargs)."""
 from __future__ import annotations
 
 import difflib
 import inspect
 import logging
-from typing import Any, Callable, Iterable, List, Optional
+import re
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from trainer import distributed
 from trainer.config import ConfigError, plain
@@ -104,3 +106,37 @@ def _read_by(target: Callable, k: str, value: Any) -> bool:
         return not hasattr(target(**{k: plain(value)}), k)
     except Exception:  # noqa: BLE001  (a value it refuses: the build says so, named)
         return True
+
+
+def misspelt_required(cause: BaseException, given: Optional[List[str]]) -> Optional[Tuple[str, str]]:
+    """(the key given, the argument it misspells) where `cause` is a TypeError for a required
+    argument missing (`num_classes`) that one of the keys `given` misspells (`num_clases`)."""
+    text = str(cause)
+    if not isinstance(cause, TypeError) or "missing" not in text or given is None:
+        return None
+    missing = re.findall(r"'(\w+)'", text.split("missing", 1)[1])
+    for key in given:
+        meant = closest(key, missing)
+        if meant:
+            return key, meant
+    return None
+
+
+_UNEXPECTED = re.compile(r"Unexpected keyword arguments?: `?(\w+)`?")
+
+
+def unexpected_meant(cause: BaseException, target: Optional[Callable], where: str) -> str:
+    """"; did you mean <where>.<argument>?" where `cause` refuses a keyword (torchmetrics'
+    "Unexpected keyword arguments: `multioutpt`", its classes taking **kwargs) that misspells
+    an argument `target` names itself (besides its **kwargs); "" else."""
+    found = _UNEXPECTED.search(str(cause))
+    if found is None or target is None:
+        return ""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return ""
+    meant = closest(found.group(1), [n for n, p in params.items()
+                                              if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                            p.KEYWORD_ONLY)])
+    return f"; did you mean {where}.{meant}?" if meant else ""

@@ -159,6 +159,11 @@ def test_a_function_is_a_collate_as_it_stands():
      r"\+task.metrics.acc.out_features=...$"),
     (dict(_target_="tests.helpers.BrokenMetric", fails="compute", _args_=["update", 2]),
      r"^task.metrics.acc: tests.helpers.BrokenMetric refused its arguments \(TypeError: "),
+    # torchmetrics' classes take **kwargs and refuse a misspelt one themselves: named
+    (dict(_target_="torchmetrics.R2Score", multioutpt="raw_values"),
+     r"^task.metrics.acc: torchmetrics.regression.r2.R2Score refused its arguments "
+     r"\(ValueError: Unexpected keyword arguments: `multioutpt`\); did you mean "
+     r"task.metrics.acc.multioutput\?$"),
     # a target taking **kwargs took the misspelt key, then missed the one it misspells
     (dict(_target_="tests.helpers.KeywordMetric", num_clases=3),
      r"^task.metrics.acc.num_clases: tests.helpers.KeywordMetric needs 'num_classes', which it "
