@@ -203,6 +203,19 @@ def test_regression_outputs_laid_out_otherwise_than_the_targets_are_one_line():
     task.loss(torch.randn(5), (None, torch.randn(5, 1)))
 
 
+def test_a_regression_loss_of_ones_own_takes_the_pair_the_task_matches():
+    """The README's Huber task: `self.pair` gives the (batch, 1) output and (batch,) targets
+    matched, where F.huber_loss(output, target) would broadcast them to (batch, batch)."""
+    class Huber(Regression):
+        def loss(self, output, batch):
+            pred, target = self.pair(output, batch)
+            return F.huber_loss(pred, target)
+
+    out, y = torch.randn(5, 1), torch.randn(5)
+    assert torch.equal(Huber().loss(out, (None, y)), F.huber_loss(out.squeeze(1), y))
+    assert not torch.equal(F.huber_loss(out, y.expand(5, 5)), F.huber_loss(out.squeeze(1), y))
+
+
 def test_regression_keeps_targets_in_fp32_under_autocast_outputs():
     pred, y = torch.randn(4, 1).bfloat16(), torch.tensor([1.0001, 2.0002, 3.0003, 4.0004])
     p, t = Regression().metric_inputs(pred, (None, y))
