@@ -33,7 +33,7 @@ from trainer.preemption import Preempted
 from trainer.resilience import Checkpointing
 from trainer.task import raised_in_users_code
 from trainer.validation import PeerFailedValidation
-from trainer.windowlog import NonFiniteLoss
+from trainer.windowlog import NonFiniteLoss, OutOfMemory
 
 log = logging.getLogger("stoker")
 STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
@@ -41,7 +41,7 @@ STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a
 # wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
 
 # failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
-ONE_LINE = (*USER_ERRORS, NonFiniteLoss, PeerLost, JoinFailed, LoaderStalled, LoaderWorkerDied,
+ONE_LINE = (*USER_ERRORS, NonFiniteLoss, OutOfMemory, PeerLost, JoinFailed, LoaderStalled, LoaderWorkerDied,
             WriterGone, OSError)
 
 

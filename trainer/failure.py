@@ -4,6 +4,7 @@ loader worker's death, a lost peer)."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -15,20 +16,22 @@ from trainer.cli import SignalledAgain
 from trainer.distributed import DistEnv
 from trainer.liveness import PeerLost
 from trainer.loop import Loop
+from trainer.config import first_line
 from trainer.oneline import describe
 from trainer.preemption import Preempted
 from trainer.resilience import Checkpointing
+from trainer.windowlog import OutOfMemory
 
 log = logging.getLogger("stoker")
 
 
 def left_behind(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
-            loop: Optional[Loop], checkpointing: Optional[Checkpointing],
-            outputs: Optional[startup.FirstStepOutputs], ours: bool
-            ) -> Optional[BaseException]:
+                loop: Optional[Loop], checkpointing: Optional[Checkpointing],
+                outputs: Optional[startup.FirstStepOutputs], ours: bool
+                ) -> Optional[BaseException]:
     """What a run that raised `e` leaves behind (its background checkpoint write completed,
-    its failure recorded) and the error to raise instead of `e`: a loader worker's death or
-    a lost peer said in one line; None to raise `e` itself."""
+    its failure recorded) and the error to raise instead of `e`: a loader worker's death, a
+    lost peer or a step out of memory said in one line; None to raise `e` itself."""
     if checkpointing is not None and not isinstance(e, (KeyboardInterrupt, SignalledAgain)):
         # the checkpoint being written in the background is the last good state: complete
         # it before the process ends (a second signal stops at once: cli._exit)
@@ -38,10 +41,38 @@ def left_behind(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
                         describe(unwritten))
     # (said in one line wherever the training thread met it; how, from its process)
     died = worker_died(e, [] if loop is None else [
-        feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None])
+        feed.loader for feed in (loop.train_feed, loop.val_feed) if feed is not None]) or \
+        out_of_memory(e, loop)
     lost = _record_failure(died or e, env, run_dir, loop, outputs, ours,
                            cfg.trainer.ddp.timeout_s)
     return lost or died
+
+
+_NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)
+
+
+def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemory]:
+    """The one line for a step of the loop that ran out of memory (a traceback from inside
+    torch's allocator before): where (the optimizer's first step allocates its state, two
+    values a parameter for AdamW), and what to shrink. None for other errors."""
+    if loop is None or not isinstance(e, (RuntimeError, MemoryError)) or \
+            not _NO_MEMORY.search(f"{type(e).__name__}: {e}"):
+        return None
+    tb, optim = e.__traceback__, False
+    while tb is not None:
+        optim = optim or "/torch/optim/" in tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        tb = tb.tb_next
+    params = sum(p.numel() for p in loop.params)
+    text = first_line(e)  # (CUDA's runs on for a paragraph: its first sentences)
+    text = text if len(text) <= 300 else text[:text.rfind(" ", 0, 300)] + " ..."
+    where = ("in the optimizer's step, which allocates its state at the first (AdamW two "
+             "values a parameter; optim=sgd one, or none without momentum)" if optim else
+             "in a validation batch's forward" if loop.phase == "validating" else
+             "in the forward and backward")
+    return OutOfMemory(f"out of memory at step {loop.state.step} {where}, for a model of "
+                       f"{params:,} parameters ({text}); a smaller "
+                       "data.batch_size (trainer.accumulate_grad_batches=k keeps the global "
+                       "batch), trainer.precision=bf16, or a smaller model")
 
 
 def _record_failure(e: BaseException, env: DistEnv, run_dir: Path, loop: Optional[Loop],

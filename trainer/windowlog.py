@@ -25,6 +25,11 @@ class NonFiniteLoss(RuntimeError):
     """The loss stayed NaN/inf for trainer.max_bad_steps optimizer steps."""
 
 
+class OutOfMemory(RuntimeError):
+    """A training or validation step ran out of memory (the host's or the GPU's): one line
+    saying where and what to shrink (failure.out_of_memory)."""
+
+
 def check_counted(loop: "Loop", samples: float, count: float, window_done: bool = True
                   ) -> None:
     """TaskError where the run's batches, over a whole epoch or the whole run, held samples

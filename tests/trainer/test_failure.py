@@ -33,3 +33,41 @@ def test_an_error_said_in_one_line_before_the_first_step_leaves_no_status(tmp_pa
                                DistEnv(), tmp_path, None, None, None, True)
     assert said is None
     assert not (tmp_path / "status.json").exists()
+
+
+def test_a_step_out_of_memory_is_one_line_saying_where_and_what_to_shrink(monkeypatch):
+    """A model whose optimizer state did not fit (AdamW's first step) ended in a traceback from
+    inside torch's allocator."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainer.windowlog import OutOfMemory
+
+    params = [torch.nn.Parameter(torch.zeros(10, 10))]
+    params[0].grad = torch.ones(10, 10)
+    optimizer = torch.optim.AdamW(params, foreach=False)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 400 bytes.")
+
+    monkeypatch.setattr(torch, "zeros_like", no_memory)
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        raised = e
+    monkeypatch.undo()
+    loop = SimpleNamespace(params=params, state=SimpleNamespace(step=0), phase="training")
+    said = failure.out_of_memory(raised, loop)
+    assert isinstance(said, OutOfMemory)
+    assert str(said).startswith("out of memory at step 0 in the optimizer's step, which "
+                                "allocates its state at the first (AdamW two values a "
+                                "parameter; optim=sgd one, or none without momentum), for a "
+                                "model of 100 parameters ([enforce fail at alloc_cpu.cpp:127]")
+    assert str(said).endswith("; a smaller data.batch_size (trainer.accumulate_grad_batches=k "
+                              "keeps the global batch), trainer.precision=bf16, or a smaller "
+                              "model")
+    forward = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "in the forward and backward" in str(failure.out_of_memory(forward, loop))
+    assert failure.out_of_memory(RuntimeError("shape mismatch"), loop) is None
