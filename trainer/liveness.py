@@ -150,6 +150,9 @@ class Heartbeat:
         then = self.beats()
         gone = [r for r in range(self.world_size) if r != self.rank
                 and (r not in then or then[r]["time"] == first.get(r, {}).get("time"))]
+        # the first to end first (the oldest last beat): a rank that ended after it, on
+        # its report of that loss, was named as the one lost
+        gone.sort(key=lambda r: then.get(r, first.get(r, {})).get("time", 0.0))
         errors = peer_errors(self.rank, self.world_size)
         if not gone:
             return first_said(errors) or ("a peer's process ended (which one, its heartbeat does "

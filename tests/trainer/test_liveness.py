@@ -285,3 +285,20 @@ def test_the_rank_named_is_the_one_in_its_own_code_not_one_waiting_for_it(monkey
     heart.beats = lambda: {1: {**beat, "since": now - 30, "waiting": True},
                            2: {**beat, "step": 7, "since": now - 10, "waiting": True}}
     assert heart._slowest().startswith("rank 2 made no progress")  # (the oldest step first)
+
+
+def test_of_peers_gone_the_first_to_end_is_named_first(monkeypatch):
+    """Rank 1 killed during rank 0's checkpoint write; rank 0 ended after it, on its report of
+    that: rank 2 named rank 0's process as the one that ended, rank 1 after it."""
+    from trainer import liveness
+    from trainer.liveness import Heartbeat
+
+    now = time.time()
+    reads = iter([{0: {"time": now - 2}, 1: {"time": now - 30}},
+                  {0: {"time": now - 2}, 1: {"time": now - 30}}])
+    heart = Heartbeat.__new__(Heartbeat)
+    heart.rank, heart.world_size = 2, 3
+    heart.beats = lambda: next(reads)
+    monkeypatch.setattr(liveness.time, "sleep", lambda s: None)
+    monkeypatch.setattr(liveness, "peer_errors", lambda rank, world: {})
+    assert heart._gone().startswith("rank 1's process ended, and that of ranks [0]")
