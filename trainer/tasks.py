@@ -6,6 +6,7 @@ README "Bring your own".
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -236,14 +237,23 @@ class Regression(Task):
         return self.pair(output, batch)
 
 
+@functools.lru_cache(maxsize=64)  # (a pair of shapes a step: judged once)
 def _same_layout(a: torch.Size, b: torch.Size) -> bool:
     """Whether outputs of shape `a` and targets of shape `b` (as many values) pair value by
-    value when one is reshaped to the other: the same sizes in the same order once size-1
-    dimensions are left out ((B, 1) and (B,)), or one of them a flat row per sample ((B, 12)
-    against (B, 3, 4), a Linear's output)."""
-    if [d for d in a if d != 1] == [d for d in b if d != 1]:
-        return True
-    return len(a) >= 1 and len(b) >= 1 and a[0] == b[0] and (len(a) == 2 or len(b) == 2)
+    value when one is reshaped to the other: size-1 dimensions aside, one shape merges
+    neighbouring dimensions of the other ((B, 12) against (B, 3, 4), a Linear's flat row;
+    (B*T,) against (B, T), a sequence model's flattened steps), which the running products
+    of its sizes tell (a subset of the other's); (B, 2, 4) against (B, 4, 2) is no merge."""
+    def ends(shape: torch.Size) -> set:
+        out, total = set(), 1
+        for d in shape:
+            if d != 1:
+                total *= d
+                out.add(total)
+        return out
+
+    ours, theirs = ends(a), ends(b)
+    return ours <= theirs or theirs <= ours
 
 
 def causal_lm(model: nn.Module) -> bool:

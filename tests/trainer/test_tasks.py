@@ -201,6 +201,12 @@ def test_regression_outputs_laid_out_otherwise_than_the_targets_are_one_line():
         task.loss(same, (None, y))  # a flat row per sample, or size-1 dimensions aside
     task.loss(torch.randn(3, 12), (None, torch.randn(3, 3, 4)))
     task.loss(torch.randn(5), (None, torch.randn(5, 1)))
+    # a sequence model's flattened steps: (B*T, 1) or (B*T,) against (B, T), (B, T, 2)
+    # against (B*T, 2) merge neighbouring dimensions, as a reshape pairs them
+    task.loss(torch.randn(20, 1), (None, torch.randn(4, 5)))
+    task.loss(torch.randn(4, 5, 2), (None, torch.randn(20, 2)))
+    with pytest.raises(TaskError, match="laid out otherwise"):
+        task.loss(torch.randn(8, 4), (None, torch.randn(4, 8)))  # (transposed)
 
 
 def test_a_regression_loss_of_ones_own_takes_the_pair_the_task_matches():
