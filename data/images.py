@@ -48,7 +48,7 @@ from torch.utils.data import Dataset, default_collate
 
 from data.batchpool import batch_buffer, hand_out
 from data.imagefiles import SPLIT_DIRS, check_root, find_classes, image_lists
-from trainer.config import ConfigError
+from trainer.config import ConfigError, rank_prefix
 
 ON_ERROR = ("skip", "fail")
 log = logging.getLogger("stoker")
@@ -175,14 +175,6 @@ def _say_large(name: Any, w: int, h: int, bound: int, scale: int = 1) -> None:
                 f"{bound:,}", decoded, 3 * (w // scale) * (h // scale) / 1e6)
 
 
-def _rank_prefix() -> str:
-    """`[rank N] ` in a process of a multi-rank job's rank N > 0 (its loader workers too: the
-    launcher's variables are inherited), as every rank's warnings are said; "" on rank 0."""
-    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID")
-                                      if os.environ.get("SLURM_NTASKS", "1") != "1" else None)
-    return f"[rank {rank}] " if rank and rank.strip() not in ("", "0") else ""
-
-
 class Unreadable:
     """The on_error policy for samples Pillow cannot read, and the record of those skipped:
     a flag per sample (the first `flags` samples) in shared memory, which the loader workers
@@ -211,7 +203,7 @@ class Unreadable:
                 return
             self.flags[index] = 1
         log.warning("%sdata: skipped an unreadable %s %s (%s); data.dataset.on_error=skip",
-                    _rank_prefix(), self.noun, where, reason)
+                    rank_prefix(), self.noun, where, reason)
 
     def indices(self) -> np.ndarray:
         """The samples skipped so far, in this process and its workers."""

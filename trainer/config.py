@@ -34,6 +34,16 @@ def first_line(e: BaseException, empty: Optional[str] = None) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+def rank_prefix() -> str:
+    """`[rank N] ` in a process of rank N > 0 of a torchrun or SLURM job (its loader workers
+    too: the launcher's variables are inherited), as every rank's warnings are said; "" on
+    rank 0 and in one process. (Here, beside first_line: data/ says warnings too.)"""
+    rank = os.environ.get("RANK") or (os.environ.get("SLURM_PROCID")
+                                      if os.environ.get("SLURM_NTASKS", "1").strip() != "1"
+                                      else None)
+    return f"[rank {rank.strip()}] " if rank and rank.strip() not in ("", "0") else ""
+
+
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"

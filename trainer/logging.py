@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from tqdm import tqdm
 
+from trainer.config import rank_prefix
+
 log = logging.getLogger("stoker")
 _FILE_IDS = itertools.count()  # event files this process opened: unique names within it
 
@@ -87,10 +89,8 @@ def _logged_warning(message, category, filename, lineno, file=None, line=None) -
     if file is not None:
         file.write(warnings.formatwarning(message, category, filename, lineno, line))
         return
-    rank = os.environ.get("RANK", "0")
-    prefix = "" if rank.strip() in ("", "0") else f"[rank {rank}] "
-    logging.getLogger("py.warnings").warning("%s%s: %s (%s:%s)", prefix, category.__name__,
-                                             message, filename, lineno)
+    logging.getLogger("py.warnings").warning("%s%s: %s (%s:%s)", rank_prefix(),
+                                             category.__name__, message, filename, lineno)
 
 
 class RunLogger:

@@ -62,3 +62,18 @@ def test_a_runs_gpus_are_the_ranks_own_or_all_of_data_parallels(monkeypatch):
     assert gpus(Strategy.dp, torch.device("cuda", 0)) == [
         torch.device("cuda", i) for i in range(4)]
     assert gpus(Strategy.single, torch.device("cpu")) == []
+
+
+def test_the_rank_prefix_reads_torchruns_rank_or_slurms(monkeypatch):
+    """srun's rank 1 said its warnings with no prefix (RANK alone was read)."""
+    from trainer.config import rank_prefix
+
+    for name in ("RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert rank_prefix() == ""
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert rank_prefix() == ""  # (one task: no job of several)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert rank_prefix() == "[rank 1] "
+    monkeypatch.setenv("RANK", "0")  # torchrun's wins
+    assert rank_prefix() == ""
