@@ -55,8 +55,10 @@ def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemor
     """The one line for a step of the loop that ran out of memory (a traceback from inside
     torch's allocator before): where (the optimizer's first step allocates its state, two
     values a parameter for AdamW), and what to shrink. None for other errors."""
-    if loop is None or not isinstance(e, (RuntimeError, MemoryError)) or \
-            not _NO_MEMORY.search(f"{type(e).__name__}: {e}"):
+    if loop is None or loop.phase not in ("training", "validating") or \
+            not isinstance(e, (RuntimeError, MemoryError)) or \
+            not _NO_MEMORY.search(f"{type(e).__name__}: {e}") or \
+            "in DataLoader worker" in str(e):  # (a worker's: its traceback tells, not a step)
         return None
     tb, optim = e.__traceback__, False
     while tb is not None:

@@ -193,6 +193,11 @@ def test_float64_inputs_to_a_convolution_or_an_rnn_are_one_line_as_to_a_linear(l
                        r"holds float64 inputs and the model's parameters are float32: make the "
                        r"dataset return tensors of the model's dtype"):
         checked_forward(Regression(), layer, batch, True, None, False)
+    # a device mismatch says "Input type (torch.cuda.FloatTensor)": not a dtype, a traceback
+    device = RuntimeError("Input type (torch.cuda.FloatTensor) and weight type "
+                          "(torch.FloatTensor) should be the same")
+    assert forward_error(device, (torch.zeros(2, 3, 8), torch.zeros(2)), torch.nn.Conv1d(3, 4, 3),
+                         first=True, input_shape=None, find_unused=False) is device
 
 
 def test_ids_past_the_embedding_or_labels_past_num_labels_are_one_line_under_model_loss():
