@@ -120,9 +120,9 @@ def files_line() -> str:
         limit = f" (ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
     except (NameError, OSError, ValueError):
         limit = ""
-    return (f"the process ran out of file descriptors{limit}: loader workers hand batches "
-            "over through them; raise the limit (ulimit -n 65536 in the job's shell) or use "
-            "fewer workers (data.num_workers)")
+    return (f"the process ran out of file descriptors{limit}: raise the limit (ulimit -n "
+            "65536 in the job's shell), or use fewer loader workers (data.num_workers), which "
+            "hand batches over through them")
 
 
 def iterators_of(holders: Sequence[Any]) -> List[Any]:

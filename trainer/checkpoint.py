@@ -77,7 +77,7 @@ def save(state: Dict[str, Any], path: Path) -> Path:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         cause = _write_cause(e, path, tmp)
-        discard(tmp)
+        unlink_quietly(tmp, failed_write=True)
         try:  # (the tmp file is gone)
             kept = any(p.suffix == ".pt" for p in path.parent.iterdir())
         except OSError:  # the folder went too (a deleted dir, a stale NFS handle)
@@ -87,7 +87,7 @@ def save(state: Dict[str, Any], path: Path) -> Path:
                                        "the previous checkpoints are kept" if kept else
                                        "no checkpoint was written before it")) from None
     except BaseException:
-        discard(tmp)
+        unlink_quietly(tmp, failed_write=True)
         raise
     # the rename is durable only once the directory entry is on disk
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -130,22 +130,18 @@ def _file_size_limit() -> Optional[int]:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def unlink_quietly(path: str) -> None:
-    """Removes `path`; nothing where it is gone already."""
+def unlink_quietly(path: str, failed_write: bool = False) -> None:
+    """Removes `path`; nothing where it is gone already, and, for the temp file of a
+    `failed_write` whose error is said already, nothing where it cannot go either (an
+    append-only or read-only folder: its PermissionError replaced the write's own line; the
+    next start removes it, saver.remove_leftovers)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def discard(path: str) -> None:
-    """Removes the temp file of a write that failed, whose error is said already: nothing
-    where it is gone, or cannot go (an append-only or read-only folder: its PermissionError
-    replaced the write's own line; the next start removes it, saver.remove_leftovers)."""
-    try:
-        os.unlink(path)
     except OSError:
-        pass
+        if not failed_write:
+            raise
 
 
 # what torch.load(weights_only=True) takes back besides tensors (and dicts, lists, tuples, sets)

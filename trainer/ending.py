@@ -41,8 +41,8 @@ STALL_ADVICE_STEPS = 10  # ... in a run of this many optimizer steps at least: a
 # wait is mostly the loader's start-up (a fast dev run's one step), which advice cannot fix
 
 # failures said in one line (exit 2 for the user's errors, else 1); others keep a traceback
-ONE_LINE = (*USER_ERRORS, NonFiniteLoss, OutOfMemory, PeerLost, JoinFailed, LoaderStalled, LoaderWorkerDied,
-            WriterGone, OSError)
+ONE_LINE = (*USER_ERRORS, NonFiniteLoss, OutOfMemory, PeerLost, JoinFailed, LoaderStalled,
+            LoaderWorkerDied, WriterGone, OSError)
 
 
 def end_without_peer(e: PeerLost) -> NoReturn:

@@ -280,8 +280,9 @@ def forward_error(e: Exception, batch: Any, model: nn.Module, first: bool,
                   input_shape: Optional[Any], find_unused: bool,
                   which: str = "the first batch") -> Exception:
     """What a forward pass's RuntimeError (or an RNN's dtype ValueError) is reported as: a
-    one-line ConfigError for the mistakes it can name (a `first` batch of the run the model cannot take, parameters DDP
-    found unused), else `e` itself. `model` is the bare model (not its DDP wrapper)."""
+    one-line ConfigError for the mistakes it can name (a `first` batch of the run the model
+    cannot take, parameters DDP found unused), else `e` itself. `model` is the bare model
+    (not its DDP wrapper)."""
     text = str(e)
     embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
     # (Conv's "Input type (double) and bias type (float) should be the same" says no dtype;

@@ -136,12 +136,12 @@ class Heartbeat:
         # the oldest step; at the same one, a rank in its own code (a dataset read that never
         # returns) before those waiting in a collective for it, whose (step, phase) is the
         # same: the time each beat saw it change told them apart by chance
-        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1].get("waiting", False),
+        r, b = min(peers.items(), key=lambda kv: (kv[1]["step"], kv[1].get("waiting") is True,
                                                   kv[1]["since"]))
         # (a change is seen at the next beat: the time since is a lower bound)
         return (f"rank {r} made no progress for at least {now - b['since']:.0f} s (last "
                 f"heartbeat: step {b['step']}, {b['phase']}"
-                + ("" if b.get("waiting", True) else ", not waiting in a collective") + ")")
+                + (", not waiting in a collective" if b.get("waiting") is False else "") + ")")
 
     def _gone(self) -> str:
         """The peers whose heartbeat stopped: read, then read again a beat later."""

@@ -295,6 +295,8 @@ class Loop:
         log_every, max_steps, callbacks = (self.cfg.log_every_n_steps, self.cfg.max_steps,
                                            self.callbacks)
         no_sync = self.model.no_sync if self._ddp else None
+        waits = distributed.WAITING if self._ddp else None  # (DDP's all-reduce: a peer stuck
+        # in its own code is told from the ranks waiting for it in a backward)
         device_wait = self.device_wait
         if device_wait is not None:
             device_wait.begin_epoch()
@@ -318,7 +320,7 @@ class Loop:
                     with no_sync():
                         loss = forward_backward(batch, count / base)
                 else:
-                    loss = forward_backward(batch, count / base)
+                    loss = forward_backward(batch, count / base, waits)
                 ledger.add(loss, count)
                 total = total + count
                 window.samples += batch_size(batch)
@@ -343,9 +345,11 @@ class Loop:
                 break
         return complete
 
-    def _forward_backward(self, batch, weight) -> torch.Tensor:
+    def _forward_backward(self, batch, weight, waits: Optional[List[int]] = None
+                          ) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch (its gradients weighted by `weight`);
-        returns the loss."""
+        returns the loss. `waits`: distributed.WAITING, counted up during a backward that
+        all-reduces (DDP outside no_sync)."""
         output = None
         try:  # (free unless it raises)
             if self._autocast is None:  # fp32: no context to enter
@@ -369,8 +373,7 @@ class Loop:
         output = None  # (held no longer than the graph holds it)
         # a full window of samples in one process weighs 1: no multiplication in the graph
         one = isinstance(weight, float) and weight == 1.0
-        waits = distributed.WAITING if self._ddp else None  # (DDP's all-reduce: a peer
-        if waits is not None:  # stuck in its own code is told from the ranks waiting here)
+        if waits is not None:
             waits[0] += 1
         try:
             self.precision.backward(loss if one else loss * weight)
@@ -389,8 +392,9 @@ class Loop:
             start = time.perf_counter()
             loss = validation.sanity_check(self, loss)
             # (a validation batch's time: not training's rate nor its data-wait share)
-            self.window.paused_s += time.perf_counter() - start
-            self.epoch_paused_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.window.paused_s += spent
+            self.epoch_paused_s += spent
         return loss
 
     def _forward(self, batch) -> Any:

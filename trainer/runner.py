@@ -339,7 +339,11 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,
                        tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     lock = RunDirLock(run_dir)
-    resume = startup.resume_setting(cfg, run_dir)
+    try:
+        resume = startup.resume_setting(cfg, run_dir)
+    except BaseException:  # (the logger holds Python's warnings: given back)
+        logger.close()
+        raise
     outputs = None
     start = time.perf_counter()
     loop = checkpointing = None

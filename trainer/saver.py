@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointWriteError, discard, unlink_quietly
+from trainer.checkpoint import CheckpointWriteError, unlink_quietly
 
 
 def _link_over(src: Path, dst: Path) -> None:
@@ -25,7 +25,7 @@ def _link_over(src: Path, dst: Path) -> None:
     try:
         os.replace(tmp, dst)
     except OSError as e:
-        discard(str(tmp))
+        unlink_quietly(str(tmp), failed_write=True)
         in_the_way = "a folder is in the way" if dst.is_dir() else e.strerror or str(e)
         raise CheckpointWriteError(f"checkpoint {dst}: cannot point it at {src.name} "
                                    f"({in_the_way}); {src} was written") from None

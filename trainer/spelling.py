@@ -108,7 +108,8 @@ def _read_by(target: Callable, k: str, value: Any) -> bool:
         return True
 
 
-def misspelt_required(cause: BaseException, given: Optional[List[str]]) -> Optional[Tuple[str, str]]:
+def misspelt_required(cause: BaseException,
+                      given: Optional[List[str]]) -> Optional[Tuple[str, str]]:
     """(the key given, the argument it misspells) where `cause` is a TypeError for a required
     argument missing (`num_classes`) that one of the keys `given` misspells (`num_clases`)."""
     text = str(cause)

@@ -1,6 +1,7 @@
 """What a run settles before its first step (the ranks' agreement on settings and data is
-trainer/agreement's): that the optimizer steps the way the loop calls it, which checkpoint it continues from,
-loaded into the built loop; and the run's files, opened once its first step succeeded."""
+trainer/agreement's): that the optimizer steps the way the loop calls it, which checkpoint it
+continues from, loaded into the built loop; and the run's files, opened once its first step
+succeeded."""
 from __future__ import annotations
 
 import json

@@ -120,7 +120,10 @@ def data_hint(loop: "Loop") -> str:
     floats = [(i, t) for i, t in enumerate(tensors or ()) if t.is_floating_point()]
     if not floats or sum(t.numel() for _, t in floats) > 2**28:
         return " (NaN or inf values in the data? too high a learning rate?)"
-    bad = [(i, int((~torch.isfinite(t)).sum())) for i, t in floats]
+    try:  # (what it explains must not be lost to its own error: memory, say)
+        bad = [(i, int((~torch.isfinite(t)).sum())) for i, t in floats]
+    except (RuntimeError, MemoryError):
+        return " (NaN or inf values in the data? too high a learning rate?)"
     bad = [(i, n) for i, n in bad if n]
     if not bad:
         return (" (the training data holds no NaN or inf: too high a learning rate, optim.lr, "

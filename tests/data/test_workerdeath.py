@@ -11,9 +11,9 @@ def test_a_process_out_of_file_descriptors_says_what_to_raise_or_lower():
     from trainer.oneline import describe
 
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    line = (f"the process ran out of file descriptors (ulimit -n is {limit}): loader workers "
-            "hand batches over through them; raise the limit (ulimit -n 65536 in the job's "
-            "shell) or use fewer workers (data.num_workers)")
+    line = (f"the process ran out of file descriptors (ulimit -n is {limit}): raise the limit "
+            "(ulimit -n 65536 in the job's shell), or use fewer loader workers "
+            "(data.num_workers), which hand batches over through them")
     torch_s = RuntimeError("Too many open files. Communication with the workers is no longer "
                            "possible. Please increase the limit using `ulimit -n` ...")
     assert str(worker_died(torch_s)) == line
