@@ -314,7 +314,8 @@ def test_a_run_stopped_on_non_finite_losses_before_any_save_says_none_was_saved(
     from trainer.windowlog import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss, match=r"in a row \(up to step 5, trainer.max_bad_steps=3\);"
-                                            r" stopped; no checkpoint was saved$"):
+                                            r" stopped \(the training data holds no NaN or inf: "
+                                            r".*\); no checkpoint was saved$"):
         train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=2",
                        "trainer.max_bad_steps=3", "trainer.log_every_n_steps=1"))
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -327,8 +328,9 @@ def test_a_checkpoint_save_past_max_bad_steps_stops_the_run_there(make_cfg, tmp_
     from trainer.windowlog import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss, match=r"for 4 optimizer steps in a row \(up to step 6, "
-                                            r"trainer.max_bad_steps=3\); stopped; the last "
-                                            r"good checkpoint is .*/last.pt$"):
+                                            r"trainer.max_bad_steps=3\); stopped \(the "
+                                            r"training data holds no NaN or inf: .*\); the "
+                                            r"last good checkpoint is .*/last.pt$"):
         train(make_cfg("model._target_=tests.helpers.NaNAfterMLP", "+model.nan_after=2",
                        "trainer.max_bad_steps=3", "trainer.checkpoint.every_n_steps=2",
                        "trainer.checkpoint.keep_last=5"))
