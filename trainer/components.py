@@ -312,7 +312,7 @@ def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except (ValueError, TypeError) as e:
-        if not _raised_in_torch_optim(e):
+        if not raised_in_torch_optim(e):
             raise  # a bug in the user's own factory keeps its traceback
         text = first_line(e)
         lowered = text.lower()
@@ -323,14 +323,15 @@ def call(fn: Callable, key: str, node: Any, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(f"{where}: {node.get('_target_', key)} refused it: {text}") from None
 
 
-def _raised_in_torch_optim(e: BaseException) -> bool:
+def raised_in_torch_optim(e: BaseException, innermost: bool = True) -> bool:
     """True when the innermost frame of `e` is torch's optimizer or scheduler code, where
-    torch checks argument values ("Invalid learning rate")."""
-    tb, last = e.__traceback__, None
+    torch checks argument values ("Invalid learning rate"); with `innermost=False`, when any
+    frame is (an allocation inside an optimizer's step)."""
+    tb, files = e.__traceback__, []
     while tb is not None:
-        last, tb = tb, tb.tb_next
-    name = last.tb_frame.f_code.co_filename.replace("\\", "/") if last else ""
-    return "/torch/optim/" in name
+        files.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        tb = tb.tb_next
+    return any("/torch/optim/" in name for name in (files[-1:] if innermost else files))
 
 
 def build_callable(node: Any, key: str) -> Optional[Callable]:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from data.workerdeath import worker_died
 from trainer import ending, liveness, rundir, startup
 from trainer.cli import SignalledAgain
+from trainer.components import raised_in_torch_optim
 from trainer.distributed import DistEnv
 from trainer.liveness import PeerLost
 from trainer.loop import Loop
@@ -48,6 +49,7 @@ def left_behind(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
     return lost or died
 
 
+# (components.NO_MEMORY's words, with Python's own MemoryError only as the error's type)
 _NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)
 
 
@@ -60,10 +62,7 @@ def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemor
             not _NO_MEMORY.search(f"{type(e).__name__}: {e}") or \
             "in DataLoader worker" in str(e):  # (a worker's: its traceback tells, not a step)
         return None
-    tb, optim = e.__traceback__, False
-    while tb is not None:
-        optim = optim or "/torch/optim/" in tb.tb_frame.f_code.co_filename.replace("\\", "/")
-        tb = tb.tb_next
+    optim = raised_in_torch_optim(e, innermost=False)
     params = sum(p.numel() for p in loop.params)
     text = first_line(e)  # (CUDA's runs on for a paragraph: its first sentences)
     text = text if len(text) <= 300 else text[:text.rfind(" ", 0, 300)] + " ..."
