@@ -62,17 +62,22 @@ def callback_failed(e: Exception, callback: Callback, hook: str, step: int) -> N
                  f"{type(callback).__qualname__}.{hook}, at step {step}")
 
 
+def call_hook(callback: Callback, hook: str, step: int, *args: Any) -> Any:
+    """`callback.<hook>(*args)`, an error raised in one of one's own noted with the hook and
+    `step` (callback_failed). The hooks outside the hot loop; after_step's is inline there."""
+    try:
+        return getattr(callback, hook)(*args)
+    except Exception as e:
+        callback_failed(e, callback, hook, step)
+        raise
+
+
 def callback_states(callbacks: Sequence[Callback], step: int) -> Dict[str, Any]:
     """The callbacks' own states (Callback.state_dict) by their keys (callback_keys), for a
-    checkpoint; an error raised in one of one's own keeps its traceback, with a line naming
-    it and `step`."""
+    checkpoint."""
     states = {}
     for key, callback in zip(callback_keys(callbacks), callbacks):
-        try:
-            state = callback.state_dict()
-        except Exception as e:
-            callback_failed(e, callback, "state_dict", step)
-            raise
+        state = call_hook(callback, "state_dict", step)
         if state is not None:
             states[key] = state
     return states
@@ -81,12 +86,8 @@ def callback_states(callbacks: Sequence[Callback], step: int) -> Dict[str, Any]:
 def load_callback_states(callbacks: Sequence[Callback], saved: Dict[str, Any],
                          step: int) -> None:
     """Gives each callback its state from a checkpoint's `saved` ones (callback_states); an
-    error raised in one of one's own keeps its traceback, with a line naming it: not the
-    checkpoint's fault (it was said as the optimizer's state not fitting the run)."""
+    error raised in one of one's own is its own, not the checkpoint's (it was said as the
+    optimizer's state not fitting the run)."""
     for key, callback in zip(callback_keys(callbacks), callbacks):
         if key in saved:
-            try:
-                callback.load_state_dict(saved[key])
-            except Exception as e:
-                callback_failed(e, callback, "load_state_dict", step)
-                raise
+            call_hook(callback, "load_state_dict", step, saved[key])

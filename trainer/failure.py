@@ -49,7 +49,7 @@ def left_behind(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
     return lost or died
 
 
-# (components.NO_MEMORY's words, with Python's own MemoryError only as the error's type)
+# (components._NO_MEMORY's words, with Python's own MemoryError only as the error's type)
 _NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)
 
 

@@ -27,7 +27,8 @@ from data.advice import queued_s
 from data.prefetch import DevicePrefetcher
 from trainer import checkpoint, devicewait, distributed, metricchecks, validation, windowlog
 from trainer.callbacks import (Callback,  # (users import it here)
-                               callback_failed, callback_states, load_callback_states)
+                               call_hook, callback_failed, callback_states,
+                               load_callback_states)
 from trainer.config import Precision, TrainerConfig
 from trainer.firstbatch import (check_batch, check_count, check_input_shape, check_loss,
                                 checked_forward, loss_failed)
@@ -163,11 +164,7 @@ class Loop:
             return None
         reason = None
         for callback in asked:
-            try:
-                reason = callback.should_stop(self)
-            except Exception as e:
-                callback_failed(e, callback, "should_stop", self.state.step)
-                raise
+            reason = call_hook(callback, "should_stop", self.state.step, self)
             if reason:
                 break
         if self.world > 1:
@@ -212,12 +209,8 @@ class Loop:
                                  self.state.step)
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
                 val = self._evaluate_trained(epoch)
-            try:
-                for callback in self.callbacks:
-                    callback.after_epoch(self, val)
-            except Exception as e:
-                callback_failed(e, callback, "after_epoch", self.state.step)
-                raise
+            for callback in self.callbacks:
+                call_hook(callback, "after_epoch", self.state.step, self, val)
             self.window.paused_s += time.perf_counter() - paused
         self.whole_epoch_seen = True  # (the run's end)
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
