@@ -161,10 +161,7 @@ class RunLogger:
                                          allow_nan=False) + "\n")
         except OSError as e:  # (a full disk, a file size limit: the line names the file)
             jsonl, self._jsonl = self._jsonl, None  # (closed now: the buffered bytes would
-            try:                                    # fail again, unnamed, at the run's end)
-                jsonl.close()
-            except OSError:
-                pass
+            _close_quietly(jsonl)                   # fail again, unnamed, at the run's end)
             raise _named(e, jsonl.name) from None
         if self._tb is not None:
             try:
@@ -174,10 +171,7 @@ class RunLogger:
                                         and k not in ("step", "epoch")})
             except OSError:  # (named: EventFile._write; closed now, as metrics.jsonl is)
                 tb, self._tb = self._tb, None
-                try:
-                    tb.close()
-                except OSError:
-                    pass
+                _close_quietly(tb)
                 raise
 
     def summary(self, values: Dict[str, Any]) -> None:
@@ -211,6 +205,15 @@ class RunLogger:
         finally:
             if jsonl is not None:
                 jsonl.close()
+
+
+def _close_quietly(writer: Any) -> None:
+    """Closes a writer whose write failed (its error is raised already): its flush of the
+    buffered bytes fails again, and must not replace that error."""
+    try:
+        writer.close()
+    except OSError:
+        pass
 
 
 def _trim_rows(path: Path, last: Dict[str, int]) -> Tuple[int, int, List[str]]:
