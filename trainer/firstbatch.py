@@ -276,6 +276,13 @@ _CONV_DTYPE = re.compile(r"Input type \((?:double|float|c10::\w+|long|int)\) and
                          r"type")
 
 
+def _names_dtypes(text: str) -> bool:
+    """Whether a forward's error is about dtypes: "dtype" (a Linear's, an RNN's), or a
+    convolution's "Input type (double) and bias type (float)" (not its device mismatch,
+    "Input type (torch.cuda.FloatTensor)")."""
+    return "dtype" in text or _CONV_DTYPE.search(text) is not None
+
+
 def forward_error(e: Exception, batch: Any, model: nn.Module, first: bool,
                   input_shape: Optional[Any], find_unused: bool,
                   which: str = "the first batch") -> Exception:
@@ -285,10 +292,8 @@ def forward_error(e: Exception, batch: Any, model: nn.Module, first: bool,
     (not its DDP wrapper)."""
     text = str(e)
     embedding = "'indices'" in text and "Long" in text  # an embedding given float ids
-    # (Conv's "Input type (double) and bias type (float) should be the same" says no dtype;
-    # its device mismatch, "Input type (torch.cuda.FloatTensor) and weight type ...", is not one)
-    dtype = "dtype" in text or _CONV_DTYPE.search(text) is not None
-    if first and (embedding or dtype or any(w in text for w in ("shape", "size"))):
+    sizes = any(w in text for w in ("shape", "size"))
+    if first and (embedding or sizes or _names_dtypes(text)):
         # the first batch of the run: inputs that do not fit the model are a
         # configuration mismatch (data.input_shape, the model's arguments), not a crash
         return ConfigError(f"model: {type(model).__name__} cannot take {which} "
@@ -311,7 +316,7 @@ def _input_fix(text: str, embedding: bool, batch: Any, model: nn.Module,
     if embedding:
         return ("token ids must be integers: make the dataset return int64 tensors "
                 "(torch.as_tensor(ids, dtype=torch.long))")
-    if ("dtype" in text or _CONV_DTYPE.search(text)) and floats and len(params) == 1:
+    if _names_dtypes(text) and floats and len(params) == 1:
         return (f"the batch holds {', '.join(sorted(str(d)[6:] for d in floats))} inputs "
                 f"and the model's parameters are {', '.join(str(d)[6:] for d in params)}: "
                 "make the dataset return tensors of the model's dtype (numpy arrays are "
