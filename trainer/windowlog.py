@@ -110,6 +110,9 @@ def check_finite(loop: "Loop", bad: Optional[int] = None) -> None:
             + data_hint(loop))
 
 
+_SUSPECTS = " (NaN or inf values in the data? too high a learning rate?)"  # (data unread)
+
+
 def data_hint(loop: "Loop") -> str:
     """Why a run's losses went non-finite, where its training data can tell: the NaN or inf
     values its tensors hold (arrays, a cache, device-resident data; up to 2**28 elements, read
@@ -119,11 +122,11 @@ def data_hint(loop: "Loop") -> str:
     tensors = getattr(loader, "tensors", None) or rows_of(loader.dataset)
     floats = [(i, t) for i, t in enumerate(tensors or ()) if t.is_floating_point()]
     if not floats or sum(t.numel() for _, t in floats) > 2**28:
-        return " (NaN or inf values in the data? too high a learning rate?)"
+        return _SUSPECTS
     try:  # (what it explains must not be lost to its own error: memory, say)
         bad = [(i, int((~torch.isfinite(t)).sum())) for i, t in floats]
     except (RuntimeError, MemoryError):
-        return " (NaN or inf values in the data? too high a learning rate?)"
+        return _SUSPECTS
     bad = [(i, n) for i, n in bad if n]
     if not bad:
         return (" (the training data holds no NaN or inf: too high a learning rate, optim.lr, "
