@@ -220,9 +220,9 @@ class Regression(Task):
                 # met another's target, and the run trained and scored that silently
                 raise self.error(f"outputs {tuple(pred.shape)} laid out otherwise than the "
                                  "targets", target, "the targets' layout (the same sizes in "
-                                 "the same order, size-1 dimensions aside, or one flat value "
-                                 "per sample)", "permute the model's output, or the targets "
-                                 "in the dataset, to match")
+                                 "the same order, size-1 dimensions aside, or neighbouring ones "
+                                 "merged: a flat row per sample)", "permute the model's output, "
+                                 "or the targets in the dataset, to match")
             target = target.reshape(pred.shape)
         return pred.float(), target.float()  # never bf16/fp16 targets or metrics
 
