@@ -363,8 +363,7 @@ def build_model(cfg: Any) -> Any:
         model = build(cfg.model, "model", offered, hint="; model=custom starts from no keys "
                                                         "but _target_")
     except InstantiationException as e:  # (a size of the model's too big for the machine)
-        if e.__cause__ is None or not _NO_MEMORY.search(
-                f"{type(e.__cause__).__name__}: {e.__cause__}"):
+        if e.__cause__ is None or not says_no_memory(e.__cause__):
             raise
         raise ConfigError(_too_big(cfg.model, offered, e.__cause__)) from None
     if not isinstance(model, torch.nn.Module):
@@ -379,7 +378,13 @@ def build_model(cfg: Any) -> Any:
     return model
 
 
-_NO_MEMORY = re.compile(r"can't allocate memory|out of memory|MemoryError", re.IGNORECASE)
+_NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)
+
+
+def says_no_memory(e: BaseException) -> bool:
+    """Whether e is an allocation that failed: torch's allocators on the CPU and on CUDA, or
+    Python's own MemoryError (its type alone)."""
+    return bool(_NO_MEMORY.search(f"{type(e).__name__}: {e}"))
 _ASKED = re.compile(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGTP]?i?B)")
 
 

@@ -4,7 +4,6 @@ loader worker's death, a lost peer)."""
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +12,7 @@ from omegaconf import DictConfig
 from data.workerdeath import worker_died
 from trainer import ending, liveness, rundir, startup
 from trainer.cli import SignalledAgain
-from trainer.components import raised_in_torch_optim
+from trainer.components import raised_in_torch_optim, says_no_memory
 from trainer.distributed import DistEnv
 from trainer.liveness import PeerLost
 from trainer.loop import Loop
@@ -49,17 +48,13 @@ def left_behind(e: BaseException, cfg: DictConfig, env: DistEnv, run_dir: Path,
     return lost or died
 
 
-# (components._NO_MEMORY's words, with Python's own MemoryError only as the error's type)
-_NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)
-
-
 def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemory]:
     """The one line for a step of the loop that ran out of memory (a traceback from inside
     torch's allocator before): where (the optimizer's first step allocates its state, two
     values a parameter for AdamW), and what to shrink. None for other errors."""
     if loop is None or loop.phase not in ("training", "validating") or \
             not isinstance(e, (RuntimeError, MemoryError)) or \
-            not _NO_MEMORY.search(f"{type(e).__name__}: {e}") or \
+            not says_no_memory(e) or \
             "in DataLoader worker" in str(e):  # (a worker's: its traceback tells, not a step)
         return None
     optim = raised_in_torch_optim(e, innermost=False)

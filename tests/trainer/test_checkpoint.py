@@ -284,7 +284,6 @@ def test_a_file_holding_what_a_safe_load_refuses_is_named_so_not_damaged(tmp_pat
 
 
 def test_a_model_whose_extra_state_cannot_be_loaded_back_is_refused_before_training(make_cfg):
-    from tests.helpers import ArrayStateMLP  # noqa: F401  (the model named below)
     from trainer.runner import train
 
     cfg = make_cfg("model._target_=tests.helpers.ArrayStateMLP")
