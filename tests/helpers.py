@@ -1275,3 +1275,12 @@ def processes_running(*argv: str) -> List[int]:
             except OSError:
                 continue
     return found
+
+
+class BatchNormMLP(MLP):
+    """An MLP with a BatchNorm1d after its first block: one value per channel in a batch of
+    one sample, which torch's BatchNorm refuses in training."""
+
+    def __init__(self, input_shape, num_classes, hidden=(16,), **rest):
+        super().__init__(input_shape, num_classes, hidden=hidden, **rest)
+        self.blocks[0].append(torch.nn.BatchNorm1d(hidden[0]))

@@ -137,6 +137,8 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
             raise
         raise error from None
     except (TypeError, ValueError, KeyError, AttributeError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(_ONE_VALUE):
+            raise ConfigError(_one_value_per_channel(e, unwrap(model), batch)) from None
         if first and isinstance(e, ValueError) and "dtype" in str(e):  # (an RNN's: a
             error = forward_error(e, batch, unwrap(model), first, input_shape,  # ValueError)
                                   find_unused, which)
@@ -144,6 +146,23 @@ def checked_forward(task: Task, model: nn.Module, batch: Any, first: bool,
                 raise error from None
         _forward_failed(task, e, batch, first, which)
         raise
+
+
+# (torch's BatchNorm in training, given one value per channel: one sample of no spatial size)
+_ONE_VALUE = "Expected more than 1 value per channel when training"
+
+
+def _one_value_per_channel(e: ValueError, model: nn.Module, batch: Any) -> str:
+    """The one line for a BatchNorm in training given a batch of one sample (torch's
+    ValueError, a traceback at the end of the epoch before): data.batch_size=1, or the
+    epoch's last batch where the training samples per rank leave one over."""
+    got = str(e).rsplit("got input size ", 1)[-1]
+    return (f"model: {type(model).__name__}'s BatchNorm needs more than one value per channel "
+            f"in training and got {got}, a batch of one sample ({describe(batch)}): "
+            "data.batch_size=1, or the last batch of an epoch, which holds the training "
+            "samples per rank left over a multiple of data.batch_size; a data.batch_size that "
+            "leaves none or more than one over, data.drop_last=true (leaves that one out), or "
+            "a normalisation that takes one sample (LayerNorm, GroupNorm)")
 
 
 def _note_once(e: Exception, line: str) -> None:

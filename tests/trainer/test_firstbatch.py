@@ -288,3 +288,29 @@ def test_integers_are_judged_only_by_the_table_the_model_names_as_its_inputs():
     assert out_of_range((codes, codes), lm).startswith(
         "data: the batch's item 0 holds ids from 1 to 40, but the model's input embedding "
         "(tokens) has 30 rows")
+
+
+def test_a_batchnorm_given_one_sample_in_training_is_one_line_naming_the_fixes(make_cfg):
+    """torch's "Expected more than 1 value per channel when training" was a traceback at the
+    end of the first epoch, where the training samples left one over data.batch_size."""
+    from tests.helpers import BatchNormMLP
+    from trainer.firstbatch import checked_forward
+
+    model = BatchNormMLP([1, 8, 8], 10)
+    one = (torch.zeros(1, 1, 8, 8), torch.zeros(1, dtype=torch.int64))
+    for first in (True, False):
+        with pytest.raises(ConfigError, match=r"^model: BatchNormMLP's BatchNorm needs more than "
+                           r"one value per channel in training and got torch.Size\(\[1, 16\]\), "
+                           r"a batch of one sample \(tuple\(tensor\(1, 1, 8, 8\).*: "
+                           r"data.batch_size=1, or the last batch of an epoch.*data.drop_last="
+                           r"true \(leaves that one out\)"):
+            checked_forward(Classification(), model, one, first, [1, 8, 8], False)
+    model.eval()  # (validation's batches: BatchNorm takes one sample there)
+    assert checked_forward(Classification(), model, one, False, [1, 8, 8], False).shape == (1, 10)
+    # digits' 1438 training samples leave one over batches of 479, unless dropped
+    target = "model._target_=tests.helpers.BatchNormMLP"
+    with pytest.raises(ConfigError, match=r"BatchNorm needs more than one value per channel"):
+        train(make_cfg(target, "data.batch_size=479", "trainer.max_epochs=1"))
+    summary = train(make_cfg(target, "data.batch_size=479", "data.drop_last=true",
+                             "trainer.max_epochs=1"))
+    assert summary["steps"] == 3, summary
