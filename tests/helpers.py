@@ -345,6 +345,13 @@ def pad_collate(samples, pad_id: int = 0):
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def collate_padding_with(pad_id: int):
+    """A factory of collates: `pad_collate` bound to `pad_id`."""
+    import functools
+
+    return functools.partial(pad_collate, pad_id=pad_id)
+
+
 def tiny_gpt2(vocab_size: int = 48, context: int = 32, layers: int = 2, width: int = 32):
     """A Hugging Face GPT-2 language model built from a config: no download."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -341,8 +341,18 @@ def build_callable(node: Any, key: str) -> Optional[Callable]:
     if node is None:
         return None
     target = target_of(node, key)
-    if inspect.isfunction(target) and not [k for k in node if k not in RESERVED]:
+    given = [k for k in node if k not in RESERVED]
+    if inspect.isfunction(target) and not given:
         return target
+    params = parameters(target) if inspect.isfunction(target) else None
+    if params is not None and not node.get("_partial_", False) and "_args_" not in node:
+        # (the function itself, called with the arguments given: what it is called with
+        # later, a batch's samples, is missing)
+        missing = [n for n, p in params.items() if p.default is p.empty and n not in given]
+        if missing:
+            raise ConfigError(f"{key}: {node['_target_']} takes '{missing[0]}' when it is "
+                              f"called, and {', '.join(given)} from the config: set "
+                              f"+{key}._partial_=true to bind those")
     obj = build(node, key)
     if not callable(obj):
         raise ConfigError(f"{key}: {node['_target_']} built a {type(obj).__name__}, which is "

@@ -148,6 +148,26 @@ def test_a_function_is_a_collate_as_it_stands():
     assert build_callable(None, "data.collate_fn") is None
 
 
+def test_a_function_given_arguments_but_not_its_samples_is_told_to_be_partial():
+    """It was told to set `+data.collate_fn.samples=`: the batch's samples, never a config
+    value."""
+    import functools
+
+    from tests.helpers import pad_collate
+
+    with pytest.raises(ConfigError, match=r"^data.collate_fn: tests.helpers.pad_collate takes "
+                       r"'samples' when it is called, and pad_id from the config: set "
+                       r"\+data.collate_fn._partial_=true to bind those$"):
+        build_callable(node(_target_="tests.helpers.pad_collate", pad_id=3), "data.collate_fn")
+    bound = build_callable(node(_target_="tests.helpers.pad_collate", pad_id=3,
+                                _partial_=True), "data.collate_fn")
+    assert isinstance(bound, functools.partial) and bound.keywords == {"pad_id": 3}
+    # a factory given all its arguments is called: what it returns is the collate
+    made = build_callable(node(_target_="tests.helpers.collate_padding_with", pad_id=3),
+                          "data.collate_fn")
+    assert made.keywords == {"pad_id": 3} and made.func is pad_collate
+
+
 @pytest.mark.parametrize("metric,message", [
     (dict(_target_="trainer.metrics.Acuracy"),
      r"^task.metrics.acc._target_=trainer.metrics.Acuracy: trainer.metrics has no attribute "
