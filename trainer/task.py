@@ -246,7 +246,7 @@ class Task:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
                             f"{first_line(e)}"
-                            f"{raised_in_own_code(e)}") from None
+                            f"{raised_in_own_code(e)}{_classes_last(preds, target)}") from None
         except Exception as e:  # inside the metric's own code: its traceback stays
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "
                      f"given {describe((preds, target))}")
@@ -384,6 +384,19 @@ class Task:
             if isinstance(metric, nn.Module):
                 metric.to(device)
         return self
+
+
+def _classes_last(preds: Any, target: Any) -> str:
+    """What to do with sequence scores (batch, steps, classes), classes last as the built-in
+    tasks give them, that a metric refused: torchmetrics' multiclass metrics read the classes
+    in dimension 1 ("" for other inputs)."""
+    if not (isinstance(preds, torch.Tensor) and isinstance(target, torch.Tensor)
+            and preds.dim() > 2 and target.shape == preds.shape[:-1]):
+        return ""
+    return ("; the task gives sequence scores with the classes last, where torchmetrics' "
+            "multiclass metrics read them in dimension 1: trainer.metrics.Accuracy reads them "
+            "last, or a task of your own whose metric_inputs returns (preds.flatten(0, -2), "
+            "target.flatten()) (README \"A task and a metric of your own\")")
 
 
 def _reduced_by(name: str, metric: Any) -> str:

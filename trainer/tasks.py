@@ -112,6 +112,14 @@ class Classification(Task):
                              f"logits of shape {(*tuple(logits.shape), classes)} (a model "
                              "that squeezes its output? task=regression for one real value)")
         if tuple(target.shape) != tuple(logits.shape[:-1]):
+            if logits.dim() > 2 and tuple(target.shape) == (logits.shape[0],
+                                                             *logits.shape[2:]):
+                # (F.cross_entropy's own layout, (batch, classes, steps))
+                classes_last = (logits.shape[0], *logits.shape[2:], logits.shape[1])
+                raise self.error(f"logits {tuple(logits.shape)} with the classes in dimension "
+                                 "1, as F.cross_entropy takes them", target,
+                                 f"the classes last, logits of shape {classes_last}, as the "
+                                 "task reads them: return output.movedim(1, -1) from the model")
             raise self.error(f"logits {tuple(logits.shape)} and targets of another shape",
                              target, f"targets of shape {tuple(logits.shape[:-1])}")
         classes = logits.shape[-1]
@@ -127,9 +135,15 @@ class Classification(Task):
             self._checked = True
             valid = target if self.ignore_index is None else target[target != self.ignore_index]
             if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
+                low = int(valid.min())
+                padding = self.ignore_index is None and low < 0 and \
+                    int(valid[valid >= classes].numel()) == 0 and \
+                    bool((valid[valid < 0] == low).all())
                 raise self.error(f"a target outside 0..{classes - 1} (the logits have {classes} "
                                  f"classes)", target, "class indices below the model's "
-                                 "output size (is the model's num_classes right?)")
+                                 "output size (is the model's num_classes right?)" + (
+                                     f"; are the targets of {low} padding to leave out? "
+                                     f"set task.ignore_index={low}" if padding else ""))
         self._passed = (logits.shape, target.shape, target.dtype)
 
 

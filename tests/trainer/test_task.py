@@ -421,6 +421,14 @@ def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
     # where it is code of one's own, the line that raised is named (a bug reads as a refusal)
     line = Never.update.__code__.co_firstlineno + 1
     assert str(refused.value).endswith(f": wrong shapes (raised at {__file__}:{line})")
+    # sequence scores, classes last, refused by a metric reading them in dimension 1
+    tags, labels = torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.int64)
+    with pytest.raises(TaskError, match=r": wrong shapes \(raised at .*\); the task gives "
+                       r"sequence scores with the classes last, where torchmetrics' multiclass "
+                       r"metrics read them in dimension 1: trainer.metrics.Accuracy reads "
+                       r"them last, or a task of your own whose metric_inputs returns "
+                       r"\(preds.flatten\(0, -2\), target.flatten\(\)\)"):
+        task._update("never", task.metrics["never"], tags, labels)
     import torchmetrics  # an installed package's own check names no line of its code
 
     task = Task(metrics={"acc": torchmetrics.classification.BinaryAccuracy()})

@@ -51,6 +51,12 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
      "of shape (2,)"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
      "a model output it cannot read: got str"),
+    # a tagger's logits in F.cross_entropy's layout, (batch, classes, steps): the targets
+    # were blamed ("expected targets of shape (2, 3)")
+    ((None, torch.zeros(2, 7, dtype=torch.int64)), torch.zeros(2, 3, 7),
+     "logits (2, 3, 7) with the classes in dimension 1, as F.cross_entropy takes them: got "
+     "tensor(2, 7) int64; expected the classes last, logits of shape (2, 7, 3), as the task "
+     "reads them: return output.movedim(1, -1) from the model"),
 ])
 def test_classification_errors_are_one_line_naming_the_task(batch, output, fragment):
     task = Classification(num_classes=3)
@@ -63,6 +69,20 @@ def test_classification_errors_are_one_line_naming_the_task(batch, output, fragm
 def test_targets_beyond_the_logits_are_caught_on_the_first_batch():
     with pytest.raises(TaskError, match="a target outside 0..2"):
         Classification().loss(torch.zeros(2, 3), (None, torch.tensor([0, 7])))
+
+
+def test_padding_targets_without_task_ignore_index_are_said_as_padding():
+    """-100 padding without task.ignore_index asked whether the model's num_classes was
+    right; it names task.ignore_index=-100, and only where every value out of range is it."""
+    padded = torch.tensor([[0, 1, -100], [1, -100, -100]])
+    with pytest.raises(TaskError, match=r"\(is the model's num_classes right\?\); are the "
+                       r"targets of -100 padding to leave out\? set task.ignore_index=-100$"):
+        Classification().loss(torch.zeros(2, 3, 2), (None, padded))
+    for other in ([[0, 5, -100], [1, 1, 1]], [[0, -1, -100], [1, 1, 1]]):
+        with pytest.raises(TaskError, match=r"\(is the model's num_classes right\?\)$"):
+            Classification().loss(torch.zeros(2, 3, 2), (None, torch.tensor(other)))
+    task = Classification(ignore_index=-100)
+    assert task.loss(torch.zeros(2, 3, 2), (None, padded)).isfinite()
 
 
 @pytest.mark.parametrize("bad", [57, -1])
