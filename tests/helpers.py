@@ -1291,3 +1291,27 @@ class BatchNormMLP(MLP):
     def __init__(self, input_shape, num_classes, hidden=(16,), **rest):
         super().__init__(input_shape, num_classes, hidden=hidden, **rest)
         self.blocks[0].append(torch.nn.BatchNorm1d(hidden[0]))
+
+
+class EmptyThirdBatch(Classification):
+    """A task of one's own whose third training batch counts 0 units, and whose loss, a sum
+    divided by its count, is then 0 / 0 with NaN gradients (a masked loss given a batch
+    masked out whole). Validation's batches count as usual."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+        self.empty = False
+
+    def count(self, batch):
+        if torch.is_grad_enabled():  # (training's batches)
+            self.calls += 1
+            self.empty = self.calls == 3
+            return 0 if self.empty else len(batch[1])
+        return len(batch[1])
+
+    def loss(self, output, batch):
+        mask = torch.zeros(len(batch[1])) if self.empty and torch.is_grad_enabled() else \
+            torch.ones(len(batch[1]))
+        losses = torch.nn.functional.cross_entropy(output, batch[1], reduction="none")
+        return (losses * mask).sum() / mask.sum()

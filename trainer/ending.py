@@ -33,7 +33,7 @@ from trainer.preemption import Preempted
 from trainer.resilience import Checkpointing
 from trainer.task import raised_in_users_code
 from trainer.validation import PeerFailedValidation
-from trainer.windowlog import NonFiniteLoss, OutOfMemory
+from trainer.windowlog import NonFiniteLoss, OutOfMemory, empty_hint
 
 log = logging.getLogger("stoker")
 STALL_ADVICE_ABOVE = 0.10  # share of step time spent waiting for data that earns advice
@@ -292,7 +292,7 @@ def save_final(loop: Loop, checkpointing: Checkpointing, run_dir: Path,
         raise NonFiniteLoss(
             f"the run ended with a loss that was not finite for its last {bad} optimizer "
             f"steps (fewer than trainer.max_bad_steps={max_bad_steps}); its final state was "
-            "not saved")
+            "not saved" + empty_hint(loop, bad))
     # (its last validation ranked for best.pt too: one after the last epoch's callbacks
     # has not been; one that was is no better than itself)
     checkpointing.save_ranked(loop, loop.last_val, periodic=True)

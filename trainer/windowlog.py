@@ -107,7 +107,20 @@ def check_finite(loop: "Loop", bad: Optional[int] = None) -> None:
         raise NonFiniteLoss(
             f"the loss was not finite for {bad} optimizer steps in a row (up to step "
             f"{loop.state.step}, trainer.max_bad_steps={loop.cfg.max_bad_steps}); stopped"
-            + data_hint(loop))
+            + (empty_hint(loop, bad) or data_hint(loop)))
+
+
+def empty_hint(loop: "Loop", bad: int) -> str:
+    """Where the latest `bad` non-finite steps began with a micro-batch that counted 0
+    units (task.count) and had a loss that was not finite, just before them or among them:
+    that step, and why its gradients were NaN while its loss weighed 0 ("" otherwise)."""
+    ago = loop.ledger.empty_nan_ago
+    if ago is None or ago > bad:
+        return ""
+    return (f"; step {loop.state.step - ago}'s batch counted 0 units (task.count) and its loss "
+            "was not finite, as a loss divided by its count is for an empty batch (0 / 0): "
+            "its weight of 0 leaves the loss out, not the NaN gradients the weights took; "
+            "return a finite loss there, e.g. divide by count.clamp(min=1)")
 
 
 _SUSPECTS = " (NaN or inf values in the data? too high a learning rate?)"  # (data unread)

@@ -64,6 +64,29 @@ def test_bad_run_counts_trailing_non_finite_steps(steps, before, after):
     assert int(ledger.bad_run) == after
 
 
+def test_the_latest_step_with_an_empty_batch_and_a_nan_loss_is_kept_as_steps_ago():
+    """A micro-batch of count 0 weighs 0, NaN or not (padding alone); one whose loss was
+    not finite is remembered by how many steps ago it was (its gradients may be NaN)."""
+    ledger = Ledger(CPU)
+    record(ledger, [[(1.0, 2)], [(1.0, 2), (NAN, 0)], [(1.0, 2)], [(1.0, 2)]])
+    ledger.fold()
+    assert ledger.empty_nan_ago == 2 and ledger.bad_run == 0
+    record(ledger, [[(1.0, 2)], [(NAN, 2)]])
+    ledger.fold()
+    assert ledger.empty_nan_ago == 4 and ledger.bad_run == 1
+    record(ledger, [[(NAN, 0)], [(2.0, 0)]])  # (a finite loss of count 0 is padding alone)
+    ledger.fold()
+    assert ledger.empty_nan_ago == 1
+    fresh = Ledger(CPU)
+    record(fresh, [[(NAN, torch.tensor(0))], [(1.0, 2)]])  # (token counts: 0 of them, NaN)
+    fresh.fold()
+    assert fresh.empty_nan_ago == 1
+    clean = Ledger(CPU)
+    record(clean, [[(1.0, 2)], [(NAN, 2)]])
+    clean.fold()
+    assert clean.empty_nan_ago is None
+
+
 def test_fold_without_a_completed_step_changes_nothing():
     ledger = Ledger(CPU)
     ledger.fold()

@@ -80,3 +80,23 @@ def test_a_run_stopped_by_losses_that_are_not_finite_says_what_its_data_holds(ma
                        "trainer.max_steps=20", run_dir=tmp_path / "b"))
     assert "(the training data holds no NaN or inf: too high a learning rate" in str(e.value)
 
+
+
+def test_a_batch_that_counted_nothing_with_a_nan_loss_is_named_where_the_run_went_bad(
+        make_cfg):
+    """Its loss weighed 0, so its step read as finite, while its NaN gradients spoilt the
+    weights: the stop named the data or the learning rate, and the steps after it."""
+    from trainer.runner import train
+    from trainer.windowlog import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss) as e:
+        train(make_cfg("task._target_=tests.helpers.EmptyThirdBatch", "trainer.max_bad_steps=3",
+                       "trainer.log_every_n_steps=1", "trainer.max_steps=20",
+                       "trainer.sanity_check=false"))
+    assert str(e.value).startswith("the loss was not finite for 3 optimizer steps in a row "
+                                   "(up to step 6,"), str(e.value)
+    assert ("; step 3's batch counted 0 units (task.count) and its loss "
+                                 "was not finite, as a loss divided by its count is for an "
+                                 "empty batch (0 / 0): its weight of 0 leaves the loss out, not "
+                                 "the NaN gradients the weights took; return a finite loss "
+                                 "there, e.g. divide by count.clamp(min=1)") in str(e.value), str(e.value)
