@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -176,10 +177,27 @@ def launch_command(environ=os.environ) -> Optional[str]:
 
     env, script = detect(environ), shlex.quote(script)
     if env.launcher == "none":
-        return f"python {script}"
+        return f"{_on_path('python', environ)} {script}"
     if env.launcher != "torchrun" or env.local_world_size != env.world_size:
         return None
-    return f"torchrun --standalone --nproc_per_node={env.world_size} {script}"
+    return (f"{_on_path('torchrun', environ)} --standalone "
+            f"--nproc_per_node={env.world_size} {script}")
+
+
+def _on_path(name: str, environ) -> str:
+    """`python` or `torchrun` as a shell finds it where that is this interpreter's (an
+    activated environment), else by its path beside this interpreter (a bare `python` was
+    one without torch where the run was started as `.venv/bin/python train.py`), else, for
+    torchrun, this interpreter running its module."""
+    here = os.path.dirname(sys.executable)
+    found = shutil.which(name, path=environ.get("PATH", ""))
+    if found is not None and os.path.dirname(os.path.abspath(found)) == here:
+        return name
+    beside = os.path.join(here, name)
+    if name == "python":
+        return shlex.quote(beside if os.path.exists(beside) else sys.executable)
+    return shlex.quote(beside) if os.path.exists(beside) else \
+        f"{shlex.quote(sys.executable)} -m torch.distributed.run"
 
 
 def _launched() -> bool:

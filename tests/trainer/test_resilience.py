@@ -27,7 +27,9 @@ JOB = ["trainer.progress_bar=false", "data=synthetic", "data.dataset.num_samples
 
 def env():
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "STOKER_"))}
-    e.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    e.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",  # (this environment activated:
+             PATH=os.pathsep.join([os.path.dirname(sys.executable),  # resume lines say
+                                   e.get("PATH", "")]))  # `python`, `torchrun`)
     return e
 
 

@@ -2,7 +2,9 @@
 auto's fall-back past damaged files, and the overrides that resume a run."""
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 
 import pytest
 
@@ -122,8 +124,10 @@ def test_the_resume_line_starts_with_the_command_where_it_can_be_told(monkeypatc
     """Under torchrun the line named the arguments alone: pasted after `python train.py`,
     they resumed a job of several ranks as one process."""
     monkeypatch.setattr(resumefiles.sys, "argv", ["train.py", "optim.lr=0.1"])
-    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
-    assert resumefiles.launch_command({}) == "python train.py"
+    here = os.path.dirname(sys.executable)  # (an activated environment: its bin on PATH)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                "PATH": here}
+    assert resumefiles.launch_command({"PATH": here}) == "python train.py"
     assert resumefiles.launch_command(torchrun) == \
         "torchrun --standalone --nproc_per_node=4 train.py"
     # several nodes, SLURM: flags this process cannot see
@@ -133,3 +137,28 @@ def test_the_resume_line_starts_with_the_command_where_it_can_be_told(monkeypatc
                                        "SLURM_NODELIST": "n1"}) is None
     monkeypatch.setattr(resumefiles.sys, "argv", ["-c"])
     assert resumefiles.launch_command({}) is None
+
+
+def test_the_resume_line_names_the_interpreter_that_ran_where_path_finds_another(
+        monkeypatch, tmp_path):
+    """A run started as `.venv/bin/python train.py` said `resume with python train.py`,
+    which a shell ran with another Python (one without torch: ModuleNotFoundError)."""
+    monkeypatch.setattr(resumefiles.sys, "argv", ["train.py"])
+    other = tmp_path / "bin"  # (a `python` and a `torchrun` of another environment)
+    other.mkdir()
+    for name in ("python", "torchrun"):
+        (other / name).write_text("#!/bin/sh\n")
+        (other / name).chmod(0o755)
+    here = os.path.dirname(sys.executable)
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for path in (str(other), ""):  # another environment's first on PATH, or none at all
+        assert resumefiles.launch_command({"PATH": path}) == \
+            f"{shlex.quote(os.path.join(here, 'python'))} train.py"
+        assert resumefiles.launch_command({**torchrun, "PATH": path}) == \
+            f"{shlex.quote(os.path.join(here, 'torchrun'))} --standalone --nproc_per_node=2 " \
+            "train.py"
+    # an interpreter with no torchrun script beside it: its module
+    monkeypatch.setattr(resumefiles.sys, "executable", str(tmp_path / "py" / "python3"))
+    assert resumefiles.launch_command({**torchrun, "PATH": str(other)}) == \
+        f"{tmp_path / 'py' / 'python3'} -m torch.distributed.run --standalone " \
+        "--nproc_per_node=2 train.py"
