@@ -5,7 +5,8 @@ The lock is `<run dir>/.stoker.lock`, created by rank 0 (a file of its own, hold
 host, pid, process start time and job id, linked to that name: never seen empty). A lock
 whose owner is gone (same host, no such process, or the pid reused by a process started
 later) is stale and taken over; so is one left by an earlier attempt of the same job (a
-torchrun restart, a SLURM requeue on another node: same job id). Every other lock refuses
+torchrun restart: a lower restart count; a SLURM requeue on another node: same job id,
+another host). A live owner of this host and attempt refuses, same job id or not. Every other lock refuses
 the run in one line naming the owner.
 """
 from __future__ import annotations
@@ -189,8 +190,18 @@ class RunDirLock:
 
     @staticmethod
     def _stale(holder: Dict[str, Any]) -> bool:
-        same_job = holder.get("job") is not None and holder.get("job") == job_id()
-        return same_job or not owner_alive(holder)
+        """Whether `holder`'s lock may be taken over: its owner is gone, or it is an earlier
+        attempt of this job (a restart count below this one's), or this job's on another
+        host, whose processes cannot be looked at (a requeue elsewhere). A live owner of this
+        host and this attempt is another launch of the job (a second torchrun in one
+        allocation, a relaunch with the same --rdzv-id): it took over a running run before."""
+        if not owner_alive(holder):
+            return True
+        if holder.get("job") is None or holder.get("job") != job_id():
+            return False
+        earlier = holder.get("attempt")
+        return holder.get("host") != socket.gethostname() or (
+            isinstance(earlier, int) and earlier < distributed.attempt())
 
     def release(self) -> None:
         if self.held:

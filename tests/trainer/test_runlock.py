@@ -29,6 +29,31 @@ def test_a_live_runs_lock_refuses_and_a_dead_runs_lock_is_taken_over(make_cfg, t
     assert not (run_dir / runlock.LOCK).exists()  # released at the end
 
 
+def test_a_live_lock_of_the_same_job_refuses_unless_an_earlier_attempt_or_another_host(
+        tmp_path, monkeypatch):
+    """A second launch with the same SLURM_JOB_ID (or --rdzv-id) took over a live run's lock:
+    both trained into one dir, rewriting each other's metrics.jsonl."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    me = runlock.owner()  # (alive: this process)
+    assert me["job"] == "SLURM_JOB_ID=4242" and me["attempt"] == 0
+    stale = runlock.RunDirLock._stale
+    assert not stale(me)  # the same job, this host, the same attempt: a live run
+    assert stale({**me, "host": "another-node"})  # a requeue elsewhere: cannot be looked at
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert stale(me)  # an earlier attempt's (a restart)
+    assert not stale({**me, "attempt": 1})
+    assert stale({**me, "pid": dead_pid()})  # gone: whatever its job
+    assert not stale({**me, "job": "SLURM_JOB_ID=7", "host": "another-node"})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / runlock.LOCK).write_text(json.dumps({**me, "attempt": 1}))
+    with pytest.raises(ConfigError, match=rf"^run dir {run_dir} is in use by another run"):
+        runlock.RunDirLock(run_dir).acquire()
+
+
 def _take_lock(run_dir, barrier, results):
     """One contender: takes the lock at the barrier and holds it until every one has tried."""
     lock = runlock.RunDirLock(run_dir)
