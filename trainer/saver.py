@@ -4,6 +4,7 @@ thread where asked, after a copy of the state to CPU), keeps the newest `keep_la
 checks are trainer/checkpoint.py's."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -12,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointWriteError, unlink_quietly
+
+log = logging.getLogger("stoker")
 
 
 def _link_over(src: Path, dst: Path) -> None:
@@ -69,6 +72,7 @@ class Checkpointer:
         self.keep_last, self.async_save, self.enabled = keep_last, async_save, enabled
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._unremovable: set = set()  # old step files that could not be removed (said once)
         self.last_saved_step: Optional[int] = None
         if enabled:
             remove_leftovers(self.folder)
@@ -111,7 +115,14 @@ class Checkpointer:
         if best:
             _link_over(path, self.folder / checkpoint.BEST)
         for old in checkpoint.step_files(self.folder)[:-self.keep_last]:
-            unlink_quietly(str(old))  # only after the new one is complete
+            try:
+                unlink_quietly(str(old))  # only after the new one is complete
+            except OSError as e:  # (an immutable or read-only old file: the new one is
+                if old not in self._unremovable:  # written, and the run goes on; it failed
+                    self._unremovable.add(old)  # the run, blaming hydra.run.dir)
+                    log.warning("checkpoint: %s stays: it cannot be removed to keep the newest "
+                                "trainer.checkpoint.keep_last=%d (%s); %s was written",
+                                old, self.keep_last, e.strerror or e, path.name)
 
     def settle(self) -> Optional[BaseException]:
         """For a run that is failing: lets the background write (if any) end, so that the

@@ -31,6 +31,34 @@ def test_checkpointer_keeps_the_last_k_and_links_last_and_best(tmp_path):
     assert checkpoint.load(folder / "best.pt")["step"] == 2  # outlives its step file
 
 
+def test_an_old_step_file_that_cannot_be_removed_is_a_warning_said_once(tmp_path, monkeypatch,
+                                                                         caplog):
+    """An immutable old step file failed the run after its new checkpoint was written, in a
+    line blaming hydra.run.dir."""
+    import errno
+    import logging
+
+    real = saver.unlink_quietly
+
+    def immutable(path, failed_write=False):
+        if path.endswith("step-00000001.pt"):
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        real(path, failed_write)
+
+    monkeypatch.setattr(saver, "unlink_quietly", immutable)
+    writer = saver.Checkpointer(tmp_path, keep_last=1, async_save=False, enabled=True)
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        for step in (1, 2, 3):
+            writer.save({"model": {}, "step": step}, step)
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "last.pt", "step-00000001.pt", "step-00000003.pt"]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"checkpoint: {folder / 'step-00000001.pt'} stays: it cannot be removed "
+                    "to keep the newest trainer.checkpoint.keep_last=1 (Operation not "
+                    "permitted); step-00000002.pt was written"], said
+
+
 def test_retention_goes_by_step_number_and_leaves_the_users_own_files(tmp_path):
     """Past step 99,999,999 the names (8 digits, padded) no longer sort as the steps do; and
     a file of the user's named like a checkpoint is neither counted nor removed."""
