@@ -110,7 +110,7 @@ def test_debug_runs_go_to_their_own_folder():
     assert OmegaConf.to_container(debug.hydra.run)["dir"] == "${stoker_stamp:outputs/debug}"
 
 
-def test_a_debug_mode_applies_over_an_experiment():
+def test_a_debug_mode_applies_over_an_experiment(tmp_path):
     """`experiment=synthetic_cnn debug=overfit` kept the experiment's 3 epochs (the experiment
     came after the debug mode in the defaults): the overfit ran 12 steps of its 240."""
     from hydra import compose, initialize_config_dir
@@ -119,5 +119,15 @@ def test_a_debug_mode_applies_over_an_experiment():
         cfg = compose("train", overrides=["run_dir=x", "experiment=synthetic_cnn",
                                           "debug=overfit"])
     assert cfg.trainer.max_epochs == 60 and cfg.trainer.overfit_batches == 4
+    # an experiment's early stopping is off: it ended an overfit after 20 of its 60 epochs
+    assert cfg.trainer.early_stopping.patience == 0
     assert cfg.model._target_ == "trainer.models.SmallCNN" and cfg.data.dataset._target_ \
         == "data.datasets.SyntheticDataset"  # (the experiment's model and data, debugged)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "patient.yaml").write_text(
+        "# @package _global_\ntrainer:\n  checkpoint: {monitor: val_acc}\n"
+        "  early_stopping: {patience: 2}\n")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["run_dir=x", f"hydra.searchpath=[file://{tmp_path}]",
+                                          "experiment=patient", "debug=overfit"])
+    assert cfg.trainer.early_stopping.patience == 0 and cfg.trainer.max_epochs == 60
