@@ -141,11 +141,13 @@ class Task:
         for key, metric in metrics.items():
             # (reset too: each validation starts with it, so one without failed only after
             # the first epoch's training)
-            if key == "loss" or not all(callable(getattr(metric, name, None))
-                                        for name in ("update", "compute", "reset")):
+            if key == "loss":
+                raise ConfigError("task.metrics.loss: the name is val_loss's, which every task "
+                                  "logs; give the metric another name")
+            if not all(callable(getattr(metric, name, None))
+                       for name in ("update", "compute", "reset")):
                 raise ConfigError(f"task.metrics.{key}: {type(metric).__name__} is not a metric "
-                                  "with update/compute/reset (e.g. a torchmetrics.Metric), or "
-                                  "is named 'loss' (val_loss is always logged)")
+                                  "with update/compute/reset (e.g. a torchmetrics.Metric)")
         self.metrics = nn.ModuleDict(metrics) if all(
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
         # (a null target: a model that computes a loss of its own, with no labels)
@@ -283,6 +285,17 @@ class Task:
         for name, metric in self.metrics.items():
             keys[f"val_{name}"] = getattr(metric, "higher_is_better", None)
         return keys
+
+    def with_derived(self, derived: Dict[str, Optional[bool]]) -> Dict[str, Optional[bool]]:
+        """`higher_is_better()` with the keys `derived` computes (val_ppl); a metric of the
+        same name is one line (its value was replaced by the derived one without a word)."""
+        keys = Task.higher_is_better(self)
+        taken = next((k for k in derived if k in keys), None)
+        if taken is not None:
+            raise ConfigError(f"task.metrics.{taken[4:]}: the name is {taken}'s, which task "
+                              f"{self.label} computes from the validation loss; give the "
+                              "metric another name")
+        return {**keys, **derived}
 
     # -- helpers for subclasses --------------------------------------------------------------
     def call(self, model: nn.Module, args: tuple = (), kwargs: Optional[Mapping] = None,

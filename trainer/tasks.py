@@ -210,7 +210,7 @@ class LanguageModel(Classification):
         return perplexity(values)
 
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
-        return {**super().higher_is_better(), "val_ppl": False}
+        return self.with_derived({"val_ppl": False})
 
 
 class Regression(Task):
@@ -411,5 +411,4 @@ class ModelLoss(Task):
         return perplexity(values) if self.count_by == "tokens" else {}
 
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
-        extra = {"val_ppl": False} if self.count_by == "tokens" else {}
-        return {**super().higher_is_better(), **extra}
+        return self.with_derived({"val_ppl": False} if self.count_by == "tokens" else {})

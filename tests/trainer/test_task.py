@@ -503,9 +503,29 @@ def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
     with pytest.raises(ConfigError, match=r"^task.metrics.x: NoReset is not a metric with "
                                           r"update/compute/reset \(e.g. a torchmetrics.Metric\)"):
         Task(metrics={"x": NoReset()})
-    with pytest.raises(ConfigError, match="or is named 'loss'"):
+    # a metric named loss is refused for its name, not called "not a metric"
+    with pytest.raises(ConfigError, match=r"^task.metrics.loss: the name is val_loss's, which "
+                                          r"every task logs; give the metric another name$"):
         Task(metrics={"loss": WithReset()})
     assert list(Task(metrics={"x": WithReset()}).metrics) == ["x"]
+
+
+def test_a_metric_named_as_a_derived_value_is_refused_where_it_was_replaced():
+    """`task.metrics.ppl` under a token task logged the derived perplexity in its place, exit
+    0."""
+    from trainer.metrics import Accuracy
+    from trainer.tasks import LanguageModel, ModelLoss
+
+    for task in (LanguageModel(metrics={"ppl": Accuracy()}),
+                 ModelLoss(count="tokens", metrics={"ppl": Accuracy()})):
+        with pytest.raises(ConfigError, match=r"^task.metrics.ppl: the name is val_ppl's, which "
+                                              r"task \S+ computes from the validation loss; "
+                                              r"give the metric another name$"):
+            task.higher_is_better()
+    assert ModelLoss(count="samples", metrics={"ppl": Accuracy()}).higher_is_better() == {
+        "val_loss": False, "val_ppl": True}  # (no perplexity of samples: the name is free)
+    assert LanguageModel(metrics={"acc": Accuracy()}).higher_is_better() == {
+        "val_loss": False, "val_acc": True, "val_ppl": False}
 
 
 def test_an_os_error_of_ones_own_code_names_its_type_and_where_it_was_raised(tmp_path):
