@@ -80,6 +80,22 @@ class WarningCount(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         with self._count.get_lock():
             self._count.value += 1
+        if not self._others_handle(record) and logging.lastResort is not None and \
+                record.levelno >= logging.lastResort.level:
+            # (a program that configured no logging: Python's last resort prints a warning
+            # to stderr where no handler takes it, and this one, on the root logger, kept
+            # every warning of a run started from Python from the screen)
+            logging.lastResort.handle(record)
+
+    def _others_handle(self, record: logging.LogRecord) -> bool:
+        """Whether a handler besides this one is on the record's way up the loggers (Python
+        calls its last resort where there is none)."""
+        logger: Optional[logging.Logger] = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return True
+            logger = logger.parent if logger.propagate else None
+        return False
 
 
 def _logged_warning(message, category, filename, lineno, file=None, line=None) -> None:

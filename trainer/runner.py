@@ -124,6 +124,7 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
         cfg.trainer.save_checkpoint = False
     with distributed.process_group(env, spec.device, cfg.trainer.ddp.timeout_s,
                                    ddp=spec.strategy == Strategy.ddp):
+        put_back = speed.process_flags(cfg.trainer)
         try:
             return _train(cfg, env, spec, callbacks)
         except Exception as e:
@@ -145,6 +146,8 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
                     if liveness.unmet_by_rank_0(env.rank):
                         e.said_by_its_rank = env.rank  # (cli.fail; a crash says its traceback)
             raise
+        finally:  # (a program that trains from Python gets its own settings back)
+            put_back()
 
 
 def seed_everything(seed: int) -> None:
@@ -333,7 +336,6 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
            callbacks: Sequence[Callback]) -> Dict[str, Any]:
     t = cfg.trainer
     run_dir = Path(cfg.run_dir)
-    speed.process_flags(cfg.trainer)
     seed_everything(cfg.seed)
     _reset_peak_memory(spec)
     logger = RunLogger(run_dir, main=env.is_main, write=env.is_main and not t.fast_dev_run,

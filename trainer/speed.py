@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Dict
 
 import torch
 from torch import nn
@@ -80,15 +80,52 @@ def compile_model(model: nn.Module, cfg: CompileConfig) -> nn.Module:
     return model
 
 
-def process_flags(t: Any) -> None:
+def process_flags(t: Any) -> Callable[[], None]:
     """The process's backend flags from the trainer config `t`: anomaly detection,
-    deterministic algorithms, TF32 and cuDNN autotuning."""
+    deterministic algorithms, TF32 and cuDNN autotuning. Returns what puts them back as they
+    were (a program that trains from Python ran its own code after the run with anomaly
+    detection, deterministic algorithms and TF32 left on, three times slower)."""
+    before = _flags_now()
     torch.autograd.set_detect_anomaly(bool(t.detect_anomaly))
     if t.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; harmless on CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     _deterministic(bool(t.deterministic), compiling=bool(t.compile.enabled))
     backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
+    return lambda: _put_back(before)
+
+
+def _flags_now() -> Dict[str, Any]:
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    return {"anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled()),
+            "matmul": torch.get_float32_matmul_precision(),
+            "cudnn": (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark),
+            "mkldnn": getattr(mkldnn, "fp32_precision", None),
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def _put_back(before: Dict[str, Any]) -> None:
+    """The flags `_flags_now` read, set again where a run changed them."""
+    now = _flags_now()
+    if now["anomaly"] != before["anomaly"]:
+        torch.autograd.set_detect_anomaly(*before["anomaly"])
+    if now["deterministic"] != before["deterministic"]:
+        mode, warn_only = before["deterministic"]
+        if "torch._inductor" in sys.modules:  # (see _deterministic)
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        else:
+            torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+    if now["matmul"] != before["matmul"]:
+        torch.set_float32_matmul_precision(before["matmul"])
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before["cudnn"]
+    if now["mkldnn"] != before["mkldnn"]:
+        torch.backends.mkldnn.matmul.fp32_precision = before["mkldnn"]
+    if before["cublas"] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = before["cublas"]
 
 
 def _deterministic(mode: bool, compiling: bool) -> None:

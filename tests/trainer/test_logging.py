@@ -283,3 +283,36 @@ def test_a_python_warning_during_a_run_is_a_log_line_counted_with_the_others(mak
     assert record.getMessage() == ("UserWarning: a warning of my own code "
                                    f"({__file__}:{Warns.after_step.__code__.co_firstlineno + 2})")
 
+
+
+def test_a_run_from_a_program_without_logging_still_shows_its_warnings(tmp_path):
+    """The warning counter on the root logger kept Python's last resort (stderr, for a
+    program that configured no logging) from every warning of a run started from Python:
+    Stoker's, the program's own loggers' and its Python warnings alike."""
+    import subprocess
+    import sys
+
+    from tests.helpers import CONF, ROOT
+
+    code = f"""
+import logging, warnings
+from hydra import compose, initialize_config_dir
+from trainer.loop import Callback
+from trainer.runner import train
+class Warns(Callback):
+    def after_step(self, loop):
+        if loop.state.step == 1:
+            logging.getLogger("mine").warning("my logger's warning")
+            warnings.warn("my python warning")
+with initialize_config_dir(config_dir={str(CONF)!r}, version_base="1.3"):
+    cfg = compose("train", overrides=["run_dir={tmp_path / 'run'}", "trainer.max_steps=3"])
+print("warnings", train(cfg, callbacks=[Warns()])["warnings"])
+logging.getLogger("mine").warning("after the run")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout == "warnings 3\n", proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("sched.warmup_steps=20 is not fewer than the run's 3 "), lines
+    assert lines[1:] == ["my logger's warning", "UserWarning: my python warning (<string>:10)",
+                         "after the run"], lines

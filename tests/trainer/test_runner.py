@@ -47,14 +47,21 @@ def test_run_dir_holds_config_metrics_tensorboard_and_checkpoint(make_cfg, tmp_p
 
 
 def test_debug_default_is_single_process_deterministic_and_logs_every_step(make_cfg, tmp_path):
-    summary = train(make_cfg("debug=default", "trainer.max_steps=4"))
+    from trainer.loop import Callback
+
+    during = []
+
+    class Flags(Callback):
+        def after_step(self, loop):
+            during.append((torch.are_deterministic_algorithms_enabled(),
+                           torch.is_anomaly_enabled()))
+
+    summary = train(make_cfg("debug=default", "trainer.max_steps=4"), callbacks=[Flags()])
     rows = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert torch.are_deterministic_algorithms_enabled()
-    assert torch.is_anomaly_enabled()
+    assert during == [(True, True)] * 4  # for the run; put back after it (trainer.speed)
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.is_anomaly_enabled()
     assert summary["steps"] == 4
-    torch.use_deterministic_algorithms(False)
-    torch.autograd.set_detect_anomaly(False)
 
 
 def test_debug_default_config_values(make_cfg):

@@ -42,14 +42,42 @@ def test_backend_flags_set_tf32_and_cudnn_autotuning(restore_backend_flags):
 
 
 def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags, tmp_path):
+    """Set for the run, and put back as they were at its end (a program training from Python
+    ran its own code afterwards with anomaly detection, deterministic algorithms and TF32 on,
+    three times slower)."""
+    import os
+
+    from trainer.loop import Callback
+
+    seen = []
+
+    class Flags(Callback):
+        def after_step(self, loop):
+            seen.append((tf32_state(), torch.backends.cudnn.benchmark,
+                         torch.is_anomaly_enabled(), torch.are_deterministic_algorithms_enabled(),
+                         os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+
+    def outside():
+        return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                torch.backends.cudnn.benchmark, torch.backends.mkldnn.matmul.fp32_precision,
+                torch.is_anomaly_enabled(), torch.are_deterministic_algorithms_enabled(),
+                os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    before = outside()
     train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", "trainer.cudnn_benchmark=true",
-                   run_dir=tmp_path / "a"))
-    assert tf32_state() == ("highest", False, False, "ieee")
-    assert torch.backends.cudnn.benchmark
+                   run_dir=tmp_path / "a"), callbacks=[Flags()])
+    assert seen.pop() == (("highest", False, False, "ieee"), True, False, False, None)
+    assert outside() == before
     train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.cudnn_benchmark=false",
-                   run_dir=tmp_path / "b"))  # a run dir of its own: one dir, one run
-    assert tf32_state() == ("high", True, True, "tf32")
-    assert not torch.backends.cudnn.benchmark
+                   "trainer.detect_anomaly=true", "trainer.deterministic=true",
+                   run_dir=tmp_path / "b"), callbacks=[Flags()])  # (a dir of its own)
+    assert seen.pop() == (("high", True, True, "tf32"), False, True, True, ":4096:8")
+    assert outside() == before
+    with pytest.raises(ConfigError):  # (a run that fails puts them back too)
+        train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.deterministic=true",
+                       "model._target_=tests.helpers.NoSuchModel", run_dir=tmp_path / "c"))
+    assert outside() == before
 
 
 def test_channels_last_converts_the_model_weights():
