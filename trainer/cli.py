@@ -332,8 +332,9 @@ def _one_line_errors(main: Callable[[], None]) -> None:
         if wants_traceback():
             raise
         if detect().is_main:
-            print(f"stoker: stopped at once on a second {e}, without a checkpoint (the step "
-                  "did not end; the checkpoints written stay)", file=sys.stderr, flush=True)
+            print(f"stoker: stopped at once on a second {e}, without a checkpoint (before "
+                  "the step, or the validation after it, ended; the checkpoints written stay)",
+                  file=sys.stderr, flush=True)
         _exit(e.code)
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops at a step with a checkpoint)
         reap_children()

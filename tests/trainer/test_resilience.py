@@ -319,8 +319,8 @@ def test_a_second_signal_stops_at_once_in_one_line_and_keeps_the_checkpoints(tmp
     else:
         assert proc.returncode == 143, out[-3000:]
         assert out.strip().endswith(
-            "stoker: stopped at once on a second SIGTERM, without a checkpoint (the step did "
-            "not end; the checkpoints written stay)")
+            "stoker: stopped at once on a second SIGTERM, without a checkpoint (before the "
+            "step, or the validation after it, ended; the checkpoints written stay)")
         assert status["status"] == "stopped at once"
     assert status["exit_code"] == proc.returncode
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.pt")} == before
