@@ -13,6 +13,14 @@ import signal
 # call from its C++ code. Until the imports are done a Ctrl-C ends the process where it lands:
 # nothing is written yet, so nothing is lost.
 signal.signal(signal.SIGINT, lambda *a: (os.write(2, b"stoker: interrupted\n"), os._exit(130)))
+# and a preemption signal (a scheduler's SIGTERM, SIGUSR1 or SIGHUP) ends it as a preemption
+# before the first step: exit 75 and its line (a rank ended by SIGTERM at -15, silent)
+_EARLY = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP}
+for _sig in _EARLY:
+    signal.signal(_sig, lambda *a: (
+        os.write(2, b"stoker: stopped on a preemption signal before the first step: nothing "
+                    b"trained, nothing saved; the same command starts it again\n")
+        if os.environ.get("RANK", "0") == "0" else None, os._exit(75)))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -20,6 +28,8 @@ import trainer  # noqa: E402
 from trainer.cli import exit_on_error  # noqa: E402
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
+for _sig in _EARLY:
+    signal.signal(_sig, signal.SIG_DFL)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -193,3 +193,25 @@ def test_a_ctrl_c_while_importing_is_one_line(tmp_path):
             "stoker: interrupted", "stoker: stopping at the end of this step with a checkpoint "
             "(Ctrl-C again to stop at once, without one)"), said
 
+
+
+def test_a_preemption_signal_while_importing_is_a_preemption_before_the_first_step(tmp_path):
+    """A SIGTERM in the seconds the imports take ended the process at -15 without a word (a
+    rank under torchrun read as a crash); sent at moments across the start-up, each ends the
+    launch as a preemption: 75 and its line, nothing written."""
+    import signal
+
+    for n, delay in enumerate(0.15 + 0.06 * i for i in range(8)):
+        run_dir = tmp_path / str(n)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                                 f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)  # (Python's own start-up is done; importing torch is not)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        said = f"(sent after {delay:.2f} s) {err[-2000:]}"
+        assert proc.returncode == 75 and "Traceback" not in err, said
+        assert err.strip().splitlines()[-1].endswith(
+            "stopped on a preemption signal before the first step: nothing trained, nothing "
+            "saved; the same command starts it again"), said
+        assert not (run_dir / "checkpoints").exists()
