@@ -14,8 +14,10 @@ import signal
 # nothing is written yet, so nothing is lost.
 signal.signal(signal.SIGINT, lambda *a: (os.write(2, b"stoker: interrupted\n"), os._exit(130)))
 # and a preemption signal (a scheduler's SIGTERM, SIGUSR1 or SIGHUP) ends it as a preemption
-# before the first step: exit 75 and its line (a rank ended by SIGTERM at -15, silent)
-_EARLY = {signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP}
+# before the first step: exit 75 and its line (a rank ended by SIGTERM at -15, silent); one
+# the launch ignores (nohup's SIGHUP) stays ignored, and each is put back as it was after
+_EARLY = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+          if signal.getsignal(sig) is not signal.SIG_IGN}
 for _sig in _EARLY:
     signal.signal(_sig, lambda *a: (
         os.write(2, b"stoker: stopped on a preemption signal before the first step: nothing "
@@ -28,8 +30,8 @@ import trainer  # noqa: E402
 from trainer.cli import exit_on_error  # noqa: E402
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
-for _sig in _EARLY:
-    signal.signal(_sig, signal.SIG_DFL)
+for _sig, _was in _EARLY.items():
+    signal.signal(_sig, signal.SIG_DFL if _was is None else _was)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
