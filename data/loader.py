@@ -14,7 +14,6 @@ import math
 import os
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
-import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -30,7 +29,7 @@ from data.shards import ShardLoader, ShardStream
 from data.workerdeath import (_ENDED, LoaderWorkerDied, _ended_worker, ended, how,
                               iterators_of, worker_died)
 
-from trainer.config import AGAIN_AFTER_S, ConfigError, DataConfig, first_line
+from trainer.config import ConfigError, DataConfig, first_line
 
 
 class EvalShardSampler(Sampler[int]):
@@ -231,8 +230,7 @@ def worker_signals(worker_id: int) -> None:
     cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
     ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
     handler ends the worker at once, and the step then fails on the lost worker; here the
-    first SIGTERM is let pass (with copies of it that come within a second), and a later one
-    ends the worker. Loaders end their workers by
+    first SIGTERM is let pass, and a second ends the worker. Loaders end their workers by
     asking them (then terminate() the ones that did not stop); Python's exit, which only
     sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that. SIGUSR1 (SLURM's
     warning before a time limit) and SIGHUP (a closed terminal) are the training process's
@@ -276,20 +274,8 @@ def _first_batch_sendable() -> None:
         cls.fetch = checked
 
 
-_FIRST_TERM: List[float] = []  # (in a worker: when its first SIGTERM came)
-
-
 def _second_ends(signum, frame) -> None:
-    """A worker's SIGTERM: the first is let pass, and so are copies of it within
-    AGAIN_AFTER_S (a scheduler signals every process of the job, and torchrun forwards its
-    own copy to each rank's group: two at once, which ended the workers, and the step
-    failed on them, its preemption checkpoint lost); a later one ends the worker."""
-    now = time.monotonic()
-    if not _FIRST_TERM:
-        _FIRST_TERM.append(now)
-    elif now - _FIRST_TERM[0] > AGAIN_AFTER_S:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,

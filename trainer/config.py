@@ -44,11 +44,6 @@ def rank_prefix() -> str:
     return f"[rank {rank.strip()}] " if rank and rank.strip() not in ("", "0") else ""
 
 
-AGAIN_AFTER_S = 1.0  # a second signal later than this is another (torchrun's forwarded copy
-# of a scheduler's, or of a Ctrl-C, follows it within milliseconds): trainer/preemption.py's
-# training process and data/loader.py's workers
-
-
 class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from trainer import distributed
 from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
-from trainer.config import AGAIN_AFTER_S
 from trainer.distributed import DistEnv
 
 
@@ -22,6 +21,8 @@ EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
 # SLURM sends SIGUSR1 before a time limit; a closed terminal or a dropped ssh session SIGHUP
 # (torchrun's agent passes it to the ranks)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+AGAIN_AFTER_S = 1.0  # a second Ctrl-C later than this stops at once (torchrun's forwarded
+# copy of the first one follows it within milliseconds)
 
 
 class Preempted(Exception):

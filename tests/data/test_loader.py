@@ -126,37 +126,6 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
     assert proc.returncode == 0 and proc.stdout == "served\n", proc.stderr[-2000:]
 
 
-def test_a_worker_lets_copies_of_its_first_sigterm_pass_and_ends_on_a_later_one():
-    """A scheduler's SIGTERM to every process of a job, and torchrun's copy forwarded to each
-    rank's group, reach a worker twice at once: the second ended it, and the step failed on
-    the lost worker instead of saving the preemption checkpoint."""
-    import os
-    import signal
-    import time
-
-    from data.loader import end_workers
-
-    ld = build_loader(TensorDataset(torch.arange(64)), cfg(num_workers=1,
-                                                           persistent_workers=True),
-                      train=False)
-    it = iter(ld)
-    next(it)
-    worker = it._workers[0]
-    try:
-        os.kill(worker.pid, signal.SIGTERM)
-        time.sleep(0.05)  # (two at once would merge into one before the handler runs)
-        os.kill(worker.pid, signal.SIGTERM)
-        time.sleep(0.3)
-        assert worker.is_alive()
-        assert sum(len(b[0]) for b in it) == 64 - ld.batch_size  # it still serves
-        time.sleep(1.1)  # past AGAIN_AFTER_S: another request, which ends it
-        os.kill(worker.pid, signal.SIGTERM)
-        worker.join(timeout=30)
-        assert not worker.is_alive() and worker.exitcode == -signal.SIGTERM
-    finally:
-        end_workers(ld)
-
-
 def test_a_process_with_an_abandoned_iterator_in_a_reference_cycle_still_exits():
     """An iterator of a loader without persistent workers, abandoned mid-epoch and kept from
     its collection by a reference cycle (scripts/tune_loader.py data=heavy): no loader holds
