@@ -173,6 +173,20 @@ def test_srun_style_slurm_launch_without_torchrun(tmp_path):
     assert s["world_size"] == 2 and s["strategy"] == "ddp"
 
 
+def _signalled_while_starting(tmp_path, sig, launches: int, step: float):
+    """`launches` launches of train.py, each sent `sig` at a moment of its start-up (0.15 s,
+    then `step` later each time): (run dir, process, stderr, what to show on a failure)."""
+    for n in range(launches):
+        delay, run_dir = 0.15 + step * n, tmp_path / str(n)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
+                                 f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)  # (Python's own start-up is done; importing torch is not)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        yield run_dir, proc, err, f"(sent after {delay:.2f} s) {err[-2000:]}"
+
+
 def test_a_ctrl_c_while_importing_is_one_line(tmp_path):
     """A Ctrl-C in the seconds torch takes to import was a 30-line traceback; one met inside
     torch's own import of numpy was swallowed there (the run went on, exit 0), and one inside
@@ -180,14 +194,7 @@ def test_a_ctrl_c_while_importing_is_one_line(tmp_path):
     each ends the launch with 130 and one line."""
     import signal
 
-    for n, delay in enumerate(0.15 + 0.03 * i for i in range(16)):
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
-                                 f"hydra.run.dir={tmp_path / str(n)}"], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(delay)  # (Python's own start-up is done; importing torch is not)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-        said = f"(sent after {delay:.2f} s) {err[-2000:]}"
+    for _, proc, err, said in _signalled_while_starting(tmp_path, signal.SIGINT, 16, 0.03):
         assert proc.returncode == 130 and "Traceback" not in err, said
         assert err.strip().splitlines()[-1] in (
             "stoker: interrupted", "stoker: stopping at the end of this step with a checkpoint "
@@ -201,15 +208,7 @@ def test_a_preemption_signal_while_importing_is_a_preemption_before_the_first_st
     launch as a preemption: 75 and its line, nothing written."""
     import signal
 
-    for n, delay in enumerate(0.15 + 0.06 * i for i in range(8)):
-        run_dir = tmp_path / str(n)
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
-                                 f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(delay)  # (Python's own start-up is done; importing torch is not)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-        said = f"(sent after {delay:.2f} s) {err[-2000:]}"
+    for run_dir, proc, err, said in _signalled_while_starting(tmp_path, signal.SIGTERM, 8, 0.06):
         assert proc.returncode == 75 and "Traceback" not in err, said
         assert err.strip().splitlines()[-1].endswith(
             "stopped on a preemption signal before the first step: nothing trained, nothing "
