@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -112,11 +112,7 @@ def _put_back(before: Dict[str, Any]) -> None:
     if now["anomaly"] != before["anomaly"]:
         torch.autograd.set_detect_anomaly(*before["anomaly"])
     if now["deterministic"] != before["deterministic"]:
-        mode, warn_only = before["deterministic"]
-        if "torch._inductor" in sys.modules:  # (see _deterministic)
-            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        else:
-            torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+        _deterministic(*before["deterministic"])
     if now["matmul"] != before["matmul"]:
         torch.set_float32_matmul_precision(before["matmul"])
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before["cudnn"]
@@ -128,11 +124,19 @@ def _put_back(before: Dict[str, Any]) -> None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = before["cublas"]
 
 
-def _deterministic(mode: bool, compiling: bool) -> None:
-    """torch.use_deterministic_algorithms(mode), without its start-up cost where it has none
-    to set: the public call also sets torch.compile's own flag, importing torch._inductor
-    (about 1.5 s), which only a compiled model reads."""
+def _deterministic(mode: bool, warn_only: Optional[bool] = None,
+                   compiling: bool = False) -> None:
+    """torch.use_deterministic_algorithms(mode, warn_only=...), without its start-up cost
+    where it has none to set: the public call also sets torch.compile's own flag, importing
+    torch._inductor (about 1.5 s), which only a compiled model reads. `warn_only` None: off
+    where the mode changes, left as it is where it does not."""
+    now = torch.are_deterministic_algorithms_enabled()
+    if warn_only is not None:
+        changed = (now, torch.is_deterministic_algorithms_warn_only_enabled()) != (mode,
+                                                                                  warn_only)
+    else:
+        changed = now != mode
     if compiling or "torch._inductor" in sys.modules:  # inductor's flag too, every time
-        torch.use_deterministic_algorithms(mode)
-    elif torch.are_deterministic_algorithms_enabled() != mode:
-        torch._C._set_deterministic_algorithms(mode)
+        torch.use_deterministic_algorithms(mode, warn_only=bool(warn_only))
+    elif changed:
+        torch._C._set_deterministic_algorithms(mode, warn_only=bool(warn_only))
