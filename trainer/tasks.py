@@ -134,8 +134,8 @@ class Classification(Task):
         if not self._checked:
             self._checked = True
             valid = target if self.ignore_index is None else target[target != self.ignore_index]
-            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= classes):
-                low = int(valid.min())
+            low = int(valid.min()) if valid.numel() else 0
+            if valid.numel() and (low < 0 or int(valid.max()) >= classes):
                 padding = self.ignore_index is None and low < 0 and \
                     int(valid[valid >= classes].numel()) == 0 and \
                     bool((valid[valid < 0] == low).all())
