@@ -157,8 +157,15 @@ def _one_value_per_channel(e: ValueError, model: nn.Module, batch: Any) -> str:
     ValueError, a traceback at the end of the epoch before): data.batch_size=1, or the
     epoch's last batch where the training samples per rank leave one over."""
     got = str(e).rsplit("got input size ", 1)[-1]
-    return (f"model: {type(model).__name__}'s BatchNorm needs more than one value per channel "
-            f"in training and got {got}, a batch of one sample ({describe(batch)}): "
+    head = (f"model: {type(model).__name__}'s BatchNorm needs more than one value per channel "
+            f"in training and got {got}")
+    samples = batch_size(batch)
+    if samples != 1:  # (the model made the one row itself: batch fixes would not help)
+        return (f"{head} from a batch of {samples} samples ({describe(batch)}): the model "
+                "reduces or reshapes its batch to one row before that BatchNorm; a "
+                "normalisation that takes one row (LayerNorm, GroupNorm), or the BatchNorm "
+                "before that reduction")
+    return (f"{head}, a batch of one sample ({describe(batch)}): "
             "data.batch_size=1, or the last batch of an epoch, which holds the training "
             "samples per rank left over a multiple of data.batch_size; a data.batch_size that "
             "leaves none or more than one over, data.drop_last=true (leaves that one out), or "

@@ -92,32 +92,66 @@ def process_flags(t: Any) -> Callable[[], None]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     _deterministic(bool(t.deterministic), compiling=bool(t.compile.enabled))
     backend_flags(t.tf32, t.cudnn_benchmark, t.deterministic)
-    return lambda: _put_back(before)
+
+    def put_back() -> None:  # (a run that ended, well or not, is not failed by this)
+        try:
+            _put_back(before)
+        except Exception as e:  # noqa: BLE001 (a torch that refuses a setting back)
+            log.warning("could not put torch's backend flags back as they were before the "
+                        "run: %s", " ".join(str(e).split())[:300])
+    return put_back
+
+
+def _fp32_backends() -> Dict[str, Any]:
+    """torch >= 2.9's per-backend fp32 precision settings, by name (none on an older torch).
+    These read in any state; the process-wide getters raise once a program mixed them with
+    the per-backend setters."""
+    b = torch.backends
+    found = {"": b, "cuda.matmul": b.cuda.matmul, "cudnn": b.cudnn, "cudnn.conv":
+             getattr(b.cudnn, "conv", None), "cudnn.rnn": getattr(b.cudnn, "rnn", None),
+             "mkldnn": b.mkldnn, "mkldnn.matmul": getattr(b.mkldnn, "matmul", None),
+             "mkldnn.conv": getattr(b.mkldnn, "conv", None),
+             "mkldnn.rnn": getattr(b.mkldnn, "rnn", None)}
+    return {k: v for k, v in found.items() if hasattr(v, "fp32_precision")}
+
+
+def _readable(getter: Callable[[], Any]) -> Any:
+    """A process-wide precision getter's answer; None where torch refuses it (the program
+    set a per-backend precision before)."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 def _flags_now() -> Dict[str, Any]:
-    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
     return {"anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
             "deterministic": (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled()),
-            "matmul": torch.get_float32_matmul_precision(),
-            "cudnn": (torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark),
-            "mkldnn": getattr(mkldnn, "fp32_precision", None),
+            "matmul": _readable(torch.get_float32_matmul_precision),
+            "cudnn": _readable(lambda: torch.backends.cudnn.allow_tf32),
+            "benchmark": torch.backends.cudnn.benchmark,
+            "fp32": {k: v.fp32_precision for k, v in _fp32_backends().items()},
             "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 def _put_back(before: Dict[str, Any]) -> None:
-    """The flags `_flags_now` read, set again where a run changed them."""
+    """The flags `_flags_now` read, set again where a run changed them: through the
+    process-wide setters where the program's state read through them, then each per-backend
+    precision that still differs (a program that set those gets them back as it set them)."""
     now = _flags_now()
     if now["anomaly"] != before["anomaly"]:
         torch.autograd.set_detect_anomaly(*before["anomaly"])
     if now["deterministic"] != before["deterministic"]:
         _deterministic(*before["deterministic"])
-    if now["matmul"] != before["matmul"]:
+    if before["matmul"] is not None and now["matmul"] != before["matmul"]:
         torch.set_float32_matmul_precision(before["matmul"])
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = before["cudnn"]
-    if now["mkldnn"] != before["mkldnn"]:
-        torch.backends.mkldnn.matmul.fp32_precision = before["mkldnn"]
+    if before["cudnn"] is not None:
+        torch.backends.cudnn.allow_tf32 = before["cudnn"]
+    torch.backends.cudnn.benchmark = before["benchmark"]
+    for name, backend in _fp32_backends().items():  # (the process-wide first, then each one)
+        if backend.fp32_precision != before["fp32"].get(name, backend.fp32_precision):
+            backend.fp32_precision = before["fp32"][name]
     if before["cublas"] is None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     else:

@@ -307,6 +307,22 @@ def test_a_batchnorm_given_one_sample_in_training_is_one_line_naming_the_fixes(m
             checked_forward(Classification(), model, one, first, [1, 8, 8], False)
     model.eval()  # (validation's batches: BatchNorm takes one sample there)
     assert checked_forward(Classification(), model, one, False, [1, 8, 8], False).shape == (1, 10)
+
+    class Pooled(torch.nn.Module):  # (a batch of four, made one row by the model itself)
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(64)
+
+        def forward(self, x):
+            return self.norm(x.flatten(1).mean(0, keepdim=True)).expand(len(x), -1)[:, :10]
+
+    four = (torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ConfigError, match=r"^model: Pooled's BatchNorm needs more than one value "
+                       r"per channel in training and got torch.Size\(\[1, 64\]\) from a batch "
+                       r"of 4 samples \(.*\): the model reduces or reshapes its batch to one "
+                       r"row before that BatchNorm; .*LayerNorm, GroupNorm") as e:
+        checked_forward(Classification(), Pooled().train(), four, True, [1, 8, 8], False)
+    assert "batch_size" not in str(e.value)  # (no batch size would help)
     # digits' 1438 training samples leave one over batches of 479, unless dropped
     target = "model._target_=tests.helpers.BatchNormMLP"
     with pytest.raises(ConfigError, match=r"BatchNorm needs more than one value per channel"):

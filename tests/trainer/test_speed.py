@@ -13,6 +13,16 @@ from trainer.models import SmallCNN
 from trainer.runner import train
 
 
+def per_backend_precision():
+    """torch's per-backend fp32 precision settings (readable in any state)."""
+    b = torch.backends
+    return {name: obj.fp32_precision for name, obj in [
+        ("all", b), ("cuda.matmul", b.cuda.matmul), ("cudnn", b.cudnn),
+        ("cudnn.conv", b.cudnn.conv), ("cudnn.rnn", b.cudnn.rnn), ("mkldnn", b.mkldnn),
+        ("mkldnn.matmul", b.mkldnn.matmul), ("mkldnn.conv", b.mkldnn.conv),
+        ("mkldnn.rnn", b.mkldnn.rnn)]}
+
+
 @pytest.fixture
 def restore_backend_flags():
     saved = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
@@ -21,6 +31,7 @@ def restore_backend_flags():
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved[1:3]
     torch.backends.mkldnn.matmul.fp32_precision = saved[3]
+    # (the set_ above make the process-wide getters answer again after a per-backend setter)
 
 
 def tf32_state():
@@ -78,6 +89,20 @@ def test_train_applies_the_flags_from_the_config(make_cfg, restore_backend_flags
         train(make_cfg("trainer.max_steps=1", "trainer.tf32=true", "trainer.deterministic=true",
                        "model._target_=tests.helpers.NoSuchModel", run_dir=tmp_path / "c"))
     assert outside() == before
+
+
+def test_train_puts_back_precision_a_program_set_per_backend(make_cfg, restore_backend_flags,
+                                                            tmp_path, caplog):
+    """A program that set torch's per-backend fp32 precision (torch then refuses the
+    process-wide getter) trains, and gets its settings back as it set them."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    with pytest.raises(RuntimeError):  # (what a read of the old getter did to the run)
+        torch.get_float32_matmul_precision()
+    before = per_backend_precision()
+    train(make_cfg("trainer.max_steps=1", "trainer.tf32=false", run_dir=tmp_path))
+    assert per_backend_precision() == before
+    assert "backend flags" not in caplog.text
 
 
 def test_channels_last_converts_the_model_weights():
