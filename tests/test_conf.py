@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from tests.helpers import CONF, make_memmap_root
 from trainer import schedules
 from trainer.components import build
-from trainer.checks import resolve
+from trainer.checks import _check_trainer, resolve
 
 GROUPS = ["data", "model", "task", "optim", "sched", "trainer", "debug", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -126,8 +126,9 @@ def test_a_debug_mode_applies_over_an_experiment(tmp_path):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "patient.yaml").write_text(
         "# @package _global_\ntrainer:\n  checkpoint: {monitor: val_acc}\n"
-        "  early_stopping: {patience: 2}\n")
+        "  early_stopping: {patience: 2, min_delta: 0.01}\n")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["run_dir=x", f"hydra.searchpath=[file://{tmp_path}]",
                                           "experiment=patient", "debug=overfit"])
     assert cfg.trainer.early_stopping.patience == 0 and cfg.trainer.max_epochs == 60
+    _check_trainer(cfg)  # (its min_delta without patience was refused)
