@@ -1294,19 +1294,21 @@ class BatchNormMLP(MLP):
 
 
 class EmptyThirdBatch(Classification):
-    """A task of one's own whose third training batch counts 0 units, and whose loss, a sum
-    divided by its count, is then 0 / 0 with NaN gradients (a masked loss given a batch
-    masked out whole). Validation's batches count as usual."""
+    """A task of one's own whose third training batch counts 0 units (on rank `rank` of a
+    torchrun job only, where given), and whose loss, a sum divided by its count, is then
+    0 / 0 with NaN gradients (a masked loss given a batch masked out whole). Validation's
+    batches count as usual."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, rank=None, **kwargs):
         super().__init__(**kwargs)
         self.calls = 0
         self.empty = False
+        self.armed = rank is None or int(os.environ.get("RANK", "0")) == rank
 
     def count(self, batch):
         if torch.is_grad_enabled():  # (training's batches)
             self.calls += 1
-            self.empty = self.calls == 3
+            self.empty = self.armed and self.calls == 3
             return 0 if self.empty else len(batch[1])
         return len(batch[1])
 

@@ -80,8 +80,9 @@ class Ledger:
         self.loss_sum = 0.0
         self.bad_run = 0
         # optimizer steps since the latest folded one whose micro-batch counted 0 units with
-        # a loss that was not finite (a loss of one's own dividing by its count: 0 / 0, whose
-        # NaN gradients a weight of 0 does not take away); None for none
+        # a loss that was not finite, after a step whose loss was (a loss of one's own
+        # dividing by its count: 0 / 0, whose NaN gradients a weight of 0 does not take
+        # away, on weights that were not NaN before); None for none
         self.empty_nan_ago: Optional[int] = None
 
     def add(self, loss: torch.Tensor, count: Count) -> None:
@@ -134,14 +135,16 @@ class Ledger:
                 f"{wrong:g} for a training batch after the first ones; expected the units its "
                 "loss averages over, 0 or more (a negative count turns the gradient around)")
         per_step = [0.0] * k
-        empty = None
+        empty = []
         for value, count, step in zip(values, counts, self.step_of):
             if count:  # a count of 0 weighs 0, even a NaN mean (0 / 0)
                 per_step[step] += value * count
             elif not math.isfinite(value):
-                empty = step
-        if empty is not None:
-            self.empty_nan_ago = k - 1 - empty
+                empty.append(step)
+        # (one after a non-finite step is the NaN weights', not their cause)
+        empty = [s for s in empty if (math.isfinite(per_step[s - 1]) if s else not self.bad_run)]
+        if empty:
+            self.empty_nan_ago = k - 1 - empty[-1]
         elif self.empty_nan_ago is not None:
             self.empty_nan_ago += k
         self.loss_sum += sum(per_step)

@@ -100,6 +100,7 @@ class Loop:
         # a compiled model that replays CUDA graphs returns outputs its next replay overwrites
         self.replays = cuda_graphs(cfg.compile) and device.type == "cuda"
         self.ledger = Ledger(device, copy=self.replays, task=task)
+        self.empty_nan_ago: Optional[int] = None  # (bad_steps' agreement; empty_hint reads it)
         self.window = Window()  # the current logging window
 
     def state_dict(self) -> Dict[str, Any]:
@@ -137,11 +138,18 @@ class Loop:
         """Optimizer steps in a row with a non-finite loss, the most of any rank (a collective
         and one host sync: every rank must call it at the same step, so that all of them take
         the same branch afterwards, e.g. into a checkpoint's gather or not)."""
-        self.ledger.fold()
-        if self.world == 1:
-            return self.ledger.bad_run
-        bad = torch.tensor(self.ledger.bad_run, dtype=torch.int64, device=self.device)
-        return int(distributed.all_reduce_max(bad))
+        ledger = self.ledger
+        ledger.fold()
+        # (and the step of an empty batch's NaN loss just before such a run, on any rank:
+        # under DDP its NaN gradients reached every rank's weights; windowlog.empty_hint)
+        ago = ledger.empty_nan_ago
+        began = ago if ago is not None and ago == ledger.bad_run else -1
+        bad = ledger.bad_run
+        if self.world > 1:
+            both = torch.tensor([bad, began], dtype=torch.int64, device=self.device)
+            bad, began = distributed.all_reduce_max(both).tolist()
+        self.empty_nan_ago = began if bad and began == bad else None
+        return bad
 
     def reached_limit(self) -> bool:
         """Trained to trainer.max_epochs or trainer.max_steps."""

@@ -111,11 +111,12 @@ def check_finite(loop: "Loop", bad: Optional[int] = None) -> None:
 
 
 def empty_hint(loop: "Loop", bad: int) -> str:
-    """Where the latest `bad` non-finite steps began with a micro-batch that counted 0
-    units (task.count) and had a loss that was not finite, just before them or among them:
-    that step, and why its gradients were NaN while its loss weighed 0 ("" otherwise)."""
-    ago = loop.ledger.empty_nan_ago
-    if ago is None or ago > bad:
+    """Where the latest `bad` non-finite steps began right after a micro-batch of some rank
+    that counted 0 units (task.count) with a loss that was not finite, on weights whose loss
+    was finite before (`loop.bad_steps()` agreed it): that step, and why its gradients were
+    NaN while its loss weighed 0 ("" otherwise)."""
+    ago = loop.empty_nan_ago
+    if ago is None or ago != bad:
         return ""
     return (f"; step {loop.state.step - ago}'s batch counted 0 units (task.count) and its loss "
             "was not finite, as a loss divided by its count is for an empty batch (0 / 0): "

@@ -66,7 +66,9 @@ def test_bad_run_counts_trailing_non_finite_steps(steps, before, after):
 
 def test_the_latest_step_with_an_empty_batch_and_a_nan_loss_is_kept_as_steps_ago():
     """A micro-batch of count 0 weighs 0, NaN or not (padding alone); one whose loss was
-    not finite is remembered by how many steps ago it was (its gradients may be NaN)."""
+    not finite, after a step whose loss was, is remembered by how many steps ago it was (its
+    gradients may be NaN). One after a non-finite step is not: the weights were NaN already,
+    and every empty batch's loss is NaN then."""
     ledger = Ledger(CPU)
     record(ledger, [[(1.0, 2)], [(1.0, 2), (NAN, 0)], [(1.0, 2)], [(1.0, 2)]])
     ledger.fold()
@@ -74,9 +76,15 @@ def test_the_latest_step_with_an_empty_batch_and_a_nan_loss_is_kept_as_steps_ago
     record(ledger, [[(1.0, 2)], [(NAN, 2)]])
     ledger.fold()
     assert ledger.empty_nan_ago == 4 and ledger.bad_run == 1
-    record(ledger, [[(NAN, 0)], [(2.0, 0)]])  # (a finite loss of count 0 is padding alone)
+    record(ledger, [[(NAN, 0)], [(2.0, 0)]])  # (after a NaN step; a finite count-0 loss is
+    ledger.fold()                             # padding alone)
+    assert ledger.empty_nan_ago == 6
+    record(ledger, [[(1.0, 2)], [(NAN, 2)], [(NAN, 0)], [(NAN, 2)]])  # (the same, in one fold)
     ledger.fold()
-    assert ledger.empty_nan_ago == 1
+    assert ledger.empty_nan_ago == 10 and ledger.bad_run == 1
+    record(ledger, [[(1.0, 2)], [(NAN, 0)], [(NAN, 2)]])
+    ledger.fold()
+    assert ledger.empty_nan_ago == 1 and ledger.bad_run == 1
     fresh = Ledger(CPU)
     record(fresh, [[(NAN, torch.tensor(0))], [(1.0, 2)]])  # (token counts: 0 of them, NaN)
     fresh.fold()

@@ -100,3 +100,33 @@ def test_a_batch_that_counted_nothing_with_a_nan_loss_is_named_where_the_run_wen
                                  "empty batch (0 / 0): its weight of 0 leaves the loss out, not "
                                  "the NaN gradients the weights took; return a finite loss "
                                  "there, e.g. divide by count.clamp(min=1)") in str(e.value), str(e.value)
+
+
+def test_an_empty_batch_on_one_rank_is_named_by_rank_0_and_not_after_the_weights_went_nan(
+        tmp_path):
+    """Under DDP its NaN gradients reach every rank's weights: rank 0, whose own batches all
+    counted, names rank 1's. An empty batch after the loss went non-finite for another
+    reason is not named (NaN weights make every empty batch's loss NaN)."""
+    from tests.helpers import torchrun
+
+    out = torchrun(2, ["task._target_=tests.helpers.EmptyThirdBatch", "+task.rank=1",
+                       "trainer.max_bad_steps=3", "trainer.log_every_n_steps=1",
+                       "trainer.max_steps=20", "trainer.sanity_check=false",
+                       f"hydra.run.dir={tmp_path / 'ddp'}"], tmp_path)
+    assert out.returncode != 0
+    assert "the loss was not finite for 3 optimizer steps in a row (up to step 6," in out.stderr
+    assert "; step 3's batch counted 0 units (task.count)" in out.stderr, out.stderr[-3000:]
+
+
+def test_an_empty_batch_after_the_loss_went_non_finite_is_not_named(make_cfg):
+    """NaN weights make every empty batch's loss NaN: not the cause, so the stop keeps the
+    data's hint."""
+    from trainer.runner import train
+    from trainer.windowlog import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss) as e:
+        train(make_cfg("task._target_=tests.helpers.EmptyThirdBatch", "trainer.max_bad_steps=4",
+                       "trainer.log_every_n_steps=1", "trainer.max_steps=20",
+                       "trainer.sanity_check=false", "optim.lr=1e30"))
+    assert "counted 0 units" not in str(e.value), str(e.value)
+    assert "learning rate" in str(e.value), str(e.value)
