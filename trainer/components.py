@@ -349,7 +349,8 @@ def build_callable(node: Any, key: str) -> Optional[Callable]:
         # (the function itself, called with the arguments given: what it is called with
         # later, a batch's samples, is missing)
         missing = [n for n, p in params.items() if p.default is p.empty and n not in given]
-        if missing:
+        if missing and missing[0] == next(iter(params)) and len(missing) == 1:
+            # (a factory missing another of its own arguments is told so by build)
             raise ConfigError(f"{key}: {node['_target_']} takes '{missing[0]}' when it is "
                               f"called, and {', '.join(given)} from the config: set "
                               f"+{key}._partial_=true to bind those")

@@ -136,14 +136,19 @@ class Classification(Task):
             valid = target if self.ignore_index is None else target[target != self.ignore_index]
             low = int(valid.min()) if valid.numel() else 0
             if valid.numel() and (low < 0 or int(valid.max()) >= classes):
-                padding = self.ignore_index is None and low < 0 and \
+                # (-100: torch's and Hugging Face's padding; -1 and 1: a sign of one's own)
+                padding = self.ignore_index is None and low == -100 and \
                     int(valid[valid >= classes].numel()) == 0 and \
                     bool((valid[valid < 0] == low).all())
+                signs = low == -1 and int(valid.max()) == 1 and \
+                    bool((valid.abs() == 1).all())
                 raise self.error(f"a target outside 0..{classes - 1} (the logits have {classes} "
                                  f"classes)", target, "class indices below the model's "
                                  "output size (is the model's num_classes right?)" + (
-                                     f"; are the targets of {low} padding to leave out? "
-                                     f"set task.ignore_index={low}" if padding else ""))
+                                     "; are the targets of -100 padding to leave out? set "
+                                     "task.ignore_index=-100" if padding else
+                                     "; the targets are -1 and 1: classes 0 and 1 are "
+                                     "(y + 1) // 2" if signs else ""))
         self._passed = (logits.shape, target.shape, target.dtype)
 
 

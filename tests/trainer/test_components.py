@@ -166,6 +166,10 @@ def test_a_function_given_arguments_but_not_its_samples_is_told_to_be_partial():
     made = build_callable(node(_target_="tests.helpers.collate_padding_with", pad_id=3),
                           "data.collate_fn")
     assert made.keywords == {"pad_id": 3} and made.func is pad_collate
+    # a factory missing another of its own arguments is told that one (not _partial_)
+    with pytest.raises(ConfigError, match=r"^data.collate_fn: shutil.copyfile needs 'dst': "
+                       r"set \+data.collate_fn.dst=\.\.\.$"):
+        build_callable(node(_target_="shutil.copyfile", src="a"), "data.collate_fn")
 
 
 @pytest.mark.parametrize("metric,message", [

@@ -78,9 +78,14 @@ def test_padding_targets_without_task_ignore_index_are_said_as_padding():
     with pytest.raises(TaskError, match=r"\(is the model's num_classes right\?\); are the "
                        r"targets of -100 padding to leave out\? set task.ignore_index=-100$"):
         Classification().loss(torch.zeros(2, 3, 2), (None, padded))
-    for other in ([[0, 5, -100], [1, 1, 1]], [[0, -1, -100], [1, 1, 1]]):
+    for other in ([[0, 5, -100], [1, 1, 1]], [[0, -1, -100], [1, 1, 1]],
+                  [[0, -2, -2], [1, 1, 1]]):  # (only -100 is taken for padding)
         with pytest.raises(TaskError, match=r"\(is the model's num_classes right\?\)$"):
             Classification().loss(torch.zeros(2, 3, 2), (None, torch.tensor(other)))
+    # labels of -1 and 1 (a sign) were asked whether -1 was padding
+    with pytest.raises(TaskError, match=r"num_classes right\?\); the targets are -1 and 1: "
+                       r"classes 0 and 1 are \(y \+ 1\) // 2$"):
+        Classification().loss(torch.zeros(4, 2), (None, torch.tensor([1, -1, -1, 1])))
     task = Classification(ignore_index=-100)
     assert task.loss(torch.zeros(2, 3, 2), (None, padded)).isfinite()
 
