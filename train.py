@@ -13,16 +13,12 @@ import signal
 # call from its C++ code. Until the imports are done a Ctrl-C ends the process where it lands:
 # nothing is written yet, so nothing is lost.
 signal.signal(signal.SIGINT, lambda *a: (os.write(2, b"stoker: interrupted\n"), os._exit(130)))
-# and a preemption signal (a scheduler's SIGTERM, SIGUSR1 or SIGHUP) ends it as a preemption
-# before the first step: exit 75 and its line (a rank ended by SIGTERM at -15, silent); one
-# the launch ignores (nohup's SIGHUP) stays ignored, and each is put back as it was after
-_EARLY = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-          if signal.getsignal(sig) is not signal.SIG_IGN}
-for _sig in _EARLY:
-    signal.signal(_sig, lambda *a: (
-        os.write(2, b"stoker: stopped on a preemption signal before the first step: nothing "
-                    b"trained, nothing saved; the same command starts it again\n")
-        if os.environ.get("RANK", "0") == "0" else None, os._exit(75)))
+# A preemption signal (a scheduler's SIGTERM, SIGUSR1 or SIGHUP) until the run's own handler
+# takes over ends it as a preemption before the first step: exit 75 and its line (a rank
+# ended at -15 without a word before; trainer/startsignals.py).
+from trainer import startsignals  # noqa: E402 (the standard library only)
+
+startsignals.hold()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -30,8 +26,6 @@ import trainer  # noqa: E402
 from trainer.cli import exit_on_error  # noqa: E402
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
-for _sig, _was in _EARLY.items():
-    signal.signal(_sig, signal.SIG_DFL if _was is None else _was)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -12,12 +12,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from trainer import distributed
+from trainer import distributed, startsignals
 from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
 from trainer.distributed import DistEnv
 
 
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request, resume later
+EXIT_PREEMPTED = startsignals.EXIT_PREEMPTED
 # SLURM sends SIGUSR1 before a time limit; a closed terminal or a dropped ssh session SIGHUP
 # (torchrun's agent passes it to the ranks)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
@@ -70,6 +70,8 @@ class Preemption:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started with nohup: a closed terminal is to change nothing
             self._previous[sig] = signal.signal(sig, self._handle)
+        # (train.py's start-up handler held them until now: what the launch set goes back)
+        self._previous.update(startsignals.release())
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -115,8 +117,7 @@ class Preemption:
         if kind:
             self.kind, self._stopping = kind, True
             raise Preempted(f"stopped on {'a Ctrl-C' if kind == 2 else 'a preemption signal'} "
-                            "before the first step: nothing trained, nothing saved; the same "
-                            "command starts it again",
+                            f"{startsignals.BEFORE_FIRST_STEP}",
                             EXIT_INTERRUPTED if kind == 2 else EXIT_PREEMPTED)
 
     def _reduced_now(self) -> int:
