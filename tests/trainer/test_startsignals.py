@@ -2,7 +2,6 @@
 thread waits in C++; released, they are the caller's again, and nothing is left behind."""
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
