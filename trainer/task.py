@@ -248,7 +248,7 @@ class Task:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} refused the "
                             f"task's metric inputs ({describe((preds, target))}): "
                             f"{first_line(e)}"
-                            f"{raised_in_own_code(e)}{_classes_last(preds, target)}") from None
+                            f"{raised_in_own_code(e)}{_classes_last(e, preds, target)}") from None
         except Exception as e:  # inside the metric's own code: its traceback stays
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.update() failed, "
                      f"given {describe((preds, target))}")
@@ -279,21 +279,22 @@ class Task:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
                             f"{describe(value)}, not one number") from None
 
+    def derived_keys(self) -> Dict[str, Optional[bool]]:
+        """The keys `derived` adds (val_ppl), with their better direction."""
+        return {}
+
     def higher_is_better(self) -> Dict[str, Optional[bool]]:
-        """Every validation key this task logs, with its better direction where known."""
+        """Every validation key this task logs, with its better direction where known. A
+        metric named as a derived key is one line (its value was replaced by the derived one
+        without a word)."""
         keys: Dict[str, Optional[bool]] = {"val_loss": False}
         for name, metric in self.metrics.items():
             keys[f"val_{name}"] = getattr(metric, "higher_is_better", None)
-        return keys
-
-    def with_derived(self, derived: Dict[str, Optional[bool]]) -> Dict[str, Optional[bool]]:
-        """`higher_is_better()` with the keys `derived` computes (val_ppl); a metric of the
-        same name is one line (its value was replaced by the derived one without a word)."""
-        keys = Task.higher_is_better(self)
+        derived = self.derived_keys()
         taken = next((k for k in derived if k in keys), None)
         if taken is not None:
             raise ConfigError(f"task.metrics.{taken[4:]}: the name is {taken}'s, which task "
-                              f"{self.label} computes from the validation loss; give the "
+                              f"{self.label} derives from the validation results; give the "
                               "metric another name")
         return {**keys, **derived}
 
@@ -399,12 +400,13 @@ class Task:
         return self
 
 
-def _classes_last(preds: Any, target: Any) -> str:
+def _classes_last(e: Exception, preds: Any, target: Any) -> str:
     """What to do with sequence scores (batch, steps, classes), classes last as the built-in
-    tasks give them, that a metric refused: torchmetrics' multiclass metrics read the classes
-    in dimension 1 ("" for other inputs)."""
-    if not (isinstance(preds, torch.Tensor) and isinstance(target, torch.Tensor)
-            and preds.dim() > 2 and target.shape == preds.shape[:-1]):
+    tasks give them, that a metric refused for their shape (torchmetrics' ValueError): its
+    multiclass metrics read the classes in dimension 1 ("" for other inputs and errors)."""
+    if not (isinstance(e, ValueError) and isinstance(preds, torch.Tensor)
+            and isinstance(target, torch.Tensor) and preds.dim() > 2
+            and target.shape == preds.shape[:-1]):
         return ""
     return ("; the task gives sequence scores with the classes last, where torchmetrics' "
             "multiclass metrics read them in dimension 1: trainer.metrics.Accuracy reads them "

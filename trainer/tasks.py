@@ -214,8 +214,8 @@ class LanguageModel(Classification):
     def derived(self, values: Dict[str, float]) -> Dict[str, float]:
         return perplexity(values)
 
-    def higher_is_better(self) -> Dict[str, Optional[bool]]:
-        return self.with_derived({"val_ppl": False})
+    def derived_keys(self) -> Dict[str, Optional[bool]]:
+        return {"val_ppl": False}
 
 
 class Regression(Task):
@@ -415,5 +415,5 @@ class ModelLoss(Task):
     def derived(self, values: Dict[str, float]) -> Dict[str, float]:
         return perplexity(values) if self.count_by == "tokens" else {}
 
-    def higher_is_better(self) -> Dict[str, Optional[bool]]:
-        return self.with_derived({"val_ppl": False} if self.count_by == "tokens" else {})
+    def derived_keys(self) -> Dict[str, Optional[bool]]:
+        return {"val_ppl": False} if self.count_by == "tokens" else {}

@@ -429,6 +429,15 @@ def test_a_metric_failing_after_it_took_validation_inputs_keeps_its_traceback():
                        r"them last, or a task of your own whose metric_inputs returns "
                        r"\(preds.flatten\(0, -2\), target.flatten\(\)\)"):
         task._update("never", task.metrics["never"], tags, labels)
+
+    class Broken(Later):  # (a TypeError of its own: not a refusal of the layout)
+        def update(self, preds, target):
+            raise TypeError("unsupported operand")
+
+    task = Task(metrics={"broken": Broken()})
+    with pytest.raises(TaskError) as refused:
+        task._update("broken", task.metrics["broken"], tags, labels)
+    assert "classes last" not in str(refused.value)
     import torchmetrics  # an installed package's own check names no line of its code
 
     task = Task(metrics={"acc": torchmetrics.classification.BinaryAccuracy()})
@@ -519,13 +528,27 @@ def test_a_metric_named_as_a_derived_value_is_refused_where_it_was_replaced():
     for task in (LanguageModel(metrics={"ppl": Accuracy()}),
                  ModelLoss(count="tokens", metrics={"ppl": Accuracy()})):
         with pytest.raises(ConfigError, match=r"^task.metrics.ppl: the name is val_ppl's, which "
-                                              r"task \S+ computes from the validation loss; "
+                                              r"task \S+ derives from the validation results; "
                                               r"give the metric another name$"):
             task.higher_is_better()
     assert ModelLoss(count="samples", metrics={"ppl": Accuracy()}).higher_is_better() == {
         "val_loss": False, "val_ppl": True}  # (no perplexity of samples: the name is free)
     assert LanguageModel(metrics={"acc": Accuracy()}).higher_is_better() == {
         "val_loss": False, "val_acc": True, "val_ppl": False}
+
+
+    class Mine(LanguageModel):  # (a task of one's own over a built-in one: its keys and the
+        def derived_keys(self):  # built-in one's, its own name checked like them)
+            return {**super().derived_keys(), "val_bits": False}
+
+        def higher_is_better(self):
+            return {**super().higher_is_better(), "val_extra": True}
+
+    assert Mine(metrics={"acc": Accuracy()}).higher_is_better() == {
+        "val_loss": False, "val_acc": True, "val_ppl": False, "val_bits": False,
+        "val_extra": True}
+    with pytest.raises(ConfigError, match=r"^task.metrics.bits: the name is val_bits's"):
+        Mine(metrics={"bits": Accuracy()}).higher_is_better()
 
 
 def test_an_os_error_of_ones_own_code_names_its_type_and_where_it_was_raised(tmp_path):
