@@ -190,12 +190,18 @@ def _on_path(name: str, environ) -> str:
     one without torch where the run was started as `.venv/bin/python train.py`), else, for
     torchrun, this interpreter running its module."""
     here = os.path.dirname(sys.executable)
-    found = shutil.which(name, path=environ.get("PATH", ""))
-    if found is not None and os.path.dirname(os.path.abspath(found)) == here:
+
+    def ours(path: str) -> bool:  # (beside this interpreter; a python, this one: a
+        return os.path.dirname(os.path.abspath(path)) == here and (  # /usr/bin/python
+            name != "python" or os.path.realpath(path) == os.path.realpath(sys.executable))
+
+    found = shutil.which(name, path=environ.get("PATH", ""))  # beside python3 may be another)
+    if found is not None and ours(found):
         return name
     beside = os.path.join(here, name)
     if name == "python":
-        return shlex.quote(beside if os.path.exists(beside) else sys.executable)
+        return shlex.quote(beside if os.path.exists(beside) and ours(beside) else
+                           sys.executable)
     return shlex.quote(beside) if os.path.exists(beside) else \
         f"{shlex.quote(sys.executable)} -m torch.distributed.run"
 

@@ -162,3 +162,16 @@ def test_the_resume_line_names_the_interpreter_that_ran_where_path_finds_another
     assert resumefiles.launch_command({**torchrun, "PATH": str(other)}) == \
         f"{tmp_path / 'py' / 'python3'} -m torch.distributed.run --standalone " \
         "--nproc_per_node=2 train.py"
+    # a `python` beside this interpreter that is another one (/usr/bin/python, a python2
+    # beside /usr/bin/python3): named by the path of the one that ran
+    system = tmp_path / "usr"
+    system.mkdir()
+    for name in ("python", "python3"):
+        (system / name).write_text(f"#!/bin/sh\n# {name}\n")
+        (system / name).chmod(0o755)
+    monkeypatch.setattr(resumefiles.sys, "executable", str(system / "python3"))
+    for path in (str(system), ""):
+        assert resumefiles.launch_command({"PATH": path}) == f"{system / 'python3'} train.py"
+    (system / "python").unlink()
+    (system / "python").symlink_to("python3")  # (the same one: the shell's name for it)
+    assert resumefiles.launch_command({"PATH": str(system)}) == "python train.py"
