@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import math
 import os
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
+import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -193,9 +195,10 @@ def children_of(pid: int) -> List[int]:
 @atexit.register
 def _end_workers_at_exit() -> None:
     """Python's exit (multiprocessing's hook) sends each live worker one SIGTERM and waits for
-    it; `worker_signals` lets a first SIGTERM pass, so a loader nobody closed (persistent
-    workers of a loader still referenced) is closed here first, as the loader would close it,
-    and so is any DataLoader iterator still running (one abandoned in a reference cycle).
+    it (workers once let a first SIGTERM pass, and the exit waited for ever), so a loader
+    nobody closed (persistent workers of a loader still referenced) is closed here first, as
+    the loader would close it, asking its workers to stop, and so is any DataLoader iterator
+    still running (one abandoned in a reference cycle).
     (torch's own shutdown in the loader's __del__ does nothing once the exit has begun.)"""
     for loader in list(_WITH_WORKERS):
         end_workers(loader)
@@ -222,23 +225,37 @@ def _loader_options(cfg: DataConfig, workers: int) -> dict:
         return {}
     return dict(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                 multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout,
-                worker_init_fn=worker_signals)
+                worker_init_fn=functools.partial(worker_signals, owner=os.getpid()))
 
 
-def worker_signals(worker_id: int) -> None:
-    """A loader worker's SIGTERM handling. A SIGTERM to the whole process group (SLURM
-    cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
-    ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
-    handler ends the worker at once, and the step then fails on the lost worker; here the
-    first SIGTERM is let pass, and a second ends the worker. Loaders end their workers by
-    asking them (then terminate() the ones that did not stop); Python's exit, which only
-    sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that. SIGUSR1 (SLURM's
-    warning before a time limit) and SIGHUP (a closed terminal) are the training process's
-    alone: a worker ignores them (it ends when asked, or when its parent is gone)."""
-    signal.signal(signal.SIGTERM, _second_ends)
+def worker_signals(worker_id: int, owner: Optional[int] = None) -> None:
+    """A loader worker's signals: a SIGTERM ends it where the training process (`owner`, or
+    the worker's parent) sent it, and no other's does. A scheduler's SIGTERM to every
+    process of a job (SLURM cancelling or timing out a job, `kill -- -PGID`, torchrun's copy
+    to each rank's group) is the training process's to act on: it ends its step, saves a
+    checkpoint and then stops its workers itself. torch's own handler ended the worker at
+    once, and the step failed on the lost worker; letting a first SIGTERM pass and a second
+    end it lost the checkpoint where the scheduler's and torchrun's copies both came. The
+    sender is read by a thread that waits for the signal (`sigwaitinfo`), blocked for the
+    worker's other threads. SIGUSR1 (SLURM's warning before a time limit) and SIGHUP (a
+    closed terminal) are the training process's alone: a worker ignores them (it ends when
+    asked, or when its parent is gone)."""
     for sig in (signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (what the owner's SIGTERM does, below)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (threads started later too)
+    owners = {os.getppid(), owner or os.getppid()}
+    threading.Thread(target=_ends_on_owners_sigterm, args=(owners,), daemon=True,
+                     name="stoker-worker-sigterm").start()
     _first_batch_sendable()
+
+
+def _ends_on_owners_sigterm(owners: Set[int]) -> None:
+    """Waits for SIGTERMs; one from `owners` ends the worker as SIGTERM's default does."""
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid not in owners:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (this thread's mask)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
 def _first_batch_sendable() -> None:
@@ -272,10 +289,6 @@ def _first_batch_sendable() -> None:
                     raise state["error"] from None
             return batch
         cls.fetch = checked
-
-
-def _second_ends(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
