@@ -394,14 +394,15 @@ def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None
             raise
         raise error from None
     except (ConnectionError, EOFError) as e:
-        if not workers:  # (the dataset's own connection, in this process)
-            raise
+        if not workers or str(e).startswith("Caught "):
+            raise  # (the dataset's own, in this process or a worker's: PyTorch's re-raise)
         _said_stall(token)
         worker = _ended_worker(batches, owner)
         if worker is not None:  # (the same line as where PyTorch's handler tells of it first)
             raise ended(worker.pid, *how(worker.exitcode)) from None
         raise LoaderWorkerDied(f"data: the connection to a loader worker broke while a batch "
-                               f"was received ({type(e).__name__}: {e}): {_ENDED}") from None
+                               f"was received ({type(e).__name__}: {first_line(e, empty='')}): "
+                               f"{_ENDED}") from None
     finally:
         handover.unwatch(token)
 

@@ -274,6 +274,20 @@ class TrainOnlyDigits(DigitsDataset):
         super().__init__(split, **kw)
 
 
+class ConnectionLostDigits(DigitsDataset):
+    """Digits whose `at`-th training sample raises the ConnectionError of a service the
+    dataset reads from (an OSError of the dataset's own, not a loader worker's end)."""
+
+    def __init__(self, split: str = "train", at: int = 40, **kw):
+        super().__init__(split, **kw)
+        self.at = at if split == "train" else -1
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise ConnectionError("the feature server went away")
+        return super().__getitem__(i)
+
+
 class FailingOnRankDigits(DigitsDataset):
     """Digits whose `fail_index`-th sample raises on rank `fail_rank` (of a torchrun job)."""
 

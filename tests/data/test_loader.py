@@ -212,6 +212,21 @@ def test_a_loader_worker_that_dies_is_one_line_saying_how(tmp_path, sig):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_connection_error_of_the_datasets_own_in_a_worker_is_its_own_line(tmp_path):
+    """A ConnectionError the dataset raised in a worker (a service it reads from gone) was
+    taken for the connection to the worker broken: a line of a killed worker, garbled, with
+    the dataset's words lost."""
+    from tests.helpers import run_cli
+
+    proc = run_cli(["data.dataset._target_=tests.helpers.ConnectionLostDigits",
+                    "data.placement=host", "data.num_workers=1", "trainer.max_epochs=1",
+                    "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "stoker: error: ConnectionError: the feature server went away (ConnectionError in "
+        "DataLoader worker process 0)"), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("text,said", [
     ("DataLoader worker (pid 77) is killed by signal: Killed. ",
      "data: loader worker (pid 77) was killed (SIGKILL: the out-of-memory killer, usually"),
