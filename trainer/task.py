@@ -26,7 +26,7 @@ import logging
 import os
 import sysconfig
 from collections.abc import Mapping
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -65,29 +65,49 @@ def raised_in_own_code(e: BaseException, not_the_projects: bool = False) -> str:
     """` (raised at FILE:LINE)` where the innermost frame of `e` is code of one's own (not an
     installed package's, nor Python's; with `not_the_projects`, nor Stoker's own): there the
     refusal may be a bug, and that is where."""
+    frames = _frames(e, not_the_projects)
+    return f" (raised at {frames[-1][0]}:{frames[-1][1]})" if frames and \
+        frames[-1][2] == "own" else ""
+
+
+def _frames(e: BaseException, not_the_projects: bool) -> List[Tuple[str, int, str]]:
+    """(path, line, whose) of each frame of `e`'s traceback, outermost first; whose:
+    "installed" (an installed package's, or Python's), "other" (generated code, `<string>`;
+    with `not_the_projects`, Stoker's own), else "own"."""
+    installed = tuple({os.path.abspath(v) + os.sep for k, v in sysconfig.get_paths().items()
+                       if k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = []
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        path = os.path.abspath(name)
+        whose = "installed" if path.startswith(installed) else "other" if name.startswith(
+            "<") or (not_the_projects and path.startswith(_PROJECT)) else "own"
+        frames.append((path, tb.tb_lineno, whose))
         tb = tb.tb_next
-    if tb is None:
-        return ""
-    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    installed = {os.path.abspath(v) + os.sep for k, v in sysconfig.get_paths().items()
-                 if k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if tb.tb_frame.f_code.co_filename.startswith("<") or path.startswith(
-            (*installed, *(_PROJECT if not_the_projects else ()))):
-        return ""
-    return f" (raised at {path}:{tb.tb_lineno})"
+    return frames
 
 
 def raised_in_users_code(e: BaseException) -> str:
     """For an OSError raised in the user's own code (a model's forward, a dataset's
     `__getitem__`; not Stoker's, an installed package's nor Python's): ` (ConnectionError
-    raised at FILE:LINE)`, for its one line; "" else. Its line alone ("metrics server went
-    away") named neither its type nor where it came from."""
+    raised at FILE:LINE)`, for its one line; for one an installed package raised, called
+    from the user's code (Pillow's UnidentifiedImageError): ` (PIL.UnidentifiedImageError
+    from a call at FILE:LINE)`; "" else. Its line alone ("metrics server went away", "cannot
+    identify image file") named neither its type nor where it came from."""
     if not isinstance(e, OSError):
         return ""
-    at = raised_in_own_code(e, not_the_projects=True)
-    return f" ({type(e).__name__} {at[2:]}" if at else ""
+    frames = _frames(e, not_the_projects=True)
+    if not frames or frames[-1][2] == "other":
+        return ""
+    if frames[-1][2] == "own":
+        return f" ({type(e).__name__} raised at {frames[-1][0]}:{frames[-1][1]})"
+    caller = next((f for f in reversed(frames) if f[2] != "installed"), None)
+    if caller is None or caller[2] != "own":
+        return ""
+    kind = type(e).__name__ if type(e).__module__ == "builtins" else \
+        f"{type(e).__module__.split('.')[0]}.{type(e).__name__}"
+    return f" ({kind} from a call at {caller[0]}:{caller[1]})"
 
 
 def _note(e: BaseException, line: str) -> None:

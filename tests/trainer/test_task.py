@@ -571,3 +571,13 @@ def test_an_os_error_of_ones_own_code_names_its_type_and_where_it_was_raised(tmp
     assert raised_in_users_code(raised(str(ROOT / "trainer" / "x.py"))) == ""  # Stoker's own
     assert raised_in_users_code(raised(str(mine), "ValueError('x')")) == ""  # (a traceback)
     assert raised_in_users_code(raised("<string>")) == ""
+    # one a package raised, called from one's own code: its type and the call (Pillow's
+    # "cannot identify image file" named neither)
+    PIL = pytest.importorskip("PIL.Image")
+    garbage = tmp_path / "bogus.png"
+    garbage.write_bytes(b"not an image")
+    e = raised(str(mine), f"(__import__('PIL.Image').Image.open({str(garbage)!r}), 1)")
+    assert isinstance(e, PIL.UnidentifiedImageError)
+    assert raised_in_users_code(e) == f" (PIL.UnidentifiedImageError from a call at {mine}:2)"
+    e = raised(str(mine), "open(__import__('os').devnull + '/x')")  # (a builtin's: no package)
+    assert raised_in_users_code(e) == f" (NotADirectoryError raised at {mine}:2)"
