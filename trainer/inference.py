@@ -51,6 +51,15 @@ def image_inputs(path: Union[str, Path], images: Sequence[Any],
         shape[-1] if isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and
         shape[1] == shape[2] and data.get("normalize_mean") is not None else None)
     if size is None:
+        square = isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and \
+            shape[1] == shape[2]
+        if square:  # (images, read by a dataset that records no size nor normalisation)
+            raise CheckpointError(
+                f"checkpoint {path}: its run read its images through "
+                f"data.dataset._target_={dataset.get('_target_')}, whose decoding, size and "
+                "normalisation the checkpoint does not record (image_inputs knows the image "
+                "folders, image shards and packed arrays of data=image_folder, data=shards "
+                "and data=memmap); prepare the images as that dataset does")
         raise CheckpointError(f"checkpoint {path}: its run's inputs were no square RGB "
                               f"images (data.input_shape {_shown(shape)}); prepare them as its "
                               "dataset did")

@@ -65,8 +65,15 @@ def test_image_files_prepared_for_a_checkpoints_model_give_the_runs_numbers(make
     assert (out.argmax(1) == y).float().mean().item() == pytest.approx(summary["val_acc"])
     assert torch.nn.functional.cross_entropy(out, y).item() == pytest.approx(
         summary["val_loss"], rel=1e-5)
-    for name, data in (("digits", []), ("synthetic", ["data=synthetic", "model=cnn",
-                                                      "data.input_shape=[3,8,8]"])):
+    for name, data, said in (
+            ("digits", [], r"its run's inputs were no square RGB images \(data.input_shape "
+                           r"\[1, 8, 8\]\)"),
+            # (square RGB of a dataset of one's own: no size, no normalisation recorded; it
+            # was called no square RGB images)
+            ("synthetic", ["data=synthetic", "model=cnn", "data.input_shape=[3,8,8]"],
+             r"its run read its images through data.dataset._target_=data.datasets."
+             r"SyntheticDataset, whose decoding, size and normalisation the checkpoint does "
+             r"not record .*prepare the images as that dataset does$")):
         train(make_cfg(*data, "trainer.max_steps=1", run_dir=tmp_path / name))
-        with pytest.raises(CheckpointError, match=r"its run's inputs were no square RGB "):
+        with pytest.raises(CheckpointError, match=said):
             image_inputs(tmp_path / name / "checkpoints" / "last.pt", [files[0][0]])
