@@ -290,9 +290,13 @@ class Task:
                      f"failed{again}")
             raise
         if isinstance(value, torch.Tensor) and value.numel() != 1:
+            how = _reduced_by(name, metric)
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
-                            f"{describe(value)}, not one number; configure it to reduce "
-                            f"to one{_reduced_by(name, metric)}")
+                            f"{describe(value)}, not one number; " + (
+                                f"configure it to reduce to one{how}" if how else
+                                "a run logs metrics of one number (a matrix, per-class "
+                                "values: compute it over the saved model's outputs, README "
+                                "\"Using the model outside Stoker\")"))
         try:
             return float(value)
         except (TypeError, ValueError):

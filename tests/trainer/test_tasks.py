@@ -280,6 +280,16 @@ def test_a_metric_that_does_not_reduce_to_one_number_is_one_line():
         with pytest.raises(TaskError) as e:
             task.compute_metric("m", task.metrics["m"])
         assert str(e.value).endswith(f"not one number; configure it to reduce to one {said}")
+    # one that no argument reduces (a confusion matrix) was told to configure it so
+    from torchmetrics.classification import MulticlassConfusionMatrix
+
+    task = Classification(metrics={"cm": MulticlassConfusionMatrix(num_classes=3)})
+    task.update_metrics(torch.randn(6, 3), (None, torch.tensor([0, 1, 2, 0, 1, 2])))
+    with pytest.raises(TaskError, match=r"^task.metrics.cm: MulticlassConfusionMatrix computed "
+                                        r"tensor\(3, 3\) int64, not one number; a run logs "
+                                        r"metrics of one number \(a matrix, per-class values: "
+                                        r"compute it over the saved model's outputs"):
+        task.compute_metric("cm", task.metrics["cm"])
 
 
 def test_a_model_returning_only_its_loss_trains_and_validates(make_cfg):
