@@ -190,8 +190,8 @@ def _model_and_task(cfg: DictConfig, spec: RunSpec):
                           "no loss(output, batch); a task computes its loss (README \"A task "
                           "and a metric of your own\")")
     task.setup(model)  # the user's own module, not a wrapper of it
-    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp),
-                                cfg.trainer.compile)
+    model = speed.compile_model(wrap(model, spec.strategy, spec.device, cfg.trainer.ddp,
+                                     cfg.trainer.deterministic), cfg.trainer.compile)
     return model, task.to(spec.device)
 
 
