@@ -263,6 +263,10 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
     warnings, lines, resumed = startup.restore(cfg, env, run_dir, loop, resume, spec.gpus)
+    past = None if loop.reached_limit() and loop.state.validated_step == loop.state.step \
+        else ending.past_the_limit(cfg, loop)  # (a complete run has nothing to do instead)
+    if past is not None:  # (said before the resume's lines, which tell of a run not to come)
+        raise ConfigError(past)
     if resumed is not None and resumefiles.in_run_dir(resumed, run_dir):
         # an earlier step of this run: what it saved after that step is set aside with the
         # run's first files (every rank reads the same dir, so they agree on best.pt)
@@ -369,9 +373,6 @@ def _train(cfg: DictConfig, env: DistEnv, spec: RunSpec,
                                   "(data.dataset's val split, or data.val_dataset)")
             if loop.complete():  # a finished run resumed again (a requeued job): keep its record
                 return ending.nothing_to_do(cfg, run_dir, loop, logger)
-            past = ending.past_the_limit(cfg, loop)
-            if past is not None:
-                raise ConfigError(past)
             # the run's files come once its first optimizer step succeeded (or before the
             # first metrics row, whichever is first): a resume the first batch refuses (a
             # task that does not fit the data) leaves the run dir as it was

@@ -34,7 +34,8 @@ def test_status_lines_keep_a_crashs_type_and_a_workers_origin():
     assert status_error(SystemExit(3)) == "SystemExit(3)"
 
 
-def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make_cfg, tmp_path):
+def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make_cfg, tmp_path,
+                                                                           caplog):
     """A run stopped inside its second epoch (a preemption), resumed with
     trainer.max_epochs=1 (or a max_steps below its step): it ended at once, rewriting its last
     checkpoints, a validation row and its status as a run finished at that limit."""
@@ -65,9 +66,13 @@ def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make
                         ("trainer.max_steps=20", r"trainer.max_steps=20: the run is at step "
                          r"\d+ already, past it; its files are left as they are; give "
                          r"trainer.max_steps=\d+ or more$")]:
+        caplog.clear()
+        caplog.set_level("INFO", logger="stoker")
         with pytest.raises(ConfigError) as e:
             train(make_cfg(*quick, limit, "trainer.resume=auto", run_dir=run))
         assert re.match(said, str(e.value)), str(e.value)
+        # (the resume's lines told of a run with the new limit before the refusal)
+        assert "resuming with changed settings" not in caplog.text, caplog.text
     assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     step = int(re.search(r"step (\d+)", str(e.value)).group(1))
     shutil.copytree(run, tmp_path / "copy")  # the line's way out ends it where it is
