@@ -18,7 +18,8 @@ signal.signal(signal.SIGINT, lambda *a: (os.write(2, b"stoker: interrupted\n"), 
 # ended at -15 without a word before; trainer/startsignals.py).
 from trainer import startsignals  # noqa: E402 (the standard library only)
 
-startsignals.hold()
+if __name__ == "__main__":  # (not in a spawned loader worker, which imports this as __mp_main__)
+    startsignals.hold()
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 

@@ -637,14 +637,17 @@ def test_a_failed_validation_keeps_the_epoch_it_followed(make_cfg, tmp_path, cap
     assert mended["steps"] == 46 and mended["checkpoint"] == str(last)
 
 
-def test_a_scheduler_signal_to_every_process_of_a_torchrun_job_saves_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_scheduler_signal_to_every_process_of_a_torchrun_job_saves_its_checkpoint(tmp_path,
+                                                                                    context):
     """A scheduler's SIGTERM reaches every process of the job: each loader worker got it
     twice, the scheduler's and torchrun's copy to its rank's group; the second ended the
-    worker, the step failed on it, and the preemption checkpoint was lost. A worker ends on a
-    SIGTERM of the training process alone (which ends its workers so), not of others."""
+    worker, the step failed on it, and the preemption checkpoint was lost. A worker lets
+    SIGTERMs pass while its training process lives (which ends its workers itself)."""
     run_dir = tmp_path / "run"
     proc = start_and_wait(
         launcher(2) + [*JOB, f"hydra.run.dir={run_dir}", "data.num_workers=1",
+                       f"data.multiprocessing_context={context}",
                        "trainer.max_epochs=20", "model.hidden=[2048,2048]",
                        "trainer.checkpoint.every_n_steps=4"],
         until=lambda: logged_step(run_dir) >= 6)
