@@ -349,11 +349,14 @@ def build_callable(node: Any, key: str) -> Optional[Callable]:
         # (the function itself, called with the arguments given: what it is called with
         # later, a batch's samples, is missing)
         missing = [n for n, p in params.items() if p.default is p.empty and n not in given]
-        if missing and missing[0] == next(iter(params)) and len(missing) == 1:
-            # (a factory missing another of its own arguments is told so by build)
+        if missing and missing[0] == next(iter(params)):
+            # (its first argument, the samples; a factory missing another of its own
+            # arguments alone is told so by build)
+            more = "".join(f" and +{key}.{n}=..." for n in missing[1:])
             raise ConfigError(f"{key}: {node['_target_']} takes '{missing[0]}' when it is "
                               f"called, and {', '.join(given)} from the config: set "
-                              f"+{key}._partial_=true to bind those")
+                              f"+{key}._partial_=true to bind those" +
+                              (f" (with{more[4:]}, which it takes too)" if more else ""))
     obj = build(node, key)
     if not callable(obj):
         raise ConfigError(f"{key}: {node['_target_']} built a {type(obj).__name__}, which is "

@@ -160,7 +160,8 @@ def _one_value_per_channel(e: ValueError, model: nn.Module, batch: Any) -> str:
     head = (f"model: {type(model).__name__}'s BatchNorm needs more than one value per channel "
             f"in training and got {got}")
     samples = batch_size(batch)
-    if samples != 1:  # (the model made the one row itself: batch fixes would not help)
+    if samples > 1:  # (the model made the one row itself: batch fixes would not help; 0: a
+        # batch of no tensor, whose size is not known, is taken as one sample)
         return (f"{head} from a batch of {samples} samples ({describe(batch)}): the model "
                 "reduces or reshapes its batch to one row before that BatchNorm; a "
                 "normalisation that takes one row (LayerNorm, GroupNorm), or the BatchNorm "

@@ -339,8 +339,14 @@ class SweepSummary(Callback):
         self._kept: Optional[Tuple[Path, Path, Dict[str, Optional[bytes]]]] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainer import startsignals
         from trainer.distributed import detect
 
+        if "basic_launcher" not in str(OmegaConf.select(config, "hydra.launcher._target_",
+                                                        default="")):
+            # the jobs run elsewhere (submitit's): this process only waits for them, and a
+            # signal to it stopped no run "before the first step"
+            startsignals.put_back()
         sweep_dir = Path(str(config.hydra.sweep.dir))
         kept = kept_record(sweep_dir)
         keep_record(sweep_dir, kept)
@@ -368,8 +374,10 @@ class SweepSummary(Callback):
             pass  # (the dir went, or turned read-only: the record there stays as it is)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from trainer import startsignals
         from trainer.distributed import detect
 
+        startsignals.put_back()  # (held between the jobs: trainer.preemption)
         self._ended = True
         if not detect().is_main:
             return

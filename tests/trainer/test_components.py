@@ -166,6 +166,12 @@ def test_a_function_given_arguments_but_not_its_samples_is_told_to_be_partial():
     made = build_callable(node(_target_="tests.helpers.collate_padding_with", pad_id=3),
                           "data.collate_fn")
     assert made.keywords == {"pad_id": 3} and made.func is pad_collate
+    # a collate of more arguments, one of them given: _partial_, and the other one too
+    with pytest.raises(ConfigError, match=r"^data.collate_fn: re.sub takes 'pattern' when it "
+                       r"is called, and repl from the config: set \+data.collate_fn._partial_="
+                       r"true to bind those \(with \+data.collate_fn.string=\.\.\., which it "
+                       r"takes too\)$"):
+        build_callable(node(_target_="re.sub", repl="x"), "data.collate_fn")
     # a factory missing another of its own arguments is told that one (not _partial_)
     with pytest.raises(ConfigError, match=r"^data.collate_fn: shutil.copyfile needs 'dst': "
                        r"set \+data.collate_fn.dst=\.\.\.$"):

@@ -39,3 +39,44 @@ def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capf
     preemption = Preemption(DistEnv(), saving=saving)
     preemption._handle(signal.SIGINT, None)
     assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
+
+
+def test_the_start_up_hold_is_taken_over_and_held_again_between_a_sweeps_jobs():
+    """train.py's start-up hold (trainer/startsignals.py) gives way to the run's handlers and
+    its launch's handlers come back at the run's end; in a sweep whose jobs run in this
+    process it holds again until the next job's run (a signal while job 2 met its ranks
+    ended a rank at -15 without a word), and the sweep's end puts the launch's back."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import ROOT
+
+    code = textwrap.dedent("""
+        import os, signal
+        from trainer import startsignals
+        startsignals.hold()
+        import trainer.ending
+        from trainer.distributed import DistEnv
+        from trainer.preemption import Preemption
+        with Preemption(DistEnv()) as p:
+            assert signal.getsignal(signal.SIGTERM) == p._handle
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (a run alone: the launch's)
+        trainer.ending.stops_sweep = lambda: True
+        startsignals.hold()
+        with Preemption(DistEnv()):
+            pass
+        assert signal.getsignal(signal.SIGTERM) is startsignals._noted  # (held: job 2 to come)
+        startsignals.put_back()  # (the sweep's end)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        startsignals.hold()
+        with Preemption(DistEnv()):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # (between the jobs)
+        signal.pause()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 75, out.stderr[-2000:]
+    assert out.stderr.endswith("stopped on a preemption signal before the first step: nothing "
+                               "trained, nothing saved; the same command starts it again\n")

@@ -350,3 +350,36 @@ def test_the_keys_a_sweep_varied_come_from_its_kept_record_when_it_has_one(tmp_p
                                   "    - optim.lr=1e-3,3e-3\n    - seed=1\n")
     assert other_sweeps_job(sweep / "0", sweep, ["optim.lr=0.01", "seed=2"]) == \
         "optim.lr=1e-3 there, 0.01 in this job"  # (seed: not a key the sweep varied)
+
+
+def test_a_sweep_whose_jobs_run_elsewhere_puts_the_launchs_signal_handlers_back(tmp_path):
+    """The process that submits a sweep's jobs (hydra/launcher=slurm, submitit's) and waits
+    for them kept train.py's start-up hold: a SIGTERM to it said "stopped on a preemption
+    signal before the first step ... the same command starts it again" while its jobs
+    trained on, and that command launched the sweep a second time."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import ROOT
+
+    code = textwrap.dedent(f"""
+        import signal
+        from omegaconf import OmegaConf
+        from trainer import startsignals
+        from trainer.sweep import SweepSummary
+        for target, held in (("hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+                              True),
+                             ("hydra_plugins.hydra_submitit_launcher.submitit_launcher."
+                              "SlurmLauncher", False)):
+            startsignals.hold()
+            config = OmegaConf.create({{"hydra": {{"launcher": {{"_target_": target}},
+                                                  "sweep": {{"dir": {str(tmp_path)!r}}}}}}})
+            SweepSummary().on_multirun_start(config)
+            assert (signal.getsignal(signal.SIGTERM) is startsignals._noted) == held, target
+            startsignals.put_back()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr[-2000:]
