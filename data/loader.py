@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import gc
 import math
 import os
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
-import threading
-import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -196,22 +193,19 @@ def children_of(pid: int) -> List[int]:
 @atexit.register
 def _end_workers_at_exit() -> None:
     """Python's exit (multiprocessing's hook) sends each live worker one SIGTERM and waits for
-    it, and a worker lets its training process's SIGTERM pass while that process lives
-    (`worker_signals`): a loader nobody closed (persistent workers of a loader still
-    referenced) is closed here first, as the loader would close it, asking its workers to
-    stop, and so is any DataLoader iterator still running (one abandoned in a reference
-    cycle); a worker still running after that (stuck: it ignored the request) is killed.
+    it; `worker_signals` lets a first SIGTERM pass, so a loader nobody closed (persistent
+    workers of a loader still referenced) is closed here first, as the loader would close it,
+    and so is any DataLoader iterator still running (one abandoned in a reference cycle).
     (torch's own shutdown in the loader's __del__ does nothing once the exit has begun.)"""
     for loader in list(_WITH_WORKERS):
         end_workers(loader)
     # an iterator no loader keeps (not persistent workers), abandoned mid-epoch and held from
     # its collection by a reference cycle (tune_loader.py's, one loader per setting measured,
-    # data=heavy), was closed by no one, and its workers held the exit for ever. Every one
-    # still running is ended as its loader would end it (the objects walked only where a
-    # child process lives: ~40 ms of a run's exit otherwise).
+    # data=heavy), was closed by no one: its workers, which let the exit's one SIGTERM pass,
+    # held the exit for ever. Every one still running is ended as its loader would end it
+    # (the objects walked only where a child process lives: ~40 ms of a run's exit otherwise).
     if not multiprocessing.active_children():  # (the module, imported with its util above)
         return
-    from torch.utils.data._utils.worker import _worker_loop
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     for obj in gc.get_objects():  # (type(): an isinstance() asks some modules' __class__)
@@ -221,9 +215,6 @@ def _end_workers_at_exit() -> None:
                 obj._shutdown_workers()
             except Exception:  # noqa: BLE001  (the next ones still end)
                 pass
-    for process in multiprocessing.active_children():  # (asked, and still running)
-        if getattr(process, "_target", None) is _worker_loop:
-            kill_with_children(process)
 
 
 def _loader_options(cfg: DataConfig, workers: int) -> dict:
@@ -231,60 +222,23 @@ def _loader_options(cfg: DataConfig, workers: int) -> dict:
         return {}
     return dict(prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                 multiprocessing_context=cfg.multiprocessing_context, timeout=cfg.timeout,
-                worker_init_fn=functools.partial(worker_signals, owner=os.getpid()))
+                worker_init_fn=worker_signals)
 
 
-def worker_signals(worker_id: int, owner: Optional[int] = None) -> None:
-    """A loader worker's signals: a SIGTERM is let pass while its training process (`owner`,
-    or the worker's parent) lives, and ends it once that process is gone. A scheduler's
-    SIGTERM to every process of a job (SLURM cancelling or timing out a job, `kill --
-    -PGID`, and torchrun's copy to each rank's group) is the training process's to act on:
-    it ends its step, saves a checkpoint and then stops its workers itself, asking them (a
-    stuck one is killed at its exit: `_end_workers_at_exit`). torch's own handler ended the
-    worker at once, and the step failed on the lost worker; letting a first SIGTERM pass and
-    a second end it lost the checkpoint where the scheduler's and torchrun's copies both
-    came. A worker whose training process is gone (killed) ends within a second, also where
-    its dataset's code is stuck (a thread watches). SIGUSR1 (SLURM's warning before a time
-    limit) and SIGHUP (a closed terminal) are the training process's alone: a worker ignores
-    them. (No signal mask: the programs a worker starts, a shard's curl, take SIGTERM.)"""
+def worker_signals(worker_id: int) -> None:
+    """A loader worker's SIGTERM handling. A SIGTERM to the whole process group (SLURM
+    cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
+    ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
+    handler ends the worker at once, and the step then fails on the lost worker; here the
+    first SIGTERM is let pass, and a second ends the worker. Loaders end their workers by
+    asking them (then terminate() the ones that did not stop); Python's exit, which only
+    sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that. SIGUSR1 (SLURM's
+    warning before a time limit) and SIGHUP (a closed terminal) are the training process's
+    alone: a worker ignores them (it ends when asked, or when its parent is gone)."""
+    signal.signal(signal.SIGTERM, _second_ends)
     for sig in (signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
-    owner = owner or parent
-    signal.signal(signal.SIGTERM, functools.partial(_ends_when_orphaned, parent, owner))
-    threading.Thread(target=_ends_orphaned, args=(parent, owner), daemon=True,
-                     name="stoker-worker-owner").start()
     _first_batch_sendable()
-
-
-def _orphaned(parent: int, owner: int) -> bool:
-    """Whether a worker's training process `owner` (its parent `parent`, or a forkserver
-    between them) is gone."""
-    if os.getppid() != parent:  # (reparented: the parent ended)
-        return True
-    try:
-        os.kill(owner, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        pass
-    return False
-
-
-def _ends_when_orphaned(parent: int, owner: int, signum: int, frame: Any) -> None:
-    """A worker's SIGTERM handler: passes while its training process lives, else ends the
-    worker as SIGTERM's default does."""
-    if _orphaned(parent, owner):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _ends_orphaned(parent: int, owner: int) -> None:
-    """A worker's thread: kills the worker once its training process is gone (PyTorch's own
-    check runs between batches only, and a worker stuck in its dataset never gets there)."""
-    while not _orphaned(parent, owner):
-        time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _first_batch_sendable() -> None:
@@ -318,6 +272,10 @@ def _first_batch_sendable() -> None:
                     raise state["error"] from None
             return batch
         cls.fetch = checked
+
+
+def _second_ends(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,

@@ -327,8 +327,8 @@ class ShardLoader:
 
     def close(self) -> None:
         """Ends the workers of the latest pass, if they run: the run's end, also where an
-        error's traceback still holds the pass (its workers asked to stop, not cut short by
-        Python's exit, which sends each one SIGTERM)."""
+        error's traceback still holds the pass (its workers let a first SIGTERM pass, and
+        Python's exit, which sends one and waits, would wait on them for ever)."""
         it = self._pass() if self._pass is not None else None
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:

@@ -323,8 +323,8 @@ def _one_line_errors(main: Callable[[], None]) -> None:
                          "PATH); submit from a cluster's login node, or leave the launcher out "
                          "to run the sweep here"))
     except SystemExit:  # (a sweep job's crash ends the sweep so: ending.end_sweep)
-        # (a job's processes that outlived it, its loader workers among them, ended before
-        # Python's exit waits on them)
+        # loader workers forked under the run's SIGTERM handler would outlive the
+        # terminate() that Python's exit sends them, and the exit waits on them for ever
         reap_children()
         raise
     except SignalledAgain as e:

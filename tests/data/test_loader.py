@@ -107,9 +107,9 @@ def test_loader_passes_timeout_and_context():
 
 
 def test_a_process_with_a_loaders_kept_workers_still_exits():
-    """Python's exit sends each worker one SIGTERM and then waits (workers once let a first
-    one pass): a loader with persistent workers still referenced at exit is closed, and the
-    process ends."""
+    """Workers let a first SIGTERM pass (worker_signals), and Python's exit sends one and then
+    waits: a loader with persistent workers still referenced at exit is closed first, or the
+    process never ended."""
     import subprocess
     import sys
 
@@ -129,7 +129,7 @@ def test_a_process_with_a_loaders_kept_workers_still_exits():
 def test_a_process_with_an_abandoned_iterator_in_a_reference_cycle_still_exits():
     """An iterator of a loader without persistent workers, abandoned mid-epoch and kept from
     its collection by a reference cycle (scripts/tune_loader.py data=heavy): no loader holds
-    it, and its workers held the exit for ever (they let the exit's one SIGTERM pass)."""
+    it, and its workers, letting the exit's one SIGTERM pass, held the exit for ever."""
     import os
     import sys
 

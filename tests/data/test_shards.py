@@ -311,7 +311,7 @@ def test_an_npy_sample_whose_member_is_damaged_or_missing_is_one_line_naming_it(
 
 
 def test_a_pass_still_held_at_exit_has_its_workers_ended(shards, tmp_path):
-    """Workers let SIGTERM pass (data/loader.py:worker_signals), so a pass whose
+    """Workers let a first SIGTERM pass (data/loader.py:worker_signals), so a pass whose
     iterator an error's traceback still held at exit (a sweep job's crash in a shard worker)
     kept Python's exit waiting on its workers for ever: its loader ends them first."""
     import sys

@@ -635,29 +635,3 @@ def test_a_failed_validation_keeps_the_epoch_it_followed(make_cfg, tmp_path, cap
     mended = train(make_cfg("data.placement=host", "trainer.max_epochs=2",
                             "trainer.resume=auto"))
     assert mended["steps"] == 46 and mended["checkpoint"] == str(last)
-
-
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_scheduler_signal_to_every_process_of_a_torchrun_job_saves_its_checkpoint(tmp_path,
-                                                                                    context):
-    """A scheduler's SIGTERM reaches every process of the job: each loader worker got it
-    twice, the scheduler's and torchrun's copy to its rank's group; the second ended the
-    worker, the step failed on it, and the preemption checkpoint was lost. A worker lets
-    SIGTERMs pass while its training process lives (which ends its workers itself)."""
-    run_dir = tmp_path / "run"
-    proc = start_and_wait(
-        launcher(2) + [*JOB, f"hydra.run.dir={run_dir}", "data.num_workers=1",
-                       f"data.multiprocessing_context={context}",
-                       "trainer.max_epochs=20", "model.hidden=[2048,2048]",
-                       "trainer.checkpoint.every_n_steps=4"],
-        until=lambda: logged_step(run_dir) >= 6)
-    from data.loader import children_of
-
-    for pid in [proc.pid, *children_of(proc.pid)]:  # (a scheduler's: every process of the
-        os.kill(pid, signal.SIGTERM)                  # job, whatever its group)
-    out, _ = proc.communicate(timeout=120)
-    assert "checkpoint saved, resume with" in out, out[-3000:]
-    assert "DataLoader worker" not in out and "failed at step" not in out, out[-3000:]
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "preempted", status
-    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] >= 6
