@@ -77,11 +77,6 @@ class Preemption:
     def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._previous and startsignals.held_once():
-            from trainer.ending import stops_sweep
-
-            if stops_sweep():  # (the next job of the sweep comes in this process: held
-                startsignals.hold()  # until its run takes over; SweepSummary puts back)
         if self._pending is not None and (exc_type is None or issubclass(exc_type, Preempted)):
             # a coordinated end: every rank issued it, so it completes; leave nothing open
             # (after an error a peer may be gone: then it is dropped, not waited for)

@@ -373,11 +373,20 @@ class SweepSummary(Callback):
         except OSError:
             pass  # (the dir went, or turned read-only: the record there stays as it is)
 
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A job of a sweep run in this process (the second and later ones): the preemption
+        signals held again until its run takes over, as train.py held them for the first (a
+        signal while the job's ranks met ended a rank at -15 without a word)."""
+        from trainer import startsignals
+
+        if startsignals.held_once():
+            startsignals.hold()
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from trainer import startsignals
         from trainer.distributed import detect
 
-        startsignals.put_back()  # (held between the jobs: trainer.preemption)
+        startsignals.put_back()  # (held for a job that did not come: on_job_start)
         self._ended = True
         if not detect().is_main:
             return

@@ -41,11 +41,11 @@ def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capf
     assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
 
 
-def test_the_start_up_hold_is_taken_over_and_held_again_between_a_sweeps_jobs():
+def test_the_start_up_hold_is_taken_over_and_held_again_for_a_sweeps_next_job():
     """train.py's start-up hold (trainer/startsignals.py) gives way to the run's handlers and
-    its launch's handlers come back at the run's end; in a sweep whose jobs run in this
-    process it holds again until the next job's run (a signal while job 2 met its ranks
-    ended a rank at -15 without a word), and the sweep's end puts the launch's back."""
+    its launch's handlers come back at the run's end; a sweep's next job run in this process
+    holds them again from its start (SweepSummary.on_job_start: a signal while job 2 met its
+    ranks ended a rank at -15 without a word), and the sweep's end puts the launch's back."""
     import subprocess
     import sys
     import textwrap
@@ -55,24 +55,22 @@ def test_the_start_up_hold_is_taken_over_and_held_again_between_a_sweeps_jobs():
     code = textwrap.dedent("""
         import os, signal
         from trainer import startsignals
-        startsignals.hold()
-        import trainer.ending
         from trainer.distributed import DistEnv
         from trainer.preemption import Preemption
-        with Preemption(DistEnv()) as p:
-            assert signal.getsignal(signal.SIGTERM) == p._handle
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (a run alone: the launch's)
-        trainer.ending.stops_sweep = lambda: True
-        startsignals.hold()
-        with Preemption(DistEnv()):
-            pass
-        assert signal.getsignal(signal.SIGTERM) is startsignals._noted  # (held: job 2 to come)
-        startsignals.put_back()  # (the sweep's end)
+        from trainer.sweep import SweepSummary
+        summary = SweepSummary()
+        summary.on_job_start(None)  # (a process that never held: nothing held)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         startsignals.hold()
-        with Preemption(DistEnv()):
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)  # (between the jobs)
+        with Preemption(DistEnv()) as p:
+            assert signal.getsignal(signal.SIGTERM) == p._handle
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # (the job's end, its report)
+        summary.on_job_start(None)
+        assert signal.getsignal(signal.SIGTERM) is startsignals._noted  # (job 2, until its run)
+        startsignals.put_back()  # (the sweep's end)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        summary.on_job_start(None)
+        os.kill(os.getpid(), signal.SIGTERM)  # (job 2 meets its ranks)
         signal.pause()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
