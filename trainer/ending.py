@@ -19,7 +19,7 @@ from data.cachewait import WriterGone
 from data.loader import LoaderStalled
 from data.workerdeath import LoaderWorkerDied
 from trainer import checkpoint, distributed, resumefiles, rundir, runlock, stamp, sweepdirs
-from trainer.sweep import in_sweep
+from trainer.sweep import in_sweep, runs_jobs_here
 from trainer.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, USER_ERRORS, SignalledAgain, complete,
                          describe, exit_now, fail)
 from trainer.config import RunSpec
@@ -75,7 +75,7 @@ def stops_sweep() -> bool:
     """Whether this is a job of a sweep that Hydra's basic launcher runs here, one job after
     another in this process (a launcher such as submitit's runs each job as a job of its
     own, and carries its exception back as it is)."""
-    return in_sweep() and "basic_launcher" in launcher()
+    return in_sweep() and runs_jobs_here(launcher())
 
 
 def sweep_job_failed(e: BaseException) -> None:
@@ -328,6 +328,8 @@ def past_the_limit(cfg: DictConfig, loop: Loop) -> Optional[str]:
     It ended there at once and rewrote its files as a run ending at that limit: its last
     checkpoints, a validation row, the status "completed", a schedule at its end."""
     state, t = loop.state, cfg.trainer
+    if state.validated_step == state.step:
+        return None  # (a run complete at its step: nothing_to_do says so)
     keep = "its files are left as they are"
     if t.max_steps > 0 and state.step > t.max_steps:
         return (f"trainer.max_steps={t.max_steps}: the run is at step {state.step} already, "

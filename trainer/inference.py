@@ -47,12 +47,11 @@ def image_inputs(path: Union[str, Path], images: Sequence[Any],
     shape = data.get("input_shape")
     # an image folder's or shards' size; packed arrays of images (data=memmap) carry the
     # ImageNet normalisation their pack recorded (a synthetic [3, s, s] set carries none)
+    square = isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and \
+        shape[1] == shape[2]
     size = dataset.get("size") if isinstance(dataset.get("size"), int) else (
-        shape[-1] if isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and
-        shape[1] == shape[2] and data.get("normalize_mean") is not None else None)
+        shape[-1] if square and data.get("normalize_mean") is not None else None)
     if size is None:
-        square = isinstance(shape, Sequence) and len(shape) == 3 and shape[0] == 3 and \
-            shape[1] == shape[2]
         if square:  # (images, read by a dataset that records no size nor normalisation)
             raise CheckpointError(
                 f"checkpoint {path}: its run read its images through "

@@ -20,7 +20,7 @@ from trainer.distributed import DistEnv
 EXIT_PREEMPTED = startsignals.EXIT_PREEMPTED
 # SLURM sends SIGUSR1 before a time limit; a closed terminal or a dropped ssh session SIGHUP
 # (torchrun's agent passes it to the ranks)
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+PREEMPT_SIGNALS = startsignals.SIGNALS
 AGAIN_AFTER_S = 1.0  # a second Ctrl-C later than this stops at once (torchrun's forwarded
 # copy of the first one follows it within milliseconds)
 

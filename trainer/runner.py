@@ -263,8 +263,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     # the first line to the log comes after every check: a refused run adds nothing to the
     # train.log of the run whose dir it was pointed at
     warnings, lines, resumed = startup.restore(cfg, env, run_dir, loop, resume, spec.gpus)
-    past = None if loop.reached_limit() and loop.state.validated_step == loop.state.step \
-        else ending.past_the_limit(cfg, loop)  # (a complete run has nothing to do instead)
+    past = ending.past_the_limit(cfg, loop)
     if past is not None:  # (said before the resume's lines, which tell of a run not to come)
         raise ConfigError(past)
     if resumed is not None and resumefiles.in_run_dir(resumed, run_dir):

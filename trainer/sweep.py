@@ -45,6 +45,12 @@ UNREADABLE = "unreadable status.json"
 GONE = "stopped (process gone)"
 
 
+def runs_jobs_here(launcher_target: str) -> bool:
+    """Whether a sweep launcher (its `_target_`) runs the jobs in this process, one after
+    another: Hydra's basic launcher (submitit's runs each as a job of its own)."""
+    return "basic_launcher" in launcher_target
+
+
 def in_sweep() -> bool:
     """Whether this process runs a job of a Hydra sweep (`-m`)."""
     from hydra.core.hydra_config import HydraConfig
@@ -342,8 +348,8 @@ class SweepSummary(Callback):
         from trainer import startsignals
         from trainer.distributed import detect
 
-        if "basic_launcher" not in str(OmegaConf.select(config, "hydra.launcher._target_",
-                                                        default="")):
+        if not runs_jobs_here(str(OmegaConf.select(config, "hydra.launcher._target_",
+                                                   default=""))):
             # the jobs run elsewhere (submitit's): this process only waits for them, and a
             # signal to it stopped no run "before the first step"
             startsignals.put_back()
