@@ -8,18 +8,31 @@ no signal that ends it (the run hung, silent). One daemon thread looks once a se
 threads reading batches; one found in the same exchange for longer than its loader's timeout
 has its loaders' workers killed, so the read fails at once, and `data.loader.readable` says
 it as the stall it is.
+
+The same look catches a worker's death whose word was lost. PyTorch says a worker died by
+raising from its SIGCHLD handler in the training thread; where the signal comes while that
+thread runs code whose errors Python can only print (an at-fork hook, as another loader starts
+its workers; a `__del__`), it prints "Exception ignored" and the read waits until data.timeout
+(300 s) before it looks at the workers itself. A worker of the loader being read that has
+ended and is still not said a poll later has the signal delivered to the training thread again
+(once): PyTorch's handler then raises as it would have.
 """
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import sys
 import threading
 import time
 import weakref
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
+from data.workerdeath import iterators_of
+
 POLL_S = 1.0
 HANDOVER = "rebuild_storage_fd"  # torch.multiprocessing.reductions
+WAITING = "_get_data"  # torch.utils.data.dataloader: the wait for a worker's message
 
 _lock = threading.Lock()
 # token: (thread id, weak references to the holders, timeout)
@@ -32,21 +45,18 @@ _watcher: Optional[threading.Thread] = None
 def timeout_of(*holders: Any) -> float:
     """The DataLoader timeout of the first iterator among `holders` or the ones they keep
     (0: none, wait for ever)."""
-    for holder in holders:
-        for it in (holder, getattr(holder, "_iterator", None), getattr(holder, "_batches", None)):
-            t = getattr(it, "_timeout", None)
-            if isinstance(t, (int, float)):
-                return float(t)
+    for it in iterators_of(holders):
+        t = getattr(it, "_timeout", None)
+        if isinstance(t, (int, float)):
+            return float(t)
     return 0.0
 
 
-def watch(holders: Sequence[Any], timeout: float) -> Optional[int]:
+def watch(holders: Sequence[Any], timeout: float) -> int:
     """Watches the calling thread's batch handovers from the workers of `holders` (DataLoader
-    iterators, or loaders that keep one); a token for `stalled` and `unwatch`, None where
-    there is no timeout to keep."""
+    iterators, or loaders that keep one), against `timeout` (0: none, deaths alone); a
+    token for `stalled` and `unwatch`."""
     global _watcher
-    if timeout <= 0:
-        return None
     token = next(_tokens)
     refs = []
     for holder in holders:  # weakly: a loader's iterator must still go (its workers with it)
@@ -79,6 +89,8 @@ def stalled(token: Optional[int]) -> Optional[float]:
 
 def _watch() -> None:
     since: Dict[int, Tuple[int, float]] = {}  # thread id: (its handover frame's id, first seen)
+    ended: Set[int] = set()  # pids of workers seen ended at the last look
+    told: Set[int] = set()  # ... and whose signal was delivered again
     from data.loader import kill_workers
 
     last = time.monotonic()
@@ -94,8 +106,10 @@ def _watch() -> None:
         if slept > 5 * POLL_S:  # suspended (Ctrl-Z, a scheduler's suspend): its own time
             since.clear()       # counts for no handover
         if not watched:
+            ended.clear()
             continue
-        for thread, frame_id in _handovers(threads).items():
+        ended = _unsaid_deaths(watched, ended, told)
+        for thread, frame_id in _frames(threads, HANDOVER).items():
             if frame_id is None:
                 since.pop(thread, None)
                 continue
@@ -103,7 +117,7 @@ def _watch() -> None:
             if first[0] != frame_id:  # another handover since the last look
                 since[thread] = first = (frame_id, now)
             for token, (ident, holders, timeout) in watched.items():
-                if ident == thread and now - first[1] > timeout:
+                if ident == thread and 0 < timeout < now - first[1]:
                     with _lock:
                         _stalled.add(token)
                     # (the exchange then fails: its peer is gone)
@@ -111,16 +125,53 @@ def _watch() -> None:
         del watched  # (no reference to a holder kept through the sleep)
 
 
-def _handovers(threads: Set[int]) -> Dict[int, Optional[int]]:
-    """For each of `threads`, the id of the handover frame on its stack (None: none). Ids
-    alone: a frame kept by this thread through its sleep would keep its locals, a loader's
-    iterator among them, from going when their reader drops them (and with them its workers,
-    which Python's exit then waits for, for ever)."""
+def _frames(threads: Set[int], name: str) -> Dict[int, Optional[int]]:
+    """For each of `threads`, the id of the frame of function `name` on its stack (None:
+    none). Ids alone: a frame kept by this thread through its sleep would keep its locals, a
+    loader's iterator among them, from going when their reader drops them (and with them its
+    workers, which Python's exit then waits for, for ever)."""
     frames = sys._current_frames()
     found = {}
     for thread in threads:
         frame = frames.get(thread)
-        while frame is not None and frame.f_code.co_name != HANDOVER:
+        while frame is not None and frame.f_code.co_name != name:
             frame = frame.f_back
         found[thread] = None if frame is None else id(frame)
     return found
+
+
+def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: Set[int],
+                   told: Set[int]) -> Set[int]:
+    """Delivers SIGCHLD again to the main thread where it waits for a worker's message from a
+    loader whose worker had already ended at the last look (`ended`, whose signal PyTorch's
+    handler would have said at once): its word was lost (see the module doc). Each pid once
+    (`told`); the pids of the watched loaders' ended workers now."""
+    main = threading.main_thread().ident
+    if not any(ident == main for ident, _, _ in watched.values()):
+        return set()  # (PyTorch's handler raises in the main thread alone)
+    now: Set[int] = set()
+    for ident, holders, _ in watched.values():
+        if ident != main:
+            continue
+        for it in iterators_of([h for h in (ref() for ref in holders) if h is not None]):
+            if not getattr(it, "_worker_pids_set", False):  # (shut down, or said already)
+                continue
+            for worker in getattr(it, "_workers", None) or ():
+                if worker.pid is not None and _has_ended(worker.pid):
+                    now.add(worker.pid)
+    waiting = _frames({main}, WAITING)[main] is not None
+    told.intersection_update(now)  # (a pid used again later is another worker)
+    lost = (now & ended) - told
+    if lost and waiting:
+        told.update(lost)
+        signal.pthread_kill(main, signal.SIGCHLD)
+    return now
+
+
+def _has_ended(pid: int) -> bool:
+    """Whether child `pid` has ended, read without reaping it (as PyTorch's handler reads it);
+    False where it cannot be read (reaped already: whoever reaped it saw it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except (ChildProcessError, OSError, AttributeError):
+        return False

@@ -365,6 +365,71 @@ def test_a_worker_stopped_with_its_batch_queued_is_a_stall_not_a_hang():
     batches._shutdown_workers()
 
 
+class _KillsItselfAt(torch.utils.data.Dataset):
+    """Sample `at` ends its worker's process with SIGKILL (as the out-of-memory killer does)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == self.at:
+            os.kill(os.getpid(), 9)
+        return torch.tensor(float(i))
+
+
+def test_a_worker_death_whose_signal_was_lost_is_said_at_once_not_after_data_timeout():
+    """PyTorch says a worker died by raising from its SIGCHLD handler in the training thread;
+    where the signal comes while that thread runs an at-fork hook (another loader starting its
+    workers), Python prints the error as ignored, and the read waited data.timeout (300 s by
+    default) before it looked at the workers: CI saw the run hang. The handover watch sees a
+    worker of the loader being read ended and delivers the signal again."""
+    import signal
+
+    from data.loader import LoaderWorkerDied, readable
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(4.0))
+    warm = iter(torch.utils.data.DataLoader(dataset, num_workers=1))  # PyTorch's handler on
+    next(warm)
+    warm._shutdown_workers()
+    pytorchs = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the death's signal lost
+    try:
+        loader = torch.utils.data.DataLoader(_KillsItselfAt(2), batch_size=1, num_workers=1,
+                                             timeout=600, prefetch_factor=4)
+        batches = iter(loader)
+        pid = batches._workers[0].pid
+        deadline = time.monotonic() + 60
+        while (os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGCHLD, pytorchs)
+
+    gave_up = []
+
+    def give_up(signum, frame):  # (PyTorch takes any error in the wait for a look at the
+        gave_up.append(True)     # workers, so the death is said then: the flag tells)
+        raise TimeoutError("the read still waits for the dead worker's batch")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(120)  # (without the watch: data.timeout, 600 s)
+    said = readable(batches, workers=True, owner=loader)
+    try:
+        with pytest.raises(LoaderWorkerDied, match=rf"^data: loader worker \(pid {pid}\) was "
+                                                   r"killed \(SIGKILL"):
+            for _ in range(4):
+                next(said)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        said.close()
+        batches._shutdown_workers()
+    assert not gave_up, "the read waited 120 s for the dead worker's batch"
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_that_makes_its_batches_trains_through_as_is(make_cfg, tmp_path, workers):
     """The stall advice's `__getitems__` that returns its batch made already: the default
