@@ -31,8 +31,8 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 from data.workerdeath import iterators_of
 
 POLL_S = 1.0
-HANDOVER = "rebuild_storage_fd"  # torch.multiprocessing.reductions
-WAITING = "_get_data"  # torch.utils.data.dataloader: the wait for a worker's message
+HANDOVER = ("rebuild_storage_fd", "reductions.py")  # torch.multiprocessing: the exchange
+WAITING = ("_get_data", "dataloader.py")  # torch.utils.data: the wait for a worker's message
 
 _lock = threading.Lock()
 # token: (thread id, weak references to the holders, timeout)
@@ -109,7 +109,7 @@ def _watch() -> None:
             ended.clear()
             continue
         ended = _unsaid_deaths(watched, ended, told)
-        for thread, frame_id in _frames(threads, HANDOVER).items():
+        for thread, frame_id in _frames(threads, *HANDOVER).items():
             if frame_id is None:
                 since.pop(thread, None)
                 continue
@@ -125,16 +125,17 @@ def _watch() -> None:
         del watched  # (no reference to a holder kept through the sleep)
 
 
-def _frames(threads: Set[int], name: str) -> Dict[int, Optional[int]]:
-    """For each of `threads`, the id of the frame of function `name` on its stack (None:
-    none). Ids alone: a frame kept by this thread through its sleep would keep its locals, a
+def _frames(threads: Set[int], name: str, file: str) -> Dict[int, Optional[int]]:
+    """For each of `threads`, the id of the frame of function `name` of a file named `file`
+    on its stack (None: none). Ids alone: a frame kept by this thread through its sleep would keep its locals, a
     loader's iterator among them, from going when their reader drops them (and with them its
     workers, which Python's exit then waits for, for ever)."""
     frames = sys._current_frames()
     found = {}
     for thread in threads:
         frame = frames.get(thread)
-        while frame is not None and frame.f_code.co_name != name:
+        while frame is not None and not (frame.f_code.co_name == name and
+                                         frame.f_code.co_filename.endswith(file)):
             frame = frame.f_back
         found[thread] = None if frame is None else id(frame)
     return found
@@ -157,9 +158,9 @@ def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: 
             if not getattr(it, "_worker_pids_set", False):  # (shut down, or said already)
                 continue
             for worker in getattr(it, "_workers", None) or ():
-                if worker.pid is not None and _has_ended(worker.pid):
+                if worker.pid is not None and _failed(worker.pid):
                     now.add(worker.pid)
-    waiting = _frames({main}, WAITING)[main] is not None
+    waiting = _frames({main}, *WAITING)[main] is not None
     told.intersection_update(now)  # (a pid used again later is another worker)
     lost = (now & ended) - told
     if lost and waiting:
@@ -168,10 +169,14 @@ def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: 
     return now
 
 
-def _has_ended(pid: int) -> bool:
-    """Whether child `pid` has ended, read without reaping it (as PyTorch's handler reads it);
-    False where it cannot be read (reaped already: whoever reaped it saw it)."""
+def _failed(pid: int) -> bool:
+    """Whether child `pid` has ended as PyTorch's handler counts a failure (killed, or a
+    non-zero exit: a worker of an IterableDataset that ran out exits 0 and waits to be
+    reaped), read without reaping it, as the handler reads it; False where it cannot be read
+    (reaped already: whoever reaped it saw it)."""
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except (ChildProcessError, OSError, AttributeError):
         return False
+    return info is not None and (info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) or
+                                 info.si_status != 0)

@@ -14,6 +14,7 @@ import math
 import os
 import multiprocessing.util  # noqa: F401  (its exit hook first, so that ours runs before it)
 import signal
+import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -230,7 +231,8 @@ def worker_signals(worker_id: int) -> None:
     cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
     ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
     handler ends the worker at once, and the step then fails on the lost worker; here the
-    first SIGTERM is let pass, and a second ends the worker. Loaders end their workers by
+    first SIGTERM is let pass, with its copies (`SIGTERM_COPIES_S`), and a second ends the
+    worker. Loaders end their workers by
     asking them (then terminate() the ones that did not stop); Python's exit, which only
     sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that. SIGUSR1 (SLURM's
     warning before a time limit) and SIGHUP (a closed terminal) are the training process's
@@ -274,8 +276,22 @@ def _first_batch_sendable() -> None:
         cls.fetch = checked
 
 
+# SIGTERMs that reach a worker this close after its first are copies of that one: a scheduler
+# that signals every process of a torchrun job (SLURM's scancel), whose torchrun then sends
+# its own to each rank's process group, the workers in it (a worker that ended on the copy
+# failed the step, and the preemption checkpoint was lost). Below the 5 s a loader's
+# shutdown waits before its own SIGTERM.
+SIGTERM_COPIES_S = 2.0
+_first_sigterm: List[float] = []  # (a worker's: when its first SIGTERM came)
+
+
 def _second_ends(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    now = time.monotonic()
+    if not _first_sigterm:
+        _first_sigterm.append(now)
+    elif now - _first_sigterm[0] > SIGTERM_COPIES_S:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _shard_loader(stream: ShardStream, cfg: DataConfig, train: bool, rank: int,
@@ -357,6 +373,17 @@ def loader_error(e: BaseException, holders: Sequence[Any] = ()) -> BaseException
     return Unbatchable(f"data: the dataset yields samples the default collate cannot batch "
                        f"({last}); return tensors of one shape, numbers, or dicts/tuples of "
                        "them, or set data.collate_fn (to pad variable-length samples, say)")
+
+
+def started(loader: Any, workers: bool) -> Iterator[Any]:
+    """`iter(loader)`, watched as `readable` watches a read (data/handover.py): a loader with
+    persistent workers waits in it for each to take up the new pass, and a word of a worker's
+    death lost there would wait for data.timeout."""
+    token = handover.watch((loader,), handover.timeout_of(loader)) if workers else None
+    try:
+        return iter(loader)
+    finally:
+        handover.unwatch(token)
 
 
 def readable(batches: Iterator[Any], workers: bool = False, owner: Any = None

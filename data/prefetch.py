@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from data.loader import end_pass, end_workers, readable
+from data.loader import end_pass, end_workers, readable, started
 from data.resident import ResidentBatches
 from trainer.config import ConfigError
 
@@ -300,9 +300,9 @@ class DevicePrefetcher:
             for batch in source:
                 yield transform(batch, next(keys))
             return
-        source = iter(self.loader)
-        batches = readable(source, workers=getattr(self.loader, "num_workers", 0) > 0,
-                           owner=self.loader)
+        workers = getattr(self.loader, "num_workers", 0) > 0
+        source = started(self.loader, workers)
+        batches = readable(source, workers=workers, owner=self.loader)
         if limit is not None:
             batches = itertools.islice(batches, limit)
         try:

@@ -285,6 +285,28 @@ def test_sigterm_to_the_whole_process_group_reaches_the_loader_workers_too_and_s
     assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
 
 
+def test_sigterm_to_every_process_of_a_torchrun_job_still_saves(tmp_path):
+    """SLURM's scancel signals every process of a job step itself: torchrun, its rank and
+    the rank's loader workers. A worker then had two SIGTERMs, the sender's and torchrun's
+    copy to its rank's group, ended on the second, and the step failed on it: the
+    preemption checkpoint was lost (one run in two). Copies that close together are one."""
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, ["data.num_workers=2", "trainer.max_epochs=50"],
+                                  torchrun_args=["--nnodes=1"]),
+                          until=lambda: logged_step(run_dir) >= 5)
+    # the deepest first (the workers, then the rank, then torchrun), as one sender's loop
+    for pid in [*reversed(descendants(proc.pid)), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    out, _ = proc.communicate(timeout=120)
+    assert "stopped on a preemption signal" in out and "killed by signal" not in out, \
+        out[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] >= 5
+
+
 def test_a_sweep_stopped_by_ctrl_c_names_how_to_continue_the_whole_sweep(tmp_path):
     """Ctrl-C in job 0 of a sweep: the line names the job's resume and the sweep's, whose
     overrides (as typed) continue it: job 0 from its checkpoint, job 1 from the start."""
