@@ -127,9 +127,9 @@ def _watch() -> None:
 
 def _frames(threads: Set[int], name: str, file: str) -> Dict[int, Optional[int]]:
     """For each of `threads`, the id of the frame of function `name` of a file named `file`
-    on its stack (None: none). Ids alone: a frame kept by this thread through its sleep would keep its locals, a
-    loader's iterator among them, from going when their reader drops them (and with them its
-    workers, which Python's exit then waits for, for ever)."""
+    on its stack (None: none). Ids alone: a frame kept by this thread through its sleep would
+    keep its locals, a loader's iterator among them, from going when their reader drops them
+    (and with them its workers, which Python's exit then waits for, for ever)."""
     frames = sys._current_frames()
     found = {}
     for thread in threads:

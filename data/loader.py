@@ -232,11 +232,11 @@ def worker_signals(worker_id: int) -> None:
     ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
     handler ends the worker at once, and the step then fails on the lost worker; here the
     first SIGTERM is let pass, with its copies (`SIGTERM_COPIES_S`), and a second ends the
-    worker. Loaders end their workers by
-    asking them (then terminate() the ones that did not stop); Python's exit, which only
-    sends one SIGTERM and waits, comes after `_end_workers_at_exit` did that. SIGUSR1 (SLURM's
-    warning before a time limit) and SIGHUP (a closed terminal) are the training process's
-    alone: a worker ignores them (it ends when asked, or when its parent is gone)."""
+    worker. Loaders end their workers by asking them (then terminate() the ones that did not
+    stop); Python's exit, which only sends one SIGTERM and waits, comes after
+    `_end_workers_at_exit` did that. SIGUSR1 (SLURM's warning before a time limit) and SIGHUP
+    (a closed terminal) are the training process's alone: a worker ignores them (it ends
+    when asked, or when its parent is gone)."""
     signal.signal(signal.SIGTERM, _second_ends)
     for sig in (signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
