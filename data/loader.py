@@ -129,9 +129,8 @@ def end_workers(loader: Any) -> None:
         close()
         return
     iterator = getattr(loader, "_iterator", None)
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
+    if iterator is not None:
+        shut_down(iterator)
         loader._iterator = None
 
 
@@ -148,7 +147,7 @@ def end_pass(iterator: Any) -> None:
 
     if isinstance(iterator, _MultiProcessingDataLoaderIter) and \
             not iterator._persistent_workers:
-        iterator._shutdown_workers()
+        shut_down(iterator)
 
 
 def kill_workers(*holders: Any) -> None:
@@ -174,6 +173,26 @@ def kill_with_children(process: Any) -> None:
     for pid in below:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+
+
+def shut_down(iterator: Any) -> None:
+    """A DataLoader iterator's shutdown (`_shutdown_workers`; nothing for other objects), and
+    then SIGKILL for each of its workers still alive: PyTorch asks them to stop, waits, and
+    sends a SIGTERM, which a worker lets pass where it is its first or a copy of that
+    (`worker_signals`), or cannot act on while stuck in native code, and Python's exit then
+    waited on it for ever. (Again for an iterator shut down before: its workers, checked.)"""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    shutdown()
+    for worker in getattr(iterator, "_workers", None) or ():
+        if worker.is_alive():  # (a torch whose shutdown does not wait after its SIGTERM)
+            worker.join(timeout=LEFT_AFTER_SIGTERM_S)
+            if worker.is_alive():
+                kill_with_children(worker)
+
+
+LEFT_AFTER_SIGTERM_S = 1.0
 
 
 def children_of(pid: int) -> List[int]:
@@ -209,13 +228,30 @@ def _end_workers_at_exit() -> None:
         return
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+    # (shut down already, too: a worker that let the shutdown's SIGTERM pass, killed here)
     for obj in gc.get_objects():  # (type(): an isinstance() asks some modules' __class__)
         if issubclass(type(obj), _MultiProcessingDataLoaderIter) and \
-                not getattr(obj, "_shutdown", True):  # (True: one built only in part)
+                hasattr(obj, "_shutdown"):  # (without: one built only in part)
             try:
-                obj._shutdown_workers()
+                shut_down(obj)
             except Exception:  # noqa: BLE001  (the next ones still end)
                 pass
+    # a worker whose iterator went before the exit, the SIGTERM of its shutdown let pass (a
+    # copy, to the worker, of a preemption's within SIGTERM_COPIES_S): Python's exit sends one
+    # more, also let pass, and waited on it for ever
+    for child in multiprocessing.active_children():
+        if _thread_name(child.pid) == "pt_data_worker":  # (PyTorch names its workers so)
+            kill_with_children(child)
+            child.join(timeout=LEFT_AFTER_SIGTERM_S)
+
+
+def _thread_name(pid: Optional[int]) -> str:
+    """Process `pid`'s name (Linux's /proc/PID/comm); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _loader_options(cfg: DataConfig, workers: int) -> dict:
@@ -279,9 +315,10 @@ def _first_batch_sendable() -> None:
 # SIGTERMs that reach a worker this close after its first are copies of that one: a scheduler
 # that signals every process of a torchrun job (SLURM's scancel), whose torchrun then sends
 # its own to each rank's process group, the workers in it (a worker that ended on the copy
-# failed the step, and the preemption checkpoint was lost). Below the 5 s a loader's
-# shutdown waits before its own SIGTERM.
-SIGTERM_COPIES_S = 2.0
+# failed the step, and the preemption checkpoint was lost). Timed where the handler runs,
+# after any native call the copy came in (a decoder's, a tokenizer's). A worker that lets a
+# loader shutdown's SIGTERM pass is killed after it (`shut_down`).
+SIGTERM_COPIES_S = 10.0
 _first_sigterm: List[float] = []  # (a worker's: when its first SIGTERM came)
 
 

@@ -117,7 +117,7 @@ class RunOnLoader:
 
     def close(self) -> None:
         """Ends the running DataLoader iterator's workers now (not when it is collected)."""
+        from data.loader import shut_down  # (lazy: data.loader imports this module)
+
         batches, self._batches, self._at = self._batches, None, None
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        shut_down(batches)

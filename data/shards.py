@@ -329,10 +329,9 @@ class ShardLoader:
         """Ends the workers of the latest pass, if they run: the run's end, also where an
         error's traceback still holds the pass (its workers let a first SIGTERM pass, and
         Python's exit, which sends one and waits, would wait on them for ever)."""
-        it = self._pass() if self._pass is not None else None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        from data.loader import shut_down  # (lazy: data.loader imports this module)
+
+        shut_down(self._pass() if self._pass is not None else None)
 
     def __len__(self) -> int:
         return math.ceil(len(self.sampler) / self.batch_size)

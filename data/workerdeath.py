@@ -40,11 +40,15 @@ def _worker_ended(text: str, holders: Sequence[Any] = ()) -> Optional[LoaderWork
     if m is None:
         return None
     pid, signal_name, code = m.group(1).strip(), m.group(3), m.group(4)
-    if signal_name is None and code is None and pid.isdigit():
+    if signal_name is None and code is None:
         # PyTorch does not always tell how (one race of its own says "exited unexpectedly"
         # for a worker it saw killed): the worker's own exit status says, as its Process
-        # object kept it, or unreaped
-        signal_name, code = _exit_status(int(pid), holders)
+        # object kept it, or unreaped; of several ended at once, the first that tells
+        for one in pid.replace(",", " ").split():
+            signal_name, code = _exit_status(int(one), holders)
+            if signal_name is not None or code is not None:
+                pid = one
+                break
     return ended(pid, signal_name, code)
 
 
