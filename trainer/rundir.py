@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import distributed, resumefiles, stamp, sweep, sweepdirs
+from trainer import distributed, resumefiles, stamp, startsignals, sweep, sweepdirs
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError
 from trainer.overrides import override_key
@@ -45,8 +45,8 @@ def check_fresh_start(run_dir: Path, resume: Optional[str], validating: bool = F
     outputs = _outputs_in(run_dir) + (
         [HYDRA_RECORD] if _earlier_hydra_record(run_dir) else [])
     status = _status(run_dir)
-    if not found and set(outputs) <= set(RECORDS) and _failed(status):
-        outputs = []  # an attempt that failed before it left a result: this run replaces it
+    if not found and set(outputs) <= set(RECORDS) and (_failed(status) or _untrained(status)):
+        outputs = []  # an attempt that left no result: this run replaces it
     if validating and (outputs or found):  # (not "continue it with trainer.resume=auto")
         where = f"job dir {run_dir}" if dir_key() == "hydra.sweep.dir" else \
             f"{dir_key()}={run_dir}"
@@ -185,6 +185,12 @@ def _failed(status: Optional[Dict[str, Any]]) -> bool:
     """Whether `status` records an attempt that failed."""
     return status is not None and status["status"].startswith(("failed", "exited", "stopped")) \
         and isinstance(status["exit_code"], int) and not isinstance(status["exit_code"], bool)
+
+
+def _untrained(status: Optional[Dict[str, Any]]) -> bool:
+    """Whether `status` records an attempt that a preemption signal or a Ctrl-C stopped
+    before its first step (its line says that the same command starts it again)."""
+    return status is not None and startsignals.BEFORE_FIRST_STEP in str(status.get("error"))
 
 
 def _earlier_hydra_record(run_dir: Path) -> bool:

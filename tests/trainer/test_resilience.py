@@ -216,6 +216,9 @@ def test_a_signal_while_the_run_is_built_stops_it_before_its_first_step(tmp_path
         "stopped on a preemption signal before the first step: nothing trained, nothing "
         "saved; the same command starts it again"), out[-3000:]
     assert not (run_dir / "checkpoints").exists()
+    # as it says (the dir's status.json, of a run that left no result, refused it)
+    again = run(proc.args)
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def test_a_preempted_run_without_checkpoints_names_no_resume(tmp_path):
