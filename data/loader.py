@@ -175,6 +175,9 @@ def kill_with_children(process: Any) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+LEFT_AFTER_SIGTERM_S = 1.0  # how long a worker still alive after a shutdown's SIGTERM is given
+
+
 def shut_down(iterator: Any) -> None:
     """A DataLoader iterator's shutdown (`_shutdown_workers`; nothing for other objects), and
     then SIGKILL for each of its workers still alive: PyTorch asks them to stop, waits, and
@@ -190,9 +193,6 @@ def shut_down(iterator: Any) -> None:
             worker.join(timeout=LEFT_AFTER_SIGTERM_S)
             if worker.is_alive():
                 kill_with_children(worker)
-
-
-LEFT_AFTER_SIGTERM_S = 1.0
 
 
 def children_of(pid: int) -> List[int]:
@@ -240,12 +240,12 @@ def _end_workers_at_exit() -> None:
     # copy, to the worker, of a preemption's within SIGTERM_COPIES_S): Python's exit sends one
     # more, also let pass, and waited on it for ever
     for child in multiprocessing.active_children():
-        if _thread_name(child.pid) == "pt_data_worker":  # (PyTorch names its workers so)
+        if _process_name(child.pid) == "pt_data_worker":  # (PyTorch names its workers so)
             kill_with_children(child)
             child.join(timeout=LEFT_AFTER_SIGTERM_S)
 
 
-def _thread_name(pid: Optional[int]) -> str:
+def _process_name(pid: Optional[int]) -> str:
     """Process `pid`'s name (Linux's /proc/PID/comm); "" where it cannot be read."""
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -267,8 +267,8 @@ def worker_signals(worker_id: int) -> None:
     cancelling or timing out a job, `kill -- -PGID`) is the training process's to act on: it
     ends its step, saves a checkpoint and then stops its workers itself. torch's own worker
     handler ends the worker at once, and the step then fails on the lost worker; here the
-    first SIGTERM is let pass, with its copies (`SIGTERM_COPIES_S`), and a second ends the
-    worker. Loaders end their workers by asking them (then terminate() the ones that did not
+    first SIGTERM is let pass, with its copies (`SIGTERM_COPIES_S`), and a later one ends
+    the worker. Loaders end their workers by asking them (then terminate() the ones that did not
     stop); Python's exit, which only sends one SIGTERM and waits, comes after
     `_end_workers_at_exit` did that. SIGUSR1 (SLURM's warning before a time limit) and SIGHUP
     (a closed terminal) are the training process's alone: a worker ignores them (it ends
