@@ -20,7 +20,6 @@ ended and is still not said a poll later has the signal delivered to the trainin
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import sys
 import threading
@@ -28,7 +27,7 @@ import time
 import weakref
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
-from data.workerdeath import iterators_of
+from data.workerdeath import _exit_status, iterators_of
 
 POLL_S = 1.0
 HANDOVER = ("rebuild_storage_fd", "reductions.py")  # torch.multiprocessing: the exchange
@@ -158,7 +157,9 @@ def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: 
             if not getattr(it, "_worker_pids_set", False):  # (shut down, or said already)
                 continue
             for worker in getattr(it, "_workers", None) or ():
-                if worker.pid is not None and _failed(worker.pid):
+                # (ended as PyTorch's handler counts a failure: killed, or a non-zero exit; a
+                # worker of an IterableDataset that ran out exits 0 and waits to be reaped)
+                if worker.pid is not None and _exit_status(worker.pid) != (None, None):
                     now.add(worker.pid)
     waiting = _frames({main}, *WAITING)[main] is not None
     told.intersection_update(now)  # (a pid used again later is another worker)
@@ -168,15 +169,3 @@ def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: 
         signal.pthread_kill(main, signal.SIGCHLD)
     return now
 
-
-def _failed(pid: int) -> bool:
-    """Whether child `pid` has ended as PyTorch's handler counts a failure (killed, or a
-    non-zero exit: a worker of an IterableDataset that ran out exits 0 and waits to be
-    reaped), read without reaping it, as the handler reads it; False where it cannot be read
-    (reaped already: whoever reaped it saw it)."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except (ChildProcessError, OSError, AttributeError):
-        return False
-    return info is not None and (info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) or
-                                 info.si_status != 0)
