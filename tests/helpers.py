@@ -846,6 +846,16 @@ class FailsInCompute(torch.nn.Module):
         return torch.tensor(float(self.seen))
 
 
+class CountsByName(FailsInCompute):
+    """A metric computing a dict: `seen` (this rank's samples, not synced), `one` (1.0), a
+    nested `half` of `seen`, and `ids`, not one number (a MeanAveragePrecision's `classes`)."""
+
+    def compute(self) -> dict:
+        seen = super().compute()
+        return {"seen": seen, "one": 1.0, "nested": {"half": seen / 2},
+                "ids": torch.tensor([3, 5])}
+
+
 class NeedsSamples(torch.nn.Module):
     """A metric whose compute needs `least` samples (more than a training batch has)."""
 

@@ -274,8 +274,13 @@ class Task:
                      f"given {describe((preds, target))}")
             raise
 
-    def compute_metric(self, name: str, metric: Any) -> float:
-        """The metric's value over the whole validation set, as one number."""
+    monitored: Optional[str] = None  # trainer.checkpoint.monitor, checked against the values
+
+    def compute_metric(self, name: str, metric: Any) -> Dict[str, float]:
+        """The metric's values over the whole validation set, by the key each is logged as:
+        `val_<name>` for one number; for a metric that computes a dict (torchmetrics'
+        ClasswiseWrapper, MetricCollection, MeanAveragePrecision) `val_<name>_<entry>` for
+        each entry of one number (nested dicts joined alike), the others left out (said once)."""
         try:
             value = metric.compute()
         except Exception as e:
@@ -289,6 +294,22 @@ class Task:
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
                      f"failed{again}")
             raise
+        values = (self._entries(name, metric, value) if isinstance(value, Mapping)
+                  else {f"val_{name}": self._one_number(name, metric, value)})
+        self._check_monitored(name, metric, values)
+        self.__dict__.setdefault("_metric_keys", {})[name] = list(values)
+        return values
+
+    def metric_keys(self, name: str) -> List[str]:
+        """The keys metric `name` was last logged under (`val_<name>` before it computed)."""
+        return self.__dict__.get("_metric_keys", {}).get(name, [f"val_{name}"])
+
+    def entry_metric(self, key: str) -> Optional[str]:
+        """The metric whose dict entry `key` would be (`val_<name>_<entry>`), else None."""
+        return max((n for n in self.metrics if key.startswith(f"val_{n}_")), key=len,
+                   default=None)
+
+    def _one_number(self, name: str, metric: Any, value: Any) -> float:
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             how = _reduced_by(name, metric)
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
@@ -296,12 +317,61 @@ class Task:
                                 f"configure it to reduce to one{how}" if how else
                                 "a run logs metrics of one number (a matrix, per-class "
                                 "values: compute it over the saved model's outputs, README "
-                                "\"Using the model outside Stoker\")"))
-        try:
-            return float(value)
-        except (TypeError, ValueError):
+                                "\"Using the model outside Stoker\")")
+                            + (", or log one per class: wrap it in torchmetrics.wrappers."
+                               "ClasswiseWrapper" if hasattr(metric, "average") else ""))
+        number = _number(value)
+        if number is None:
             raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
-                            f"{describe(value)}, not one number") from None
+                            f"{describe(value)}, not one number (nor a dict of them)")
+        return number
+
+    def _entries(self, name: str, metric: Any, value: Mapping) -> Dict[str, float]:
+        """A dict-valued metric's entries of one number, by key; those that are not (a
+        MeanAveragePrecision's `classes`) left out, said once; none at all is one line."""
+        found: Dict[str, float] = {}
+        left: List[str] = []
+        todo = [(f"val_{name}", value)]
+        while todo:
+            prefix, mapping = todo.pop(0)
+            for entry, v in mapping.items():
+                key = f"{prefix}_{entry}"
+                if isinstance(v, Mapping):
+                    todo.append((key, v))
+                elif _number(v) is None:
+                    left.append(f"{key} ({describe(v)})")
+                else:
+                    found[key] = _number(v)
+        if not found:
+            raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
+                            f"{describe(value)}, no entry of which is one number")
+        said = self.__dict__.setdefault("_left_out_said", set())
+        if left and name not in said:
+            said.add(name)
+            from trainer import distributed  # (lazy: the task module is imported first)
+
+            if distributed.rank() == 0:
+                log.warning("task.metrics.%s: %s's entries %s are not one number: left out "
+                            "of the logs (logged: %s)", name, type(metric).__name__,
+                            ", ".join(left), ", ".join(found))
+        return found
+
+    def _check_monitored(self, name: str, metric: Any, values: Dict[str, float]) -> None:
+        """A monitored key that this metric's values should hold and do not (an entry it
+        does not compute, or its own key where it computes a dict) is one line: best.pt and
+        early stopping would never see it."""
+        key = self.monitored
+        if key is None or key in values or (
+                key != f"val_{name}" and self.entry_metric(key) != name):
+            return
+        from trainer.spelling import closest  # (lazy: a failure's path)
+
+        meant = closest(key, values)
+        raise TaskError(f"trainer.checkpoint.monitor={key}: task.metrics.{name} "
+                        f"({type(metric).__name__}) logs " + ", ".join(values)
+                        + (f" (did you mean {meant}?)" if meant else "")
+                        + ("; it computes a dict: monitor one of its entries"
+                           if key == f"val_{name}" else ""))
 
     def derived_keys(self) -> Dict[str, Optional[bool]]:
         """The keys `derived` adds (val_ppl), with their better direction."""
@@ -436,6 +506,18 @@ def _classes_last(e: Exception, preds: Any, target: Any) -> str:
             "multiclass metrics read them in dimension 1: trainer.metrics.Accuracy reads them "
             "last, or a task of your own whose metric_inputs returns (preds.flatten(0, -2), "
             "target.flatten()) (README \"A task and a metric of your own\")")
+
+
+def _number(value: Any) -> Optional[float]:
+    """`value` as one float (a 1-element tensor, a Python or NumPy number), else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 else None
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _reduced_by(name: str, metric: Any) -> str:

@@ -18,7 +18,7 @@ from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.task import batch_size
+from trainer.task import TaskError, batch_size
 
 if TYPE_CHECKING:
     from trainer.loop import Loop
@@ -133,8 +133,13 @@ def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:
     failed = None
     for name, metric in loop.task.metrics.items():
         try:
-            values[f"val_{name}"] = loop.task.compute_metric(name, metric) if count else \
-                math.nan
+            found = loop.task.compute_metric(name, metric) if count else \
+                dict.fromkeys(loop.task.metric_keys(name), math.nan)
+            taken = next((k for k in found if k in values), None)
+            if taken is not None:  # (a dict's entry: val_a_b, metric a's b and metric a_b)
+                raise TaskError(f"task.metrics.{name}: its value {taken} is another's, "
+                                "logged before it; give the metric another name")
+            values.update(found)
         except Exception as e:  # (the metrics after it still computed: each may sync the
             failed = failed or e  # ranks in its compute, and every rank must meet there)
     if failed is not None:
@@ -151,17 +156,21 @@ def _say_unsynced(loop: "Loop", values: List[Dict[str, float]]) -> None:
     value, on every rank."""
     said = loop.__dict__.setdefault("_unsynced_said", set())
     for name, metric in loop.task.metrics.items():
-        key = f"val_{name}"
-        seen = [v.get(key) for v in values]
-        if name in said or all(_same(seen[0], v) for v in seen[1:]):
+        if name in said:
             continue
+        key = next((k for k in loop.task.metric_keys(name)  # (a dict's: its first that differs)
+                    if not all(_same(values[0].get(k), v.get(k)) for v in values[1:])), None)
+        if key is None:
+            continue
+        seen = [v.get(key) for v in values]
         said.add(name)
         loop.logger.warning(
             "task.metrics.%s: %s computed other values on the ranks (%s): it keeps its state "
             "per rank, so %s is rank 0's shard of the validation set alone (1/%d of it); make "
             "it a torchmetrics.Metric (its state by add_state, with dist_reduce_fx) to have "
             "it over the whole set", name, type(metric).__name__,
-            ", ".join(f"rank {r}: {v:.4g}" for r, v in enumerate(seen[:4]))
+            ", ".join(f"rank {r}: " + ("none" if v is None else f"{v:.4g}")
+                      for r, v in enumerate(seen[:4]))
             + (", ..." if len(seen) > 4 else ""), key, len(seen))
 
 

@@ -133,7 +133,12 @@ def test_custom_task_with_f1_is_exact_on_three_ranks(tmp_path):
     torchmetrics F1; validation on 3 ranks (359 samples: 120/120/119) equals one process."""
     search = write_conf(tmp_path / "conf", TWO_HEAD_FILES)
     common = [search, "data=dict_digits", "model=two_heads", "task=digit_parity",
-              "trainer.checkpoint.monitor=val_f1", "trainer.progress_bar=false"]
+              "trainer.checkpoint.monitor=val_f1", "trainer.progress_bar=false",
+              # (and per class, as a dict: torchmetrics' wrapper, synced alike)
+              "+task.metrics.pc._target_=torchmetrics.wrappers.ClasswiseWrapper",
+              "+task.metrics.pc.metric._target_=torchmetrics.classification."
+              "MulticlassF1Score", "+task.metrics.pc.metric.num_classes=10",
+              "+task.metrics.pc.metric.average=null"]
     one = run_cli([*common, "trainer.max_epochs=4", f"hydra.run.dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-3000:]
     s1 = summary_of(tmp_path / "one")
@@ -147,6 +152,9 @@ def test_custom_task_with_f1_is_exact_on_three_ranks(tmp_path):
     s3 = summary_of(tmp_path / "three")
     assert s3["world_size"] == 3
     assert s3["val_f1"] == pytest.approx(s1["val_f1"], abs=1e-6)
+    per_class = [f"val_pc_multiclassf1score_{c}" for c in range(10)]
+    assert all(s3[k] == pytest.approx(s1[k], abs=1e-6) for k in per_class)
+    assert sum(s1[k] for k in per_class) / 10 == pytest.approx(s1["val_f1"], abs=1e-6)
     assert s3["val_acc"] == pytest.approx(s1["val_acc"], abs=1e-6)
     assert s3["val_loss"] == pytest.approx(s1["val_loss"], rel=1e-6)
 
@@ -517,6 +525,120 @@ def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
                                           r"every task logs; give the metric another name$"):
         Task(metrics={"loss": WithReset()})
     assert list(Task(metrics={"x": WithReset()}).metrics) == ["x"]
+
+
+def test_a_metric_computing_a_dict_logs_each_entry_of_one_number(caplog):
+    """A dict-valued metric (torchmetrics' ClasswiseWrapper, MeanAveragePrecision) was refused
+    as "not one number": each entry of one number is logged as val_<name>_<entry> (nested
+    dicts joined alike), the others left out in a warning said once."""
+    from tests.helpers import CountsByName
+    from trainer.task import TaskError
+
+    task = Classification(metrics={"per": CountsByName(at=99)})
+    task.update_metrics(torch.randn(6, 3), (None, torch.arange(6) % 3))
+    with caplog.at_level("WARNING", logger="stoker"):
+        values = task.compute_metric("per", task.metrics["per"])
+        assert task.compute_metric("per", task.metrics["per"]) == values
+    assert values == {"val_per_seen": 6.0, "val_per_one": 1.0, "val_per_nested_half": 3.0}
+    assert task.metric_keys("per") == list(values)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["task.metrics.per: CountsByName's entries val_per_ids (tensor(2,) int64) "
+                    "are not one number: left out of the logs (logged: val_per_seen, "
+                    "val_per_one, val_per_nested_half)"]
+
+    class Nothing(CountsByName):
+        def compute(self):
+            return {"ids": torch.tensor([3, 5]), "name": "x"}
+
+    task = Classification(metrics={"none": Nothing()})
+    with pytest.raises(TaskError, match=r"^task.metrics.none: Nothing computed dict\{ids: "
+                                        r"tensor\(2,\) int64, name: str\}, no entry of which "
+                                        r"is one number$"):
+        task.compute_metric("none", task.metrics["none"])
+    # per-class values of torchmetrics' own, through its wrapper
+    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.wrappers import ClasswiseWrapper
+
+    task = Classification(metrics={"pc": ClasswiseWrapper(
+        MulticlassAccuracy(num_classes=3, average=None), labels=["a", "b", "c"])})
+    task.update_metrics(torch.eye(3)[[0, 1, 2, 0]], (None, torch.tensor([0, 1, 1, 0])))
+    assert task.compute_metric("pc", task.metrics["pc"]) == {
+        "val_pc_multiclassaccuracy_a": 1.0, "val_pc_multiclassaccuracy_b": 0.5,
+        "val_pc_multiclassaccuracy_c": 0.0}
+
+
+def test_a_run_logs_a_dict_metrics_entries_and_keeps_best_pt_by_one(make_cfg, tmp_path):
+    """torchmetrics' per-class F1 through its ClasswiseWrapper, from the config: each class
+    in metrics.jsonl and the summary, best.pt by one of them, early stopping watching it; an
+    entry it does not compute stops the run before its first step, nothing saved."""
+    import json
+
+    per_class = ["+task.metrics.f1._target_=torchmetrics.wrappers.ClasswiseWrapper",
+                 "+task.metrics.f1.metric._target_=torchmetrics.classification."
+                 "MulticlassF1Score", "+task.metrics.f1.metric.num_classes=10",
+                 "+task.metrics.f1.metric.average=null", "trainer.max_epochs=3"]
+    s = train(make_cfg(*per_class, "trainer.checkpoint.monitor=val_f1_multiclassf1score_3",
+                       "trainer.early_stopping.patience=5"))
+    keys = [f"val_f1_multiclassf1score_{c}" for c in range(10)]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    val = [r for r in rows if r["split"] == "val"]
+    assert len(val) == 3 and all(set(keys) <= r.keys() and "val_f1" not in r for r in val)
+    assert set(keys) <= s.keys() and 0 < s["val_f1_multiclassf1score_3"] <= 1
+    best = max(val, key=lambda r: r["val_f1_multiclassf1score_3"])
+    assert s["best"] == {"monitor": "val_f1_multiclassf1score_3", "step": best["step"],
+                         "value": best["val_f1_multiclassf1score_3"]}
+    run_dir = tmp_path / "typo"
+    with pytest.raises(ConfigError, match=r"^trainer.checkpoint.monitor=val_f1_multiclassf1"
+                                          r"score_33: task.metrics.f1 \(ClasswiseWrapper\) "
+                                          r"logs val_f1_multiclassf1score_0, "):
+        train(make_cfg(*per_class, "trainer.checkpoint.monitor=val_f1_multiclassf1score_33",
+                       run_dir=run_dir))
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_monitored_entry_that_the_metric_does_not_compute_is_one_line():
+    """trainer.checkpoint.monitor naming an entry of a dict-valued metric is taken at the
+    start with the metric's direction (the entries are known once it computes) and checked
+    at each compute: an entry it does not have, or the metric's own key where it computes a
+    dict, would leave best.pt and early stopping without a value, so it is one line."""
+    from tests.helpers import CountsByName
+    from trainer.checks import monitor_mode
+    from trainer.metrics import Accuracy
+    from trainer.task import TaskError
+
+    task = Classification(metrics={"per": CountsByName(at=99), "per_x": Accuracy()})
+    assert task.entry_metric("val_per_seen") == "per"
+    assert task.entry_metric("val_per_x_y") == "per_x"  # (the longest name it starts with)
+    assert task.entry_metric("val_acc_x") is None
+    task.update_metrics(torch.randn(6, 3), (None, torch.arange(6) % 3))
+    task.monitored = "val_per_seen"
+    assert task.compute_metric("per", task.metrics["per"])["val_per_seen"] == 6.0
+    for key, said in (("val_per_sen", "val_per_nested_half (did you mean val_per_seen?)"),
+                      ("val_per", "val_per_nested_half; it computes a dict: monitor one of "
+                                  "its entries")):
+        task.monitored = key
+        with pytest.raises(TaskError) as e:
+            task.compute_metric("per", task.metrics["per"])
+        assert str(e.value) == (f"trainer.checkpoint.monitor={key}: task.metrics.per "
+                                "(CountsByName) logs val_per_seen, val_per_one, " + said)
+    task.monitored = "val_per_seen"  # (another metric's compute does not look at it)
+    task.compute_metric("per_x", task.metrics["per_x"])
+    # at the start: the entry takes its metric's direction; one of no metric is refused
+    from omegaconf import OmegaConf
+
+    def cfg(monitor, mode=None):
+        return OmegaConf.create({"trainer": {"limit_val_batches": 1.0, "checkpoint": {
+            "monitor": monitor, "mode": mode}}})
+
+    directions = task.higher_is_better()
+    assert monitor_mode(cfg("val_per_seen"), directions, task.entry_metric) == "max"
+    with pytest.raises(ConfigError, match=r"^trainer.checkpoint.mode=min: val_per_x_y is "
+                                          r"better when higher; use max or null$"):
+        monitor_mode(cfg("val_per_x_y", "min"), directions, task.entry_metric)
+    with pytest.raises(ConfigError, match=r"^trainer.checkpoint.monitor=val_pr_seen: must be "
+                                          r"null or a logged validation key: val_loss, val_per, "
+                                          r"val_per_x \(or val_<metric>_<entry>"):
+        monitor_mode(cfg("val_pr_seen"), directions, task.entry_metric)
 
 
 def test_a_metric_named_as_a_derived_value_is_refused_where_it_was_replaced():

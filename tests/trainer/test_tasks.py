@@ -266,7 +266,9 @@ def test_a_metric_that_does_not_reduce_to_one_number_is_one_line():
     task.update_metrics(torch.randn(6, 3), (None, torch.tensor([0, 1, 2, 0, 1, 2])))
     with pytest.raises(TaskError, match=r"^task.metrics.f1: MulticlassF1Score computed "
                                         r"tensor\(3,\) float32, not one number; configure "
-                                        r"it to reduce to one \(task.metrics.f1.average=macro\)$"):
+                                        r"it to reduce to one \(task.metrics.f1.average=macro\), "
+                                        r"or log one per class: wrap it in "
+                                        r"torchmetrics.wrappers.ClasswiseWrapper$"):
         task.compute_metric("f1", task.metrics["f1"])
     # a regression's per-output values: its own argument (it was told to set `average`)
     from torchmetrics import MeanAbsoluteError, R2Score

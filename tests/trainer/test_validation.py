@@ -331,11 +331,23 @@ def test_a_metric_that_keeps_its_state_per_rank_is_said_once(tmp_path):
     said."""
     proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_epochs=2",
                         "+task.metrics.seen._target_=tests.helpers.FailsInCompute",
-                        "+task.metrics.seen.at=99"], cwd=tmp_path)
+                        "+task.metrics.seen.at=99",
+                        "+task.metrics.per._target_=tests.helpers.CountsByName",
+                        "+task.metrics.per.at=99"], cwd=tmp_path)
     err = proc.stdout + proc.stderr
     assert proc.returncode == 0, err[-3000:]
     said = [ln for ln in err.splitlines() if "computed other values on the ranks" in ln]
-    assert len(said) == 1 and said[0].endswith(
+    # a dict-valued one: its first entry that differs (its entry that is no number said
+    # once, by rank 0)
+    assert len(said) == 2 and said[1].endswith(
+        "task.metrics.per: CountsByName computed other values on the ranks (rank 0: 180, "
+        "rank 1: 179): it keeps its state per rank, so val_per_seen is rank 0's shard of "
+        "the validation set alone (1/2 of it); make it a torchmetrics.Metric (its state by "
+        "add_state, with dist_reduce_fx) to have it over the whole set"), said
+    assert err.count("CountsByName's entries val_per_ids (tensor(2,) int64) are not one "
+                     "number") == 1
+    assert summary_of(tmp_path / "run")["val_per_nested_half"] == 90
+    assert len(said) == 2 and said[0].endswith(
         "task.metrics.seen: FailsInCompute computed other values on the ranks (rank 0: 180, "
         "rank 1: 179): it keeps its state per rank, so val_seen is rank 0's shard of the "
         "validation set alone (1/2 of it); make it a torchmetrics.Metric (its state by "
