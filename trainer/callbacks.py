@@ -24,6 +24,12 @@ class Callback:
         """When a validation after training steps raised, before its error goes on (the
         loop's state is the trained one: checkpointing saves it in one process)."""
 
+    def validation_stopped(self, loop: "Loop") -> None:
+        """When a preemption signal or a Ctrl-C stopped an epoch's validation (on any rank:
+        the ranks agree at its sums), before the run stops: the loop's state is the trained
+        one, as its last step left it, so that the resumed run validates first
+        (checkpointing saves it and raises Preempted)."""
+
     def should_stop(self, loop: "Loop") -> Optional[str]:
         """Asked before every epoch (after the last one's callbacks; at a start or resume):
         a reason ends the run there, and makes a run resumed from its checkpoint complete

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -87,6 +87,10 @@ class Loop:
         self.last_val: Dict[str, Any] = {}
         self.callbacks = list(callbacks)
         self.phase = "training"  # training | validating | checkpointing: for the heartbeat
+        # whether a preemption signal or a Ctrl-C came (the runner's Preemption): a validation
+        # after training steps stops at its next batch, as a long one outlived the grace
+        # period a scheduler gives (SLURM's 30 s) and lost the epoch's checkpoint
+        self.stop_asked: Callable[[], bool] = lambda: False
         self.stopped_early: Optional[str] = None  # a callback's reason that ended the run
         self._forwarded = False  # no forward pass has succeeded yet
         self._loss_checked = False  # the first training loss was checked (firstbatch.check_loss)
@@ -204,6 +208,7 @@ class Loop:
             self.whole_epoch_seen = True
             if not self.run_samples and self.state.step > steps_before:
                 windowlog.check_read(self)  # (until a logging boundary counted samples)
+            trained = (self.state.epoch, self.state.position)  # (the epoch's last step's)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
@@ -216,7 +221,7 @@ class Loop:
                                  "run's position is past this epoch's batches)", epoch,
                                  self.state.step)
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
-                val = self._evaluate_trained(epoch)
+                val = self._evaluate_trained(epoch, trained)
             for callback in self.callbacks:
                 call_hook(callback, "after_epoch", self.state.step, self, val)
             self.window.paused_s += time.perf_counter() - paused
@@ -235,12 +240,22 @@ class Loop:
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **self.last_train, **self.last_val, **windowlog.run_rates(self)}
 
-    def _evaluate_trained(self, epoch: int) -> Dict[str, float]:
+    def _evaluate_trained(self, epoch: int,
+                          trained: Optional[Tuple[int, int]] = None) -> Dict[str, float]:
         """`evaluate` after training steps: where it raises (a validation sample or metric
         that fails), the callbacks hear of it first (checkpointing saves the trained state,
-        which went with the error before: an epoch's steps lost to a bad validation file)."""
+        which went with the error before: an epoch's steps lost to a bad validation file).
+        Stopped by a signal, the callbacks hear of that (checkpointing saves and raises
+        Preempted), the state put back to the epoch and position of its last step
+        (`trained`, at an epoch's end): the resumed run validates before anything else."""
         try:
-            return self.evaluate(epoch)
+            return self.evaluate(epoch, stoppable=True)
+        except validation.Stopped:
+            if trained is not None:
+                self.state.epoch, self.state.position = trained
+            for callback in self.callbacks:
+                callback.validation_stopped(self)
+            raise
         except Exception:
             for callback in self.callbacks:
                 callback.validation_failed(self)
@@ -415,8 +430,8 @@ class Loop:
         self.state.step += 1
         return norm
 
-    def evaluate(self, epoch: int) -> Dict[str, float]:
+    def evaluate(self, epoch: int, stoppable: bool = False) -> Dict[str, float]:
         """The loss (a mean over every counted unit) and the task's metrics over the whole
         validation set, exact on any world size; {} when there is no validation set
-        (trainer/validation.py)."""
-        return validation.evaluate(self, epoch)
+        (trainer/validation.py; `stoppable`: validation.Stopped where a signal came)."""
+        return validation.evaluate(self, epoch, stoppable)

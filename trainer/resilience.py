@@ -260,6 +260,11 @@ class Checkpointing(Callback):
         # into the next epoch (under DDP too: the ranks agree at once, not a step later)
         self._stop_if_agreed(loop, now=True)
 
+    def validation_stopped(self, loop) -> None:
+        """A signal stopped the validation (every rank hears of it alike): the trained state
+        is saved as its last step left it, and the run stops (Preempted)."""
+        self._stop_if_agreed(loop, now=True)
+
     def validation_failed(self, loop) -> None:
         """The trained state saved before the validation's error is said (the steps since
         the last save went with it), and written: the error ends the process. Under DDP only

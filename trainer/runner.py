@@ -260,6 +260,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
                            *_early_stopping(cfg, mode), *_own_callbacks(cfg, callbacks),
                            checkpointing],
                 input_shape=cfg.data.input_shape)
+    loop.stop_asked = lambda: preemption.requested
     if cfg.trainer.save_checkpoint and not cfg.trainer.fast_dev_run:  # (not an epoch later)
         checkpoint.check_loadable(loop.state_dict())
     # the first line to the log comes after every check: a refused run adds nothing to the

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 SANITY = "the first validation batch (trainer.sanity_check)"
 
 
+class Stopped(Exception):
+    """A validation after training steps that a preemption signal or a Ctrl-C stopped (on
+    any rank: agreed at its sums), with no values; the loop's callbacks save and stop."""
+
+
 class PeerFailedValidation(liveness.PeerLost):
     """This rank's validation shard passed and another rank's raised: the ranks agreed on it
     at the validation's sums, every one saved the trained state (Callback.validation_failed),
@@ -85,9 +90,13 @@ def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
+def evaluate(loop: "Loop", epoch: int, stoppable: bool = False) -> Dict[str, float]:
     """The loss (a mean over every counted unit) and the task's metrics over the whole
-    validation set, exact on any world size; {} when there is no validation set."""
+    validation set, exact on any world size; {} when there is no validation set.
+    `stoppable`: each rank stops reading its shard at the next batch once a preemption
+    signal or a Ctrl-C came (`loop.stop_asked`), and where any rank stopped, every one
+    raises Stopped after the sums (the one collective every rank meets, whatever it read):
+    the metrics' own collectives are not entered."""
     if loop.val_feed is None:
         loop.state.validated_step = loop.state.step
         return {}
@@ -96,9 +105,19 @@ def evaluate(loop: "Loop", epoch: int) -> Dict[str, float]:
     distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
     model.eval()
     start = time.perf_counter()
-    sums, failed = _agreed(loop, lambda: _shard_sums(loop, model), lambda: _failed_sums(loop))
-    loss_sum, count, samples, files, failures = distributed.all_reduce_sum(sums).tolist()
+    stop = loop.stop_asked if stoppable else None
+    sums, failed = _agreed(loop, lambda: _shard_sums(loop, model, stop),
+                           lambda: _failed_sums(loop))
+    loss_sum, count, samples, files, failures, stopped = \
+        distributed.all_reduce_sum(sums).tolist()
     _raise_agreed(loop, failures, failed)  # (every rank has the same sums: all decide alike)
+    if stopped:
+        loop.run_val_s += time.perf_counter() - start
+        loop.logger.info("validation at step %d stopped by the signal: the resumed run "
+                         "takes it first", loop.state.step)
+        model.train()
+        loop.phase = "training"
+        raise Stopped(f"validation at step {loop.state.step} stopped by a signal")
     if samples == 0 and files > 0:  # (every rank has the same sums: all decide alike)
         line = ("no validation sample was read: every one was skipped as unreadable "
                 f"({int(files)} files, data.dataset.on_error=skip)")
@@ -215,21 +234,29 @@ def _raise_agreed(loop: "Loop", failures: Any, failed: Optional[Exception]) -> N
 
 def _failed_sums(loop: "Loop") -> torch.Tensor:
     """The sums of a shard that raised: nothing counted, the failure flag (the fifth) 1."""
-    sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
+    sums = torch.zeros(6, dtype=torch.float64, device=loop.device)
     sums[4] = 1
     return sums
 
 
-def _shard_sums(loop: "Loop", model: nn.Module) -> torch.Tensor:
-    """(loss sum, count, samples, files skipped as unreadable so far, 0: no failure) over
-    this rank's validation shard; metrics updated on the way."""
+def _shard_sums(loop: "Loop", model: nn.Module,
+                stop: Optional[Callable[[], bool]] = None) -> torch.Tensor:
+    """(loss sum, count, samples, files skipped as unreadable so far, 0: no failure, 1 where
+    `stop()` said to stop before the shard's end) over this rank's validation shard; metrics
+    updated on the way."""
     task = loop.task
     for metric in task.metrics.values():
         metric.reset()
-    sums = torch.zeros(5, dtype=torch.float64, device=loop.device)
+    sums = torch.zeros(6, dtype=torch.float64, device=loop.device)
     samples = 0
+    if stop is not None and stop():  # (came in the epoch's last steps: no loader started)
+        sums[5] = 1
+        return sums
     with contextlib.closing(loop.val_feed.take(loop.val_limit)) as batches:
         for batch in batches:
+            if stop is not None and stop():
+                sums[5] = 1
+                break
             first = not loop.val_read and samples == 0  # the run's first validation batch
             samples += batch_size(batch)  # (shapes only)
             with loop.precision.autocast():

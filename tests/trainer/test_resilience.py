@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scripts.processes import descendants
-from tests.helpers import ROOT, kill_tree
+from tests.helpers import ROOT, kill_tree, read_metrics
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -576,23 +576,40 @@ def test_a_ctrl_c_during_an_epochs_validation_stops_at_that_epochs_end(make_cfg,
     assert checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == at.step
 
 
-def test_a_signal_during_a_validation_under_ddp_stops_at_that_epochs_end(tmp_path):
-    """The ranks agree on a stop a step after it came (an all-reduce read the next step), and
-    a signal during an epoch's validation stopped the run a step into the next epoch: at an
-    epoch's end the ranks agree at once."""
-    run_dir = tmp_path / "run"
-    proc = run(launcher(2) + [f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
-                              "data.dataset._target_=tests.helpers.SignalsInValidation",
-                              "data.placement=host", "data.num_workers=0",
-                              "trainer.max_epochs=3"])
-    assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]
+def test_a_signal_during_a_validation_under_ddp_stops_it_and_the_resume_takes_it_first(
+        tmp_path):
+    """A signal during an epoch's validation let the validation run to its end: a long one
+    outlived a scheduler's grace period (SLURM's 30 s) and the epoch's checkpoint went with
+    it, and a second signal stopped it at once, unsaved. Each rank now stops at its next
+    batch and the ranks agree at the validation's sums (rank 1 alone is signalled here: rank
+    0 reads its whole shard and learns of it there), every one saves the epoch's trained
+    state, and the resumed run validates first: the rows and weights of a run never
+    stopped."""
+    run_dir, whole = tmp_path / "run", tmp_path / "whole"
+    common = ["trainer.progress_bar=false", "data.placement=host", "data.num_workers=0",
+              "data.dataset._target_=tests.helpers.SignalsInValidation", "trainer.max_epochs=3"]
+    proc = run(launcher(2) + [f"hydra.run.dir={run_dir}", *common])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "exitcode  : 75" in proc.stderr, out[-3000:]
     assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first_val = [r["step"] for r in rows if r.get("split") == "val"]
-    assert len(first_val) == 1, rows  # epoch 0's validation, during which the signal came
-    assert f"stopped on a preemption signal at step {first_val[0]};" in proc.stdout + \
-        proc.stderr
-    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"] == first_val[0]
+    saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    step = saved["step"]
+    assert (saved["epoch"], saved["validated_step"]) == (0, -1) and saved["position"] > 0
+    assert f"validation at step {step} stopped by the signal" in out, out[-3000:]
+    assert f"stopped on a preemption signal at step {step};" in out
+    assert not [r for r in read_metrics(run_dir) if r.get("split") == "val"]
+    resumed = run(launcher(2) + [f"hydra.run.dir={run_dir}", *common, "+data.dataset.at=99",
+                                 "trainer.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at epoch 0 step {step} (at the epoch's end)" in resumed.stdout + resumed.stderr
+    proc = run(launcher(2) + [f"hydra.run.dir={whole}", *common, "+data.dataset.at=99"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[{k: v for k, v in r.items() if k != "time"} for r in read_metrics(d)
+             if r.get("split") == "val"] for d in (run_dir, whole)]
+    assert len(rows[1]) == 3 and rows[0] == rows[1]
+    assert rows[1][0]["step"] == step
+    weights = [checkpoint.load(d / "checkpoints" / "last.pt")["model"] for d in (run_dir, whole)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
 
 
 def test_a_signal_during_the_last_epochs_validation_lets_the_run_complete(make_cfg, tmp_path):

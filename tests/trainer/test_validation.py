@@ -29,9 +29,9 @@ def test_validations_collectives_are_in_its_phase_for_the_heartbeat(make_cfg, mo
 
     evaluate = Loop.evaluate
 
-    def recording(self, epoch):
+    def recording(self, epoch, stoppable=False):
         seen["loop"] = self
-        return evaluate(self, epoch)
+        return evaluate(self, epoch, stoppable)
 
     monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
     monkeypatch.setattr(Loop, "evaluate", recording)
@@ -365,3 +365,54 @@ def test_a_model_replaying_cuda_graphs_passes_the_sanity_check_on_cuda(make_cfg,
     summary = train(make_cfg(*task, "trainer.accelerator=cuda", "trainer.compile.enabled=true",
                              "trainer.compile.mode=reduce-overhead", "trainer.max_epochs=2"))
     assert summary["steps"] == 46 and summary["val_loss"] < 1.0
+
+
+@pytest.mark.parametrize("when", ["in_the_validation", "before_it"])
+def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_first(
+        make_cfg, tmp_path, monkeypatch, when):
+    """A preemption signal during an epoch's validation (or in the epoch's last step, which
+    the ranks agree on a step later) let the whole validation run before the checkpoint,
+    past a scheduler's grace period on a long one: it stops at its next batch (no loader
+    started where the signal came first), the epoch's trained state is saved as its last
+    step left it, and the resumed run validates it first: the same rows and weights as a
+    run never stopped."""
+    import os
+    import signal
+
+    from trainer import checkpoint
+    from trainer.preemption import Preempted, Preemption
+
+    takes = []
+
+    class SignalAt(Callback):  # the epoch's last step, agreed a step later (as under DDP)
+        def after_step(self, loop):
+            if when == "before_it" and loop.state.step == 90:
+                take = loop.val_feed.take
+                loop.val_feed.take = lambda *a: takes.append(a) or take(*a)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    agreed = Preemption.agreed
+    monkeypatch.setattr(Preemption, "agreed", lambda self, now=False: now and agreed(self, now))
+
+    common = ["trainer.max_epochs=2", "data.placement=host", "data.num_workers=0",
+              "trainer.progress_bar=false", "data.batch_size=16"]
+    signalled = ["data.dataset._target_=tests.helpers.SignalsInValidation",
+                 "+data.dataset.rank=0"] if when == "in_the_validation" else []
+    run_dir = tmp_path / "run"
+    with pytest.raises(Preempted, match=r"^stopped on a preemption signal at step 90;"):
+        train(make_cfg(*common, *signalled, run_dir=run_dir), callbacks=[SignalAt()])
+    saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert (saved["step"], saved["epoch"], saved["position"], saved["validated_step"]) == \
+        (90, 0, 1440, -1)
+    assert takes == []  # (before_it: the validation's loader never started)
+    monkeypatch.undo()
+    assert not [r for r in read_metrics(run_dir) if r.get("split") == "val"]
+    resumed = train(make_cfg(*common, "trainer.resume=auto", run_dir=run_dir))
+    whole = train(make_cfg(*common, run_dir=tmp_path / "whole"))
+    rows = [[r for r in read_metrics(d) if r.get("split") == "val"]
+            for d in (run_dir, tmp_path / "whole")]
+    assert [r["step"] for r in rows[1]] == [90, 180] and rows[0] == rows[1]
+    assert resumed["val_loss"] == whole["val_loss"]
+    weights = [checkpoint.load(d / "checkpoints" / "last.pt")["model"]
+               for d in (run_dir, tmp_path / "whole")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
