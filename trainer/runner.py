@@ -88,6 +88,31 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
         raise
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose(overrides: Sequence[str] = (), config_name: str = "train") -> DictConfig:
+    """The config `train.py` would compose from `overrides` (the command line's arguments,
+    `hydra.searchpath=[file://DIR]` for a folder of configs of one's own included), from the
+    project's conf/, for `train`. A bad override is a ConfigError in the command line's one
+    line (`... did you mean trainer.max_epochs?`), not Hydra's chained exceptions. Inside a
+    Hydra context of the program's own (`initialize_config_dir`), that context's configs."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from trainer import oneline
+
+    try:
+        if GlobalHydra.instance().is_initialized():
+            return hydra_compose(config_name, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(oneline.describe(e)) from None
+
+
 def train(cfg: DictConfig, env: Optional[DistEnv] = None,
           callbacks: Sequence[Callback] = ()) -> Dict[str, Any]:
     """Trains as `cfg` says and returns the run summary (losses, accuracy, rates, paths).

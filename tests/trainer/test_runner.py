@@ -896,3 +896,37 @@ def test_a_resume_whose_drawn_validation_files_changed_says_so(make_cfg, tmp_pat
                          "is now validated on, so its validation values are no longer of unseen "
                          "data; put the files back as they were, or start a new run"]
                         if change else [])
+
+
+def test_compose_gives_train_pys_config_and_its_one_line_errors(tmp_path):
+    """A program composing with Hydra's own compose needed the conf folder's path and met a
+    misspelt override as Hydra's chained exceptions; `compose` takes the command line's
+    arguments, a folder of one's own by hydra.searchpath included, and says a bad one in
+    the command line's one line."""
+    from hydra import initialize_config_dir
+
+    from trainer.runner import CONF_DIR, compose
+
+    for args, said in (
+            (["trainer.max_epoch=2"], r"^Could not override 'trainer.max_epoch': Key "
+                                      r"'max_epoch' not in 'TrainerConfig'.*; did you mean "
+                                      r"trainer.max_epochs\?$"),
+            (["optim=adamm"], r"^In 'train': Could not find 'optim/adamm' Available options "
+                              r"in 'optim': adamw sgd; did you mean optim=adamw\?$")):
+        with pytest.raises(ConfigError, match=said):
+            compose(args)
+        proc = run_cli(args)  # (the same line as train.py's)
+        assert proc.returncode == 2 and re.search(said.replace("^", "^stoker: error: "),
+                                                  proc.stderr.strip().splitlines()[-1])
+    (tmp_path / "myconf" / "model").mkdir(parents=True)
+    (tmp_path / "myconf" / "model" / "narrow.yaml").write_text(
+        "_target_: trainer.models.MLP\nhidden: [16]\n")
+    cfg = compose([f"hydra.searchpath=[file://{tmp_path / 'myconf'}]", "model=narrow",
+                   f"run_dir={tmp_path / 'run'}", "trainer.max_epochs=1",
+                   "trainer.progress_bar=false"])
+    summary = train(cfg)
+    assert summary["steps"] == 23 and cfg.model.hidden == [16]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):  # (a program's
+        assert compose(["trainer.max_epochs=3"]).trainer.max_epochs == 3  # own context)
+        with pytest.raises(ConfigError, match=r"did you mean trainer.max_epochs\?$"):
+            compose(["trainer.max_epoch=2"])
