@@ -848,9 +848,16 @@ class FailsInCompute(torch.nn.Module):
 
 class CountsByName(FailsInCompute):
     """A metric computing a dict: `seen` (this rank's samples, not synced), `one` (1.0), a
-    nested `half` of `seen`, and `ids`, not one number (a MeanAveragePrecision's `classes`)."""
+    nested `half` of `seen`, and `ids`, not one number (a MeanAveragePrecision's `classes`);
+    its compute fails below `least` samples."""
+
+    def __init__(self, rank: int = -1, at: int = 2, least: int = 0):
+        super().__init__(rank, at)
+        self.least = least
 
     def compute(self) -> dict:
+        if self.seen < self.least:
+            raise ValueError(f"needs {self.least} samples, has {self.seen}")
         seen = super().compute()
         return {"seen": seen, "one": 1.0, "nested": {"half": seen / 2},
                 "ids": torch.tensor([3, 5])}

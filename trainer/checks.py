@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -355,13 +355,13 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
 
 
 def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
-                 entry_metric: Callable[[str], Optional[str]] = lambda key: None
+                 entry_metrics: Callable[[str], List[str]] = lambda key: []
                  ) -> Optional[str]:
     """The checked `trainer.checkpoint.mode` for the monitored key: `directions` maps every
     validation key the task logs to whether higher is better (None: unknown). Returns max or
     min (null if nothing is monitored); ConfigError for an unknown key or a contradicting mode.
-    `entry_metric(key)`: the metric whose dict entry the key would be (val_<name>_<entry>),
-    which takes the metric's direction (its compute shows whether it has that entry).
+    `entry_metrics(key)`: the metrics whose dict entry the key could be (val_<name>_<entry>),
+    whose direction it takes where they agree (their computes show whether one has it).
     """
     c = cfg.trainer.checkpoint
     if c.monitor is None:
@@ -371,14 +371,17 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
     _check(bool(directions), "trainer.checkpoint.monitor", c.monitor,
            f"nothing is validated in this run ({why}), so there is no value to monitor; set "
            "it to null, or validate")
-    entry_of = entry_metric(str(c.monitor)) if c.monitor not in directions else None
-    if c.monitor not in directions and entry_of is None:
-        meant = closest(str(c.monitor), directions)
-        _check(False, "trainer.checkpoint.monitor", c.monitor,
-               "must be null or a logged validation key: " + ", ".join(directions)
-               + (f" (did you mean {meant}?)" if meant else "")
-               + " (or val_<metric>_<entry>: an entry of a metric that computes a dict)")
-    higher = directions[c.monitor if entry_of is None else f"val_{entry_of}"]
+    if c.monitor in directions:
+        higher = directions[c.monitor]
+    else:
+        could = {directions[f"val_{n}"] for n in entry_metrics(str(c.monitor))}
+        if not could:
+            meant = closest(str(c.monitor), directions)
+            _check(False, "trainer.checkpoint.monitor", c.monitor,
+                   "must be null or a logged validation key: " + ", ".join(directions)
+                   + (f" (did you mean {meant}?)" if meant else "")
+                   + " (or val_<metric>_<entry>: an entry of a metric that computes a dict)")
+        higher = could.pop() if len(could) == 1 else None
     if c.mode is None:
         _check(higher is not None, "trainer.checkpoint.mode", None,
                f"{c.monitor} does not say which direction is better; set max or min")

@@ -61,6 +61,7 @@ def check_metrics(task: Task, output: Any, batch: Any, compute: bool = True) -> 
                 # holding this batch, is given the sanity check's too: check_compute_again)
                 task.__dict__.setdefault("_compute_failed", {})[name] = (
                     type(e), describe((preds, target)), trial)
+    task.check_keys()  # (of those computed: the others at check_compute_again or validation)
 
 
 def check_compute_again(task: Task, output: Any, batch: Any) -> None:
@@ -86,7 +87,7 @@ def check_compute_again(task: Task, output: Any, batch: Any) -> None:
                 trial.sync_on_compute = trial._to_sync = False
             task._update(name, trial, preds, target, trial=True)
             try:
-                trial.compute()
+                value = trial.compute()
             except Exception as e:
                 if type(e) is not failed[name][0]:
                     continue  # (another failure: validation over the whole set decides)
@@ -98,3 +99,5 @@ def check_compute_again(task: Task, output: Any, batch: Any) -> None:
                          "score per class); trainer.sanity_check=false leaves it to the "
                          "validation after the first epoch")
                 raise
+            task.values_of(name, metric, value)  # (its keys: for check_keys)
+    task.check_keys()

@@ -258,7 +258,7 @@ def _build(cfg: DictConfig, env: DistEnv, spec: RunSpec, run_dir: Path, logger: 
     seed_everything(cfg.seed)
     model, task = _model_and_task(cfg, spec)
     mode = monitor_mode(cfg, task.higher_is_better() if val_feed is not None else {},
-                        task.entry_metric)
+                        task.entry_metrics)
     task.monitored = cfg.trainer.checkpoint.monitor if mode else None
     factory = components.build(cfg.optim, "optim")
     params = [p for p in model.parameters() if p.requires_grad]

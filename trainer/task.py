@@ -274,13 +274,11 @@ class Task:
                      f"given {describe((preds, target))}")
             raise
 
-    monitored: Optional[str] = None  # trainer.checkpoint.monitor, checked against the values
+    monitored: Optional[str] = None  # trainer.checkpoint.monitor (check_monitored)
 
     def compute_metric(self, name: str, metric: Any) -> Dict[str, float]:
-        """The metric's values over the whole validation set, by the key each is logged as:
-        `val_<name>` for one number; for a metric that computes a dict (torchmetrics'
-        ClasswiseWrapper, MetricCollection, MeanAveragePrecision) `val_<name>_<entry>` for
-        each entry of one number (nested dicts joined alike), the others left out (said once)."""
+        """The metric's values over the whole validation set, by the key each is logged as
+        (`values_of`)."""
         try:
             value = metric.compute()
         except Exception as e:
@@ -294,9 +292,16 @@ class Task:
             _note(e, f"stoker: task.metrics.{name}: {type(metric).__name__}.compute() "
                      f"failed{again}")
             raise
+        return self.values_of(name, metric, value)
+
+    def values_of(self, name: str, metric: Any, value: Any) -> Dict[str, float]:
+        """What metric `name` computed, by the key each number is logged as: `val_<name>` for
+        one number; for a dict (torchmetrics' ClasswiseWrapper, MetricCollection,
+        MeanAveragePrecision) `val_<name>_<entry>` for each entry that is one number (nested
+        dicts joined alike), the others left out (said once). The keys are kept
+        (`metric_keys`)."""
         values = (self._entries(name, metric, value) if isinstance(value, Mapping)
                   else {f"val_{name}": self._one_number(name, metric, value)})
-        self._check_monitored(name, metric, values)
         self.__dict__.setdefault("_metric_keys", {})[name] = list(values)
         return values
 
@@ -304,10 +309,9 @@ class Task:
         """The keys metric `name` was last logged under (`val_<name>` before it computed)."""
         return self.__dict__.get("_metric_keys", {}).get(name, [f"val_{name}"])
 
-    def entry_metric(self, key: str) -> Optional[str]:
-        """The metric whose dict entry `key` would be (`val_<name>_<entry>`), else None."""
-        return max((n for n in self.metrics if key.startswith(f"val_{n}_")), key=len,
-                   default=None)
+    def entry_metrics(self, key: str) -> List[str]:
+        """The metrics whose dict entry `key` could be (`val_<name>_<entry>`)."""
+        return [n for n in self.metrics if key.startswith(f"val_{n}_")]
 
     def _one_number(self, name: str, metric: Any, value: Any) -> float:
         if isinstance(value, torch.Tensor) and value.numel() != 1:
@@ -327,8 +331,10 @@ class Task:
         return number
 
     def _entries(self, name: str, metric: Any, value: Mapping) -> Dict[str, float]:
-        """A dict-valued metric's entries of one number, by key; those that are not (a
-        MeanAveragePrecision's `classes`) left out, said once; none at all is one line."""
+        """A dict-valued metric's entries that are one number (a 0-d tensor, a Python or
+        NumPy number; not a bool), by key; the others (a MeanAveragePrecision's `classes`, a
+        list of one) left out, said once. Two entries of one key (`a_b`, and `b` in `a`)
+        are one line."""
         found: Dict[str, float] = {}
         left: List[str] = []
         todo = [(f"val_{name}", value)]
@@ -338,40 +344,61 @@ class Task:
                 key = f"{prefix}_{entry}"
                 if isinstance(v, Mapping):
                     todo.append((key, v))
-                elif _number(v) is None:
+                    continue
+                if key in found or any(k.startswith(f"{key} (") for k in left):
+                    raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
+                                    f"two entries logged as {key} (one nested in a dict): "
+                                    "rename one")
+                number = None if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (
+                    v.dim() != 0 or v.dtype == torch.bool)) else _number(v)
+                if number is None:
                     left.append(f"{key} ({describe(v)})")
                 else:
-                    found[key] = _number(v)
-        if not found:
-            raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
-                            f"{describe(value)}, no entry of which is one number")
+                    found[key] = number
         said = self.__dict__.setdefault("_left_out_said", set())
-        if left and name not in said:
+        if (left or not found) and name not in said:
             said.add(name)
             from trainer import distributed  # (lazy: the task module is imported first)
 
             if distributed.rank() == 0:
-                log.warning("task.metrics.%s: %s's entries %s are not one number: left out "
-                            "of the logs (logged: %s)", name, type(metric).__name__,
-                            ", ".join(left), ", ".join(found))
+                log.warning("task.metrics.%s: %s computed %s: left out of the logs%s", name,
+                            type(metric).__name__,
+                            f"entries that are not one number, {', '.join(left)}" if left
+                            else "an empty dict",
+                            f" (logged: {', '.join(found)})" if found else "")
         return found
 
-    def _check_monitored(self, name: str, metric: Any, values: Dict[str, float]) -> None:
-        """A monitored key that this metric's values should hold and do not (an entry it
-        does not compute, or its own key where it computes a dict) is one line: best.pt and
-        early stopping would never see it."""
+    def check_keys(self) -> None:
+        """The metrics' keys as last computed (`metric_keys`), checked: one logged by two
+        metrics (metric a's entry b and a metric a_b, both val_a_b), or a monitored key
+        (trainer.checkpoint.monitor) that the metrics it could belong to, all computed,
+        do not log (an entry they do not have, or a metric's own key where it computes a
+        dict: best.pt and early stopping would never see a value), is one line."""
+        computed = self.__dict__.get("_metric_keys", {})
+        owner: Dict[str, str] = {"val_loss": "the loss", **{
+            k: "the task's derived values" for k in self.derived_keys()}}
+        for name, keys in computed.items():
+            for key in keys:
+                if key in owner:
+                    raise TaskError(f"task.metrics.{name}: its value {key} is logged by "
+                                    f"{owner[key]} too; give the metric another name")
+                owner[key] = f"task.metrics.{name}"
         key = self.monitored
-        if key is None or key in values or (
-                key != f"val_{name}" and self.entry_metric(key) != name):
+        could = [n for n in self.metrics if key == f"val_{n}"] + \
+            self.entry_metrics(key) if key else []
+        if not could or key in owner or any(n not in computed for n in could):
             return
-        from trainer.spelling import closest  # (lazy: a failure's path)
+        from trainer.spelling import closest  # (a failure's path)
 
-        meant = closest(key, values)
-        raise TaskError(f"trainer.checkpoint.monitor={key}: task.metrics.{name} "
-                        f"({type(metric).__name__}) logs " + ", ".join(values)
+        logged = [k for n in could for k in computed[n]]
+        meant = closest(key, logged)
+        raise TaskError(f"trainer.checkpoint.monitor={key}: "
+                        + ", ".join(f"task.metrics.{n} ({type(self.metrics[n]).__name__})"
+                                    for n in could)
+                        + " logs " + ", ".join(logged)
                         + (f" (did you mean {meant}?)" if meant else "")
                         + ("; it computes a dict: monitor one of its entries"
-                           if key == f"val_{name}" else ""))
+                           if key == f"val_{could[0]}" else ""))
 
     def derived_keys(self) -> Dict[str, Optional[bool]]:
         """The keys `derived` adds (val_ppl), with their better direction."""

@@ -18,7 +18,7 @@ from trainer.feeds import skipped_files
 from trainer.firstbatch import check_count, checked_forward
 from trainer.ledger import counted
 from trainer.strategy import unwrap
-from trainer.task import TaskError, batch_size
+from trainer.task import batch_size
 
 if TYPE_CHECKING:
     from trainer.loop import Loop
@@ -152,17 +152,13 @@ def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:
     failed = None
     for name, metric in loop.task.metrics.items():
         try:
-            found = loop.task.compute_metric(name, metric) if count else \
-                dict.fromkeys(loop.task.metric_keys(name), math.nan)
-            taken = next((k for k in found if k in values), None)
-            if taken is not None:  # (a dict's entry: val_a_b, metric a's b and metric a_b)
-                raise TaskError(f"task.metrics.{name}: its value {taken} is another's, "
-                                "logged before it; give the metric another name")
-            values.update(found)
+            values.update(loop.task.compute_metric(name, metric) if count else
+                          dict.fromkeys(loop.task.metric_keys(name), math.nan))
         except Exception as e:  # (the metrics after it still computed: each may sync the
             failed = failed or e  # ranks in its compute, and every rank must meet there)
     if failed is not None:
         raise failed
+    loop.task.check_keys()  # (one key of two metrics; a monitored entry none of them has)
     values.update(loop.task.derived_values(values))
     return values
 

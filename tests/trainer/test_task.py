@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -529,8 +530,10 @@ def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
 
 def test_a_metric_computing_a_dict_logs_each_entry_of_one_number(caplog):
     """A dict-valued metric (torchmetrics' ClasswiseWrapper, MeanAveragePrecision) was refused
-    as "not one number": each entry of one number is logged as val_<name>_<entry> (nested
-    dicts joined alike), the others left out in a warning said once."""
+    as "not one number": each entry of one number (a 0-d tensor, a number; not a bool, nor
+    a list of one, whose key would come and go) is logged as val_<name>_<entry> (nested
+    dicts joined alike), the others left out in a warning said once; two entries of one
+    key are one line."""
     from tests.helpers import CountsByName
     from trainer.task import TaskError
 
@@ -542,19 +545,38 @@ def test_a_metric_computing_a_dict_logs_each_entry_of_one_number(caplog):
     assert values == {"val_per_seen": 6.0, "val_per_one": 1.0, "val_per_nested_half": 3.0}
     assert task.metric_keys("per") == list(values)
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["task.metrics.per: CountsByName's entries val_per_ids (tensor(2,) int64) "
-                    "are not one number: left out of the logs (logged: val_per_seen, "
-                    "val_per_one, val_per_nested_half)"]
+    assert said == ["task.metrics.per: CountsByName computed entries that are not one number, "
+                    "val_per_ids (tensor(2,) int64): left out of the logs (logged: "
+                    "val_per_seen, val_per_one, val_per_nested_half)"]
+    caplog.clear()
 
-    class Nothing(CountsByName):
+    class Odd(CountsByName):
         def compute(self):
-            return {"ids": torch.tensor([3, 5]), "name": "x"}
+            return self.gives
 
-    task = Classification(metrics={"none": Nothing()})
-    with pytest.raises(TaskError, match=r"^task.metrics.none: Nothing computed dict\{ids: "
-                                        r"tensor\(2,\) int64, name: str\}, no entry of which "
-                                        r"is one number$"):
-        task.compute_metric("none", task.metrics["none"])
+    task = Classification(metrics={"odd": Odd()})
+    metric = task.metrics["odd"]
+    metric.gives = {"one": torch.tensor([3]), "flag": True, "t": torch.tensor(False),
+                    "n": np.float32(0.5), "i": 2}
+    with caplog.at_level("WARNING", logger="stoker"):
+        assert task.compute_metric("odd", metric) == {"val_odd_n": 0.5, "val_odd_i": 2.0}
+        metric.gives = {}  # (said for the metric once: its first)
+        assert task.compute_metric("odd", metric) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "task.metrics.odd: Odd computed entries that are not one number, val_odd_one "
+        "(tensor(1,) int64), val_odd_flag (bool), val_odd_t (tensor() bool): left out of the "
+        "logs (logged: val_odd_n, val_odd_i)"]
+    task = Classification(metrics={"none": Odd()})
+    task.metrics["none"].gives = {}
+    with caplog.at_level("WARNING", logger="stoker"):
+        assert task.compute_metric("none", task.metrics["none"]) == {}
+    assert caplog.records[-1].getMessage() == ("task.metrics.none: Odd computed an empty "
+                                               "dict: left out of the logs")
+    metric.gives = {"a_b": 1.0, "a": {"b": 2.0}}  # (the second overwrote the first, unsaid)
+    with pytest.raises(TaskError, match=r"^task.metrics.odd: Odd computed two entries logged "
+                                        r"as val_odd_a_b \(one nested in a dict\): rename "
+                                        r"one$"):
+        Classification(metrics={"odd": metric}).compute_metric("odd", metric)
     # per-class values of torchmetrics' own, through its wrapper
     from torchmetrics.classification import MulticlassAccuracy
     from torchmetrics.wrappers import ClasswiseWrapper
@@ -594,51 +616,93 @@ def test_a_run_logs_a_dict_metrics_entries_and_keeps_best_pt_by_one(make_cfg, tm
         train(make_cfg(*per_class, "trainer.checkpoint.monitor=val_f1_multiclassf1score_33",
                        run_dir=run_dir))
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+    # a metric whose compute needs more than the first training batch: its keys are known
+    # once the sanity check gave it the first validation batch too, before the first step
+    needs = ["+task.metrics.c._target_=tests.helpers.CountsByName", "+task.metrics.c.at=99",
+             "+task.metrics.c.least=100"]
+    with pytest.raises(ConfigError, match=r"^trainer.checkpoint.monitor=val_c_sen: task."
+                                          r"metrics.c \(CountsByName\) logs val_c_seen, "):
+        train(make_cfg(*needs, "trainer.checkpoint.monitor=val_c_sen", run_dir=run_dir))
+    # one key of two metrics: before the first step too, not after an epoch's training
+    with pytest.raises(ConfigError, match=r"^task.metrics.c_one: its value val_c_one is "
+                                          r"logged by task.metrics.c too; give the metric "
+                                          r"another name"):
+        train(make_cfg(*needs[:2], "+task.metrics.c_one._target_=trainer.metrics.Accuracy",
+                       run_dir=run_dir))
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
-def test_a_monitored_entry_that_the_metric_does_not_compute_is_one_line():
+def test_a_monitored_entry_that_the_metrics_do_not_compute_is_one_line():
     """trainer.checkpoint.monitor naming an entry of a dict-valued metric is taken at the
-    start with the metric's direction (the entries are known once it computes) and checked
-    at each compute: an entry it does not have, or the metric's own key where it computes a
-    dict, would leave best.pt and early stopping without a value, so it is one line."""
+    start with the direction of the metrics it could belong to (the entries are known once
+    they compute; of metrics `m` and `m_acc`, val_m_acc_top1 may be either's) and checked
+    once they all computed: an entry none of them has, or a metric's own key where it
+    computes a dict, would leave best.pt and early stopping without a value, so it is one
+    line; so is a key that two metrics log, or a metric and the loss."""
     from tests.helpers import CountsByName
     from trainer.checks import monitor_mode
     from trainer.metrics import Accuracy
     from trainer.task import TaskError
 
     task = Classification(metrics={"per": CountsByName(at=99), "per_x": Accuracy()})
-    assert task.entry_metric("val_per_seen") == "per"
-    assert task.entry_metric("val_per_x_y") == "per_x"  # (the longest name it starts with)
-    assert task.entry_metric("val_acc_x") is None
+    assert task.entry_metrics("val_per_seen") == ["per"]
+    assert task.entry_metrics("val_per_x_y") == ["per", "per_x"]
+    assert task.entry_metrics("val_acc_x") == []
     task.update_metrics(torch.randn(6, 3), (None, torch.arange(6) % 3))
+    task.monitored = "val_per_x_y"
+    task.compute_metric("per", task.metrics["per"])
+    task.check_keys()  # (per_x has not computed: it may log it)
+    task.compute_metric("per_x", task.metrics["per_x"])
+    with pytest.raises(TaskError, match=r"^trainer.checkpoint.monitor=val_per_x_y: task.metrics."
+                                        r"per \(CountsByName\), task.metrics.per_x \(Accuracy\) "
+                                        r"logs val_per_seen, val_per_one, val_per_nested_half, "
+                                        r"val_per_x$"):
+        task.check_keys()
     task.monitored = "val_per_seen"
-    assert task.compute_metric("per", task.metrics["per"])["val_per_seen"] == 6.0
+    task.check_keys()
     for key, said in (("val_per_sen", "val_per_nested_half (did you mean val_per_seen?)"),
                       ("val_per", "val_per_nested_half; it computes a dict: monitor one of "
                                   "its entries")):
         task.monitored = key
         with pytest.raises(TaskError) as e:
-            task.compute_metric("per", task.metrics["per"])
+            task.check_keys()
         assert str(e.value) == (f"trainer.checkpoint.monitor={key}: task.metrics.per "
                                 "(CountsByName) logs val_per_seen, val_per_one, " + said)
-    task.monitored = "val_per_seen"  # (another metric's compute does not look at it)
-    task.compute_metric("per_x", task.metrics["per_x"])
-    # at the start: the entry takes its metric's direction; one of no metric is refused
+    # one key of two metrics (metric a's entry b and a metric a_b), or a metric and the loss
+    task = Classification(metrics={"a": CountsByName(at=99), "a_one": Accuracy()})
+    task.update_metrics(torch.randn(6, 3), (None, torch.arange(6) % 3))
+    task.compute_metric("a", task.metrics["a"])
+    task.compute_metric("a_one", task.metrics["a_one"])
+    with pytest.raises(TaskError, match=r"^task.metrics.a_one: its value val_a_one is logged "
+                                        r"by task.metrics.a too; give the metric another name$"):
+        task.check_keys()
+    task = Classification(metrics={"val": CountsByName(at=99)})
+    task.metrics["val"].compute = lambda: {"loss": 1.0}
+    task.compute_metric("val", task.metrics["val"])  # (val_val_loss: no clash)
+    task.check_keys()
+    # at the start: the entry takes its metrics' direction; one of no metric is refused
     from omegaconf import OmegaConf
 
     def cfg(monitor, mode=None):
         return OmegaConf.create({"trainer": {"limit_val_batches": 1.0, "checkpoint": {
             "monitor": monitor, "mode": mode}}})
 
+    task = Classification(metrics={"per": CountsByName(at=99), "per_x": Accuracy()})
     directions = task.higher_is_better()
-    assert monitor_mode(cfg("val_per_seen"), directions, task.entry_metric) == "max"
+    assert monitor_mode(cfg("val_per_seen"), directions, task.entry_metrics) == "max"
     with pytest.raises(ConfigError, match=r"^trainer.checkpoint.mode=min: val_per_x_y is "
                                           r"better when higher; use max or null$"):
-        monitor_mode(cfg("val_per_x_y", "min"), directions, task.entry_metric)
+        monitor_mode(cfg("val_per_x_y", "min"), directions, task.entry_metrics)
     with pytest.raises(ConfigError, match=r"^trainer.checkpoint.monitor=val_pr_seen: must be "
                                           r"null or a logged validation key: val_loss, val_per, "
                                           r"val_per_x \(or val_<metric>_<entry>"):
-        monitor_mode(cfg("val_pr_seen"), directions, task.entry_metric)
+        monitor_mode(cfg("val_pr_seen"), directions, task.entry_metrics)
+    lower = Classification(metrics={"per": CountsByName(at=99), "per_x": Accuracy()})
+    lower.metrics["per"].higher_is_better = False  # (two directions: the mode is asked for)
+    with pytest.raises(ConfigError, match=r"^trainer.checkpoint.mode=null: val_per_x_y does "
+                                          r"not say which direction is better; set max or "
+                                          r"min$"):
+        monitor_mode(cfg("val_per_x_y"), lower.higher_is_better(), lower.entry_metrics)
 
 
 def test_a_metric_named_as_a_derived_value_is_refused_where_it_was_replaced():
