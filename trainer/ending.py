@@ -32,7 +32,7 @@ from trainer.loop import Loop
 from trainer.preemption import Preempted
 from trainer.resilience import Checkpointing
 from trainer.task import raised_in_users_code
-from trainer.validation import PeerFailedValidation
+from trainer.validation import PeerFailedValidation, values_line
 from trainer.windowlog import NonFiniteLoss, OutOfMemory, empty_hint
 
 log = logging.getLogger("stoker")
@@ -374,8 +374,7 @@ def peak_memory_mb(spec: RunSpec) -> float:
 def final_summary_line(s: Dict[str, Any], env: DistEnv) -> None:
     if not env.is_main:
         return
-    val = " ".join(f"{k} {v:.4f}" for k, v in s.items() if k.startswith("val_")) \
-        or "no validation"
+    val = values_line({k: v for k, v in s.items() if k.startswith("val_")}) or "no validation"
     if s.get("validate_only"):
         log.info("validated %s: %s over %s in %.1fs (validation %.1fs)", s["weights"], val,
                  count_of(s["validated_samples"], "sample"), s["wall_s"], s["run_val_s"])

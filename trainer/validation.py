@@ -139,10 +139,22 @@ def evaluate(loop: "Loop", epoch: int, stoppable: bool = False) -> Dict[str, flo
     loop.run_val_s += time.perf_counter() - start
     loop.logger.metrics("val", loop.state.step, {"epoch": max(epoch, 0), **values})
     loop.logger.info("epoch %d step %d: %s", max(epoch, 0), loop.state.step,
-                     " ".join(f"{k} {v:.4f}" for k, v in values.items()))
+                     values_line(values))
     model.train()
     loop.phase = "training"  # (after validation's collectives: a wait there is named so)
     return values
+
+
+SHOWN_VALUES = 12  # validation values a console line shows (a per-class metric logs 100)
+
+
+def values_line(values: Dict[str, float]) -> str:
+    """`key value` for each validation value, up to SHOWN_VALUES of them and a count of the
+    rest, which metrics.jsonl and TensorBoard hold: a dict-valued metric of 100 classes made
+    an epoch's line 2,000 characters long."""
+    shown = " ".join(f"{k} {v:.4f}" for k, v in list(values.items())[:SHOWN_VALUES])
+    rest = len(values) - SHOWN_VALUES
+    return shown + (f" and {rest} more (metrics.jsonl)" if rest > 0 else "")
 
 
 def _values(loop: "Loop", loss_sum: float, count: float) -> Dict[str, float]:

@@ -416,3 +416,16 @@ def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_f
     weights = [checkpoint.load(d / "checkpoints" / "last.pt")["model"]
                for d in (run_dir, tmp_path / "whole")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+
+
+def test_a_console_line_shows_twelve_values_and_counts_the_rest():
+    """A per-class metric of 100 classes made each epoch's line (and the run's last) 2,000
+    characters long: the console shows 12 values, metrics.jsonl all of them."""
+    from trainer.validation import values_line
+
+    values = {"val_loss": 0.5, **{f"val_f1_{c}": c / 100 for c in range(100)}}
+    line = values_line(values)
+    assert line.startswith("val_loss 0.5000 val_f1_0 0.0000 val_f1_1 0.0100 ")
+    assert line.endswith("val_f1_10 0.1000 and 89 more (metrics.jsonl)")
+    assert values_line({"val_loss": 0.5, "val_acc": 0.25}) == "val_loss 0.5000 val_acc 0.2500"
+    assert values_line({}) == ""
