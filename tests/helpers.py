@@ -480,12 +480,15 @@ class SlowValDigits(DigitsDataset):
 class SignalsInValidation(DigitsDataset):
     """Digits whose val split sends its own process SIGTERM when it reads the rank's first
     sample the `at`-th time (the sanity check reads it first), on rank `rank` only: a
-    preemption signal that comes during an epoch's validation (data.num_workers=0)."""
+    preemption signal that comes during an epoch's validation (data.num_workers=0). `noise`:
+    the train split's samples get that much random noise (an augmentation drawn in the
+    loader's workers, from the seeds the loader's generator gives them)."""
 
-    def __init__(self, split: str = "train", at: int = 2, rank: int = 1, **kw):
+    def __init__(self, split: str = "train", at: int = 2, rank: int = 1, noise: float = 0.0,
+                 **kw):
         super().__init__(split, **kw)
         self.at, self.rank, self.reads, self.val = at, rank, 0, split == "val"
-        self.first = None
+        self.first, self.noise = None, noise
 
     def __getitem__(self, i):
         self.first = i if self.first is None else self.first
@@ -493,7 +496,8 @@ class SignalsInValidation(DigitsDataset):
             self.reads += 1
             if self.reads == self.at:
                 os.kill(os.getpid(), signal.SIGTERM)
-        return super().__getitem__(i)
+        x, y = super().__getitem__(i)
+        return (x + self.noise * torch.randn_like(x) if self.noise and not self.val else x), y
 
 
 class SlowToBuildDigits(DigitsDataset):

@@ -221,7 +221,9 @@ class Loop:
                                  "run's position is past this epoch's batches)", epoch,
                                  self.state.step)
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
-                val = self._evaluate_trained(epoch, trained)
+                # (the run's last runs to its end: the run completes with it, its summary
+                # and last window's row; a resume would train nothing and had neither)
+                val = self._evaluate_trained(epoch, None if self.reached_limit() else trained)
             for callback in self.callbacks:
                 call_hook(callback, "after_epoch", self.state.step, self, val)
             self.window.paused_s += time.perf_counter() - paused
@@ -245,16 +247,19 @@ class Loop:
         """`evaluate` after training steps: where it raises (a validation sample or metric
         that fails), the callbacks hear of it first (checkpointing saves the trained state,
         which went with the error before: an epoch's steps lost to a bad validation file).
-        Stopped by a signal, the callbacks hear of that (checkpointing saves and raises
-        Preempted), the state put back to the epoch and position of its last step
-        (`trained`, at an epoch's end): the resumed run validates before anything else."""
+        With `trained` (the epoch and position of an epoch's last step, not the run's last)
+        a signal stops it (validation.Stopped): the state is put back there, the loader's
+        generator as the epoch's draws left it, and the callbacks hear of it (checkpointing
+        saves and raises Preempted): the resumed run validates before anything else."""
         try:
-            return self.evaluate(epoch, stoppable=True)
+            return self.evaluate(epoch, stoppable=trained is not None)
         except validation.Stopped:
-            if trained is not None:
-                self.state.epoch, self.state.position = trained
+            self.state.epoch, self.state.position = trained
+            generator = self.train_feed.loader.generator  # (a resume takes nothing more of
+            if generator is not None:  # the epoch, whose iterator drew from it at its start)
+                self.loader_rng = generator.get_state()
             for callback in self.callbacks:
-                callback.validation_stopped(self)
+                call_hook(callback, "validation_stopped", self.state.step, self)
             raise
         except Exception:
             for callback in self.callbacks:

@@ -21,7 +21,7 @@ from trainer.overrides import override_key
 from trainer.distributed import DistEnv
 from trainer.logging import RunLogger, write_whole
 from trainer.loop import Callback, Loop
-from trainer.progress import steps_left, total_steps
+from trainer.progress import rest_plan, steps_left, total_steps
 from trainer.weights import check_model_state, init_weights, not_read_line
 from trainer.resilience import Checkpointing, set_rng_state
 from trainer.resumechanges import (changes_line, check_schedule_kind, flat, record_kept,
@@ -102,9 +102,14 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      f"has {env.world_size}: the data position is kept in global samples "
                      f"({loop.state.position} into epoch {loop.state.epoch}); random states "
                      "start from the seed")
-    # (whole global batches: the last one of an epoch may count past its samples)
-    into = ("at the epoch's end" if loop.state.position >= len(loop.train_feed.loader.dataset)
-            else f"{loop.state.position} samples into the epoch")
+    # (whole global batches: the last one of an epoch may count past its samples; the end
+    # of one that trainer.limit_train_batches or drop_last shortened: nothing left of it)
+    loader = loop.train_feed.loader
+    ended = loop.state.position >= len(loader.dataset) or (
+        loop.state.position and hasattr(getattr(loader, "sampler", None), "set_start")
+        and not rest_plan(loader, loop.train_limit, loop.cfg.accumulate_grad_batches,
+                          loop.state.position, loader.batch_size * env.world_size))
+    into = "at the epoch's end" if ended else f"{loop.state.position} samples into the epoch"
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({into})")
     if not resumefiles.in_run_dir(path, run_dir):

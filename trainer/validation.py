@@ -113,8 +113,8 @@ def evaluate(loop: "Loop", epoch: int, stoppable: bool = False) -> Dict[str, flo
     _raise_agreed(loop, failures, failed)  # (every rank has the same sums: all decide alike)
     if stopped:
         loop.run_val_s += time.perf_counter() - start
-        loop.logger.info("validation at step %d stopped by the signal: the resumed run "
-                         "takes it first", loop.state.step)
+        loop.logger.info("validation at step %d stopped by the signal, before its end",
+                         loop.state.step)
         model.train()
         loop.phase = "training"
         raise Stopped(f"validation at step {loop.state.step} stopped by a signal")

@@ -394,10 +394,15 @@ def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_f
     agreed = Preemption.agreed
     monkeypatch.setattr(Preemption, "agreed", lambda self, now=False: now and agreed(self, now))
 
-    common = ["trainer.max_epochs=2", "data.placement=host", "data.num_workers=0",
-              "trainer.progress_bar=false", "data.batch_size=16"]
-    signalled = ["data.dataset._target_=tests.helpers.SignalsInValidation",
-                 "+data.dataset.rank=0"] if when == "in_the_validation" else []
+    # (before_it: with workers that draw an augmentation, from seeds the loader's generator
+    # gives each epoch's workers: saved as the epoch's draws left it, or the next epoch's
+    # drew the same as this one)
+    common = ["trainer.max_epochs=3", "data.placement=host", "trainer.progress_bar=false",
+              "data.batch_size=16", "data.dataset._target_=tests.helpers.SignalsInValidation",
+              *(["data.num_workers=0"] if when == "in_the_validation" else
+                ["data.num_workers=2", "data.persistent_workers=false",
+                 "+data.dataset.noise=0.5", "+data.dataset.at=99"])]
+    signalled = ["+data.dataset.rank=0"] if when == "in_the_validation" else []
     run_dir = tmp_path / "run"
     with pytest.raises(Preempted, match=r"^stopped on a preemption signal at step 90;"):
         train(make_cfg(*common, *signalled, run_dir=run_dir), callbacks=[SignalAt()])
@@ -411,7 +416,7 @@ def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_f
     whole = train(make_cfg(*common, run_dir=tmp_path / "whole"))
     rows = [[r for r in read_metrics(d) if r.get("split") == "val"]
             for d in (run_dir, tmp_path / "whole")]
-    assert [r["step"] for r in rows[1]] == [90, 180] and rows[0] == rows[1]
+    assert [r["step"] for r in rows[1]] == [90, 180, 270] and rows[0] == rows[1]
     assert resumed["val_loss"] == whole["val_loss"]
     weights = [checkpoint.load(d / "checkpoints" / "last.pt")["model"]
                for d in (run_dir, tmp_path / "whole")]
@@ -429,3 +434,22 @@ def test_a_console_line_shows_twelve_values_and_counts_the_rest():
     assert line.endswith("val_f1_10 0.1000 and 89 more (metrics.jsonl)")
     assert values_line({"val_loss": 0.5, "val_acc": 0.25}) == "val_loss 0.5000 val_acc 0.2500"
     assert values_line({}) == ""
+
+
+def test_a_signal_during_the_runs_last_validation_lets_it_complete(make_cfg, tmp_path):
+    """The run's last validation runs to its end under a signal: the run completes with it
+    (its summary, its last window's row), where stopped there its resume trained nothing
+    and had neither."""
+    import json
+
+    from trainer import checkpoint
+
+    run_dir = tmp_path / "run"
+    summary = train(make_cfg("trainer.max_epochs=2", "data.placement=host", "data.num_workers=0",
+                             "trainer.progress_bar=false",
+                             "data.dataset._target_=tests.helpers.SignalsInValidation",
+                             "+data.dataset.rank=0", "+data.dataset.at=3", run_dir=run_dir))
+    assert summary["epochs"] == 2 and "val_loss" in summary and "train_loss" in summary
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "val"] == [23, 46]
+    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["epoch"] == 2
