@@ -98,6 +98,7 @@ class Loop:
         self._sanity = cfg.sanity_check and val_feed is not None and not cfg.fast_dev_run
         self.input_shape = input_shape  # named when the first batch does not fit the model
         self.loader_rng: Optional[torch.Tensor] = None  # loader generator at epoch start
+        self.epoch_end = 0  # the position the current epoch's last step reaches
         # losses and the non-finite guard, kept on the device: no host sync per step
         self._ddp = isinstance(model, DistributedDataParallel)
         self._autocast = None if precision.precision == Precision.fp32 else precision.autocast
@@ -248,16 +249,13 @@ class Loop:
         that fails), the callbacks hear of it first (checkpointing saves the trained state,
         which went with the error before: an epoch's steps lost to a bad validation file).
         With `trained` (the epoch and position of an epoch's last step, not the run's last)
-        a signal stops it (validation.Stopped): the state is put back there, the loader's
-        generator as the epoch's draws left it, and the callbacks hear of it (checkpointing
-        saves and raises Preempted): the resumed run validates before anything else."""
+        a signal stops it (validation.Stopped): the state is put back there and the
+        callbacks hear of it (checkpointing saves and raises Preempted): the resumed run
+        validates before anything else."""
         try:
             return self.evaluate(epoch, stoppable=trained is not None)
         except validation.Stopped:
             self.state.epoch, self.state.position = trained
-            generator = self.train_feed.loader.generator  # (a resume takes nothing more of
-            if generator is not None:  # the epoch, whose iterator drew from it at its start)
-                self.loader_rng = generator.get_state()
             for callback in self.callbacks:
                 call_hook(callback, "validation_stopped", self.state.step, self)
             raise
@@ -275,8 +273,10 @@ class Loop:
         per_batch = loader.batch_size * distributed.world_size()
         if not self.state.position and loader.generator is not None:
             self.loader_rng = loader.generator.get_state()  # before this epoch's draws
-        return rest_plan(loader, self.train_limit, self.cfg.accumulate_grad_batches,
-                         self.state.position, per_batch), per_batch
+        windows = rest_plan(loader, self.train_limit, self.cfg.accumulate_grad_batches,
+                            self.state.position, per_batch)
+        self.epoch_end = self.state.position + per_batch * sum(windows)
+        return windows, per_batch
 
     def train_epoch(self, epoch: int) -> bool:
         """This rank's (rest of the) epoch; False if max_steps stopped it on a step boundary."""

@@ -92,8 +92,12 @@ def capture(loop, config: Dict[str, Any], env: DistEnv,
     `gpus`: the GPUs whose random states are saved (see rng_state)."""
     generator = loop.train_feed.loader.generator
     # mid-epoch the loader must replay this epoch's iterator, so its generator state from
-    # the epoch's start; at an epoch's end, its state now
-    loader = loop.loader_rng if loop.state.position else (
+    # the epoch's start; at an epoch's end (its last step's position too: a save there, the
+    # validation after it stopped or killed), its state now, past the draws of the epoch's
+    # iterator (a resume there takes no more of the epoch: the next epoch's iterator drew
+    # this one's worker seeds again)
+    mid = 0 < loop.state.position < loop.epoch_end
+    loader = loop.loader_rng if mid else (
         generator.get_state() if generator is not None else None)
     rngs = gather(rng_state(loader, gpus))
     return {**loop.state_dict(), "rng": rngs, "world_size": env.world_size,

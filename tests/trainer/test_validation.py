@@ -367,7 +367,7 @@ def test_a_model_replaying_cuda_graphs_passes_the_sanity_check_on_cuda(make_cfg,
     assert summary["steps"] == 46 and summary["val_loss"] < 1.0
 
 
-@pytest.mark.parametrize("when", ["in_the_validation", "before_it"])
+@pytest.mark.parametrize("when", ["in_the_validation", "before_it", "killed_after_a_save"])
 def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_first(
         make_cfg, tmp_path, monkeypatch, when):
     """A preemption signal during an epoch's validation (or in the epoch's last step, which
@@ -375,14 +375,29 @@ def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_f
     past a scheduler's grace period on a long one: it stops at its next batch (no loader
     started where the signal came first), the epoch's trained state is saved as its last
     step left it, and the resumed run validates it first: the same rows and weights as a
-    run never stopped."""
+    run never stopped. So does a run killed in that validation after a save at the epoch's
+    last step (trainer.checkpoint.every_n_steps): its loader's generator was saved as the
+    epoch's start left it, and the resumed run's next epoch drew this one's worker seeds
+    again."""
     import os
     import signal
 
-    from trainer import checkpoint
+    from trainer import checkpoint, validation
     from trainer.preemption import Preempted, Preemption
 
     takes = []
+
+    class Killed(BaseException):  # (as a SIGKILL: nothing after it runs)
+        pass
+
+    shard_sums = validation._shard_sums
+
+    def killed(loop, *args):
+        if when == "killed_after_a_save" and loop.state.step == 90:
+            raise Killed()
+        return shard_sums(loop, *args)
+
+    monkeypatch.setattr(validation, "_shard_sums", killed)
 
     class SignalAt(Callback):  # the epoch's last step, agreed a step later (as under DDP)
         def after_step(self, loop):
@@ -402,9 +417,12 @@ def test_a_signal_stops_a_validation_at_its_next_batch_and_the_resume_takes_it_f
               *(["data.num_workers=0"] if when == "in_the_validation" else
                 ["data.num_workers=2", "data.persistent_workers=false",
                  "+data.dataset.noise=0.5", "+data.dataset.at=99"])]
-    signalled = ["+data.dataset.rank=0"] if when == "in_the_validation" else []
+    signalled = ["+data.dataset.rank=0"] if when == "in_the_validation" else \
+        ["trainer.checkpoint.every_n_steps=90"] if when == "killed_after_a_save" else []
     run_dir = tmp_path / "run"
-    with pytest.raises(Preempted, match=r"^stopped on a preemption signal at step 90;"):
+    with pytest.raises(Killed if when == "killed_after_a_save" else Preempted,
+                       match=None if when == "killed_after_a_save" else
+                       r"^stopped on a preemption signal at step 90;"):
         train(make_cfg(*common, *signalled, run_dir=run_dir), callbacks=[SignalAt()])
     saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")
     assert (saved["step"], saved["epoch"], saved["position"], saved["validated_step"]) == \
