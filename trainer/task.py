@@ -274,7 +274,7 @@ class Task:
                      f"given {describe((preds, target))}")
             raise
 
-    monitored: Optional[str] = None  # trainer.checkpoint.monitor (check_monitored)
+    monitored: Optional[str] = None  # trainer.checkpoint.monitor (check_keys)
 
     def compute_metric(self, name: str, metric: Any) -> Dict[str, float]:
         """The metric's values over the whole validation set, by the key each is logged as
@@ -336,7 +336,7 @@ class Task:
         list of one) left out, said once. Two entries of one key (`a_b`, and `b` in `a`)
         are one line."""
         found: Dict[str, float] = {}
-        left: List[str] = []
+        left: Dict[str, str] = {}  # (key: what it holds)
         todo = [(f"val_{name}", value)]
         while todo:
             prefix, mapping = todo.pop(0)
@@ -345,14 +345,14 @@ class Task:
                 if isinstance(v, Mapping):
                     todo.append((key, v))
                     continue
-                if key in found or any(k.startswith(f"{key} (") for k in left):
+                if key in found or key in left:
                     raise TaskError(f"task.metrics.{name}: {type(metric).__name__} computed "
                                     f"two entries logged as {key} (one nested in a dict): "
                                     "rename one")
                 number = None if isinstance(v, bool) or (isinstance(v, torch.Tensor) and (
                     v.dim() != 0 or v.dtype == torch.bool)) else _number(v)
                 if number is None:
-                    left.append(f"{key} ({describe(v)})")
+                    left[key] = describe(v)
                 else:
                     found[key] = number
         said = self.__dict__.setdefault("_left_out_said", set())
@@ -363,7 +363,8 @@ class Task:
             if distributed.rank() == 0:
                 log.warning("task.metrics.%s: %s computed %s: left out of the logs%s", name,
                             type(metric).__name__,
-                            f"entries that are not one number, {', '.join(left)}" if left
+                            "entries that are not one number, " + ", ".join(
+                                f"{k} ({held})" for k, held in left.items()) if left
                             else "an empty dict",
                             f" (logged: {', '.join(found)})" if found else "")
         return found
