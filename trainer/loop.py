@@ -253,7 +253,7 @@ class Loop:
         callbacks hear of it (checkpointing saves and raises Preempted): the resumed run
         validates before anything else."""
         try:
-            return self.evaluate(epoch, stoppable=trained is not None)
+            return self.evaluate(epoch, stoppable=trained is not None, trained=True)
         except validation.Stopped:
             self.state.epoch, self.state.position = trained
             for callback in self.callbacks:
@@ -435,8 +435,10 @@ class Loop:
         self.state.step += 1
         return norm
 
-    def evaluate(self, epoch: int, stoppable: bool = False) -> Dict[str, float]:
+    def evaluate(self, epoch: int, stoppable: bool = False,
+                 trained: bool = False) -> Dict[str, float]:
         """The loss (a mean over every counted unit) and the task's metrics over the whole
         validation set, exact on any world size; {} when there is no validation set
-        (trainer/validation.py; `stoppable`: validation.Stopped where a signal came)."""
-        return validation.evaluate(self, epoch, stoppable)
+        (trainer/validation.py; `stoppable`: validation.Stopped where a signal came;
+        `trained`: after training steps, where a signal is said)."""
+        return validation.evaluate(self, epoch, stoppable, trained)

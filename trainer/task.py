@@ -361,12 +361,17 @@ class Task:
             from trainer import distributed  # (lazy: the task module is imported first)
 
             if distributed.rank() == 0:
-                log.warning("task.metrics.%s: %s computed %s: left out of the logs%s", name,
+                per_class = any(held.startswith("tensor(") and "float" in held
+                                and not held.startswith("tensor(1,)") for held in left.values())
+                log.warning("task.metrics.%s: %s computed %s: left out of the logs%s%s", name,
                             type(metric).__name__,
                             "entries that are not one number, " + ", ".join(
                                 f"{k} ({held})" for k, held in left.items()) if left
                             else "an empty dict",
-                            f" (logged: {', '.join(found)})" if found else "")
+                            f" (logged: {', '.join(found)})" if found else "",
+                            "; values per class are logged one by one through torchmetrics."
+                            "wrappers.ClasswiseWrapper (in a MetricCollection too)"
+                            if per_class else "")
         return found
 
     def check_keys(self) -> None:

@@ -577,6 +577,21 @@ def test_a_metric_computing_a_dict_logs_each_entry_of_one_number(caplog):
                                         r"as val_odd_a_b \(one nested in a dict\): rename "
                                         r"one$"):
         Classification(metrics={"odd": metric}).compute_metric("odd", metric)
+    # per-class values in a collection: left out, with the wrapper that logs them
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import MulticlassPrecision
+
+    caplog.clear()
+    task = Classification(metrics={"pr": MetricCollection({"precision": MulticlassPrecision(
+        num_classes=3, average=None)})})
+    task.update_metrics(torch.eye(3)[[0, 1, 2, 0]], (None, torch.tensor([0, 1, 1, 0])))
+    with caplog.at_level("WARNING", logger="stoker"):
+        assert task.compute_metric("pr", task.metrics["pr"]) == {}
+    assert caplog.records[-1].getMessage() == (
+        "task.metrics.pr: MetricCollection computed entries that are not one number, "
+        "val_pr_precision (tensor(3,) float32): left out of the logs; values per class are "
+        "logged one by one through torchmetrics.wrappers.ClasswiseWrapper (in a "
+        "MetricCollection too)")
     # per-class values of torchmetrics' own, through its wrapper
     from torchmetrics.classification import MulticlassAccuracy
     from torchmetrics.wrappers import ClasswiseWrapper

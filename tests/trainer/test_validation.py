@@ -29,9 +29,9 @@ def test_validations_collectives_are_in_its_phase_for_the_heartbeat(make_cfg, mo
 
     evaluate = Loop.evaluate
 
-    def recording(self, epoch, stoppable=False):
+    def recording(self, epoch, **kw):
         seen["loop"] = self
-        return evaluate(self, epoch, stoppable)
+        return evaluate(self, epoch, **kw)
 
     monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
     monkeypatch.setattr(Loop, "evaluate", recording)
@@ -454,10 +454,11 @@ def test_a_console_line_shows_twelve_values_and_counts_the_rest():
     assert values_line({}) == ""
 
 
-def test_a_signal_during_the_runs_last_validation_lets_it_complete(make_cfg, tmp_path):
+def test_a_signal_during_the_runs_last_validation_lets_it_complete(make_cfg, tmp_path,
+                                                                   caplog):
     """The run's last validation runs to its end under a signal: the run completes with it
     (its summary, its last window's row), where stopped there its resume trained nothing
-    and had neither."""
+    and had neither. The signal is said (it went without a word)."""
     import json
 
     from trainer import checkpoint
@@ -471,3 +472,8 @@ def test_a_signal_during_the_runs_last_validation_lets_it_complete(make_cfg, tmp
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "val"] == [23, 46]
     assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["epoch"] == 2
+    said = [r.getMessage() for r in caplog.records if "a stop was asked for" in r.getMessage()]
+    assert said == ["validation at step 46: a stop was asked for; the run's last validation "
+                    "runs to its end and the run completes then, with its checkpoint (a kill "
+                    "before that loses what the last save did not keep: trainer.checkpoint."
+                    "every_n_steps saves within the last epoch)"]
