@@ -209,7 +209,6 @@ class Loop:
             self.whole_epoch_seen = True
             if not self.run_samples and self.state.step > steps_before:
                 windowlog.check_read(self)  # (until a logging boundary counted samples)
-            trained = (self.state.epoch, self.state.position)  # (the epoch's last step's)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
             val = None
@@ -224,7 +223,7 @@ class Loop:
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
                 # (the run's last runs to its end: the run completes with it, its summary
                 # and last window's row; a resume would train nothing and had neither)
-                val = self._evaluate_trained(epoch, None if self.reached_limit() else trained)
+                val = self._evaluate_trained(epoch, stoppable=not self.reached_limit())
             for callback in self.callbacks:
                 call_hook(callback, "after_epoch", self.state.step, self, val)
             self.window.paused_s += time.perf_counter() - paused
@@ -243,19 +242,19 @@ class Loop:
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **self.last_train, **self.last_val, **windowlog.run_rates(self)}
 
-    def _evaluate_trained(self, epoch: int,
-                          trained: Optional[Tuple[int, int]] = None) -> Dict[str, float]:
+    def _evaluate_trained(self, epoch: int, stoppable: bool = False) -> Dict[str, float]:
         """`evaluate` after training steps: where it raises (a validation sample or metric
         that fails), the callbacks hear of it first (checkpointing saves the trained state,
         which went with the error before: an epoch's steps lost to a bad validation file).
-        With `trained` (the epoch and position of an epoch's last step, not the run's last)
-        a signal stops it (validation.Stopped): the state is put back there and the
+        `stoppable` (an epoch's, not the run's last): a signal stops it (validation.Stopped),
+        the state is put back to the epoch's last step (`epoch`, at `epoch_end`) and the
         callbacks hear of it (checkpointing saves and raises Preempted): the resumed run
         validates before anything else."""
         try:
-            return self.evaluate(epoch, stoppable=trained is not None, trained=True)
+            return self.evaluate(epoch, stop=self.stop_asked if stoppable else
+                                 validation.said_once(self))
         except validation.Stopped:
-            self.state.epoch, self.state.position = trained
+            self.state.epoch, self.state.position = epoch, self.epoch_end
             for callback in self.callbacks:
                 call_hook(callback, "validation_stopped", self.state.step, self)
             raise
@@ -435,10 +434,10 @@ class Loop:
         self.state.step += 1
         return norm
 
-    def evaluate(self, epoch: int, stoppable: bool = False,
-                 trained: bool = False) -> Dict[str, float]:
+    def evaluate(self, epoch: int, stop: Optional[Callable[[], bool]] = None
+                 ) -> Dict[str, float]:
         """The loss (a mean over every counted unit) and the task's metrics over the whole
         validation set, exact on any world size; {} when there is no validation set
-        (trainer/validation.py; `stoppable`: validation.Stopped where a signal came;
-        `trained`: after training steps, where a signal is said)."""
-        return validation.evaluate(self, epoch, stoppable, trained)
+        (trainer/validation.py; `stop`: asked before each batch, validation.Stopped where
+        it says so)."""
+        return validation.evaluate(self, epoch, stop)

@@ -90,16 +90,14 @@ def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(loop: "Loop", epoch: int, stoppable: bool = False,
-             trained: bool = False) -> Dict[str, float]:
+def evaluate(loop: "Loop", epoch: int,
+             stop: Optional[Callable[[], bool]] = None) -> Dict[str, float]:
     """The loss (a mean over every counted unit) and the task's metrics over the whole
     validation set, exact on any world size; {} when there is no validation set.
-    `stoppable`: each rank stops reading its shard at the next batch once a preemption
-    signal or a Ctrl-C came (`loop.stop_asked`), and where any rank stopped, every one
-    raises Stopped after the sums (the one collective every rank meets, whatever it read):
-    the metrics' own collectives are not entered. `trained` and not `stoppable` (the run's
-    last validation): a signal is said once, at the next batch, and the validation goes on
-    (it ran on without a word, the run then completing as if none had come)."""
+    `stop` (`loop.stop_asked`, or `said_once`'s for the run's last validation), asked before
+    each batch: where it is true, the rank stops reading its shard, and where any rank
+    stopped, every one raises Stopped after the sums (the one collective every rank meets,
+    whatever it read): the metrics' own collectives are not entered."""
     if loop.val_feed is None:
         loop.state.validated_step = loop.state.step
         return {}
@@ -108,7 +106,6 @@ def evaluate(loop: "Loop", epoch: int, stoppable: bool = False,
     distributed.broadcast_buffers(model)  # every rank evaluates rank 0's BatchNorm stats
     model.eval()
     start = time.perf_counter()
-    stop = loop.stop_asked if stoppable else _said_once(loop) if trained else None
     sums, failed = _agreed(loop, lambda: _shard_sums(loop, model, stop),
                            lambda: _failed_sums(loop))
     loss_sum, count, samples, files, failures, stopped = \
@@ -148,9 +145,9 @@ def evaluate(loop: "Loop", epoch: int, stoppable: bool = False,
     return values
 
 
-def _said_once(loop: "Loop") -> Callable[[], bool]:
+def said_once(loop: "Loop") -> Callable[[], bool]:
     """A `stop` for the run's last validation: never stops it, and says once that a signal
-    came (the run completes with that validation, then saves)."""
+    came (it ran on without a word; the run completes with that validation, then saves)."""
     said = []
 
     def stop() -> bool:
