@@ -115,6 +115,9 @@ class Loop:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
                 "callbacks": callback_states(self.callbacks, self.state.step),
                 **asdict(self.state),
+                # the latest window row's values: a run resumed where only its last
+                # validation was left has them for its summary
+                "last_train": dict(self.last_train),
                 # what the position counts into: a resume over a changed set says so
                 "train_samples": len(self.train_feed.loader.dataset),
                 # which files a drawn validation split holds out (ImageFolder.held_out)
@@ -134,6 +137,7 @@ class Loop:
         self.state = FitState(epoch=state["epoch"], step=state["step"],
                               position=state.get("position", 0),
                               validated_step=state.get("validated_step", -1))
+        self.last_train = dict(state.get("last_train", {}))
 
     def load_callback_states(self, state: Dict[str, Any]) -> None:
         """The callbacks' own states of `state` (callbacks.load_callback_states)."""
@@ -211,6 +215,9 @@ class Loop:
                 windowlog.check_read(self)  # (until a logging boundary counted samples)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
+            if self.reached_limit():  # the run's last window row, before its last
+                self._log_rest(epoch)  # validation: a signal stops that one too, and loses
+                # nothing of the window (its sums are not in the checkpoint)
             val = None
             if self.state.step == steps_before == self.state.validated_step and \
                     not self.reached_limit():  # (the run's last: validated, for its summary)
@@ -221,40 +228,43 @@ class Loop:
                                  "run's position is past this epoch's batches)", epoch,
                                  self.state.step)
             elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
-                # (the run's last runs to its end: the run completes with it, its summary
-                # and last window's row; a resume would train nothing and had neither)
-                val = self._evaluate_trained(epoch, stoppable=not self.reached_limit())
+                val = self._evaluate_trained(epoch, (epoch, self.epoch_end))
             for callback in self.callbacks:
                 call_hook(callback, "after_epoch", self.state.step, self, val)
             self.window.paused_s += time.perf_counter() - paused
         self.whole_epoch_seen = True  # (the run's end)
         if not self.run_samples and self.window.steps:  # a run shorter than an epoch
             windowlog.check_read(self)
-        if self.window.steps:  # the steps since the last logging boundary (a collective)
-            windowlog.log_window(self, self.window,
-                                 self.state.epoch - (0 if self.state.position else 1), None, None)
-            self.window = Window()
+        self._log_rest(self.state.epoch - (0 if self.state.position else 1))
         if self.state.validated_step != self.state.step:  # stopped mid-epoch, or resumed
             # at the end before its validation
             self._evaluate_trained(self.state.epoch if self.state.position
-                                   else self.state.epoch - 1)
+                                   else self.state.epoch - 1,
+                                   (self.state.epoch, self.state.position))
         return {"epochs": self.state.epoch, "steps": self.state.step,
                 **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
                 **self.last_train, **self.last_val, **windowlog.run_rates(self)}
 
-    def _evaluate_trained(self, epoch: int, stoppable: bool = False) -> Dict[str, float]:
+    def _log_rest(self, epoch: int) -> None:
+        """The steps since the last logging boundary, as a row (a collective; none without
+        such steps)."""
+        if self.window.steps:
+            windowlog.log_window(self, self.window, epoch, None, None)
+            self.window = Window()
+
+    def _evaluate_trained(self, epoch: int, back: Tuple[int, int]) -> Dict[str, float]:
         """`evaluate` after training steps: where it raises (a validation sample or metric
         that fails), the callbacks hear of it first (checkpointing saves the trained state,
         which went with the error before: an epoch's steps lost to a bad validation file).
-        `stoppable` (an epoch's, not the run's last): a signal stops it (validation.Stopped),
-        the state is put back to the epoch's last step (`epoch`, at `epoch_end`) and the
-        callbacks hear of it (checkpointing saves and raises Preempted): the resumed run
-        validates before anything else."""
+        A signal stops it (validation.Stopped): the state is put back to where the last step
+        left it (`back`: epoch and position) and the callbacks hear of it (checkpointing
+        saves and raises Preempted): the resumed run validates before anything else. (The
+        run's last one too: its window row is logged before it, and `last_train` is in the
+        checkpoint for the resumed run's summary.)"""
         try:
-            return self.evaluate(epoch, stop=self.stop_asked if stoppable else
-                                 validation.said_once(self))
+            return self.evaluate(epoch, stop=self.stop_asked)
         except validation.Stopped:
-            self.state.epoch, self.state.position = epoch, self.epoch_end
+            self.state.epoch, self.state.position = back
             for callback in self.callbacks:
                 call_hook(callback, "validation_stopped", self.state.step, self)
             raise

@@ -94,7 +94,7 @@ def evaluate(loop: "Loop", epoch: int,
              stop: Optional[Callable[[], bool]] = None) -> Dict[str, float]:
     """The loss (a mean over every counted unit) and the task's metrics over the whole
     validation set, exact on any world size; {} when there is no validation set.
-    `stop` (`loop.stop_asked`, or `said_once`'s for the run's last validation), asked before
+    `stop` (`loop.stop_asked`: a signal or a Ctrl-C came), asked before
     each batch: where it is true, the rank stops reading its shard, and where any rank
     stopped, every one raises Stopped after the sums (the one collective every rank meets,
     whatever it read): the metrics' own collectives are not entered."""
@@ -143,23 +143,6 @@ def evaluate(loop: "Loop", epoch: int,
     model.train()
     loop.phase = "training"  # (after validation's collectives: a wait there is named so)
     return values
-
-
-def said_once(loop: "Loop") -> Callable[[], bool]:
-    """A `stop` for the run's last validation: never stops it, and says once that a signal
-    came (it ran on without a word; the run completes with that validation, then saves)."""
-    said = []
-
-    def stop() -> bool:
-        if not said and loop.stop_asked():
-            said.append(True)
-            loop.logger.warning(
-                "validation at step %d: a stop was asked for; the run's last validation runs "
-                "to its end and the run completes then, with its checkpoint (a kill before "
-                "that loses what the last save did not keep: trainer.checkpoint.every_n_steps "
-                "saves within the last epoch)", loop.state.step)
-        return False
-    return stop
 
 
 SHOWN_VALUES = 12  # validation values a console line shows (a per-class metric logs 100)

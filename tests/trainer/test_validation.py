@@ -454,26 +454,42 @@ def test_a_console_line_shows_twelve_values_and_counts_the_rest():
     assert values_line({}) == ""
 
 
-def test_a_signal_during_the_runs_last_validation_lets_it_complete(make_cfg, tmp_path,
-                                                                   caplog):
-    """The run's last validation runs to its end under a signal: the run completes with it
-    (its summary, its last window's row), where stopped there its resume trained nothing
-    and had neither. The signal is said (it went without a word)."""
+@pytest.mark.parametrize("last", ["last_epochs", "after_max_steps"])
+def test_a_signal_stops_the_runs_last_validation_too_and_the_resume_completes_the_run(
+        make_cfg, tmp_path, last):
+    """The run's last validation (its last epoch's, or the one after trainer.max_steps inside
+    an epoch) stops at its next batch as an epoch's does: it ran to its end, and a long one
+    outlived a scheduler's grace period, losing the last epoch. Its window row is logged
+    before it and the checkpoint keeps that row's values: the resumed run validates and
+    completes with the same rows, summary and weights as a run never stopped."""
     import json
 
     from trainer import checkpoint
+    from trainer.preemption import Preempted
 
+    limit = ["trainer.max_epochs=2"] if last == "last_epochs" else \
+        ["trainer.max_epochs=5", "trainer.max_steps=30"]
+    common = [*limit, "data.placement=host", "data.num_workers=0", "trainer.progress_bar=false",
+              "trainer.log_every_n_steps=10",
+              "data.dataset._target_=tests.helpers.SignalsInValidation"]
     run_dir = tmp_path / "run"
-    summary = train(make_cfg("trainer.max_epochs=2", "data.placement=host", "data.num_workers=0",
-                             "trainer.progress_bar=false",
-                             "data.dataset._target_=tests.helpers.SignalsInValidation",
-                             "+data.dataset.rank=0", "+data.dataset.at=3", run_dir=run_dir))
-    assert summary["epochs"] == 2 and "val_loss" in summary and "train_loss" in summary
+    end = 46 if last == "last_epochs" else 30
+    with pytest.raises(Preempted, match=rf"^stopped on a preemption signal at step {end};"):
+        train(make_cfg(*common, "+data.dataset.rank=0", "+data.dataset.at=3", run_dir=run_dir))
+    saved = checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert (saved["step"], saved["validated_step"]) == (end, 23)
+    assert saved["last_train"]["train_loss"] > 0
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
+    resumed = train(make_cfg(*common, "trainer.resume=auto", run_dir=run_dir))
+    whole = train(make_cfg(*common, run_dir=tmp_path / "whole"))
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
-    assert [r["step"] for r in read_metrics(run_dir) if r["split"] == "val"] == [23, 46]
-    assert checkpoint.load(run_dir / "checkpoints" / "last.pt")["epoch"] == 2
-    said = [r.getMessage() for r in caplog.records if "a stop was asked for" in r.getMessage()]
-    assert said == ["validation at step 46: a stop was asked for; the run's last validation "
-                    "runs to its end and the run completes then, with its checkpoint (a kill "
-                    "before that loses what the last save did not keep: trainer.checkpoint."
-                    "every_n_steps saves within the last epoch)"]
+    rows = [read_metrics(d) for d in (run_dir, tmp_path / "whole")]
+    timeless = [[{k: v for k, v in r.items() if k not in ("samples_per_s", "data_wait_frac")}
+                 for r in rs] for rs in rows]
+    assert [(r["split"], r["step"]) for r in rows[1]][-2:] == [("train", end), ("val", end)]
+    assert timeless[0] == timeless[1]
+    assert (resumed["steps"], resumed["val_loss"], resumed["train_loss"]) == \
+        (whole["steps"], whole["val_loss"], whole["train_loss"])
+    weights = [checkpoint.load(d / "checkpoints" / "last.pt")["model"]
+               for d in (run_dir, tmp_path / "whole")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
