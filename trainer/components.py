@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -55,9 +56,12 @@ def locate(path: str, key: str) -> Callable:
                 owner = ".".join(parts[:j])
                 # a package, and more names after this one: a module was meant
                 if j == i and j < len(parts) - 1 and hasattr(obj, "__path__"):
-                    raise ConfigError(f"{key}={path}: no module named '{owner}.{attr}' (and "
-                                      f"{owner} has no attribute '{attr}')"
-                                      + (_shadowed(owner) if j == 1 else "")) from None
+                    meant = _meant_module(obj, attr)  # (a misspelling, not a package of
+                    raise ConfigError(  # one's own that Stoker's of that name hides)
+                        f"{key}={path}: no module named '{owner}.{attr}' (and {owner} has no "
+                        f"attribute '{attr}')" + (f"; did you mean {owner}.{meant}?" if meant
+                                                  else _shadowed(owner) if j == 1 else "")
+                    ) from None
                 meant = _meant(obj, attr)
                 raise ConfigError(f"{key}={path}: {owner} has no attribute '{attr}'"
                                   + (f" (did you mean {owner}.{meant}?)" if meant else "")
@@ -71,8 +75,10 @@ def locate(path: str, key: str) -> Callable:
                               + (f" (it defines {', '.join(names[:8])}"
                                  f"{', ...' if len(names) > 8 else ''})" if names else ""))
         return obj
-    raise ConfigError(f"{key}={path}: no module named '{parts[0]}' (is it installed, or in the "
-                      "directory you run from?)")
+    meant = _meant_top(parts[0])
+    raise ConfigError(f"{key}={path}: no module named '{parts[0]}' ("
+                      + (f"did you mean {meant}? " if meant else "")
+                      + "is it installed, or in the directory you run from?)")
 
 
 def _meant(owner: Any, attr: str) -> Optional[str]:
@@ -83,6 +89,25 @@ def _meant(owner: Any, attr: str) -> Optional[str]:
         return None
     same = [n for n in names if n.lower() == attr.lower()]
     return same[0] if same else spelling.closest(attr, names)
+
+
+def _meant_module(package: Any, attr: str) -> Optional[str]:
+    """The module of `package` (or public name in it) that `attr` misspells, or None."""
+    try:
+        names = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        names.update(n for n in dir(package) if not n.startswith("_"))
+    except Exception:  # noqa: BLE001  (a namespace or a package of odd making)
+        return None
+    same = [n for n in names if n.lower() == attr.lower()]
+    return same[0] if same else spelling.closest(attr, sorted(names))
+
+
+def _meant_top(name: str) -> Optional[str]:
+    """The importable top-level module (on sys.path) that `name` misspells (`troch`), or
+    None."""
+    names = {m.name for m in pkgutil.iter_modules()}
+    same = [n for n in names if n.lower() == name.lower()]
+    return same[0] if same else spelling.closest(name, sorted(names))
 
 
 def _shadowed(top: str) -> str:

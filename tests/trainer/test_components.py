@@ -112,12 +112,17 @@ def test_unknown_and_missing_arguments_are_named():
     ("trainer.models.Perceptron", r"trainer.models has no attribute 'Perceptron'$"),  # (none)
     # a module named where a class goes: Hydra's "Expected a callable target" named no key
     ("trainer.models", r"a module, not a class or function in it \(it defines .*\bMLP\b"),
-    ("nopkg.models.MLP", "no module named 'nopkg'"),
-    # a package: the module is what was meant
+    ("nopkg.models.MLP", r"no module named 'nopkg' \(is it installed, or in the directory "),
+    ("troch.nn.Linear", r"no module named 'troch' \(did you mean torch\? is it installed"),
+    # a package: the module is what was meant, a misspelt one or none of its own
     ("trainer.modelz.MLP", r"no module named 'trainer.modelz' \(and trainer has no attribute "
-                           r"'modelz'\); 'trainer' is Stoker's own package \(.*trainer\), "
-                           r"which a package of yours named trainer cannot replace: rename "
-                           r"yours$"),
+                           r"'modelz'\); did you mean trainer.models\?$"),
+    ("torch.optimm.SGD", r"no module named 'torch.optimm' \(and torch has no attribute "
+                         r"'optimm'\); did you mean torch.optim\?$"),
+    ("trainer.homemade.MLP", r"no module named 'trainer.homemade' \(and trainer has no "
+                             r"attribute 'homemade'\); 'trainer' is Stoker's own package "
+                             r"\(.*trainer\), which a package of yours named trainer cannot "
+                             r"replace: rename yours$"),
     # a package of one's own named data: Stoker's data/ is found first
     ("data.mydata.Diabetes", r"no module named 'data.mydata' \(and data has no attribute "
                              r"'mydata'\); 'data' is Stoker's own package"),
