@@ -10,7 +10,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from data.workerdeath import worker_died
-from trainer import ending, liveness, rundir, startup
+from trainer import ending, liveness, rundir, startup, validation
 from trainer.cli import SignalledAgain
 from trainer.components import raised_in_torch_optim, says_no_memory
 from trainer.distributed import DistEnv
@@ -52,7 +52,7 @@ def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemor
     """The one line for a step of the loop that ran out of memory (a traceback from inside
     torch's allocator before): where (the optimizer's first step allocates its state, two
     values a parameter for AdamW), and what to shrink. None for other errors."""
-    if loop is None or loop.phase not in ("training", "validating") or \
+    if loop is None or loop.phase not in ("training", "validating", "sanity check") or \
             not isinstance(e, (RuntimeError, MemoryError)) or \
             not says_no_memory(e) or \
             "in DataLoader worker" in str(e):  # (a worker's: its traceback tells, not a step)
@@ -64,6 +64,7 @@ def out_of_memory(e: BaseException, loop: Optional[Loop]) -> Optional[OutOfMemor
     where = ("in the optimizer's step, which allocates its state at the first (AdamW two "
              "values a parameter; optim=sgd one, or none without momentum)" if optim else
              "in a validation batch's forward" if loop.phase == "validating" else
+             f"in {validation.SANITY}" if loop.phase == "sanity check" else
              "in the forward and backward")
     return OutOfMemory(f"out of memory at step {loop.state.step} {where}, for a model of "
                        f"{params:,} parameters ({text}); a smaller "

@@ -64,6 +64,7 @@ def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
     gpus = [loop.device] if loop.device.type == "cuda" else []
     kept = rng_state(generator.get_state() if generator is not None else None, gpus)
     model.eval()
+    phase, loop.phase = loop.phase, "sanity check"  # (a peer lost in it is said so)
     try:
         with contextlib.closing(feed.take(1)) as batches:
             for batch in batches:
@@ -85,6 +86,7 @@ def sanity_check(loop: "Loop", loss: torch.Tensor) -> torch.Tensor:
         raise
     finally:
         model.train()
+        loop.phase = phase
         set_rng_state(kept, generator, gpus)
     return loss
 

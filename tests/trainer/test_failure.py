@@ -71,6 +71,9 @@ def test_a_step_out_of_memory_is_one_line_saying_where_and_what_to_shrink(monkey
     forward = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "in the forward and backward" in str(failure.out_of_memory(forward, loop))
     assert failure.out_of_memory(RuntimeError("shape mismatch"), loop) is None
+    loop.phase = "sanity check"
+    assert "at step 0 in the first validation batch (trainer.sanity_check), for" in \
+        str(failure.out_of_memory(forward, loop))
     # a loader worker's (its traceback says where), or one while a checkpoint is written
     worker = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal "
                           "Traceback ...\nRuntimeError: can't allocate memory")

@@ -39,6 +39,30 @@ def test_validations_collectives_are_in_its_phase_for_the_heartbeat(make_cfg, mo
     assert phases and set(phases) == {"validating"} and seen["loop"].phase == "training"
 
 
+
+def test_the_sanity_check_is_a_phase_of_its_own_for_the_heartbeat(make_cfg, monkeypatch):
+    """A peer lost during the sanity check was said as lost at step 0 (training)."""
+    from trainer import validation
+
+    phases, seen = [], {}
+    sanity_check, checked_forward = validation.sanity_check, validation.checked_forward
+
+    def recording(loop, loss):
+        seen["loop"] = loop
+        return sanity_check(loop, loss)
+
+    def forward(*args, **kw):
+        phases.append(seen["loop"].phase)
+        return checked_forward(*args, **kw)
+
+    monkeypatch.setattr(validation, "sanity_check", recording)
+    monkeypatch.setattr(validation, "checked_forward", forward)
+    train(make_cfg("trainer.max_steps=2"))
+    # (then the validation's batches)
+    assert phases[0] == "sanity check" and set(phases[1:]) == {"validating"}
+    assert seen["loop"].phase == "training"
+
+
 FLOAT64_VAL = ("data=custom", "data.input_shape=[1,8,8]", "data.num_classes=10",
                "+data.train_dataset._target_=data.datasets.DigitsDataset",
                "+data.train_dataset.split=train",
