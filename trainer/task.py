@@ -397,7 +397,10 @@ class Task:
         from trainer.spelling import closest  # (a failure's path)
 
         logged = [k for n in could for k in computed[n]]
-        meant = closest(key, logged)
+        # (of a class's entry named by its index alone, `val_f1_3`: the one entry ending so)
+        ends = [k for n in could if key.startswith(f"val_{n}_") for k in computed[n]
+                if k.endswith(key[len(f"val_{n}"):])]
+        meant = closest(key, logged) or (ends[0] if len(ends) == 1 else None)
         raise TaskError(f"trainer.checkpoint.monitor={key}: "
                         + ", ".join(f"task.metrics.{n} ({type(self.metrics[n]).__name__})"
                                     for n in could)

@@ -676,6 +676,9 @@ def test_a_monitored_entry_that_the_metrics_do_not_compute_is_one_line():
     task.monitored = "val_per_seen"
     task.check_keys()
     for key, said in (("val_per_sen", "val_per_nested_half (did you mean val_per_seen?)"),
+                      # (a nested entry named by its end: ClasswiseWrapper's val_f1_3)
+                      ("val_per_half", "val_per_nested_half (did you mean "
+                                       "val_per_nested_half?)"),
                       ("val_per", "val_per_nested_half; it computes a dict: monitor one of "
                                   "its entries")):
         task.monitored = key
