@@ -933,6 +933,13 @@ class DetachedLoss(Classification):
         return super().loss(output.detach(), batch)
 
 
+class ItemLoss(Classification):
+    """A task whose loss is a Python number (`.item()` of the tensor)."""
+
+    def loss(self, output, batch):
+        return super().loss(output, batch).item()
+
+
 class LossGoesWrong(Classification):
     """A task whose loss is fine for `after` training batches, then `how`: per sample
     (unreduced) or detached."""

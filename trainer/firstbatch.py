@@ -101,9 +101,13 @@ def check_loss(task: Task, loss: Any) -> None:
     name = type(task).__name__
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 \
             or not loss.is_floating_point():
+        # (a Python number: a tensor's .item() or float(), which leaves the graph)
+        number = isinstance(loss, (int, float)) and not isinstance(loss, bool)
         raise task.error(f"{name}.loss(output, batch) returned no loss backward can start "
                          "from", loss, expected="a 0-d floating tensor (the mean over the batch)",
-                         fix="reduce it, e.g. reduction='mean'")
+                         fix="return the tensor itself: .item() or float() of it is a number "
+                         "backward cannot start from" if number else
+                         "reduce it, e.g. reduction='mean'")
     if not loss.requires_grad:
         raise task.error(f"{name}.loss(output, batch) returned a loss that does not depend on "
                          "the model's parameters", loss,

@@ -122,11 +122,16 @@ def train(cfg: DictConfig, env: Optional[DistEnv] = None,
     Raises ConfigError for a value that cannot work and CheckpointError for an unusable
     checkpoint, both before any training step.
     """
+    if not isinstance(cfg, DictConfig):  # (a dict of one's own: an AttributeError below)
+        raise ConfigError(f"train: takes the DictConfig that trainer.runner.compose(overrides) "
+                          f"returns, got {type(cfg).__name__}; change the config with "
+                          "overrides there (a plain dict loses the keys' types and checks)")
     try:
         cfg.run_dir
     except OmegaConfBaseException as e:  # composed outside train.py: no Hydra run dir
         raise ConfigError(f"run_dir: cannot be resolved ({type(e).__name__}); a config composed "
-                          "with hydra.compose needs a run_dir=PATH override") from None
+                          "outside train.py (trainer.runner.compose, hydra.compose) needs a "
+                          "run_dir=PATH override") from None
     _check_launcher()
     empty = _empty_hydra_dir()
     if empty:  # `hydra.run.dir=$UNSET`: the run would write into the current directory

@@ -569,8 +569,17 @@ def test_a_config_composed_without_a_run_dir_is_one_line(tmp_path):
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["trainer.max_steps=1"])
-    with pytest.raises(ConfigError, match="run_dir: cannot be resolved .* needs a run_dir=PATH"):
+    with pytest.raises(ConfigError, match=r"run_dir: cannot be resolved .* composed outside "
+                                          r"train.py \(trainer.runner.compose, hydra.compose\) "
+                                          r"needs a run_dir=PATH"):
         train(cfg)
+    # a plain dict of it (an AttributeError from inside the runner before)
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg)
+    with pytest.raises(ConfigError, match=r"^train: takes the DictConfig that trainer.runner."
+                                          r"compose\(overrides\) returns, got dict; "):
+        train(plain)
 
 
 @pytest.mark.slow

@@ -269,6 +269,10 @@ def test_unused_parameters_under_ddp_need_the_key(tmp_path):
      "task classification: PerSampleLoss.loss(output, batch) returned no loss backward can "
      "start from: got tensor(64,) float32; expected a 0-d floating tensor (the mean over the "
      "batch); reduce it, e.g. reduction='mean'"),
+    (["task._target_=tests.helpers.ItemLoss"],  # (it said to reduce the number)
+     "task classification: ItemLoss.loss(output, batch) returned no loss backward can start "
+     "from: got float; expected a 0-d floating tensor (the mean over the batch); return the "
+     "tensor itself: .item() or float() of it is a number backward cannot start from"),
     (["task._target_=tests.helpers.DetachedLoss"],
      "task classification: DetachedLoss.loss(output, batch) returned a loss that does not "
      "depend on the model's parameters: got tensor() float32"),
