@@ -354,6 +354,13 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
                    global_batch=global_batch)
 
 
+def _meant_key(key: str, keys: Dict[str, Any]) -> Optional[str]:
+    """The validation key `key` means: another case (`val_R2`), without its `val_` (`r2`), or
+    misspelt (`val_acc` for `val_ac`); None if none is."""
+    same = [k for k in keys if k.lower() in (key.lower(), f"val_{key}".lower())]
+    return same[0] if len(same) == 1 else closest(key, keys)
+
+
 def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
                  entry_metrics: Callable[[str], List[str]] = lambda key: []
                  ) -> Optional[str]:
@@ -376,7 +383,7 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
     else:
         could = {directions[f"val_{n}"] for n in entry_metrics(str(c.monitor))}
         if not could:
-            meant = closest(str(c.monitor), directions)
+            meant = _meant_key(str(c.monitor), directions)
             _check(False, "trainer.checkpoint.monitor", c.monitor,
                    "must be null or a logged validation key: " + ", ".join(directions)
                    + (f" (did you mean {meant}?)" if meant else "")

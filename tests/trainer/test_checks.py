@@ -146,6 +146,9 @@ def test_monitor_must_be_a_logged_key_with_a_fitting_mode(make_cfg):
              "val_loss, val_acc, val_score"),
             (["trainer.checkpoint.monitor=val_accc"],
              "a logged validation key: val_loss, val_acc, val_score (did you mean val_acc?)"),
+            # another case, the val_ left out (no hint for either before)
+            (["trainer.checkpoint.monitor=val_ACC"], "val_score (did you mean val_acc?)"),
+            (["trainer.checkpoint.monitor=score"], "val_score (did you mean val_score?)"),
             (["trainer.checkpoint.monitor=val_loss", "trainer.checkpoint.mode=max"],
              "trainer.checkpoint.mode=max: val_loss is better when lower; use min"),
             (["trainer.checkpoint.monitor=val_score"], "does not say which direction")]:
