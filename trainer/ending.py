@@ -318,8 +318,12 @@ def complete_because(cfg: DictConfig, loop: Loop) -> Optional[Tuple[str, str]]:
             "the callback that stopped it decides whether it trains on")
     if not loop.reached_limit():
         return None
+    state = loop.state  # (each limit it reached must go past it: "raise either" was not
+    needs = [f"trainer.{key}={now + 1} or more" for key, limit, now in  # enough where both)
+             (("max_epochs", t.max_epochs, state.epoch), ("max_steps", t.max_steps, state.step))
+             if 0 < limit <= now]
     return (f"trainer.max_epochs={t.max_epochs}, trainer.max_steps={t.max_steps}",
-            f"raise {'trainer.max_steps' if t.max_epochs < 0 else 'either'} to train on")
+            f"give {' and '.join(needs)} to train on")
 
 
 def past_the_limit(cfg: DictConfig, loop: Loop) -> Optional[str]:

@@ -89,10 +89,14 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
     if resume != cfg.trainer.resume:
         lines.append(f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming "
                      "from this run's newest checkpoint")
-    if changes:
+    # a run complete at this command's limits trains nothing (ending.nothing_to_do): what
+    # the changed settings would do to it is not said (a schedule "moving", an lr "kept")
+    done = loop.state.validated_step == loop.state.step and loop.reached_limit()
+    if changes and not done:
         lines.append(changes_line(changes))
-    moved, odd = _schedule_position(cfg, loop)
-    (warnings if odd else lines).extend(moved)
+    if not done:
+        moved, odd = _schedule_position(cfg, loop)
+        (warnings if odd else lines).extend(moved)
     generator = loop.train_feed.loader.generator
     if len(rngs) == env.world_size:
         set_rng_state(rngs[env.rank], generator, gpus)

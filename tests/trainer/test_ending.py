@@ -98,3 +98,27 @@ def test_a_busy_cpu_with_threads_past_one_is_said_and_nothing_else_is():
     assert busy_cpu_line(1.8, 3.0, 2, torch.device("meta")) is None  # (not a CPU's step)
     assert busy_cpu_line(None, 3.0, 2, cpu) is None  # (not known: no schedstat)
     assert busy_cpu_line(0.6, 0.9, 2, cpu) is None  # (too short a run to tell)
+
+
+def test_a_complete_run_names_the_limits_that_would_train_it_on():
+    """A run complete at epoch 3 step 69, resumed with smaller limits, said "raise either to
+    train on": 2 epochs would not; each limit it reached must pass the run's own."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from trainer.ending import complete_because
+
+    def said(max_epochs, max_steps):
+        cfg = OmegaConf.create({"trainer": {"max_epochs": max_epochs, "max_steps": max_steps}})
+        state = SimpleNamespace(epoch=3, step=69)
+        loop = SimpleNamespace(state=state, stop_reason=lambda: None, reached_limit=lambda: (
+            0 < max_steps <= state.step or 0 < max_epochs <= state.epoch))
+        return complete_because(cfg, loop)
+
+    assert said(1, -1) == ("trainer.max_epochs=1, trainer.max_steps=-1",
+                           "give trainer.max_epochs=4 or more to train on")
+    assert said(-1, 60)[1] == "give trainer.max_steps=70 or more to train on"
+    assert said(3, 69)[1] == ("give trainer.max_epochs=4 or more and trainer.max_steps=70 or "
+                              "more to train on")
+    assert said(5, -1) is None

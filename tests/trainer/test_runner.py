@@ -174,6 +174,14 @@ def test_a_complete_run_resumed_again_leaves_its_files_and_trains_on_when_extend
     assert again["complete"] and again["steps"] == first["steps"] == 23
     assert again["val_acc"] == first["val_acc"]  # the run's own summary
     assert {p: p.read_bytes() for p in files} == files
+    # settings changed too: what they would change is not said, as nothing is trained
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="stoker"):
+        train(make_cfg("trainer.max_epochs=1", "trainer.resume=auto", "optim.lr=0.1",
+                       "data.batch_size=32", *args))
+    assert "nothing to train" in caplog.text and "changed settings" not in caplog.text
+    assert "the lr schedule" not in caplog.text
+    assert {p: p.read_bytes() for p in files} == files
     on = train(make_cfg("trainer.max_epochs=2", "trainer.resume=auto", *args))
     assert on["steps"] == 46 and "complete" not in on
 

@@ -83,8 +83,8 @@ def test_another_runs_complete_checkpoint_is_validated_again_and_says_nothing_is
                                run_dir=tmp_path / "again"))
     assert again["steps"] == first["steps"] and again["val_acc"] == first["val_acc"]
     assert ("nothing to train: its run is complete (trainer.max_epochs=1, trainer.max_steps=-1)"
-            "; it is validated again for this run dir's record; raise either to train on"
-            in caplog.text)
+            "; it is validated again for this run dir's record; give trainer.max_epochs=2 or "
+            "more to train on" in caplog.text)
     done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]
     assert len(done) == 1 and "| no training step in this launch |" in done[0]
     assert "samples/s" not in done[0]
