@@ -120,8 +120,14 @@ class Classification(Task):
                                  "1, as F.cross_entropy takes them", target,
                                  f"the classes last, logits of shape {classes_last}, as the "
                                  "task reads them: return output.movedim(1, -1) from the model")
+            # (integer 0/1 targets of the logits' own shape: one label per class, which
+            # float ones were told of, above)
+            multi = tuple(target.shape) == tuple(logits.shape) and logits.dim() == 2
             raise self.error(f"logits {tuple(logits.shape)} and targets of another shape",
-                             target, f"targets of shape {tuple(logits.shape[:-1])}")
+                             target, f"targets of shape {tuple(logits.shape[:-1])}"
+                             + (" (class indices; for multi-label 0/1 targets, one per class, "
+                                "a task of your own with binary_cross_entropy_with_logits: "
+                                "README \"A task and a metric of your own\")" if multi else ""))
         classes = logits.shape[-1]
         if self.num_classes is not None and classes != self.num_classes:
             raise self.error(f"logits with {classes} classes but data.num_classes="

@@ -48,7 +48,9 @@ def test_classification_reads_tuples_dicts_and_model_outputs():
     # one-hot targets: they are of another shape than class indices, the logits are right
     ((torch.zeros(2, 3), torch.eye(3, dtype=torch.int64)[:2]), torch.zeros(2, 3),
      "logits (2, 3) and targets of another shape: got tensor(2, 3) int64; expected targets "
-     "of shape (2,)"),
+     "of shape (2,) (class indices; for multi-label 0/1 targets, one per class, a task of "
+     "your own with binary_cross_entropy_with_logits: README \"A task and a metric of your "
+     "own\")"),
     ((torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)), "text",
      "a model output it cannot read: got str"),
     # a tagger's logits in F.cross_entropy's layout, (batch, classes, steps): the targets
