@@ -1178,19 +1178,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @__import__("contextlib").contextmanager
-def train_until(args, marker: str, timeout: float = 120):
-    """`python train.py ARGS` in a session of its own, its stderr read on a thread until a
-    line holds `marker`: yields (the process, its stderr lines so far) once one did with the
-    process still running (asserted), and kills the session on the way out."""
+def train_until(args, marker: str, timeout: float = 120, stdout: bool = False):
+    """`python train.py ARGS` in a session of its own, its stderr (`stdout`: and its stdout,
+    the log's lines) read on a thread until a line holds `marker`: yields (the process, its
+    lines so far) once one did with the process still running (asserted), and kills the
+    session on the way out."""
     import threading
 
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT if stdout else subprocess.PIPE, text=True,
                             start_new_session=True)
     seen, lines = threading.Event(), []
 
     def read():
-        for line in proc.stderr:
+        for line in (proc.stdout if stdout else proc.stderr):
             lines.append(line)
             if marker in line:
                 seen.set()

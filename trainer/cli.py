@@ -138,20 +138,24 @@ def import_from_cwd() -> None:
 
 
 _COMMAND: List[bool] = []  # [True] in train.py's own process (exit_on_error), not a library call
-_COMPLETE: List[int] = []  # the pid of a process whose run completed (complete())
+# the pid of a process whose run completed, or stopped with its checkpoint (complete()), and
+# its exit code
+_COMPLETE: List[int] = []
 _ENDING = ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGINT")
 
 
-def complete() -> None:
-    """The run is complete and its status.json says so: a SIGTERM, SIGUSR1, SIGHUP or Ctrl-C
-    in the second or so the process still takes to end (its workers, its logs, the
-    interpreter's own teardown) no longer kills it (exit 143 beside a status of "completed":
-    a scheduler requeued the finished job). Until Python's exit handlers, the first such
-    signal is let pass and the process ends 0 as it would have, and a second ends it at once,
-    0; from the last exit handler on they are ignored (Python's teardown puts back the
-    default action of a signal it handled, not of one ignored). Only in train.py's own
-    process outside a sweep (a sweep's next job is for a signal to stop), from the main
-    thread."""
+def complete(code: int = 0) -> None:
+    """The run is complete and its status.json says so (`code` 0), or it stopped on a signal
+    or Ctrl-C with its checkpoint (`code` 75 or 130; Preemption.__exit__): a SIGTERM, SIGUSR1,
+    SIGHUP or Ctrl-C in the second or so the process still takes to end (its workers, its
+    logs, the interpreter's own teardown) no longer kills it (exit 143 beside a status of
+    "completed" or "preempted": a scheduler requeued the finished job, or took a stopped one
+    for killed; a second signal soon after the first lost the stop's line). Until Python's
+    exit handlers, the first such signal is let pass and the process ends with `code` as it
+    would have, and a second ends it at once, `code`; from the last exit handler on they are
+    ignored (Python's teardown puts back the default action of a signal it handled, not of
+    one ignored). Only in train.py's own process, from the main thread; a completed one
+    outside a sweep (a sweep's next job is for a signal to stop; a stopped one ends it)."""
     import signal
     import threading
 
@@ -159,7 +163,7 @@ def complete() -> None:
         return
     from trainer.sweep import in_sweep
 
-    if in_sweep():
+    if code == 0 and in_sweep():
         return
     pid, seen = os.getpid(), []
 
@@ -167,14 +171,14 @@ def complete() -> None:
         if os.getpid() != pid:  # (a process forked from this one: not its to decide)
             return
         if seen or threads_left(locked=False):  # (the exit would wait on for threads of the
-            os._exit(0)                           # user's code)
+            os._exit(code)                        # user's code)
         seen.append(signum)
 
     for name in _ENDING:
         sig = getattr(signal, name)
         if signal.getsignal(sig) != signal.SIG_IGN:  # (nohup: SIGHUP stays ignored)
             signal.signal(sig, ending)
-    _COMPLETE[:] = [pid]
+    _COMPLETE[:] = [pid, code]
 
 
 def threads_left(locked: bool = True) -> List[Any]:
@@ -197,7 +201,7 @@ def _say_threads_left() -> None:
     line: the process sat silent after `done:` (ten minutes, once), and let the first SIGTERM
     pass; one now ends it (complete())."""
     left = threads_left()
-    if left and _COMPLETE and _COMPLETE[0] == os.getpid():
+    if left and _COMPLETE == [os.getpid(), 0]:
         names = ", ".join(t.name for t in left[:3]) + (", ..." if len(left) > 3 else "")
         print(f"stoker: the run is complete; the process waits for {len(left)} thread"
               f"{'' if len(left) == 1 else 's'} of your code to end ({names}; not daemon "

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import distributed, startsignals
-from trainer.cli import EXIT_INTERRUPTED, SignalledAgain
+from trainer.cli import EXIT_INTERRUPTED, SignalledAgain, complete
 from trainer.distributed import DistEnv
 
 
@@ -74,9 +74,11 @@ class Preemption:
         self._previous.update(startsignals.release())
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type, exc, *rest) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if isinstance(exc, Preempted):  # stopped with its checkpoint: a signal more in the
+            complete(exc.code)  # process's last second is no kill (cli.complete)
         if self._pending is not None and (exc_type is None or issubclass(exc_type, Preempted)):
             # a coordinated end: every rank issued it, so it completes; leave nothing open
             # (after an error a peer may be gone: then it is dropped, not waited for)

@@ -78,3 +78,39 @@ def test_the_start_up_hold_is_taken_over_and_held_again_for_a_sweeps_next_job():
     assert out.returncode == 75, out.stderr[-2000:]
     assert out.stderr.endswith("stopped on a preemption signal before the first step: nothing "
                                "trained, nothing saved; the same command starts it again\n")
+
+
+@pytest.mark.parametrize("phase,signals", [("atexit", 1), ("atexit", 2), ("teardown", 1)])
+def test_a_signal_after_the_stop_leaves_its_exit_75_and_its_line(tmp_path, phase, signals):
+    """A second SIGTERM 0.05-0.8 s after the first, once the step had ended and the checkpoint
+    was written, killed the process in its last second: exit 143 beside a status.json of
+    "preempted" 75 (a scheduler took the stopped job for killed), and the resume line was
+    lost. Now the first signal after the stop is let pass, and a second ends the process at
+    once, 75, as a completed run's (trainer/cli.py complete())."""
+    import json
+    import os
+    import time
+
+    from tests.helpers import train_until
+
+    seconds = 6.0
+    run_dir = tmp_path / "run"
+    with train_until([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1000",
+                      "model._target_=tests.helpers.SlowExitMLP", f"+model.phase={phase}",
+                      f"+model.seconds={seconds}"], "global batch",
+                     stdout=True) as (proc, lines):
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not any("slow exit:" in ln for ln in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(signals):
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.3)
+        start = time.monotonic()
+        code = proc.wait(timeout=60)
+    assert code == 75, "".join(lines[-40:])
+    if signals == 2:  # (at once, not after the exit handler's seconds)
+        assert time.monotonic() - start < seconds - 1
+    assert any("stopped on a preemption signal at step" in ln for ln in lines)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
