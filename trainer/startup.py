@@ -108,11 +108,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     # (whole global batches: the last one of an epoch may count past its samples; the end
     # of one that trainer.limit_train_batches or drop_last shortened: nothing left of it)
-    loader = loop.train_feed.loader
-    ended = loop.state.position >= len(loader.dataset) or (
-        loop.state.position and hasattr(getattr(loader, "sampler", None), "set_start")
-        and not rest_plan(loader, loop.train_limit, loop.cfg.accumulate_grad_batches,
-                          loop.state.position, loader.batch_size * env.world_size))
+    ended = loop.state.position >= len(loop.train_feed.loader.dataset) or _nothing_left(loop)
     into = "at the epoch's end" if ended else f"{loop.state.position} samples into the epoch"
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({into})")
@@ -260,9 +256,30 @@ def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Lo
     said = _held_out_changed(state, path, loop)
     if had is None or had == n:  # (the sampler's order is a function of the length)
         return said
+    if _nothing_left(loop):  # (within the last global batch of the smaller set)
+        return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: "
+                f"epoch {loop.state.epoch} of them ends before its position, "
+                f"{loop.state.position} samples in, so it is over (validated first where it "
+                "was not); later epochs are whole", *said]
     return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: epoch "
             f"{loop.state.epoch} goes on {loop.state.position} samples in, over another order "
             "of them (some may come twice in it, or not at all); later epochs are whole", *said]
+
+
+def _nothing_left(loop: Loop) -> bool:
+    """Whether the restored position leaves nothing of its epoch to train (the end of one
+    that trainer.limit_train_batches, drop_last or a smaller set shortened). The sampler's
+    start is put back: the run's plan (total_steps) counts whole epochs."""
+    loader, position = loop.train_feed.loader, loop.state.position
+    sampler = getattr(loader, "sampler", None)
+    if not position or not hasattr(sampler, "set_start"):
+        return False
+    before = sampler.start
+    try:
+        return not rest_plan(loader, loop.train_limit, loop.cfg.accumulate_grad_batches,
+                             position, loader.batch_size * loop.world)
+    finally:
+        sampler.start = before
 
 
 def _held_out_changed(state: Dict[str, Any], path: Path, loop: Loop) -> List[str]:

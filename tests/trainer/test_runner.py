@@ -498,6 +498,19 @@ def test_a_resume_over_a_training_set_of_another_length_says_so(make_cfg, tmp_pa
     assert lines == [f"checkpoint {path}: its run had 1438 training samples, this one has "
                      "1617: epoch 0 goes on 320 samples in, over another order of them (some "
                      "may come twice in it, or not at all); later epochs are whole"]
+    # a smaller set whose epoch ends inside the position's last global batch: it is over
+    # (it said the epoch went on 320 samples in, and trained nothing of it)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        summary = train(make_cfg("trainer.max_steps=6", f"trainer.resume={path}",
+                                 "data.dataset.val_fraction=0.84", run_dir=tmp_path / "small"))
+    lines = [r.getMessage() for r in caplog.records if "training samples" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {path}: its run had 1438 "
+                                                   "training samples, this one has 28")
+    assert lines[0].endswith(": epoch 0 of them ends before its position, 320 samples in, so "
+                             "it is over (validated first where it was not); later epochs are "
+                             "whole")
+    assert summary["steps"] == 6 and summary["epochs"] == 1  # (step 6 inside epoch 1)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="stoker"):  # the same set: no word
         train(make_cfg("trainer.max_steps=6", f"trainer.resume={path}",
