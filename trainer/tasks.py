@@ -34,6 +34,10 @@ def perplexity(values: Dict[str, float]) -> Dict[str, float]:
     return {"val_ppl": math.exp(min(loss, 700.0)) if math.isfinite(loss) else math.nan}
 
 
+MULTI_LABEL = ("for multi-label 0/1 targets, one per class, a task of your own with "
+               "binary_cross_entropy_with_logits: README \"A task and a metric of your own\"")
+
+
 class Classification(Task):
     """Cross-entropy over (batch, classes) logits and int64 targets; top-1 accuracy by default.
 
@@ -101,9 +105,7 @@ class Classification(Task):
                 torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise self.error("targets that are not integer class indices", target,
                              "an int64 tensor of class indices (task=regression for real "
-                             "values; for multi-label 0/1 targets, one per class, a task of "
-                             "your own with binary_cross_entropy_with_logits: README \"A task "
-                             "and a metric of your own\")")
+                             f"values; {MULTI_LABEL})")
         if logits.dim() == 1 and tuple(target.shape) == tuple(logits.shape):  # (batch,)
             # logits: no score per class (one-hot targets of (batch, classes) logits are not)
             classes = self.num_classes if self.num_classes is not None else "classes"
@@ -125,9 +127,7 @@ class Classification(Task):
             multi = tuple(target.shape) == tuple(logits.shape) and logits.dim() == 2
             raise self.error(f"logits {tuple(logits.shape)} and targets of another shape",
                              target, f"targets of shape {tuple(logits.shape[:-1])}"
-                             + (" (class indices; for multi-label 0/1 targets, one per class, "
-                                "a task of your own with binary_cross_entropy_with_logits: "
-                                "README \"A task and a metric of your own\")" if multi else ""))
+                             + (f" (class indices; {MULTI_LABEL})" if multi else ""))
         classes = logits.shape[-1]
         if self.num_classes is not None and classes != self.num_classes:
             raise self.error(f"logits with {classes} classes but data.num_classes="
