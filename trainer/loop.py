@@ -293,6 +293,8 @@ class Loop:
             self.model.train()
         windows, per_batch = self._start_epoch(epoch)
         planned = sum(windows)
+        if not planned:  # resumed at its end: no loader pass, and no training time (a launch
+            return True  # that trained nothing said "0 samples/s")
         done = self.state.position // per_batch  # (the batches before a mid-epoch resume)
         bar = self.logger.progress(done + planned, f"epoch {epoch}", done)
         epoch_start, queued = time.perf_counter(), queued_s()

@@ -507,6 +507,9 @@ def test_a_signal_stops_the_runs_last_validation_too_and_the_resume_completes_th
     resumed = train(make_cfg(*common, "trainer.resume=auto", run_dir=run_dir))
     whole = train(make_cfg(*common, run_dir=tmp_path / "whole"))
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    # no training time in the resume (its done line said "0 samples/s", not that it trained
+    # nothing: the epoch's end was passed over with a loader pass of no batch)
+    assert resumed["run_train_s"] == 0
     rows = [read_metrics(d) for d in (run_dir, tmp_path / "whole")]
     timeless = [[{k: v for k, v in r.items() if k not in ("samples_per_s", "data_wait_frac")}
                  for r in rs] for rs in rows]
