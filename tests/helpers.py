@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import numpy as np
 import torch
@@ -1204,6 +1204,22 @@ def train_until(args, marker: str, timeout: float = 120, stdout: bool = False):
         yield proc, lines
     finally:
         kill_session(proc.pid)
+
+
+def signalled_in_its_exit(proc: subprocess.Popen, lines: List[str], signals: int,
+                          marker: str = "slow exit:", timeout: float = 60) -> Tuple[int, float]:
+    """Once `lines` (train_until's) hold `marker` (a SlowExitMLP's exit begun), `signals`
+    SIGTERMs 0.3 s apart to `proc`; returns its exit code and the seconds from the last
+    signal's gap to its end."""
+    deadline = time.monotonic() + timeout
+    while not any(marker in ln for ln in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for _ in range(signals):
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+    start = time.monotonic()
+    code = proc.wait(timeout=timeout)
+    return code, time.monotonic() - start
 
 
 def torchrun_until(nproc, args, cwd, prefix: str = "stoker: error:", timeout: float = 150):

@@ -16,10 +16,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trainer import spelling
 from trainer.config import (CACHE_MODES, COMPILE_MODES, MP_CONTEXTS, PLACEMENTS, Accelerator,
                             ConfigError, Precision, RunSpec, Strategy, TrainConfig, tri_state)
 from trainer.overrides import override_key
-from trainer.spelling import closest
 
 WEEK_S = 604800  # the longest timeout taken: longer ones overflow the C types they reach
 
@@ -354,13 +354,6 @@ def resolve(cfg: DictConfig, world_size: int = 1, local_rank: int = 0,
                    global_batch=global_batch)
 
 
-def _meant_key(key: str, keys: Dict[str, Any]) -> Optional[str]:
-    """The validation key `key` means: another case (`val_R2`), without its `val_` (`r2`), or
-    misspelt (`val_acc` for `val_ac`); None if none is."""
-    same = [k for k in keys if k.lower() in (key.lower(), f"val_{key}".lower())]
-    return same[0] if len(same) == 1 else closest(key, keys)
-
-
 def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
                  entry_metrics: Callable[[str], List[str]] = lambda key: []
                  ) -> Optional[str]:
@@ -383,7 +376,8 @@ def monitor_mode(cfg: DictConfig, directions: Dict[str, Optional[bool]],
     else:
         could = {directions[f"val_{n}"] for n in entry_metrics(str(c.monitor))}
         if not could:
-            meant = _meant_key(str(c.monitor), directions)
+            # (another case, `val_R2`; without its val_, `r2`; misspelt, `val_ac`)
+            meant = spelling.meant(str(c.monitor), directions, f"val_{c.monitor}")
             _check(False, "trainer.checkpoint.monitor", c.monitor,
                    "must be null or a logged validation key: " + ", ".join(directions)
                    + (f" (did you mean {meant}?)" if meant else "")

@@ -87,8 +87,7 @@ def _meant(owner: Any, attr: str) -> Optional[str]:
         names = [n for n in dir(owner) if not n.startswith("_")]
     except Exception:  # noqa: BLE001  (a module's own __dir__ that fails)
         return None
-    same = [n for n in names if n.lower() == attr.lower()]
-    return same[0] if same else spelling.closest(attr, names)
+    return spelling.meant(attr, names)
 
 
 def _meant_module(package: Any, attr: str) -> Optional[str]:
@@ -98,16 +97,13 @@ def _meant_module(package: Any, attr: str) -> Optional[str]:
         names.update(n for n in dir(package) if not n.startswith("_"))
     except Exception:  # noqa: BLE001  (a namespace or a package of odd making)
         return None
-    same = [n for n in names if n.lower() == attr.lower()]
-    return same[0] if same else spelling.closest(attr, sorted(names))
+    return spelling.meant(attr, sorted(names))
 
 
 def _meant_top(name: str) -> Optional[str]:
     """The importable top-level module (on sys.path) that `name` misspells (`troch`), or
     None."""
-    names = {m.name for m in pkgutil.iter_modules()}
-    same = [n for n in names if n.lower() == name.lower()]
-    return same[0] if same else spelling.closest(name, sorted(names))
+    return spelling.meant(name, sorted({m.name for m in pkgutil.iter_modules()}))
 
 
 def _shadowed(top: str) -> str:

@@ -215,19 +215,20 @@ class Loop:
                 windowlog.check_read(self)  # (until a logging boundary counted samples)
             self.state.epoch, self.state.position = epoch + 1, 0
             paused = time.perf_counter()
-            if self.reached_limit():  # the run's last window row, before its last
-                self._log_rest(epoch)  # validation: a signal stops that one too, and loses
-                # nothing of the window (its sums are not in the checkpoint)
+            last = self.reached_limit()  # the run's last epoch
+            if last:  # its last window row, before its last validation: a signal stops that
+                self._log_rest(epoch)  # one too, and loses nothing of the window (its sums
+                # are not in the checkpoint)
             val = None
             if self.state.step == steps_before == self.state.validated_step and \
-                    not self.reached_limit():  # (the run's last: validated, for its summary)
+                    not last:  # (the run's last: validated, for its summary)
                 # a resume whose position is past the epoch's batches (trainer.
                 # limit_train_batches lowered): nothing trained since that step's validation,
                 # which gave a second row for the step
                 self.logger.info("epoch %d: nothing trained since step %d, validated then (the "
                                  "run's position is past this epoch's batches)", epoch,
                                  self.state.step)
-            elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or self.reached_limit():
+            elif self.state.epoch % self.cfg.val_every_n_epochs == 0 or last:
                 val = self._evaluate_trained(epoch, (epoch, self.epoch_end))
             for callback in self.callbacks:
                 call_hook(callback, "after_epoch", self.state.step, self, val)

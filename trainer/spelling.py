@@ -43,6 +43,15 @@ def closest(name: str, names: Iterable[str], short_words: bool = True) -> Option
     return found[0][1] if found else None
 
 
+def meant(name: str, names: Iterable[str], *also: str) -> Optional[str]:
+    """The one of `names` that `name` means: one of the same letters in another case (`Adamw`
+    for AdamW; or of one of `also`, `val_r2` for r2), else the one it misspells (`closest`);
+    None if none is."""
+    names, wanted = list(names), {n.lower() for n in (name, *also)}
+    same = [n for n in names if n.lower() in wanted]
+    return same[0] if same else closest(name, names)
+
+
 def _word_one_edit(words: List[str], theirs: List[str]) -> bool:
     """The one word that differs is one edit away: of 4 letters or more, or two neighbours
     swapped in a word of 3 (`mpl` for mlp; `bos` is a word, not a misspelt `eos`)."""

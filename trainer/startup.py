@@ -78,7 +78,8 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
         raise CheckpointError(f"checkpoint {path}: its optimizer or scheduler state does not "
                               f"fit this run ({type(e).__name__}: {e})") from None
     loop.load_callback_states(state)
-    warnings += _check_position(cfg, state, path, loop, old_world)
+    over = _nothing_left(loop)  # (the restored position ends its epoch)
+    warnings += _check_position(cfg, state, path, loop, old_world, over)
     record_kept(cfg, kept)  # (config.yaml and the checkpoints say what the run used)
     if not resumefiles.in_run_dir(path, run_dir):
         # another run's checkpoint: its final validation is that run's record, not this
@@ -108,7 +109,7 @@ def restore(cfg: DictConfig, env: DistEnv, run_dir: Path, loop: Loop,
                      "start from the seed")
     # (whole global batches: the last one of an epoch may count past its samples; the end
     # of one that trainer.limit_train_batches or drop_last shortened: nothing left of it)
-    ended = loop.state.position >= len(loop.train_feed.loader.dataset) or _nothing_left(loop)
+    ended = loop.state.position >= len(loop.train_feed.loader.dataset) or over
     into = "at the epoch's end" if ended else f"{loop.state.position} samples into the epoch"
     lines.append(f"resumed from {path} at epoch {state['epoch']} step {state['step']} "
                  f"({into})")
@@ -236,9 +237,10 @@ def _complete_elsewhere(cfg: DictConfig, loop: Loop) -> List[str]:
 
 
 def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Loop,
-                    old_world: int) -> List[str]:
+                    old_world: int, over: bool) -> List[str]:
     """CheckpointError for a restored position past the end of this run's training set (the
-    checkpoint's data was another); a warning when its run had another number of samples."""
+    checkpoint's data was another); a warning when its run had another number of samples
+    (`over`: the position ends its epoch, `_nothing_left`)."""
     # a sanity bound: the position counts whole global batches (an epoch's last one may pass
     # the dataset's end: 23 x 64 = 1472 for 1438 samples), and a checkpoint at an epoch's last
     # step is saved before it resets to 0
@@ -256,7 +258,7 @@ def _check_position(cfg: DictConfig, state: Dict[str, Any], path: Path, loop: Lo
     said = _held_out_changed(state, path, loop)
     if had is None or had == n:  # (the sampler's order is a function of the length)
         return said
-    if _nothing_left(loop):  # (within the last global batch of the smaller set)
+    if over:  # (within the last global batch of the smaller set)
         return [f"checkpoint {path}: its run had {had} training samples, this one has {n}: "
                 f"epoch {loop.state.epoch} of them ends before its position, "
                 f"{loop.state.position} samples in, so it is over (validated first where it "

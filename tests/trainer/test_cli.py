@@ -387,25 +387,18 @@ def test_a_signal_after_the_run_completed_leaves_its_exit_0(tmp_path, phase, sig
     first is let pass in Python's exit handlers and ignored in its teardown; a second ends the
     process at once, 0."""
     import json
-    import os
-    import signal
-    import time
 
-    from tests.helpers import train_until
+    from tests.helpers import signalled_in_its_exit, train_until
 
     seconds = 6.0
     run_dir = tmp_path / "run"
     with train_until([f"hydra.run.dir={run_dir}", "trainer.max_epochs=1",
                       "model._target_=tests.helpers.SlowExitMLP", f"+model.phase={phase}",
                       f"+model.seconds={seconds}"], "slow exit:") as (proc, lines):
-        for _ in range(signals):
-            os.kill(proc.pid, signal.SIGTERM)
-            time.sleep(0.3)
-        start = time.monotonic()
-        code = proc.wait(timeout=60)
+        code, waited = signalled_in_its_exit(proc, lines, signals)
     assert code == 0, "".join(lines[-40:])
     if signals == 2:  # (at once, not after the exit handler's seconds)
-        assert time.monotonic() - start < seconds - 1
+        assert waited < seconds - 1
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
 
 

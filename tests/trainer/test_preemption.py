@@ -91,7 +91,7 @@ def test_a_signal_after_the_stop_leaves_its_exit_75_and_its_line(tmp_path, phase
     import os
     import time
 
-    from tests.helpers import train_until
+    from tests.helpers import signalled_in_its_exit, train_until
 
     seconds = 6.0
     run_dir = tmp_path / "run"
@@ -100,17 +100,10 @@ def test_a_signal_after_the_stop_leaves_its_exit_75_and_its_line(tmp_path, phase
                       f"+model.seconds={seconds}"], "global batch",
                      stdout=True) as (proc, lines):
         time.sleep(1.0)
-        os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while not any("slow exit:" in ln for ln in lines) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for _ in range(signals):
-            os.kill(proc.pid, signal.SIGTERM)
-            time.sleep(0.3)
-        start = time.monotonic()
-        code = proc.wait(timeout=60)
+        os.kill(proc.pid, signal.SIGTERM)  # (the stop; then the signals in its exit)
+        code, waited = signalled_in_its_exit(proc, lines, signals)
     assert code == 75, "".join(lines[-40:])
     if signals == 2:  # (at once, not after the exit handler's seconds)
-        assert time.monotonic() - start < seconds - 1
+        assert waited < seconds - 1
     assert any("stopped on a preemption signal at step" in ln for ln in lines)
     assert json.loads((run_dir / "status.json").read_text())["status"] == "preempted"
