@@ -12,13 +12,18 @@ it as the stall it is.
 The same look catches a worker's death whose word was lost. PyTorch says a worker died by
 raising from its SIGCHLD handler in the training thread; where the signal comes while that
 thread runs code whose errors Python can only print (an at-fork hook, as another loader starts
-its workers; a `__del__`), it prints "Exception ignored" and the read waits until data.timeout
-(300 s) before it looks at the workers itself. A worker of the loader being read that has
-ended and is still not said a poll later has the signal delivered to the training thread again
-(once): PyTorch's handler then raises as it would have.
+its workers; a `__del__`), it prints "Exception ignored", forgets the loader's workers (a
+signal again finds none ended), and the read waits until data.timeout (300 s) before it looks
+at the workers itself. A worker of the loader being read that has ended and is still not said
+a poll later has the training thread raise PyTorch's words for it (once): an asynchronous
+exception, woken by a SIGCHLD. Where it lands in the wait, PyTorch takes it for a look at the
+workers and raises its own "exited unexpectedly"; `data.workerdeath` says how from the exit
+status. The printed error ("Exception ignored in: <function _releaseLock>", a traceback) is
+left out: the watch says it, in one line, when that loader is read.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import signal
 import sys
@@ -27,7 +32,7 @@ import time
 import weakref
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
-from data.workerdeath import _exit_status, iterators_of
+from data.workerdeath import _WORKER_ENDED, _exit_status, iterators_of
 
 POLL_S = 1.0
 HANDOVER = ("rebuild_storage_fd", "reductions.py")  # torch.multiprocessing: the exchange
@@ -65,11 +70,22 @@ def watch(holders: Sequence[Any], timeout: float) -> int:
             pass
     with _lock:
         _watched[token] = (threading.get_ident(), tuple(refs), timeout)
+        if sys.unraisablehook is not _unsaid:
+            _unsaid.printed = sys.unraisablehook  # type: ignore[attr-defined]
+            sys.unraisablehook = _unsaid
         if _watcher is None or not _watcher.is_alive():
             _watcher = threading.Thread(target=_watch, name="stoker-handover-watch",
                                         daemon=True)
             _watcher.start()
     return token
+
+
+def _unsaid(unraisable: Any) -> None:
+    """`sys.unraisablehook`: PyTorch's error for a worker's death, raised where Python can
+    only print it, is left for the watch to say; the rest is printed as before."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            _WORKER_ENDED.match(str(unraisable.exc_value))):
+        _unsaid.printed(unraisable)  # type: ignore[attr-defined]
 
 
 def unwatch(token: Optional[int]) -> None:
@@ -142,10 +158,10 @@ def _frames(threads: Set[int], name: str, file: str) -> Dict[int, Optional[int]]
 
 def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: Set[int],
                    told: Set[int]) -> Set[int]:
-    """Delivers SIGCHLD again to the main thread where it waits for a worker's message from a
-    loader whose worker had already ended at the last look (`ended`, whose signal PyTorch's
-    handler would have said at once): its word was lost (see the module doc). Each pid once
-    (`told`); the pids of the watched loaders' ended workers now."""
+    """Has the main thread raise PyTorch's words for a worker's death where it waits for a
+    worker's message from a loader whose worker had already ended at the last look (`ended`,
+    whose signal PyTorch's handler would have said at once): its word was lost (see the
+    module doc). Each pid once (`told`); the pids of the watched loaders' ended workers now."""
     main = threading.main_thread().ident
     if not any(ident == main for ident, _, _ in watched.values()):
         return set()  # (PyTorch's handler raises in the main thread alone)
@@ -166,6 +182,22 @@ def _unsaid_deaths(watched: Dict[int, Tuple[int, Sequence[Any], float]], ended: 
     lost = (now & ended) - told
     if lost and waiting:
         told.update(lost)
-        signal.pthread_kill(main, signal.SIGCHLD)
+        _raise_in(main, lost)
     return now
+
+
+def _raise_in(main: int, pids: Set[int]) -> None:
+    """Raises PyTorch's error for workers `pids` ended in thread `main` (the main thread, which
+    PyTorch's handler keeps woken by SIGCHLD): at its next bytecode, as the handler begins."""
+    if not callable(signal.getsignal(signal.SIGCHLD)):
+        return  # (nothing would wake a blocked wait: the error would land later, anywhere)
+    words = f"DataLoader worker (pid(s) {', '.join(map(str, sorted(pids)))}) exited unexpectedly"
+
+    class WorkerEnded(RuntimeError):  # (raised by its class alone: no arguments given)
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*(args or (words,)))
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main),
+                                               ctypes.py_object(WorkerEnded))
+    signal.pthread_kill(main, signal.SIGCHLD)
 
