@@ -70,7 +70,7 @@ def watch(holders: Sequence[Any], timeout: float) -> int:
             pass
     with _lock:
         _watched[token] = (threading.get_ident(), tuple(refs), timeout)
-        if sys.unraisablehook is not _unsaid:
+        if not hasattr(_unsaid, "printed"):  # (once: a hook set later, by the user, stays)
             _unsaid.printed = sys.unraisablehook  # type: ignore[attr-defined]
             sys.unraisablehook = _unsaid
         if _watcher is None or not _watcher.is_alive():
