@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple
 
 from data.workerdeath import _WORKER_ENDED, _exit_status, iterators_of
 
@@ -44,6 +44,7 @@ _watched: Dict[int, Tuple[int, Sequence[Any], float]] = {}
 _stalled: set = set()  # tokens whose workers were killed for a stall
 _tokens = itertools.count(1)
 _watcher: Optional[threading.Thread] = None
+_printer: Optional[Callable[[Any], Any]] = None  # the unraisable hook before `_unprinted`
 
 
 def timeout_of(*holders: Any) -> float:
@@ -60,7 +61,7 @@ def watch(holders: Sequence[Any], timeout: float) -> int:
     """Watches the calling thread's batch handovers from the workers of `holders` (DataLoader
     iterators, or loaders that keep one), against `timeout` (0: none, deaths alone); a
     token for `stalled` and `unwatch`."""
-    global _watcher
+    global _watcher, _printer
     token = next(_tokens)
     refs = []
     for holder in holders:  # weakly: a loader's iterator must still go (its workers with it)
@@ -70,9 +71,8 @@ def watch(holders: Sequence[Any], timeout: float) -> int:
             pass
     with _lock:
         _watched[token] = (threading.get_ident(), tuple(refs), timeout)
-        if not hasattr(_unsaid, "printed"):  # (once: a hook set later, by the user, stays)
-            _unsaid.printed = sys.unraisablehook  # type: ignore[attr-defined]
-            sys.unraisablehook = _unsaid
+        if _printer is None:  # (once: a hook set later, by the user, stays)
+            _printer, sys.unraisablehook = sys.unraisablehook, _unprinted
         if _watcher is None or not _watcher.is_alive():
             _watcher = threading.Thread(target=_watch, name="stoker-handover-watch",
                                         daemon=True)
@@ -80,12 +80,12 @@ def watch(holders: Sequence[Any], timeout: float) -> int:
     return token
 
 
-def _unsaid(unraisable: Any) -> None:
+def _unprinted(unraisable: Any) -> None:
     """`sys.unraisablehook`: PyTorch's error for a worker's death, raised where Python can
     only print it, is left for the watch to say; the rest is printed as before."""
     if not (isinstance(unraisable.exc_value, RuntimeError) and
             _WORKER_ENDED.match(str(unraisable.exc_value))):
-        _unsaid.printed(unraisable)  # type: ignore[attr-defined]
+        _printer(unraisable)  # type: ignore[misc]
 
 
 def unwatch(token: Optional[int]) -> None:
