@@ -120,9 +120,16 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_in_one_line(tmp_pa
      "data.dataset.split_seed (0 to 1)"),
     # each rank its own dir: a resume read other checkpoints on each (gloo aborted rank 0)
     (["hydra.run.dir=${hydra:runtime.cwd}/run_${oc.env:RANK}"], None),
+    # one rank validates init_from's weights, the other trains from them (gloo aborted
+    # rank 0 in the data placement's all-reduce), with DDP's buckets laid out otherwise
+    (["trainer.init_from=${hydra:runtime.cwd}/weights.pt",
+      "trainer.validate_only='${oc.decode:${oc.env:RANK}}'",
+      "trainer.deterministic='${oc.decode:${oc.env:RANK}}'"],
+     "trainer.validate_only, trainer.deterministic"),
 ])
 def test_ranks_with_different_settings_are_refused_in_one_line(tmp_path, overrides, differ):
     """An override that reads the rank's environment."""
+    torch.save({}, tmp_path / "weights.pt")  # (read after the settings agree: none here)
     proc = torchrun(2, [f"hydra.run.dir={tmp_path / 'run'}", "data.num_workers=0",
                         "trainer.max_epochs=1", *overrides], cwd=tmp_path, timeout=120)
     assert proc.returncode != 0 and "Fatal Python error" not in proc.stderr

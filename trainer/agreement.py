@@ -17,7 +17,9 @@ from trainer.resumechanges import flat
 
 
 # settings every rank must share: the steps each takes and when, which samples (the sampler's
-# seed and order), and when the ranks meet (logging, validation, checkpoints)
+# seed and order), when the ranks meet (logging, validation, checkpoints, the sanity check),
+# whether they train at all (validate_only), when they stop (early stopping) and how DDP
+# buckets the gradients (deterministic: a bucket per gradient)
 SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", "data.shuffle",
            "trainer.accumulate_grad_batches", "trainer.max_epochs", "trainer.max_steps",
            "trainer.limit_train_batches", "trainer.limit_val_batches",
@@ -28,7 +30,9 @@ SHARED = ("seed", "data.batch_size", "data.eval_batch_size", "data.drop_last", "
            "trainer.checkpoint.async_save", "trainer.checkpoint.monitor",
            "trainer.checkpoint.mode", "trainer.ddp.static_graph",
            "trainer.ddp.find_unused_parameters", "trainer.ddp.sync_batchnorm",
-           "trainer.ddp.bucket_cap_mb")
+           "trainer.ddp.bucket_cap_mb", "trainer.validate_only", "trainer.sanity_check",
+           "trainer.deterministic", "trainer.early_stopping.patience",
+           "trainer.early_stopping.min_delta")
 
 
 def same_settings_everywhere(cfg: DictConfig, device: torch.device) -> None:
