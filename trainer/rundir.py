@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import distributed, resumefiles, stamp, startsignals, sweep, sweepdirs
-from trainer.checkpoint import CheckpointError
+from trainer import checkpoint, distributed, resumefiles, stamp, startsignals, sweep, sweepdirs
+from trainer.checkpoint import CHECKPOINT_DIR, LAST, CheckpointError
 from trainer.config import ConfigError
 from trainer.overrides import override_key
 from trainer.logging import write_whole
@@ -39,6 +39,7 @@ def check_fresh_start(run_dir: Path, resume: Optional[str], validating: bool = F
     (trainer.validate_only, `validating`) writes a record of its own: into a new dir only."""
     run_dir = Path(run_dir)
     _check_not_a_sweep(run_dir)
+    _check_not_a_checkpoints_folder(run_dir)
     sweepdirs.check_subdir_names_the_job(run_dir)
     sweepdirs.check_sweep_resume(run_dir, resume)
     found = resumefiles.candidates(run_dir)
@@ -52,6 +53,8 @@ def check_fresh_start(run_dir: Path, resume: Optional[str], validating: bool = F
             f"{dir_key()}={run_dir}"
         raise ConfigError(f"trainer.validate_only=true: {where} holds a run's files; validate "
                           f"into a new dir ({dir_key()}=...); nothing was changed")
+    if resume == "auto" and not found and status is None:
+        _check_not_a_folder_of_runs(run_dir)
     if (not outputs and not found) or _same_job(status):
         return  # (an earlier attempt of this job: the runner chose how to continue it)
     sweepdirs.check_same_sweep(run_dir)
@@ -167,6 +170,36 @@ def _check_not_a_sweep(run_dir: Path) -> None:
         f"the sweep with its own -m command and trainer.resume=auto hydra.sweep.dir={run_dir}, "
         f"or one job with its overrides (<job>/.hydra/overrides.yaml) and trainer.resume=auto "
         f"{dir_key()}={run_dir}/<job>; nothing was changed")
+
+
+def _check_not_a_checkpoints_folder(run_dir: Path) -> None:
+    """A run dir that is a run's checkpoints folder (it holds last.pt or step files itself) is
+    refused: a run started there, with trainer.resume=auto too (which looks in
+    <run dir>/checkpoints/), began afresh inside the other run's folder."""
+    held = [run_dir / LAST] if (run_dir / LAST).is_file() else checkpoint.step_files(run_dir)
+    if held:
+        raise CheckpointError(
+            f"run dir {run_dir} is a run's checkpoints folder (it holds {held[-1].name}), not "
+            f"a run's dir: to continue that run, trainer.resume=auto {dir_key()}="
+            f"{run_dir.parent if run_dir.name == CHECKPOINT_DIR else '<its run dir>'}; to start "
+            f"a new one from it, trainer.resume={held[-1]} in a new dir; nothing was changed")
+
+
+def _check_not_a_folder_of_runs(run_dir: Path, most: int = 3) -> None:
+    """trainer.resume=auto in a folder that holds runs (the folder of all runs, `outputs/`, or
+    a day's, `outputs/2026-11-29/`) but is none itself is refused: it started a fresh run
+    among them instead of continuing one."""
+    runs = []
+    for pattern in ("*/" + STATUS, "*/*/" + STATUS):
+        runs += sorted(p.parent for p in run_dir.glob(pattern) if _status(p.parent))
+        if runs:
+            break
+    if runs:
+        named = ", ".join(str(p.relative_to(run_dir)) for p in runs[:most])
+        raise CheckpointError(
+            f"trainer.resume=auto: run dir {run_dir} holds runs ({named}"
+            f"{'...' if len(runs) > most else ''}), not a run of its own: to continue one, "
+            f"trainer.resume=auto {dir_key()}={runs[-1]}; nothing was changed")
 
 
 def _status(run_dir: Path) -> Optional[Dict[str, Any]]:

@@ -57,6 +57,35 @@ def test_one_run_into_a_sweeps_dir_is_refused_with_nothing_written(tmp_path, res
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "10", "2", "3", "multirun.yaml"]
 
 
+def test_a_runs_checkpoints_folder_or_a_folder_of_runs_is_no_run_dir(make_cfg, tmp_path):
+    """trainer.resume=auto hydra.run.dir=RUN/checkpoints, or the folder that holds the runs,
+    started a fresh run in it (one INFO line, exit 0) where a path to the folder in
+    trainer.resume is refused."""
+    run_dir = tmp_path / "runs" / "a"
+    assert train(make_cfg(*QUICK, run_dir=run_dir))["steps"] == 4
+    before = snapshot(tmp_path)
+    folder = run_dir / "checkpoints"
+    proc = run_cli([*QUICK, "trainer.resume=auto", f"hydra.run.dir={folder}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stoker: error: run dir {folder} is a run's checkpoints folder (it holds last.pt), "
+        f"not a run's dir: to continue that run, trainer.resume=auto hydra.run.dir={run_dir}; "
+        f"to start a new one from it, trainer.resume={folder / 'last.pt'} in a new dir; "
+        "nothing was changed")
+    with pytest.raises(CheckpointError, match=r"is a run's checkpoints folder \(it holds "):
+        train(make_cfg(*QUICK, run_dir=folder))  # (a fresh run there too)
+    for parent, named in ((tmp_path / "runs", "a"), (tmp_path, "runs/a")):
+        with pytest.raises(CheckpointError) as refused:
+            train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=parent))
+        assert str(refused.value) == (
+            f"trainer.resume=auto: run dir {parent} holds runs ({named}), not a run of its "
+            f"own: to continue one, trainer.resume=auto run_dir={run_dir}; nothing was changed")
+    assert snapshot(tmp_path) == before
+    # a new run dir beside them: a fresh start
+    assert train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=tmp_path / "runs" / "b"))[
+        "steps"] == 4
+
+
 @pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
 def test_a_folder_with_such_a_file_is_refused_to_a_fresh_run_and_to_resume_auto(make_cfg,
                                                                                  tmp_path, name):
