@@ -66,6 +66,7 @@ class Classification(Task):
         self.num_classes = num_classes
         self._checked = False
         self._passed: Optional[tuple] = None  # (logits shape, target shape, dtype) that passed
+        self._last_inputs: Any = None  # the first batch's inputs, until its targets are checked
 
     def target(self, batch: Any) -> torch.Tensor:
         return self.split(batch)[1]
@@ -139,6 +140,7 @@ class Classification(Task):
                              "leading + where the config does not set it)")
         if not self._checked:
             self._checked = True
+            self._warn_if_copied(logits, target)
             valid = target if self.ignore_index is None else target[target != self.ignore_index]
             low = int(valid.min()) if valid.numel() else 0
             if valid.numel() and (low < 0 or int(valid.max()) >= classes):
@@ -157,6 +159,34 @@ class Classification(Task):
                                      "(y + 1) // 2" if signs else ""))
         self._passed = (logits.shape, target.shape, target.dtype)
 
+    def copied(self, logits: torch.Tensor) -> Optional[str]:
+        """What to say where the targets equal the inputs (None: nothing): a label per
+        position, (batch, tokens, classes) logits, that is the input token itself trains a
+        copy, whose accuracy of about 1 means nothing."""
+        if logits.dim() < 3:
+            return None
+        return (f"task {self.name}: the targets equal the inputs, position by position: the "
+                "model learns to copy its input (an accuracy near 1 that means nothing); for "
+                "next-token prediction, task=language_model task.shift_labels=true")
+
+    def _warn_if_copied(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """Once, on the first batch: `copied`'s warning where the targets equal the inputs."""
+        inputs, self._last_inputs = self._last_inputs, None
+        said = self.copied(logits)
+        if said and isinstance(inputs, torch.Tensor) and inputs.shape == target.shape:
+            valid = torch.ones_like(target, dtype=torch.bool) if self.ignore_index is None \
+                else target != self.ignore_index
+            same = bool(valid.any()) and bool((inputs[valid] == target[valid]).all())
+            if same and distributed.detect().is_main:  # every rank sees the same mistake
+                log.warning(said)
+
+    def forward(self, model: nn.Module, batch: Any) -> Any:
+        if not self._checked:  # kept for the one-off check of the first batch
+            inputs = self.split(batch)[0]
+            self._last_inputs = inputs if isinstance(inputs, torch.Tensor) else (
+                inputs.get("input_ids") if isinstance(inputs, Mapping) else None)
+        return super().forward(model, batch)
+
 
 class LanguageModel(Classification):
     """Next-token cross-entropy over (batch, tokens, vocabulary) logits; targets equal to
@@ -174,38 +204,18 @@ class LanguageModel(Classification):
     def __init__(self, ignore_index: int = -100, shift_labels: bool = False, **kwargs):
         super().__init__(ignore_index=ignore_index, **kwargs)
         self.shift_labels = shift_labels
-        self._last_inputs: Any = None
 
     def target(self, batch: Any) -> torch.Tensor:
         target = super().target(batch)
         return target[..., 1:] if self.shift_labels and isinstance(target, torch.Tensor) else target
 
-    def check(self, logits: torch.Tensor, target: Any) -> None:
-        first = not self._checked
-        super().check(logits, target)
-        if first:
-            if not self.shift_labels:
-                self._warn_if_unshifted(target)
-            self._last_inputs = None
-
-    def _warn_if_unshifted(self, target: torch.Tensor) -> None:
-        """Targets that equal the inputs make next-token training an identity (an accuracy of
-        about 1 that means nothing): Hugging Face-style `labels` need shift_labels=true."""
-        inputs = self._last_inputs
-        if isinstance(inputs, torch.Tensor) and inputs.shape == target.shape:
-            valid = target != self.ignore_index
-            same = bool(valid.any()) and bool((inputs[valid] == target[valid]).all())
-            if same and distributed.detect().is_main:  # every rank sees the same mistake
-                log.warning("task language_model: the targets equal the inputs; if they are "
-                            "Hugging Face-style labels, set task.shift_labels=true (position t "
-                            "is scored against token t + 1)")
-
-    def forward(self, model: nn.Module, batch: Any) -> Any:
-        if not self._checked:  # kept for the one-off check of the first batch
-            inputs = self.split(batch)[0]
-            self._last_inputs = inputs if isinstance(inputs, torch.Tensor) else (
-                inputs.get("input_ids") if isinstance(inputs, Mapping) else None)
-        return super().forward(model, batch)
+    def copied(self, logits: torch.Tensor) -> Optional[str]:
+        """Targets that equal the inputs make next-token training an identity: Hugging
+        Face-style `labels` need shift_labels=true."""
+        return None if self.shift_labels else (
+            "task language_model: the targets equal the inputs; if they are Hugging "
+            "Face-style labels, set task.shift_labels=true (position t is scored against "
+            "token t + 1)")
 
     def predictions(self, output: Any) -> torch.Tensor:
         logits = super().predictions(output)

@@ -381,3 +381,48 @@ def test_model_loss_takes_the_loss_of_a_hugging_face_tuple_output():
     assert float(task.metrics["acc"].compute()) == pytest.approx(float(own))
     with pytest.raises(TaskError, match="a 0-d tensor, or a tuple whose first item is one"):
         task.loss((out[1],), batch)
+
+
+@pytest.mark.parametrize("task, said", [
+    # a per-token classification of targets that are its inputs scored 1.0 in silence
+    (Classification(), "task classification: the targets equal the inputs, position by "
+     "position: the model learns to copy its input (an accuracy near 1 that means nothing); "
+     "for next-token prediction, task=language_model task.shift_labels=true"),
+    (LanguageModel(), "task language_model: the targets equal the inputs; if they are Hugging "
+     "Face-style labels, set task.shift_labels=true (position t is scored against token t + 1)"),
+])
+def test_targets_equal_to_the_inputs_of_a_per_position_task_are_a_warning_once(task, said,
+                                                                               caplog):
+    tokens = torch.randint(1, 8, (2, 5))
+    tokens[1, 3:] = -100  # (padding, left out of the comparison)
+    embed = torch.nn.Embedding(8, 8)
+    model = lambda x: embed(x.clamp(min=0))  # noqa: E731  (logits (2, 5, 8))
+    batch = (tokens, tokens.clone())
+    if isinstance(task, Classification) and not isinstance(task, LanguageModel):
+        task.ignore_index = -100
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        for _ in range(2):
+            task.loss(task.forward(model, batch), batch)
+    assert [r.getMessage() for r in caplog.records] == [said]
+
+
+@pytest.mark.parametrize("make, batch", [
+    (Classification, (torch.arange(10).view(2, 5) % 8,  # other targets
+                      (torch.arange(10).view(2, 5) + 1) % 8)),
+    (lambda: LanguageModel(shift_labels=True), (torch.arange(10).view(2, 5) % 8,
+                                                torch.arange(10).view(2, 5) % 8)),
+])
+def test_targets_that_are_not_the_inputs_or_are_shifted_are_no_warning(make, batch, caplog):
+    embed = torch.nn.Embedding(8, 8)
+    task = make()
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        task.loss(task.forward(embed, batch), batch)
+    assert not caplog.records
+
+
+def test_one_label_per_sample_equal_to_its_one_input_is_no_warning(caplog):
+    """(batch, classes) logits: a label per sample, not per position."""
+    task, x = Classification(), torch.tensor([1, 2])
+    with caplog.at_level(logging.WARNING, logger="stoker"):
+        task.loss(task.forward(torch.nn.Embedding(4, 4), (x, x)), (x, x))
+    assert not caplog.records
