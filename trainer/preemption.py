@@ -55,6 +55,7 @@ class Preemption:
         self._interrupted_at: Optional[float] = None
         self._signalled_at: Optional[float] = None  # the first SIGTERM/SIGUSR1
         self._stopping = False  # agreed at a step boundary: saving, then stopping
+        self._training = False  # the run is built, its steps begin: a stop saves a checkpoint
         self.writing = False  # a checkpoint is being saved or waited for: its step ended
         self._main, self._pid = env.is_main, os.getpid()
         self._previous = {}
@@ -93,8 +94,11 @@ class Preemption:
             if self._interrupted_at is not None and now - self._interrupted_at > AGAIN_AFTER_S:
                 raise KeyboardInterrupt
             if self._interrupted_at is None and self._main:  # (no logging in a handler)
-                os.write(2, b"stoker: stopping at the end of this step with a checkpoint "
-                            b"(Ctrl-C again to stop at once, without one)\n" if self._saving
+                os.write(2, b"stoker: stopping once the run is built, before its first step, "
+                            b"with nothing to save (Ctrl-C again to stop at once)\n"
+                         if not self._training else
+                         b"stoker: stopping at the end of this step with a checkpoint "
+                         b"(Ctrl-C again to stop at once, without one)\n" if self._saving
                          else b"stoker: stopping at the end of this step (Ctrl-C again to "
                               b"stop at once)\n")
             self._interrupted_at = self._interrupted_at or now
@@ -121,6 +125,7 @@ class Preemption:
             raise Preempted(f"stopped on {'a Ctrl-C' if kind == 2 else 'a preemption signal'} "
                             f"{startsignals.BEFORE_FIRST_STEP}",
                             EXIT_INTERRUPTED if kind == 2 else EXIT_PREEMPTED)
+        self._training = True
 
     def _reduced_now(self) -> int:
         """The kind of stop any rank received, agreed at once (a blocking all-reduce in

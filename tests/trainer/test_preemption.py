@@ -27,16 +27,22 @@ def test_a_second_signal_once_the_step_ended_lets_the_checkpoint_be_written(monk
         waiting._handle(signal.SIGTERM, None)
 
 
-@pytest.mark.parametrize("saving,line", [
-    (True, "stoker: stopping at the end of this step with a checkpoint (Ctrl-C again to stop "
-           "at once, without one)"),
-    (False, "stoker: stopping at the end of this step (Ctrl-C again to stop at once)")])
+@pytest.mark.parametrize("saving,built,line", [
+    (True, True, "stoker: stopping at the end of this step with a checkpoint (Ctrl-C again to "
+                 "stop at once, without one)"),
+    (False, True, "stoker: stopping at the end of this step (Ctrl-C again to stop at once)"),
+    # while the run is built (a dataset's __init__): it promised a checkpoint, then said
+    # "nothing saved"
+    (True, False, "stoker: stopping once the run is built, before its first step, with "
+                  "nothing to save (Ctrl-C again to stop at once)")])
 def test_the_first_ctrl_c_promises_a_checkpoint_only_when_one_will_be_saved(capfd, saving,
-                                                                           line):
+                                                                           built, line):
     from trainer.distributed import DistEnv
     from trainer.preemption import Preemption
 
     preemption = Preemption(DistEnv(), saving=saving)
+    if built:
+        preemption.stop_before_training()  # (no signal yet: the steps begin)
     preemption._handle(signal.SIGINT, None)
     assert preemption.requested and capfd.readouterr().err.splitlines() == [line]
 
