@@ -63,3 +63,29 @@ def test_the_readmes_own_code_examples_train_as_written(tmp_path):
         assert summary_of(run_dir)["steps"] == 6
     assert "val_acc" in summary_of(tmp_path / "run1")  # the vision model's
     assert "val_f1" in summary_of(tmp_path / "run2")  # the task's metrics
+
+
+def test_the_short_way_trains_the_readmes_own_dataset_and_model(tmp_path, monkeypatch):
+    """README's "Your own model and data, the short way": its file and command as written."""
+    import torch
+
+    from trainer.inference import load_model
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Your own model and data, the short way"):
+                   text.index("## Training\n")]
+    (code,), (command,) = (re.findall(rf"```{lang}\n(.*?)```", section, re.S)
+                           for lang in ("python", "bash"))
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "wine.py").write_text(code)
+    args = shlex.split(command.replace("\\\n", " "))
+    assert args[:2] == ["python", "train.py"]
+    proc = run_cli([*args[2:], *QUIET], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "outputs" / "wine"
+    summary = summary_of(run_dir)
+    assert summary["epochs"] == 30 and summary["val_acc"] > 0.9, summary
+    monkeypatch.syspath_prepend(str(tmp_path))  # (mypkg, as the run imported it)
+    model = load_model(run_dir / "checkpoints" / "last.pt")
+    assert model(torch.zeros(2, 13)).shape == (2, 3)
