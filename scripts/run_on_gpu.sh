@@ -74,8 +74,9 @@ step() {  # step NAME SECONDS COMMAND...: bounded, log in the archive, one line 
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
   # in the background, waited for: a SIGTERM to this script is handled at once, not after
   # the step (timeout leads a process group of its own, which the trap below ends)
+  STEP_NAME=$name STEP_T0=$t0  # (named first: a SIGTERM right after the fork finds it)
   timeout -k 10 "$limit" bash -c '"$@"' _ "$@" > "$R/$name.log" 2>&1 &
-  STEP=$! STEP_NAME=$name STEP_T0=$t0; wait $STEP; local rc=$?; STEP=
+  STEP=$!; wait $STEP; local rc=$?; STEP= STEP_NAME=
   local last; last=$(grep -v '^\s*$' "$R/$name.log" | tail -1 | cut -c1-160)
   [ "$rc" = 124 ] && last="TIMED OUT after ${limit}s (incomplete) | $last"
   printf '%-26s rc=%-3s %4ss | %s\n' "$name" "$rc" "$((SECONDS - t0))" "$last" | tee -a "$S"
@@ -95,14 +96,15 @@ pack() {  # the benchmark files this call wrote (not older committed ones), logs
 }
 # a call cut off by its limit leaves what it had: packed every 30 s, and once more on SIGTERM
 ( trap 'kill $! 2>/dev/null; exit 0' TERM; while :; do sleep 30 & wait $!; pack; done ) &
-PACKER=$! STEP=
+PACKER=$! STEP= STEP_NAME=
 trap 'kill $PACKER 2>/dev/null' EXIT
 cut_off() {  # SIGTERM (the call's limit) or Ctrl-C: the running step's line, then the archive
-  if [ -n "$STEP" ]; then
+  if [ -n "$STEP_NAME" ]; then
+    STEP=${STEP:-$!}  # (a signal between the step's fork and STEP=$!: $! is the step)
     kill $STEP 2>/dev/null; wait $STEP
     printf '%-26s rc=%-3s %4ss | %s\n' "$STEP_NAME" 124 "$((SECONDS - STEP_T0))" \
-      "CUT OFF: the call ended (its time limit?) | $(grep -v '^\s*$' "$R/$STEP_NAME.log" |
-      tail -1 | cut -c1-120)" | tee -a "$S"
+      "CUT OFF: the call ended (its time limit?) | $(grep -v '^\s*$' "$R/$STEP_NAME.log" \
+      2>/dev/null | tail -1 | cut -c1-120)" | tee -a "$S"
   fi
   kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null  # (its pack done or ended: ours last)
   pack; exit 124
