@@ -6,9 +6,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.stoker-installed
-# the suite on two pytest-xdist workers: its multi-process tests wait on process start-up much of
-# the time, so two share 2 cores well (PYTEST_ARGS= for one process)
-PYTEST_ARGS ?= -n 2
+# the suite on three pytest-xdist workers: on 2 cores a third keeps them busy while a test waits
+# on a timeout or a stuck rank (PYTEST_ARGS= for one process)
+PYTEST_ARGS ?= -n 3
 
 .PHONY: install train test clean
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 import trainer.config  # noqa: F401  (registers train_schema)
 from data.datasets import DigitsDataset
 from scripts.processes import descendants, kill_session
+from tests import warm
 from trainer.models import MLP
 from trainer.task import Task
 from trainer.tasks import Classification
@@ -72,9 +73,9 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
     (SIGUSR2, see STACKS), then killed, and Hung is raised with what they said."""
     env = {**env, "PYTHONPATH": os.pathsep.join(
         [str(STACKS), *filter(None, [env.get("PYTHONPATH")])])}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=preexec_fn)
+    proc = warm.start(cmd, cwd, env, preexec_fn) or subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: forked warm)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -509,6 +510,26 @@ class SlowToBuildDigits(DigitsDataset):
         if split == "train":
             Path(marker).touch()
             time.sleep(seconds)
+
+
+class ProcessReportingDigits(DigitsDataset):
+    """Digits whose train split writes, as JSON into `report`, what its process was started
+    with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
+    __main__'s file, its session and whether stdout is a pipe (tests/test_warm.py)."""
+
+    def __init__(self, split: str = "train", report: str = "", **kw):
+        super().__init__(split, **kw)
+        if split == "train":
+            import stat
+
+            main = sys.modules["__main__"]
+            Path(report).write_text(json.dumps({
+                "argv": sys.argv, "cwd": os.getcwd(), "say": os.environ.get("STOKER_TEST_SAY"),
+                "path0": sys.path[0], "main": getattr(main, "__file__", None),
+                "session": os.getsid(0) == os.getpid(),
+                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode)}))
+            print("reported to stdout")
+            print("reported to stderr", file=sys.stderr)
 
 
 class DictDigits(DigitsDataset):

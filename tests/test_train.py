@@ -181,14 +181,29 @@ def test_srun_style_slurm_launch_without_torchrun(tmp_path):
     assert s["world_size"] == 2 and s["strategy"] == "ddp"
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (train.py's first lines set it, and the
+    one of SIGINT before it): the kernel's mask of caught signals."""
+    import signal
+
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(ln for ln in status if ln.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def _signalled_while_starting(tmp_path, sig, launches: int, step: float):
-    """`launches` launches of train.py, each sent `sig` at a moment of its start-up (0.15 s,
-    then `step` later each time): (run dir, process, stderr, what to show on a failure)."""
+    """`launches` launches of train.py, each sent `sig` at a moment of its start-up (once
+    train.py's first lines set their handlers, then `step` later each time): (run dir,
+    process, stderr, what to show on a failure). (A fixed 0.15 s after the launch came before
+    Python's own start-up ended on a loaded machine: nothing of Stoker's had run.)"""
     for n in range(launches):
-        delay, run_dir = 0.15 + step * n, tmp_path / str(n)
+        delay, run_dir = step * n, tmp_path / str(n)
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"),
                                  f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not _catches_sigterm(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
         time.sleep(delay)  # (Python's own start-up is done; importing torch is not)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)

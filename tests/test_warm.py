@@ -1,0 +1,94 @@
+"""tests/warm.py: a run forked from the warm process is the run a new interpreter starts, its
+argv, working dir, environment, `__main__`, session, output and exit code; a run whose
+interpreter would start otherwise starts cold; a warm run that hangs is ended like a cold one."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from tests import warm
+from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli
+
+
+def _env(**extra):
+    """The environment `run_cli` gives `bounded`, with `extra`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _started(**extra):
+    """... and the one `bounded` starts a run with (its stacks' sitecustomize on the path)."""
+    return {**_env(), "PYTHONPATH": os.pathsep.join(
+        [str(STACKS), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra}
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The runs `bounded` started warm (a WarmRun) or cold (None), in order."""
+    runs, start = [], warm.start
+    monkeypatch.setattr(warm, "start", lambda *a, **k: runs.append(start(*a, **k)) or runs[-1])
+    return runs
+
+
+def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
+    report = tmp_path / "report.json"
+    args = ["debug=fdr", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+            "data.dataset._target_=tests.helpers.ProcessReportingDigits",
+            f"+data.dataset.report={report}"]
+    runs = {}
+    for how, cold in (("warm", "0"), ("cold", "1")):
+        os.environ["STOKER_TEST_COLD"] = cold
+        try:
+            proc = bounded([sys.executable, warm.TRAIN, *args], tmp_path,
+                           _env(STOKER_TEST_SAY=how), timeout=240)
+        finally:
+            del os.environ["STOKER_TEST_COLD"]
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "reported to stdout" in proc.stdout and "reported to stderr" in proc.stderr
+        runs[how] = json.loads(report.read_text())
+    assert isinstance(started[0], warm.WarmRun) and started[1] is None
+    assert runs["warm"].pop("say") == "warm" and runs["cold"].pop("say") == "cold"
+    assert runs["warm"] == runs["cold"] == {
+        "argv": [warm.TRAIN, *args], "cwd": str(tmp_path), "path0": str(ROOT),
+        "main": warm.TRAIN, "session": True, "pipe": True}
+
+
+@pytest.mark.parametrize("override", ["data.num_worker=8", "trainer.precision=fp16"])
+def test_a_warm_runs_error_and_exit_code_are_the_cold_runs(tmp_path, override, monkeypatch,
+                                                          started):
+    warm_run = run_cli([f"hydra.run.dir={tmp_path}", override])
+    monkeypatch.setenv("STOKER_TEST_COLD", "1")
+    cold_run = run_cli([f"hydra.run.dir={tmp_path}", override])
+    assert isinstance(started[0], warm.WarmRun) and started[1] is None
+    assert (warm_run.returncode, warm_run.stdout, warm_run.stderr) == (
+        cold_run.returncode, cold_run.stdout, cold_run.stderr)
+    assert warm_run.returncode == 2 and warm_run.stderr.startswith("stoker: error:")
+
+
+def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):
+    cmd = [sys.executable, warm.TRAIN, "--help"]
+    proc = warm.start(cmd, tmp_path, _started())  # (the warm process started where none was)
+    assert isinstance(proc, warm.WarmRun)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "train is powered by Hydra" in out, err
+    assert warm.start(cmd, tmp_path, _started(LC_ALL="C")) is None  # (a locale of its own)
+    assert warm.start(cmd, tmp_path, _started(PYTHONPATH="/elsewhere")) is None
+    assert warm.start(cmd, tmp_path, _started(), preexec_fn=os.getpid) is None
+    assert warm.start([sys.executable, "-m", "trainer"], tmp_path, _started()) is None
+
+
+def test_a_warm_run_that_hangs_is_ended_tree_and_all_saying_where(tmp_path, started):
+    args = [f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress_bar=false",
+            "data.dataset._target_=tests.helpers.SlowToBuildDigits",
+            f"+data.dataset.marker={tmp_path / 'building'}", "+data.dataset.seconds=600"]
+    with pytest.raises(Hung) as hung:
+        bounded([sys.executable, warm.TRAIN, *args], tmp_path, _env(), timeout=30)
+    message = str(hung.value)
+    assert [type(run) for run in started] == [warm.WarmRun]
+    stacks = message.split("its stderr's end (stacks after SIGUSR2):")[1]
+    assert re.search(r'tests/helpers.py", line \d+ in __init__', stacks), message[-3000:]
+    pid = int(message.split("its processes: ")[1].split()[0])
+    assert not os.path.exists(f"/proc/{pid}"), "the run outlived its timeout"

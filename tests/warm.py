@@ -1,0 +1,272 @@
+"""Warm starts for the suite's `python train.py` runs (`helpers.bounded`): a process that has
+imported torch (and torch._dynamo, which torch's optimizers import when the first one is built),
+Hydra and OmegaConf forks each run instead of a new interpreter importing them again, about 5 s
+of CPU a run on a 2-core machine, where the suite starts hundreds. The forked run is what
+`python train.py ARGS` is from its first line on: train.py run as `__main__` with its own
+argv, working dir, environment (the sitecustomize of `helpers.STACKS` read again under it),
+stdio, session and exit code.
+
+Only runs whose interpreter would start alike are forked: the same PYTHON*, locale, torch and
+thread variables as the warm process's, no preexec_fn, train.py itself (not `-m module`);
+anything else, or STOKER_TEST_COLD=1 in the suite's environment, starts a new interpreter.
+
+The warm process (`python -m tests.warm FD`) forks, for each request on its socket, a keeper
+that forks the run and reports the run's pid and then its exit code on the request's own
+socket; the warm process itself stays single-threaded and never waits (its keepers are reaped
+by SIGCHLD being ignored). It ends when the suite's end of its socket closes.
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "train.py")
+# what an interpreter reads as it starts (or torch as it is imported): a run whose values
+# differ from the warm process's starts cold
+_STARTUP = ("PYTHON", "LC_", "LANG", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL", "KMP_")
+_server: Optional["_Warm"] = None
+_failed = False
+
+
+def _startup_env(env: Dict[str, str]) -> Dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP)}
+
+
+class WarmRun:
+    """The part of subprocess.Popen that `bounded` uses, for a forked run: pid, args,
+    returncode, communicate(timeout) (text, both pipes; again after a timeout), poll()."""
+
+    def __init__(self, args: List[str], pid: int, status: socket.socket, out: int, err: int):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._status = status
+        self._sel = selectors.DefaultSelector()
+        self._chunks = {out: [], err: []}
+        for fd in (out, err):
+            os.set_blocking(fd, False)
+            self._sel.register(fd, selectors.EVENT_READ)
+
+    def communicate(self, timeout: Optional[float] = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._sel.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for key, _ in self._sel.select(left):
+                data = os.read(key.fd, 65536)
+                if data:
+                    self._chunks[key.fd].append(data)
+                else:
+                    self._sel.unregister(key.fd)
+                    os.close(key.fd)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        # (as Popen's text mode reads them: the locale's UTF-8, universal newlines)
+        out, err = (b"".join(c).decode().replace("\r\n", "\n").replace("\r", "\n")
+                    for c in self._chunks.values())
+        return out, err
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self._status.settimeout(timeout)
+            try:
+                data = self._status.recv(4)
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = struct.unpack("i", data)[0] if len(data) == 4 else -9
+            self._status.close()
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class _Warm:
+    """The suite's handle of one warm process."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = _startup_env(env)
+        self.sock, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm", str(theirs.fileno())],
+                                     cwd=ROOT, env=env, pass_fds=[theirs.fileno()],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self.sock.settimeout(120)  # (its imports: seconds)
+        if self.sock.recv(5) != b"ready":
+            raise OSError("the warm process did not start")
+        self.sock.settimeout(None)
+        atexit.register(self.close)
+
+    def start(self, cmd: List[str], cwd, env: Dict[str, str]) -> WarmRun:
+        mine, theirs = socket.socketpair()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        request = json.dumps({"argv": cmd[1:], "cwd": str(cwd), "env": env}).encode()
+        try:
+            socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
+                            [theirs.fileno(), out_w, err_w])
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+            theirs.close()
+        mine.settimeout(60)
+        data = mine.recv(4)
+        if len(data) != 4:
+            raise OSError("the warm process forked no run")
+        pid = struct.unpack("i", data)[0]
+        return WarmRun(cmd, pid, mine, out_r, err_r)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None):
+    """The run `cmd` forked from the warm process, or None where it must start cold."""
+    global _server, _failed
+    if (_failed or preexec_fn is not None or os.environ.get("STOKER_TEST_COLD") == "1"
+            or len(cmd) < 2 or cmd[0] != sys.executable or cmd[1] != TRAIN):
+        return None
+    if _server is not None and _startup_env(env) != _server.env:
+        return None
+    try:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _Warm(env)
+            if _startup_env(env) != _server.env:
+                return None
+        return _server.start(cmd, cwd, env)
+    except OSError as e:  # (no warm process: every run starts cold, said once)
+        _failed = True
+        print(f"tests.warm: runs start cold: {e}", file=sys.stderr)
+        return None
+
+
+# ---- the warm process -------------------------------------------------------------------
+
+def _serve(fd: int) -> None:
+    import hydra  # noqa: F401
+    import omegaconf  # noqa: F401
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (an optimizer's constructor imports it)
+
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its keepers: reaped as they end
+    sock.sendall(b"ready")
+    while True:
+        try:
+            head, fds, _, _ = socket.recv_fds(sock, 8, 3)
+        except OSError:
+            return
+        if len(head) < 8:
+            return  # the suite ended
+        size = struct.unpack("Q", head)[0]
+        body = b""
+        while len(body) < size:
+            chunk = sock.recv(size - len(body))
+            if not chunk:
+                return
+            body += chunk
+        if os.fork() == 0:
+            sock.close()
+            _keep(json.loads(body), *fds)
+        for f in fds:
+            os.close(f)
+
+
+def _keep(request: dict, status_fd: int, out: int, err: int) -> None:
+    """The keeper: forks the run, says its pid, waits for it, says its exit code."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        status = socket.socket(fileno=status_fd)
+        pid = os.fork()
+        if pid == 0:
+            status.close()
+            _run(request, out, err)
+        os.close(out)
+        os.close(err)
+        status.sendall(struct.pack("i", pid))
+        _, raw = os.waitpid(pid, 0)
+        status.sendall(struct.pack("i", os.waitstatus_to_exitcode(raw)))
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _run(request: dict, out: int, err: int) -> None:
+    """The run, as `python train.py ARGS` would start it in a session of its own."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, to in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, to)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # the standard streams as an interpreter opens them (PYTHONUNBUFFERED: write-through)
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+        for fd, name, errors in ((0, "stdin", "strict"), (1, "stdout", "strict"),
+                                 (2, "stderr", "backslashreplace")):
+            raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
+            buffered = raw if unbuffered and fd else (io.BufferedReader(raw) if fd == 0 else
+                                                      io.BufferedWriter(raw))
+            stream = io.TextIOWrapper(buffered, encoding="utf-8", errors=errors,
+                                      line_buffering=fd == 2 or (unbuffered and fd == 1),
+                                      write_through=unbuffered and fd != 0)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        import runpy
+
+        stacks = ROOT / "tests" / "stacks" / "sitecustomize.py"
+        if str(stacks.parent) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            runpy.run_path(str(stacks))  # (as it read its environment at start-up)
+        sys.argv = list(request["argv"])
+        sys.path[0] = str(ROOT)  # (the script's folder, as `python train.py` puts it)
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001  (as the interpreter reports it)
+            sys.excepthook(type(e), e, e.__traceback__)
+            if isinstance(e, KeyboardInterrupt):  # (the interpreter ends by the signal)
+                sys.stderr.flush()
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            code = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        import atexit as _atexit
+
+        _atexit._run_exitfuncs()
+    finally:
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
