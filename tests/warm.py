@@ -33,15 +33,19 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
-# what an interpreter reads as it starts (or torch as it is imported): a run whose values
-# differ from the warm process's starts cold
-_STARTUP = ("PYTHON", "LC_", "LANG", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL", "KMP_")
+# what an interpreter reads as it starts (or torch and its OpenMP runtime as they are
+# imported): a run whose values differ from the warm process's starts cold (KMP_ is the Intel
+# runtime's, which a library in the suite's process sets; torch's Linux wheels use GNU's)
+_STARTUP = ("PYTHON", "LC_", "LANG", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL")
 _server: Optional["_Warm"] = None
 _failed = False
 
 
 def _startup_env(env: Dict[str, str]) -> Dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_STARTUP)}
+    # (inductor, which the warm process does not import, reads its variables when used:
+    # torch sets TORCHINDUCTOR_CACHE_DIR in the suite's environment once a test compiles)
+    return {k: v for k, v in env.items()
+            if k.startswith(_STARTUP) and not k.startswith("TORCHINDUCTOR_")}
 
 
 class WarmRun:
