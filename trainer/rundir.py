@@ -173,16 +173,19 @@ def _check_not_a_sweep(run_dir: Path) -> None:
 
 
 def _check_not_a_checkpoints_folder(run_dir: Path) -> None:
-    """A run dir that is a run's checkpoints folder (it holds last.pt or step files itself) is
-    refused: a run started there, with trainer.resume=auto too (which looks in
-    <run dir>/checkpoints/), began afresh inside the other run's folder."""
+    """A run dir that is a run's checkpoints folder (`checkpoints/`, or a folder beside a
+    run's status.json, that holds last.pt or step files itself) is refused: a run started
+    there, with trainer.resume=auto too (which looks in <run dir>/checkpoints/), began afresh
+    inside the other run's folder."""
+    if run_dir.name != CHECKPOINT_DIR and _status(run_dir.parent) is None:
+        return
     held = [run_dir / LAST] if (run_dir / LAST).is_file() else checkpoint.step_files(run_dir)
     if held:
         raise CheckpointError(
             f"run dir {run_dir} is a run's checkpoints folder (it holds {held[-1].name}), not "
             f"a run's dir: to continue that run, trainer.resume=auto {dir_key()}="
-            f"{run_dir.parent if run_dir.name == CHECKPOINT_DIR else '<its run dir>'}; to start "
-            f"a new one from it, trainer.resume={held[-1]} in a new dir; nothing was changed")
+            f"{run_dir.parent}; to start a new one from it, trainer.resume={held[-1]} in a new "
+            "dir; nothing was changed")
 
 
 def _check_not_a_folder_of_runs(run_dir: Path, most: int = 3) -> None:

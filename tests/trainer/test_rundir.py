@@ -84,6 +84,11 @@ def test_a_runs_checkpoints_folder_or_a_folder_of_runs_is_no_run_dir(make_cfg, t
     # a new run dir beside them: a fresh start
     assert train(make_cfg(*QUICK, "trainer.resume=auto", run_dir=tmp_path / "runs" / "b"))[
         "steps"] == 4
+    # a folder of one's own that holds a last.pt (no run's folder: no status.json beside it)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "last.pt").write_bytes((folder / "last.pt").read_bytes())
+    assert train(make_cfg(*QUICK, run_dir=mine))["steps"] == 4
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "status.json", "metrics.jsonl"])
