@@ -27,6 +27,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -112,6 +113,7 @@ class _Warm:
         if self.sock.recv(5) != b"ready":
             raise OSError("the warm process did not start")
         self.sock.settimeout(None)
+        self.lock = threading.Lock()  # (one request at a time on the socket)
         atexit.register(self.close)
 
     def start(self, cmd: List[str], cwd, env: Dict[str, str]) -> WarmRun:
@@ -120,8 +122,9 @@ class _Warm:
         err_r, err_w = os.pipe()
         request = json.dumps({"argv": cmd[1:], "cwd": str(cwd), "env": env}).encode()
         try:
-            socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
-                            [theirs.fileno(), out_w, err_w])
+            with self.lock:
+                socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
+                                [theirs.fileno(), out_w, err_w])
         finally:
             for fd in (out_w, err_w):
                 os.close(fd)
