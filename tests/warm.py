@@ -51,7 +51,7 @@ def _startup_env(env: Dict[str, str]) -> Dict[str, str]:
 
 class WarmRun:
     """The part of subprocess.Popen that `bounded` uses, for a forked run: pid, args,
-    returncode, communicate(timeout) (text, both pipes; again after a timeout), poll()."""
+    returncode, communicate(timeout) (text, both pipes; again after a timeout)."""
 
     def __init__(self, args: List[str], pid: int, status: socket.socket, out: int, err: int):
         self.args, self.pid, self.returncode = args, pid, None
@@ -91,12 +91,6 @@ class WarmRun:
             self.returncode = struct.unpack("i", data)[0] if len(data) == 4 else -9
             self._status.close()
         return self.returncode
-
-    def poll(self) -> Optional[int]:
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
 
 
 class _Warm:
@@ -268,9 +262,7 @@ def _run(request: dict, out: int, err: int) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
-        import atexit as _atexit
-
-        _atexit._run_exitfuncs()
+        atexit._run_exitfuncs()
     finally:
         os._exit(code)
 
