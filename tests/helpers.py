@@ -515,7 +515,9 @@ class SlowToBuildDigits(DigitsDataset):
 class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
-    __main__'s file, its session and whether stdout is a pipe (tests/test_warm.py)."""
+    __main__'s file, its session and whether stdout is a pipe (tests/test_warm.py); on a
+    torchrun rank, into `report`.RANK, with the interpreter's own command line and its
+    parent's pid."""
 
     def __init__(self, split: str = "train", report: str = "", **kw):
         super().__init__(split, **kw)
@@ -523,11 +525,16 @@ class ProcessReportingDigits(DigitsDataset):
             import stat
 
             main = sys.modules["__main__"]
-            Path(report).write_text(json.dumps({
+            said = {
                 "argv": sys.argv, "cwd": os.getcwd(), "say": os.environ.get("STOKER_TEST_SAY"),
                 "path0": sys.path[0], "main": getattr(main, "__file__", None),
                 "session": os.getsid(0) == os.getpid(),
-                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode)}))
+                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode)}
+            if "RANK" in os.environ:
+                said.update(cmdline=Path("/proc/self/cmdline").read_text().split("\0")[:-1],
+                            parent=os.getppid())
+                report = f"{report}.{os.environ['RANK']}"
+            Path(report).write_text(json.dumps(said))
             print("reported to stdout")
             print("reported to stderr", file=sys.stderr)
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests import warm
-from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli
+from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli, torchrun
 
 
 def _env(**extra):
@@ -66,6 +66,38 @@ def test_a_warm_runs_error_and_exit_code_are_the_cold_runs(tmp_path, override, m
     assert (warm_run.returncode, warm_run.stdout, warm_run.stderr) == (
         cold_run.returncode, cold_run.stdout, cold_run.stderr)
     assert warm_run.returncode == 2 and warm_run.stderr.startswith("stoker: error:")
+
+
+def test_torchruns_agent_starts_warm_and_its_ranks_as_torchrun_starts_them(tmp_path, started):
+    report = tmp_path / "report.json"
+    args = ["trainer.max_epochs=1", "data.dataset._target_=tests.helpers.ProcessReportingDigits",
+            f"+data.dataset.report={report}"]
+    jobs = {}
+    for how, cold in (("warm", "0"), ("cold", "1")):
+        os.environ["STOKER_TEST_COLD"] = cold
+        try:
+            job = torchrun(2, [*args, f"hydra.run.dir={tmp_path / how}"], tmp_path,
+                           env={"STOKER_TEST_SAY": how})
+        finally:
+            del os.environ["STOKER_TEST_COLD"]
+        assert job.returncode == 0, job.stderr[-3000:]
+        jobs[how] = [json.loads(report.with_name(f"report.json.{rank}").read_text())
+                     for rank in range(2)]
+    agent = started[0]
+    assert isinstance(agent, warm.WarmRun) and started[1] is None
+    assert agent.args[1:3] == ["-m", "torch.distributed.run"]
+    for rank in range(2):
+        w, c = jobs["warm"][rank], jobs["cold"][rank]
+        assert w.pop("parent") == agent.pid  # (the agent forked warm; the ranks its children)
+        c.pop("parent")
+        assert (w.pop("say"), c.pop("say")) == ("warm", "cold")
+        assert w.pop("argv")[-1] == f"hydra.run.dir={tmp_path / 'warm'}"
+        assert c.pop("argv")[-1] == f"hydra.run.dir={tmp_path / 'cold'}"
+        for said in (w, c):  # (a new interpreter: `python -u train.py ARGS`, as torchrun runs it)
+            said["cmdline"] = said["cmdline"][:3]
+        assert w == c == {"cmdline": [sys.executable, "-u", warm.TRAIN], "cwd": str(tmp_path),
+                          "path0": str(ROOT), "main": warm.TRAIN, "session": True,
+                          "pipe": True}
 
 
 def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):

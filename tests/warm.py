@@ -6,9 +6,13 @@ of CPU a run on a 2-core machine, where the suite starts hundreds. The forked ru
 argv, working dir, environment (the sitecustomize of `helpers.STACKS` read again under it),
 stdio, session and exit code.
 
+torchrun's agent (`python -m torch.distributed.run ARGS`) is forked likewise, as `-m` runs it
+(its ranks, the agent's children, start as torchrun starts them: new interpreters).
+
 Only runs whose interpreter would start alike are forked: the same PYTHON*, locale, torch and
-thread variables as the warm process's, no preexec_fn, train.py itself (not `-m module`);
-anything else, or STOKER_TEST_COLD=1 in the suite's environment, starts a new interpreter.
+thread variables as the warm process's, no preexec_fn, train.py itself or torchrun (not another
+`-m module`); anything else, or STOKER_TEST_COLD=1 in the suite's environment, starts a new
+interpreter.
 
 The warm process (`python -m tests.warm FD`) forks, for each request on its socket, a keeper
 that forks the run and reports the run's pid and then its exit code on the request's own
@@ -34,6 +38,7 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
+TORCHRUN = ["-m", "torch.distributed.run"]
 # what an interpreter reads as it starts (or torch and its OpenMP runtime as they are
 # imported): a run whose values differ from the warm process's starts cold (KMP_ is the Intel
 # runtime's, which a library in the suite's process sets; torch's Linux wheels use GNU's)
@@ -114,7 +119,10 @@ class _Warm:
         mine, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        request = json.dumps({"argv": cmd[1:], "cwd": str(cwd), "env": env}).encode()
+        module = cmd[2] if cmd[1] == "-m" else None
+        argv = cmd[3:] if module else cmd[1:]
+        request = json.dumps({"argv": argv, "module": module, "cwd": str(cwd),
+                              "env": env}).encode()
         try:
             with self.lock:
                 socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
@@ -142,7 +150,8 @@ def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None):
     """The run `cmd` forked from the warm process, or None where it must start cold."""
     global _server, _failed
     if (_failed or preexec_fn is not None or os.environ.get("STOKER_TEST_COLD") == "1"
-            or len(cmd) < 2 or cmd[0] != sys.executable or cmd[1] != TRAIN):
+            or len(cmd) < 2 or cmd[0] != sys.executable
+            or not (cmd[1] == TRAIN or cmd[1:3] == TORCHRUN)):
         return None
     if _server is not None and _startup_env(env) != _server.env:
         return None
@@ -241,10 +250,18 @@ def _run(request: dict, out: int, err: int) -> None:
         stacks = ROOT / "tests" / "stacks" / "sitecustomize.py"
         if str(stacks.parent) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             runpy.run_path(str(stacks))  # (as it read its environment at start-up)
-        sys.argv = list(request["argv"])
-        sys.path[0] = str(ROOT)  # (the script's folder, as `python train.py` puts it)
+        module = request.get("module")
+        if module:  # (`-m`: the working dir first on the path; argv[0] the module's file)
+            sys.argv = ["-m", *request["argv"]]
+            sys.path[0] = os.getcwd()
+        else:
+            sys.argv = list(request["argv"])
+            sys.path[0] = str(ROOT)  # (the script's folder, as `python train.py` puts it)
         try:
-            runpy.run_path(sys.argv[0], run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
