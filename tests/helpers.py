@@ -515,7 +515,8 @@ class SlowToBuildDigits(DigitsDataset):
 class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
-    __main__'s file, its session and whether stdout is a pipe (tests/test_warm.py); on a
+    __main__'s file, its session, whether stdout is a pipe and torch's threads
+    (tests/test_warm.py); on a
     torchrun rank, into `report`.RANK, with the interpreter's own command line and its
     parent's pid."""
 
@@ -529,7 +530,7 @@ class ProcessReportingDigits(DigitsDataset):
                 "argv": sys.argv, "cwd": os.getcwd(), "say": os.environ.get("STOKER_TEST_SAY"),
                 "path0": sys.path[0], "main": getattr(main, "__file__", None),
                 "session": os.getsid(0) == os.getpid(),
-                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode)}
+                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode), "threads": torch.get_num_threads()}
             if "RANK" in os.environ:
                 said.update(cmdline=Path("/proc/self/cmdline").read_text().split("\0")[:-1],
                             parent=os.getppid())

@@ -53,7 +53,27 @@ def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
     assert runs["warm"].pop("say") == "warm" and runs["cold"].pop("say") == "cold"
     assert runs["warm"] == runs["cold"] == {
         "argv": [warm.TRAIN, *args], "cwd": str(tmp_path), "path0": str(ROOT),
-        "main": warm.TRAIN, "session": True, "pipe": True}
+        "main": warm.TRAIN, "session": True, "pipe": True, "threads": runs["cold"]["threads"]}
+
+
+def test_another_startup_environment_asked_for_twice_gets_a_warm_process_of_its_own(
+        tmp_path, started):
+    report = tmp_path / "report.json"
+    args = ["debug=fdr", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+            "data.dataset._target_=tests.helpers.ProcessReportingDigits",
+            f"+data.dataset.report={report}"]
+    run_cli(["--help"])  # (the suite's own environment, OMP_NUM_THREADS=1, has a warm process)
+    threads = []
+    for _ in range(3):
+        proc = bounded([sys.executable, warm.TRAIN, *args], tmp_path, _env(OMP_NUM_THREADS="2"),
+                       timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        threads.append(json.loads(report.read_text())["threads"])
+    kinds = [type(run) for run in started]
+    assert kinds[0] is warm.WarmRun and kinds[1:] in (
+        [type(None), warm.WarmRun, warm.WarmRun],  # (the environment's first run: cold)
+        [warm.WarmRun] * 3)  # (this worker asked for it before)
+    assert started[-1].warm != started[0].warm and threads == [2, 2, 2]
 
 
 @pytest.mark.parametrize("override", ["data.num_worker=8", "trainer.precision=fp16"])
@@ -97,7 +117,7 @@ def test_torchruns_agent_starts_warm_and_its_ranks_as_torchrun_starts_them(tmp_p
             said["cmdline"] = said["cmdline"][:3]
         assert w == c == {"cmdline": [sys.executable, "-u", warm.TRAIN], "cwd": str(tmp_path),
                           "path0": str(ROOT), "main": warm.TRAIN, "session": True,
-                          "pipe": True}
+                          "pipe": True, "threads": 1}  # (torchrun's OMP_NUM_THREADS=1)
 
 
 def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):

@@ -9,10 +9,12 @@ stdio, session and exit code.
 torchrun's agent (`python -m torch.distributed.run ARGS`) is forked likewise, as `-m` runs it
 (its ranks, the agent's children, start as torchrun starts them: new interpreters).
 
-Only runs whose interpreter would start alike are forked: the same PYTHON*, locale, torch and
-thread variables as the warm process's, no preexec_fn, train.py itself or torchrun (not another
-`-m module`); anything else, or STOKER_TEST_COLD=1 in the suite's environment, starts a new
-interpreter.
+A run is forked only from a warm process that started as its own interpreter would: with the
+same PYTHON*, locale, torch and thread variables. The first such environment a pytest worker
+asks for gets a warm process at once, another one (OMP_NUM_THREADS=1, say) on its second run,
+up to MAX_WARM of them; until then its runs start cold. So do runs with a preexec_fn, or not
+of train.py itself or torchrun (another `-m module`), and every run where the suite's
+environment holds STOKER_TEST_COLD=1.
 
 The warm process (`python -m tests.warm FD`) forks, for each request on its socket, a keeper
 that forks the run and reports the run's pid and then its exit code on the request's own
@@ -43,7 +45,9 @@ TORCHRUN = ["-m", "torch.distributed.run"]
 # imported): a run whose values differ from the warm process's starts cold (KMP_ is the Intel
 # runtime's, which a library in the suite's process sets; torch's Linux wheels use GNU's)
 _STARTUP = ("PYTHON", "LC_", "LANG", "TORCH", "OMP_", "MKL_", "CUDA", "NCCL")
-_server: Optional["_Warm"] = None
+MAX_WARM = 3
+_servers: Dict[tuple, "_Warm"] = {}  # (by the startup environment they were started with)
+_asked: Dict[tuple, int] = {}
 _failed = False
 
 
@@ -56,10 +60,12 @@ def _startup_env(env: Dict[str, str]) -> Dict[str, str]:
 
 class WarmRun:
     """The part of subprocess.Popen that `bounded` uses, for a forked run: pid, args,
-    returncode, communicate(timeout) (text, both pipes; again after a timeout)."""
+    returncode, communicate(timeout) (text, both pipes; again after a timeout); and `warm`,
+    the pid of the warm process it was forked from."""
 
-    def __init__(self, args: List[str], pid: int, status: socket.socket, out: int, err: int):
-        self.args, self.pid, self.returncode = args, pid, None
+    def __init__(self, args: List[str], pid: int, status: socket.socket, out: int, err: int,
+                 warm: int):
+        self.args, self.pid, self.returncode, self.warm = args, pid, None, warm
         self._status = status
         self._sel = selectors.DefaultSelector()
         self._chunks = {out: [], err: []}
@@ -102,7 +108,6 @@ class _Warm:
     """The suite's handle of one warm process."""
 
     def __init__(self, env: Dict[str, str]):
-        self.env = _startup_env(env)
         self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm", str(theirs.fileno())],
                                      cwd=ROOT, env=env, pass_fds=[theirs.fileno()],
@@ -136,7 +141,7 @@ class _Warm:
         if len(data) != 4:
             raise OSError("the warm process forked no run")
         pid = struct.unpack("i", data)[0]
-        return WarmRun(cmd, pid, mine, out_r, err_r)
+        return WarmRun(cmd, pid, mine, out_r, err_r, self.proc.pid)
 
     def close(self) -> None:
         try:
@@ -148,19 +153,21 @@ class _Warm:
 
 def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None):
     """The run `cmd` forked from the warm process, or None where it must start cold."""
-    global _server, _failed
+    global _failed
     if (_failed or preexec_fn is not None or os.environ.get("STOKER_TEST_COLD") == "1"
             or len(cmd) < 2 or cmd[0] != sys.executable
             or not (cmd[1] == TRAIN or cmd[1:3] == TORCHRUN)):
         return None
-    if _server is not None and _startup_env(env) != _server.env:
-        return None
+    key = tuple(sorted(_startup_env(env).items()))
+    server = _servers.get(key)
     try:
-        if _server is None or _server.proc.poll() is not None:
-            _server = _Warm(env)
-            if _startup_env(env) != _server.env:
+        if server is None or server.proc.poll() is not None:
+            _asked[key] = _asked.get(key, 0) + 1
+            others = [k for k in _servers if k != key]
+            if (others and _asked[key] < 2) or len(others) >= MAX_WARM:
                 return None
-        return _server.start(cmd, cwd, env)
+            server = _servers[key] = _Warm(env)
+        return server.start(cmd, cwd, env)
     except OSError as e:  # (no warm process: every run starts cold, said once)
         _failed = True
         print(f"tests.warm: runs start cold: {e}", file=sys.stderr)

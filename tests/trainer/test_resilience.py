@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scripts.processes import descendants
-from tests.helpers import ROOT, kill_tree, read_metrics
+from tests.helpers import ROOT, bounded, kill_tree, read_metrics
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -53,8 +53,7 @@ def resume_line(overrides, run_dir: Path) -> str:
 
 
 def run(cmd, timeout=240):
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return bounded(cmd, ROOT, env(), timeout)
 
 
 def newest_step(run_dir: Path, pattern="step-*.pt") -> int:
