@@ -129,7 +129,8 @@ def test_a_peers_own_one_line_error_is_said_by_rank_0(tmp_path, ranks, how, wher
 
 def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
     """Rank `rank` of two gloo ranks: rank 0 (the writer) comes to the barrier `late` seconds
-    after rank 1 when `late` > 0; rank 1 never comes (a stopped peer) when `late` < 0."""
+    after rank 1 when `late` > 0 (after rank 1 said it arrives, whenever that is on a loaded
+    machine); rank 1 never comes (a stopped peer) when `late` < 0."""
     import datetime
     import os
     from pathlib import Path
@@ -150,9 +151,15 @@ def _at_the_writer_barrier(rank: int, port: int, out: str, late: float) -> None:
         while not done.exists():  # stopped: it never arrives while rank 0 waits
             time.sleep(0.1)
         os._exit(0)
-    if rank == 0 and late > 0:
-        time.sleep(late)  # the checkpoint write
     start = time.monotonic()
+    arriving = Path(out, "rank1 arriving")
+    if rank == 1 and late > 0:
+        arriving.touch()
+    if rank == 0 and late > 0:  # the checkpoint write, `late` s from rank 1's arrival on
+        while not arriving.exists():
+            time.sleep(0.01)
+        time.sleep(late)
+        start = time.monotonic()
     try:
         writer_barrier(write_s=60, arrive_s=2)
         result = "passed"
