@@ -516,9 +516,8 @@ class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
     __main__'s file, its session, whether stdout is a pipe and torch's threads
-    (tests/test_warm.py); on a
-    torchrun rank, into `report`.RANK, with the interpreter's own command line and its
-    parent's pid."""
+    (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the interpreter's own
+    command line and its parent's pid."""
 
     def __init__(self, split: str = "train", report: str = "", **kw):
         super().__init__(split, **kw)

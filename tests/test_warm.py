@@ -25,6 +25,14 @@ def _started(**extra):
         [str(STACKS), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra}
 
 
+def _reporting(tmp_path):
+    """A short run whose dataset reports its process into the returned file: (file, args)."""
+    report = tmp_path / "report.json"
+    return report, ["debug=fdr", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+                    "data.dataset._target_=tests.helpers.ProcessReportingDigits",
+                    f"+data.dataset.report={report}"]
+
+
 @pytest.fixture
 def started(monkeypatch):
     """The runs `bounded` started warm (a WarmRun) or cold (None), in order."""
@@ -34,10 +42,7 @@ def started(monkeypatch):
 
 
 def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
-    report = tmp_path / "report.json"
-    args = ["debug=fdr", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
-            "data.dataset._target_=tests.helpers.ProcessReportingDigits",
-            f"+data.dataset.report={report}"]
+    report, args = _reporting(tmp_path)
     runs = {}
     for how, cold in (("warm", "0"), ("cold", "1")):
         os.environ["STOKER_TEST_COLD"] = cold
@@ -58,10 +63,7 @@ def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
 
 def test_another_startup_environment_asked_for_twice_gets_a_warm_process_of_its_own(
         tmp_path, started):
-    report = tmp_path / "report.json"
-    args = ["debug=fdr", "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
-            "data.dataset._target_=tests.helpers.ProcessReportingDigits",
-            f"+data.dataset.report={report}"]
+    report, args = _reporting(tmp_path)
     run_cli(["--help"])  # (the suite's own environment, OMP_NUM_THREADS=1, has a warm process)
     threads = []
     for _ in range(3):
