@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.advice import count_of
-from data.cachewait import WRITER, _await, _disk_writer_state, _reclaim_tmp, _writer_state
+from data.cachewait import (WRITER, _await, _disk_writer_state, _reclaim_tmp, _writer_state,
+                            keep_record)
 from data.datasets import MemmapDataset
 from data.loader import Unbatchable, readable
 from data.lrucache import LRUCache
@@ -206,11 +207,19 @@ def _remove_shm(root: Path, failed: Path) -> None:
     if not failed.exists():
         shutil.rmtree(root, ignore_errors=True)
         return
-    for path in root.iterdir():  # (at exit again after release_shm: the line and owner left)
+    _strip(root)  # (at exit again after release_shm: the line and owner left)
+
+
+def _strip(root: Path) -> bool:
+    """Removes a /dev/shm cache's data, its owner record and a failed write's line left;
+    whether there was any."""
+    data = [path for path in root.iterdir() if path.name not in (OWNER, "failed.txt")]
+    for path in data:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-        elif path.name not in (OWNER, failed.name):
+        else:
             path.unlink(missing_ok=True)
+    return bool(data)
 
 
 def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_rank: int,
@@ -225,7 +234,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     reused = False
     if local_rank == 0 and not done.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _reclaim_tmp(cache_dir)
+        _reclaim_tmp(cache_dir, FAILED_KEEP_S)
         failed.unlink(missing_ok=True)
         if root.exists() and not done.is_file():  # (a write is renamed into place whole,
             # done.json in it: not ours, or cut since; the whole set was decoded again, then
@@ -294,30 +303,33 @@ def cache_key(tag: str, dataset: Dataset) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-FAILED_KEEP_S = 3600.0  # how long a failed write's line waits for the ranks that read it
+# how long the few bytes a waiting rank reads stay after their writer is gone: a failed
+# write's line, a killed writer's record (data/cachewait.py's keep_record)
+FAILED_KEEP_S = 3600.0
 
 
 def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Path]:
-    """Removes the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
-    returns them. Folders without an owner record are left alone, and so is the line of a
-    failed write (a few bytes) for FAILED_KEEP_S: its job's other ranks may still be on their
-    way to read it (another job on the node starting meanwhile would otherwise take it)."""
-    gone = []
+    """Frees the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
+    returns those it freed. Their data goes at once; their owner record and a failed write's
+    line (a few bytes) stay for FAILED_KEEP_S: the job's other ranks may still be on their
+    way to read them (another job on the node starting meanwhile took the record of a writer
+    killed mid-write, and they waited for one that never began). Folders without an owner
+    record are left alone."""
+    freed = []
     for folder in root.glob("stoker-*"):
+        record, failed = folder / OWNER, folder / "failed.txt"
         try:
-            who = json.loads((folder / OWNER).read_text())
-            failed_at = (folder / "failed.txt").stat().st_mtime \
-                if (folder / "failed.txt").exists() else None
+            who = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(who, dict):  # not a record of ours: left alone, as an unreadable one
+        if not isinstance(who, dict) or alive(who):  # (not a record of ours: left alone)
             continue
-        if failed_at is not None and time.time() - failed_at < FAILED_KEEP_S:
-            continue
-        if not alive(who):
+        if not keep_record(failed if failed.exists() else record, FAILED_KEEP_S):
             shutil.rmtree(folder, ignore_errors=True)
-            gone.append(folder)
-    return gone
+            freed.append(folder)
+        elif _strip(folder):
+            freed.append(folder)
+    return freed
 
 
 def cache_dataset(dataset: Dataset, mode: str, tag: str, local_rank: int = 0,

@@ -30,19 +30,35 @@ class WriterGone(RuntimeError):
 WRITER = "{key}.writer-{host}-{pid}.json"
 
 
+LAUNCH = ("job", "attempt", "launch")  # the keys of an `owner` record that name its launch
+
+
 def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
                   ) -> Optional[bool]:
     """Whether the writer that `record` names is alive: None while no writer of this launch
-    (the same job and attempt as `me`, this process's `owner`) has recorded itself there; a
-    record of an earlier launch (one killed mid-write) is not this launch's writer."""
+    (the same job, attempt and launch as `me`, this process's `owner`) has recorded itself
+    there; a record of an earlier launch (one killed mid-write, whose record is kept a while:
+    `keep_record`) is not this launch's writer."""
     try:
         who = json.loads(record.read_text())
     except (OSError, ValueError):  # not there yet, or being written
         return None
     if not isinstance(who, dict) or me is None or \
-            (who.get("job"), who.get("attempt")) != (me.get("job"), me.get("attempt")):
+            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
         return None
     return alive(who)
+
+
+def keep_record(record: Path, keep_s: float) -> bool:
+    """Whether the record of a writer that is gone stays: for `keep_s` seconds after it was
+    written (the writer's start). The ranks of its launch on their way to wait for it read
+    there that it is gone, and stop at once; without it they waited for a writer that never
+    began (trainer.ddp.timeout_s), then named the wrong cause. A few bytes; the writer's
+    unfinished data goes at once."""
+    try:
+        return time.time() - record.stat().st_mtime < keep_s
+    except OSError:
+        return False
 
 
 def _records(cache_dir: Path, key: str) -> List[Path]:
@@ -90,9 +106,10 @@ def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bo
         time.sleep(0.2)
 
 
-def _reclaim_tmp(cache_dir: Path) -> None:
-    """Removes this host's unfinished cache folders and writer records whose writer process
-    is gone (killed mid-write); another host's are left to that host."""
+def _reclaim_tmp(cache_dir: Path, keep_s: float) -> None:
+    """Removes this host's unfinished cache folders whose writer process is gone (killed
+    mid-write), and its records once `keep_record` lets them go; another host's are left to
+    that host."""
     mine = re.compile(rf"^[^.]+\.(?:tmp-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]+|"
                       rf"writer-{re.escape(socket.gethostname())}-(\d+)\.json)$")
     for path in cache_dir.iterdir() if cache_dir.is_dir() else ():
@@ -104,7 +121,7 @@ def _reclaim_tmp(cache_dir: Path) -> None:
         except ProcessLookupError:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
-            else:
+            elif not keep_record(path, keep_s):
                 path.unlink(missing_ok=True)
         except (ValueError, IndexError, PermissionError, OverflowError):
             continue

@@ -41,11 +41,20 @@ def _start_time(pid: int) -> Optional[float]:
         return None  # gone, or no /proc here
 
 
+def launch_id(environ=os.environ) -> Optional[str]:
+    """Which launch of its job this process belongs to, where the launcher says: the srun
+    step (a second srun in one allocation is another) and torchrun's run id (another per
+    `--standalone` launch, also inside one SLURM step)."""
+    ids = [f"{key}={environ[key]}" for key in ("SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")
+           if environ.get(key) not in (None, "", "none")]
+    return " ".join(ids) or None
+
+
 def owner() -> Dict[str, Any]:
-    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id and
-    the job's attempt (torchrun's or SLURM's restart count)."""
+    """Who this process is, for a lock or a node-shared cache: host, pid, start, job id, the
+    job's attempt (torchrun's or SLURM's restart count) and its launch."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()),
-            "job": job_id(), "attempt": distributed.attempt(),
+            "job": job_id(), "attempt": distributed.attempt(), "launch": launch_id(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

@@ -294,6 +294,65 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [root]
 
 
+@pytest.mark.parametrize("mode", ["shm", "disk"])
+def test_ranks_on_their_way_to_a_killed_writers_copy_stop_after_another_run_reclaimed_it(
+        tmp_path, monkeypatch, mode):
+    """Local rank 0 killed mid-write, and another run on the node reclaims its copy before
+    this rank looks: its record stays (its data goes), so the rank stops at once, naming the
+    writer gone; it waited for one that never began before (trainer.ddp.timeout_s), then
+    named that. A record of another launch of the same job (a second srun) is not its."""
+    import time
+
+    from data.cachewait import WriterGone
+    from tests.helpers import dead_pid
+    from trainer import runlock
+
+    monkeypatch.setattr(cache, "SHM_ROOT", tmp_path / "shm")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    me = runlock.owner()
+    killed = {**me, "pid": dead_pid()}
+    key = cache.cache_key("t", source())
+    if mode == "shm":
+        folder = tmp_path / "shm" / f"stoker-{key}"
+        (folder / "train").mkdir(parents=True)
+        (folder / "train" / "x.npy").write_bytes(b"half")
+        (folder / cache.OWNER).write_text(json.dumps(killed))
+        assert cache.reclaim_shm(runlock.owner_alive, root=tmp_path / "shm") == [folder]
+        assert [p.name for p in folder.iterdir()] == [cache.OWNER]  # its data freed at once
+        assert cache.reclaim_shm(runlock.owner_alive, root=tmp_path / "shm") == []
+    else:
+        import socket
+        unfinished = tmp_path / "c" / f"{key}.tmp-{socket.gethostname()}-{killed['pid']}-ab12"
+        unfinished.mkdir(parents=True)
+        (tmp_path / "c" / cache.WRITER.format(key=key, host=socket.gethostname(),
+                                              pid=killed["pid"])).write_text(json.dumps(killed))
+        # another run writing another cache there, which reclaims what dead writers left
+        cache.cache_dataset(source(), "disk", tag="other", cache_dir=str(tmp_path / "c"))
+        assert not unfinished.exists()
+
+    def wait(launch):
+        start = time.monotonic()
+        with pytest.raises(WriterGone) as stopped:
+            cache.cache_dataset(source(), mode, tag="t", local_rank=1,
+                                owner={**me, "launch": launch}, alive=runlock.owner_alive,
+                                cache_dir=str(tmp_path / "c"), start_s=3)
+        return str(stopped.value), time.monotonic() - start
+
+    said, took = wait(me["launch"])
+    assert said.endswith("local rank 0, which was writing it, ended before it finished; its "
+                         "own error, if it had one, is in its output") and took < 3
+    said, took = wait("SLURM_STEP_ID=1")  # the next srun's: waits for its own writer
+    assert "did not begin writing it within 3 s" in said and took >= 3
+    monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)  # an hour on: the record goes too
+    if mode == "shm":
+        assert cache.reclaim_shm(runlock.owner_alive, root=tmp_path / "shm") == [folder]
+        assert not folder.exists()
+    else:
+        cache.cache_dataset(source(), "disk", tag="more", cache_dir=str(tmp_path / "c"))
+        assert not list((tmp_path / "c").glob("*.writer-*"))
+
+
 def test_a_disk_cache_of_arrays_written_again_is_rebuilt(tmp_path):
     """Memory-mapped arrays were keyed by their config alone: after prepare_data.py wrote them
     again (another split), the cache kept serving the old rows. Their files key it too."""

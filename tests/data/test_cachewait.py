@@ -42,14 +42,19 @@ def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path)
                             (f"{host}-{gone}", gone))]
     for record in records:
         record.write_text("{}")
-    cachewait._reclaim_tmp(tmp_path)
+    cachewait._reclaim_tmp(tmp_path, keep_s=60)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
+    # a dead writer's record stays `keep_s` after its write, for its ranks on their way to it
+    assert [r.exists() for r in records] == [True, True, True, True]
+    os.utime(records[0], (records[0].stat().st_mtime - 61,) * 2)
+    cachewait._reclaim_tmp(tmp_path, keep_s=60)
     assert [r.exists() for r in records] == [False, True, True, True]
 
 
-def _record(tmp_path, pid, job="TORCHELASTIC_RUN_ID=r1", attempt=0):
+def _record(tmp_path, pid, job="TORCHELASTIC_RUN_ID=r1", attempt=0, launch=None):
     path = tmp_path / "owner.json"
-    path.write_text(json.dumps({"host": "h", "pid": pid, "job": job, "attempt": attempt}))
+    path.write_text(json.dumps({"host": "h", "pid": pid, "job": job, "attempt": attempt,
+                                "launch": launch}))
     return path
 
 
@@ -66,7 +71,8 @@ def test_a_waiting_rank_stops_when_the_writer_of_its_launch_is_gone(tmp_path):
                                                r"it, ended before it finished; its own error"):
         cachewait._await(done, failed, "the cache",
                      lambda: cachewait._writer_state(record, me, lambda who: who["pid"] != 1234))
-    for stale in (_record(tmp_path, 1234, attempt=1), _record(tmp_path, 1234, job="other")):
+    for stale in (_record(tmp_path, 1234, attempt=1), _record(tmp_path, 1234, job="other"),
+                  _record(tmp_path, 1234, launch="SLURM_STEP_ID=1")):  # (a second srun)
         assert cachewait._writer_state(stale, me, lambda who: False) is None
     with pytest.raises(cachewait.WriterGone, match=r"did not begin writing it within 0.3 s "
                                                r"\(trainer.ddp.timeout_s\)"):

@@ -311,12 +311,19 @@ def test_a_file_where_the_run_dir_should_be_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path):
+def test_shm_caches_of_dead_runs_are_reclaimed(tmp_path, monkeypatch):
+    from data import cache
+
     mine, gone = tmp_path / "stoker-mine", tmp_path / "stoker-gone"
     for folder, who in ((mine, runlock.owner()), (gone, {**runlock.owner(), "pid": dead_pid()})):
-        folder.mkdir()
+        (folder / "train").mkdir(parents=True)
         (folder / OWNER).write_text(json.dumps(who))
-    (tmp_path / "stoker-unknown").mkdir()  # no owner record: not ours to judge
+    (tmp_path / "stoker-unknown" / "train").mkdir(parents=True)  # no owner: not ours to judge
+    assert reclaim_shm(runlock.owner_alive, root=tmp_path) == [gone]
+    # the data at once; the dead owner's record (a few bytes) for the ranks on their way to it
+    assert [p.name for p in gone.iterdir()] == [OWNER]
+    assert (mine / "train").is_dir() and (tmp_path / "stoker-unknown" / "train").is_dir()
+    monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)
     assert reclaim_shm(runlock.owner_alive, root=tmp_path) == [gone]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stoker-mine", "stoker-unknown"]
 

@@ -153,7 +153,19 @@ def test_an_owner_record_whose_pid_is_no_process_id_names_no_live_owner(make_cfg
     shm = tmp_path / "shm"
     for name, record in (("stoker-bad", {"host": socket.gethostname(), "pid": pid}),
                          ("stoker-list", [pid])):  # (not a record of ours: left alone)
-        (shm / name).mkdir(parents=True)
+        (shm / name / "train").mkdir(parents=True)
         (shm / name / cache.OWNER).write_text(json.dumps(record))
     assert cache.reclaim_shm(runlock.owner_alive, root=shm) == [shm / "stoker-bad"]
-    assert (shm / "stoker-list").is_dir()
+    assert not (shm / "stoker-bad" / "train").exists()  # (its record stays a while)
+    assert (shm / "stoker-list" / "train").is_dir()
+
+
+def test_the_launch_of_a_process_is_its_srun_step_and_its_torchrun_run_id():
+    """Two launches of one job (two sruns in one allocation, two torchruns in one step)
+    are told apart: a node cache's record of the first is not the second's writer."""
+    assert runlock.launch_id({}) is None
+    assert runlock.launch_id({"SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "none"}) == \
+        "SLURM_STEP_ID=3"
+    assert runlock.launch_id({"SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "ab"}) == \
+        "SLURM_STEP_ID=3 TORCHELASTIC_RUN_ID=ab"
+    assert runlock.owner()["launch"] == runlock.launch_id()
