@@ -71,29 +71,40 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
     """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own, ended
     within `timeout` seconds: past it, every process of its tree is asked for its stacks
     (SIGUSR2, see STACKS), then killed, and Hung is raised with what they said."""
-    env = {**env, "PYTHONPATH": os.pathsep.join(
-        [str(STACKS), *filter(None, [env.get("PYTHONPATH")])])}
-    proc = warm.start(cmd, cwd, env, preexec_fn) or subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: forked warm)
+    proc = warm.start(cmd, cwd, with_stacks(env), preexec_fn) or subprocess.Popen(
+        cmd, cwd=cwd, env=with_stacks(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: warm)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = [proc.pid, *descendants(proc.pid)]
-        states = "; ".join(_doing(pid) for pid in tree)
-        for pid in tree:  # one at a time: their dumps share a pipe, and would interleave
-            try:
-                os.kill(pid, signal.SIGUSR2)
-            except OSError:
-                pass
-            time.sleep(0.5)
-        time.sleep(2)  # (the dumps written; the pipes are read below)
-        kill_session(proc.pid, tree)
+        states = stacks_then_kill(proc)
         out, err = proc.communicate(timeout=30)
         raise Hung(f"still running after {timeout} s: {' '.join(map(str, cmd))}\n"
                    f"its processes: {states}\nits stdout's end:\n{out[-2000:]}\n"
                    f"its stderr's end (stacks after SIGUSR2):\n{err[-12000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def with_stacks(env: dict) -> dict:
+    """`env` with STACKS on the path: its Python processes dump their stacks on SIGUSR2."""
+    return {**env, "PYTHONPATH": os.pathsep.join(
+        [str(STACKS), *filter(None, [env.get("PYTHONPATH")])])}
+
+
+def stacks_then_kill(proc: subprocess.Popen) -> str:
+    """Every process of `proc`'s tree asked for its stacks (SIGUSR2, into their output), then
+    killed; what the kernel said each was doing, before."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    states = "; ".join(_doing(pid) for pid in tree)
+    for pid in tree:  # one at a time: their dumps share a pipe, and would interleave
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except OSError:
+            pass
+        time.sleep(0.5)
+    time.sleep(2)  # (the dumps written; the pipes are read by the caller)
+    kill_session(proc.pid, tree)
+    return states
 
 
 def _doing(pid: int) -> str:
@@ -228,8 +239,8 @@ def launch(cmd, cwd, timeout=180, env=None):
 
 def slurm_tasks(tmp_path, ntasks, args, timeout=180):
     """`ntasks` train.py processes launched as srun launches them (no torchrun: rank 0's
-    process holds the job's store), in `tmp_path`; their exit codes and outputs. Every task
-    is killed if they have not all ended within `timeout` seconds."""
+    process holds the job's store), in `tmp_path`; their exit codes and outputs. Tasks not
+    ended within `timeout` seconds are killed, and Hung names what each was doing."""
     port = free_port()
     procs = []
     for rank in range(ntasks):
@@ -239,15 +250,23 @@ def slurm_tasks(tmp_path, ntasks, args, timeout=180):
                    SLURM_NTASKS_PER_NODE=str(ntasks), SLURM_JOB_ID="4242",
                    SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *QUIET, *args],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+                                      cwd=tmp_path, env=with_stacks(env),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
         outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        # (one that ended is reaped: its pid may be another's now)
+        states = {rank: stacks_then_kill(p) for rank, p in enumerate(procs) if p.poll() is None}
+        outs = [p.communicate(timeout=30)[0] for p in procs]
+        said = "\n".join(f"task {rank} (exit {p.returncode}; {states.get(rank, 'ended')}):\n"
+                         f"{out[-6000:]}" for rank, (p, out) in enumerate(zip(procs, outs)))
+        raise Hung(f"not all ended after {timeout} s: train.py {' '.join(args)}\n{said}") \
+            from None
     finally:
         for p in procs:
-            if p.poll() is None:  # (one that ended is reaped: its pid may be another's now)
+            if p.poll() is None:
                 kill_tree(p)
     return [p.returncode for p in procs], outs
 

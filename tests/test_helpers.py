@@ -42,3 +42,18 @@ def test_a_process_that_ends_in_time_is_unchanged(tmp_path):
     proc = bounded([sys.executable, "-c", "import sys; print('out'); sys.exit('err')"],
                    tmp_path, dict(os.environ), timeout=60)
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "out\n", "err\n")
+
+
+@pytest.mark.slow
+def test_srun_style_tasks_that_outlive_their_timeout_say_where_they_waited(tmp_path):
+    from tests.helpers import slurm_tasks
+
+    with pytest.raises(Hung) as hung:
+        # (the first sample's read sleeps: time enough to start on a loaded machine)
+        slurm_tasks(tmp_path, 1, ["data.dataset._target_=tests.helpers.StallingDigits",
+                                  "+data.dataset.how=sleep", "+data.dataset.at=1",
+                                  "data.num_workers=0"], timeout=45)
+    message = str(hung.value)
+    assert message.startswith("not all ended after 45 s: train.py "), message[:300]
+    assert "task 0 (exit -9; " in message and " wchan=" in message, message[-3000:]
+    assert "in __getitem__" in message, message[-3000:]  # its stack, from its own output
