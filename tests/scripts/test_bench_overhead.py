@@ -15,9 +15,12 @@ sys.path.insert(0, str(ROOT / "scripts"))  # as the scripts run: benchlib beside
 
 @pytest.mark.slow
 def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
-    out = tmp_path / "overhead.json"
+    """Every runner of both workloads once, with an override (which reaches Stoker's runs)
+    and --profile (each profiled run's functions per step)."""
+    out, prof = tmp_path / "overhead.json", tmp_path / "prof"
     proc = subprocess.run([sys.executable, "scripts/bench_overhead.py", "--steps", "6",
                            "--warmup", "2", "--repeats", "1", "--startup-repeats", "1",
+                           "--override", "trainer.tf32=false", "--profile", str(prof),
                            "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,35 +62,16 @@ def test_smoke_compares_every_runner_with_its_plain_counterpart(tmp_path):
         assert "skipped lightning" in proc.stdout
     else:  # the version measured is recorded
         assert result["lightning"].split()[0] in ("lightning", "pytorch-lightning")
-
-
-@pytest.mark.slow
-def test_chosen_runners_take_overrides_and_write_their_profiles(tmp_path):
-    """--runners runs those alone, --override reaches Stoker's runs (a wrong key fails them),
-    --profile writes each profiled run's functions per step."""
-    def bench(*args):
-        return subprocess.run([sys.executable, "scripts/bench_overhead.py", "--workload", "tiny",
-                               "--steps", "8", "--warmup", "2", "--repeats", "1",
-                               "--startup-repeats", "0", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
-
-    out, prof = tmp_path / "o.json", tmp_path / "prof"
-    proc = bench("--runners", "plain,stoker,lockstep_null", "--override", "trainer.tf32=false",
-                 "--profile", str(prof), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert [r["runner"] for r in result["results"]] == ["plain", "stoker", "lockstep_null"]
-    assert result["workloads"]["tiny"]["overrides"] == ["trainer.tf32=false"]
-    assert sorted(p.name for p in prof.iterdir()) == ["tiny_plain_1.txt", "tiny_stoker_1.txt"]
+    assert [result["workloads"][w]["overrides"] for w in ("tiny", "cnn")] == [
+        ["trainer.tf32=false"]] * 2
+    assert sorted(p.name for p in prof.iterdir()) == [
+        "cnn_plain_1.txt", "cnn_stoker_1.txt", "tiny_plain_1.txt", "tiny_plain_indexed_1.txt",
+        "tiny_stoker_1.txt", "tiny_stoker_device_1.txt"]  # (the lockstep runners have none)
     lines = (prof / "tiny_stoker_1.txt").read_text().splitlines()
-    assert lines[0].startswith("6 steps profiled, ") and lines[1].split()[:4] == [
+    assert lines[0].startswith("4 steps profiled, ") and lines[1].split()[:4] == [
         "own_us", "share", "cum_us", "calls"]
     assert any(line.endswith("run_backward' of 'torch._C._EngineBase' objects>")
                for line in lines[2:])  # (the step's largest)
-    wrong = bench("--runners", "stoker", "--override", "trainer.no_such_key=1",
-                  "--out", str(tmp_path / "w.json"))
-    assert wrong.returncode != 0 and "no_such_key" in wrong.stderr
-    assert not (tmp_path / "w.json").exists()
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -106,6 +90,8 @@ def test_chosen_runners_take_overrides_and_write_their_profiles(tmp_path):
     # checked as train.py checks them, before any run (a child's traceback seconds later)
     (["--override", "data.device_prefetc=false"],
      "--override data.device_prefetc=false: Could not override 'data.device_prefetc'"),
+    (["--runners", "stoker", "--override", "trainer.no_such_key=1"],
+     "--override trainer.no_such_key=1: Could not override 'trainer.no_such_key'"),
     (["--override", "data.num_workers=abc"],
      "--override data.num_workers=abc: data.num_workers=abc: must be auto or an integer >= 0"),
     # the runs ended before --steps, and the table had no final weights to compare (KeyError)
