@@ -182,7 +182,7 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
         _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
     else:
         _await(done, failed, f"data.cache=shm in {root}",
-               lambda: _writer_state(root / OWNER, owner, alive), start_s)
+               lambda: _writer_state(root / OWNER, owner, alive), start_s, owner)
     wait()
     return MemmapDataset("train", str(root))
 
@@ -211,8 +211,8 @@ def _remove_shm(root: Path, failed: Path) -> None:
 
 
 def _strip(root: Path) -> bool:
-    """Removes a /dev/shm cache's data, its owner record and a failed write's line left;
-    whether there was any."""
+    """Removes a /dev/shm cache's data, leaving its owner record and a failed write's line;
+    whether it had any data. (Raises OSError when the folder is gone.)"""
     data = [path for path in root.iterdir() if path.name not in (OWNER, "failed.txt")]
     for path in data:
         if path.is_dir():
@@ -269,7 +269,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         reused = True
     else:
         _await(done, failed, f"data.cache=disk in {root}",
-               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s)
+               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s, owner)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it
@@ -311,24 +311,28 @@ FAILED_KEEP_S = 3600.0
 def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Path]:
     """Frees the /dev/shm caches whose owner process is gone (`alive(owner)` is False);
     returns those it freed. Their data goes at once; their owner record and a failed write's
-    line (a few bytes) stay for FAILED_KEEP_S: the job's other ranks may still be on their
-    way to read them (another job on the node starting meanwhile took the record of a writer
-    killed mid-write, and they waited for one that never began). Folders without an owner
-    record are left alone."""
+    line (a few bytes) stay for FAILED_KEEP_S after that (or after the failure): the job's
+    other ranks may still be on their way to read them (another job on the node starting
+    meanwhile took the record of a writer killed mid-write, and they waited for one that
+    never began). Folders without an owner record are left alone, and so is one whose
+    record changed since it was read (a next attempt of its job began writing there)."""
     freed = []
     for folder in root.glob("stoker-*"):
         record, failed = folder / OWNER, folder / "failed.txt"
         try:
             who = json.loads(record.read_text())
-        except (OSError, ValueError):
+            if not isinstance(who, dict) or alive(who):  # (not a record of ours: left alone)
+                continue
+            if json.loads(record.read_text()) != who:
+                continue
+            if _strip(folder):
+                os.utime(record)  # (its while runs from now: keep_record)
+                freed.append(folder)
+            elif not keep_record(failed if failed.exists() else record, FAILED_KEEP_S):
+                shutil.rmtree(folder, ignore_errors=True)
+                freed.append(folder)
+        except (OSError, ValueError):  # (gone meanwhile: another run's reclaim took it)
             continue
-        if not isinstance(who, dict) or alive(who):  # (not a record of ours: left alone)
-            continue
-        if not keep_record(failed if failed.exists() else record, FAILED_KEEP_S):
-            shutil.rmtree(folder, ignore_errors=True)
-            freed.append(folder)
-        elif _strip(folder):
-            freed.append(folder)
     return freed
 
 

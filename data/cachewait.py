@@ -31,30 +31,45 @@ WRITER = "{key}.writer-{host}-{pid}.json"
 
 
 LAUNCH = ("job", "attempt", "launch")  # the keys of an `owner` record that name its launch
+# how much earlier than this process a process of its launch may start (a launcher starts a
+# node's ranks one after another) and /proc's start times may be rounded down (whole seconds
+# of boot time); a writer starts after its launch's imports, seconds after the launch
+SKEW_S = 1.0
+
+
+def _of_earlier_launch(at: Optional[float], me: Optional[dict]) -> bool:
+    """Whether `at` (a writer's start, a failed write's line) is before this process's launch
+    began (`me`, its `owner`): a launch whose ids are those of an earlier one (a torchrun
+    without --standalone or with the same --rdzv-id, started again after a writer was killed)
+    would take that writer's record or line for its own writer's."""
+    started = (me or {}).get("started")
+    return isinstance(at, (int, float)) and isinstance(started, (int, float)) and \
+        at < started - SKEW_S
 
 
 def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
                   ) -> Optional[bool]:
     """Whether the writer that `record` names is alive: None while no writer of this launch
-    (the same job, attempt and launch as `me`, this process's `owner`) has recorded itself
-    there; a record of an earlier launch (one killed mid-write, whose record is kept a while:
-    `keep_record`) is not this launch's writer."""
+    (the same job, attempt and launch as `me`, this process's `owner`, started with it) has
+    recorded itself there; a record of an earlier launch (one killed mid-write, whose record
+    is kept a while: `keep_record`) is not this launch's writer."""
     try:
         who = json.loads(record.read_text())
     except (OSError, ValueError):  # not there yet, or being written
         return None
     if not isinstance(who, dict) or me is None or \
-            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
+            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH] or \
+            _of_earlier_launch(who.get("started"), me):
         return None
     return alive(who)
 
 
 def keep_record(record: Path, keep_s: float) -> bool:
     """Whether the record of a writer that is gone stays: for `keep_s` seconds after it was
-    written (the writer's start). The ranks of its launch on their way to wait for it read
-    there that it is gone, and stop at once; without it they waited for a writer that never
-    began (trainer.ddp.timeout_s), then named the wrong cause. A few bytes; the writer's
-    unfinished data goes at once."""
+    written, or after its unfinished data was freed (which touches it). The ranks of its
+    launch on their way to wait for it read there that it is gone, and stop at once; without
+    it they waited for a writer that never began (trainer.ddp.timeout_s), then named the
+    wrong cause. A few bytes; the writer's unfinished data goes at once."""
     try:
         return time.time() - record.stat().st_mtime < keep_s
     except OSError:
@@ -79,8 +94,9 @@ def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
 
 
 def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
-           None, start_s: float = 0.0) -> None:
-    """Blocks until another process wrote `done` (or `failed`: then raises its message).
+           None, start_s: float = 0.0, me: Optional[dict] = None) -> None:
+    """Blocks until another process wrote `done` (or `failed`: then raises its message; not
+    a line left by an earlier launch than this process's, `me`).
 
     Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
     than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
@@ -88,12 +104,21 @@ def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bo
     ended without a word, or that has not begun within `start_s` seconds (0: no limit; it does
     the same work as this rank until then), raises WriterGone, so that no rank waits on for a
     writer that is gone (a launch without torchrun's agent would never end it)."""
+    def failure() -> Optional[str]:
+        try:
+            if not _of_earlier_launch(failed.stat().st_mtime, me):
+                return failed.read_text()
+        except OSError:  # none (or removed meanwhile: its writer's next attempt began)
+            pass
+        return None
+
     start = last = time.monotonic()
     while not done.exists():
-        if failed.exists():
-            raise ConfigError(f"{what}: local rank 0 failed to write it: {failed.read_text()}")
+        said = failure()
+        if said is not None:
+            raise ConfigError(f"{what}: local rank 0 failed to write it: {said}")
         state = writer()
-        if state is False and not done.exists() and not failed.exists():
+        if state is False and not done.exists() and failure() is None:
             raise WriterGone(f"{what}: local rank 0, which was writing it, ended before it "
                              "finished; its own error, if it had one, is in its output")
         if state is None and start_s and time.monotonic() - start > start_s:
@@ -112,6 +137,7 @@ def _reclaim_tmp(cache_dir: Path, keep_s: float) -> None:
     that host."""
     mine = re.compile(rf"^[^.]+\.(?:tmp-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]+|"
                       rf"writer-{re.escape(socket.gethostname())}-(\d+)\.json)$")
+    gone: List[tuple] = []  # (path, pid) of writers gone
     for path in cache_dir.iterdir() if cache_dir.is_dir() else ():
         found = mine.match(path.name)  # (exactly: not another host's named this one's and more)
         if found is None:
@@ -119,9 +145,17 @@ def _reclaim_tmp(cache_dir: Path, keep_s: float) -> None:
         try:
             os.kill(int(found.group(1) or found.group(2)), 0)
         except ProcessLookupError:
+            gone.append((path, found.group(1) or found.group(2)))
+        except (ValueError, IndexError, PermissionError, OverflowError):
+            continue
+    freed = {pid for path, pid in gone if path.is_dir()}
+    for path, pid in gone:
+        try:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+            elif pid in freed:  # its data freed now: its record's while runs from here
+                os.utime(path)
             elif not keep_record(path, keep_s):
                 path.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError, OverflowError):
+        except OSError:  # (another run's reclaim took it meanwhile)
             continue

@@ -298,9 +298,10 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
 def test_ranks_on_their_way_to_a_killed_writers_copy_stop_after_another_run_reclaimed_it(
         tmp_path, monkeypatch, mode):
     """Local rank 0 killed mid-write, and another run on the node reclaims its copy before
-    this rank looks: its record stays (its data goes), so the rank stops at once, naming the
-    writer gone; it waited for one that never began before (trainer.ddp.timeout_s), then
-    named that. A record of another launch of the same job (a second srun) is not its."""
+    this rank looks: its record stays (its data goes), an hour from then however long it
+    wrote, so the rank stops at once, naming the writer gone; it waited for one that never
+    began before (trainer.ddp.timeout_s), then named that. A record of another launch of the
+    same job (a second srun) is not its."""
     import time
 
     from data.cachewait import WriterGone
@@ -318,6 +319,7 @@ def test_ranks_on_their_way_to_a_killed_writers_copy_stop_after_another_run_recl
         (folder / "train").mkdir(parents=True)
         (folder / "train" / "x.npy").write_bytes(b"half")
         (folder / cache.OWNER).write_text(json.dumps(killed))
+        os.utime(folder / cache.OWNER, (time.time() - 7200,) * 2)  # (after 2 h of writing)
         assert cache.reclaim_shm(runlock.owner_alive, root=tmp_path / "shm") == [folder]
         assert [p.name for p in folder.iterdir()] == [cache.OWNER]  # its data freed at once
         assert cache.reclaim_shm(runlock.owner_alive, root=tmp_path / "shm") == []
@@ -325,11 +327,13 @@ def test_ranks_on_their_way_to_a_killed_writers_copy_stop_after_another_run_recl
         import socket
         unfinished = tmp_path / "c" / f"{key}.tmp-{socket.gethostname()}-{killed['pid']}-ab12"
         unfinished.mkdir(parents=True)
-        (tmp_path / "c" / cache.WRITER.format(key=key, host=socket.gethostname(),
-                                              pid=killed["pid"])).write_text(json.dumps(killed))
+        record = tmp_path / "c" / cache.WRITER.format(key=key, host=socket.gethostname(),
+                                                      pid=killed["pid"])
+        record.write_text(json.dumps(killed))
+        os.utime(record, (time.time() - 7200,) * 2)  # (after 2 h of writing)
         # another run writing another cache there, which reclaims what dead writers left
         cache.cache_dataset(source(), "disk", tag="other", cache_dir=str(tmp_path / "c"))
-        assert not unfinished.exists()
+        assert not unfinished.exists() and record.exists()
 
     def wait(launch):
         start = time.monotonic()
