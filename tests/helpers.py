@@ -71,9 +71,10 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
     """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own, ended
     within `timeout` seconds: past it, every process of its tree is asked for its stacks
     (SIGUSR2, see STACKS), then killed, and Hung is raised with what they said."""
-    proc = warm.start(cmd, cwd, with_stacks(env), preexec_fn) or subprocess.Popen(
-        cmd, cwd=cwd, env=with_stacks(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: warm)
+    env = with_stacks(env)
+    proc = warm.start(cmd, cwd, env, preexec_fn) or subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: forked warm)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
