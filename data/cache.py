@@ -269,7 +269,9 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         reused = True
     else:
         _await(done, failed, f"data.cache=disk in {root}",
-               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s, owner)
+               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s)
+        # (a failed line there is dated by the file system's clock, a shared one's another
+        # machine's: not held against this process's start)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it

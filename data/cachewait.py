@@ -95,8 +95,8 @@ def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
 
 def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
            None, start_s: float = 0.0, me: Optional[dict] = None) -> None:
-    """Blocks until another process wrote `done` (or `failed`: then raises its message; not
-    a line left by an earlier launch than this process's, `me`).
+    """Blocks until another process wrote `done` (or `failed`: then raises its message; with
+    `me`, this process's `owner`, not a line written before its launch began).
 
     Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
     than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.

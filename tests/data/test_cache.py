@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -288,6 +289,12 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
     with pytest.raises(ConfigError, match=r"local rank 0 failed to write it: .*bad sample"):
         cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, owner=me,
                             alive=runlock.owner_alive)
+    # a launch begun after that failure (its ids the same) waits for its own writer instead
+    from data.cachewait import WriterGone
+
+    with pytest.raises(WriterGone, match="did not begin writing it within 0.5 s"):
+        cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, alive=runlock.owner_alive,
+                            owner={**me, "started": time.time() + 60}, start_s=0.5)
     # another run on the node leaves it to the ranks on their way to read it, for a while
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [] and root.exists()
     monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)
@@ -302,8 +309,6 @@ def test_ranks_on_their_way_to_a_killed_writers_copy_stop_after_another_run_recl
     wrote, so the rank stops at once, naming the writer gone; it waited for one that never
     began before (trainer.ddp.timeout_s), then named that. A record of another launch of the
     same job (a second srun) is not its."""
-    import time
-
     from data.cachewait import WriterGone
     from tests.helpers import dead_pid
     from trainer import runlock
