@@ -181,10 +181,17 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
         atexit.register(_remove_shm, root, failed)
         _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
     else:
+        # (the writer removes a failed line before it records itself: a line beside another
+        # launch's record is that launch's)
         _await(done, failed, f"data.cache=shm in {root}",
-               lambda: _writer_state(root / OWNER, owner, alive), start_s, owner)
+               lambda: _writer_state(root / OWNER, owner, alive), start_s,
+               lambda: owner is None or _writer_state(root / OWNER, owner, _any) is not None)
     wait()
     return MemmapDataset("train", str(root))
+
+
+def _any(who: dict) -> bool:
+    return True
 
 
 # the /dev/shm copies this process wrote for its current job
@@ -270,8 +277,6 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
     else:
         _await(done, failed, f"data.cache=disk in {root}",
                lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s)
-        # (a failed line there is dated by the file system's clock, a shared one's another
-        # machine's: not held against this process's start)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it

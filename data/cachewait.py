@@ -31,35 +31,20 @@ WRITER = "{key}.writer-{host}-{pid}.json"
 
 
 LAUNCH = ("job", "attempt", "launch")  # the keys of an `owner` record that name its launch
-# how much earlier than this process a process of its launch may start (a launcher starts a
-# node's ranks one after another) and /proc's start times may be rounded down (whole seconds
-# of boot time); a writer starts after its launch's imports, seconds after the launch
-SKEW_S = 1.0
-
-
-def _of_earlier_launch(at: Optional[float], me: Optional[dict]) -> bool:
-    """Whether `at` (a writer's start, a failed write's line) is before this process's launch
-    began (`me`, its `owner`): a launch whose ids are those of an earlier one (a torchrun
-    without --standalone or with the same --rdzv-id, started again after a writer was killed)
-    would take that writer's record or line for its own writer's."""
-    started = (me or {}).get("started")
-    return isinstance(at, (int, float)) and isinstance(started, (int, float)) and \
-        at < started - SKEW_S
 
 
 def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
                   ) -> Optional[bool]:
     """Whether the writer that `record` names is alive: None while no writer of this launch
-    (the same job, attempt and launch as `me`, this process's `owner`, started with it) has
-    recorded itself there; a record of an earlier launch (one killed mid-write, whose record
-    is kept a while: `keep_record`) is not this launch's writer."""
+    (the same job, attempt and launch as `me`, this process's `owner`) has recorded itself
+    there; a record of another launch (one killed mid-write, whose record is kept a while:
+    `keep_record`) is not this launch's writer."""
     try:
         who = json.loads(record.read_text())
     except (OSError, ValueError):  # not there yet, or being written
         return None
     if not isinstance(who, dict) or me is None or \
-            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH] or \
-            _of_earlier_launch(who.get("started"), me):
+            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
         return None
     return alive(who)
 
@@ -94,9 +79,9 @@ def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
 
 
 def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
-           None, start_s: float = 0.0, me: Optional[dict] = None) -> None:
-    """Blocks until another process wrote `done` (or `failed`: then raises its message; with
-    `me`, this process's `owner`, not a line written before its launch began).
+           None, start_s: float = 0.0, ours: Callable[[], bool] = lambda: True) -> None:
+    """Blocks until another process wrote `done` (or `failed`, where `ours()` says it is this
+    launch's: then raises its message).
 
     Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
     than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
@@ -106,11 +91,10 @@ def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bo
     writer that is gone (a launch without torchrun's agent would never end it)."""
     def failure() -> Optional[str]:
         try:
-            if not _of_earlier_launch(failed.stat().st_mtime, me):
-                return failed.read_text()
-        except OSError:  # none (or removed meanwhile: its writer's next attempt began)
-            pass
-        return None
+            said = failed.read_text()
+        except OSError:  # none (or removed meanwhile: its writer's next launch began)
+            return None
+        return said if ours() else None
 
     start = last = time.monotonic()
     while not done.exists():
@@ -148,10 +132,10 @@ def _reclaim_tmp(cache_dir: Path, keep_s: float) -> None:
             gone.append((path, found.group(1) or found.group(2)))
         except (ValueError, IndexError, PermissionError, OverflowError):
             continue
-    freed = {pid for path, pid in gone if path.is_dir()}
+    freed = {pid for path, pid in gone if os.path.isdir(path)}
     for path, pid in gone:
         try:
-            if path.is_dir():
+            if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             elif pid in freed:  # its data freed now: its record's while runs from here
                 os.utime(path)

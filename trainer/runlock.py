@@ -43,10 +43,17 @@ def _start_time(pid: int) -> Optional[float]:
 
 def launch_id(environ=os.environ) -> Optional[str]:
     """Which launch of its job this process belongs to, where the launcher says: the srun
-    step (a second srun in one allocation is another) and torchrun's run id (another per
-    `--standalone` launch, also inside one SLURM step)."""
+    step (a second srun in one allocation is another), and under torchrun its run id and
+    its agent (every local rank's parent, as for the run stamp; a torchrun started again
+    with the same --rdzv-id, or none, is another agent)."""
     ids = [f"{key}={environ[key]}" for key in ("SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")
            if environ.get(key) not in (None, "", "none")]
+    if "TORCHELASTIC_RUN_ID" in environ:
+        agent = os.getppid()
+        try:
+            ids.append(f"agent={agent}@{stamp.process_ticks(agent)}")
+        except (OSError, ValueError, IndexError):  # (no /proc: the run id alone)
+            pass
     return " ".join(ids) or None
 
 

@@ -13,11 +13,17 @@ from typing import Dict, List, Mapping, Tuple
 from trainer.distributed import attempt
 
 
-def process_start(pid: int) -> float:
-    """Wall-clock start time of process `pid` (Linux /proc); raises OSError elsewhere."""
+def process_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks after boot (Linux /proc: a clock that the
+    wall clock's steps leave alone); raises OSError elsewhere."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
+    return int(fields[19])  # field 22, starttime
+
+
+def process_start(pid: int) -> float:
+    """Wall-clock start time of process `pid` (Linux /proc); raises OSError elsewhere."""
+    ticks = process_ticks(pid)
     with open("/proc/stat") as f:
         btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
     return btime + ticks / os.sysconf("SC_CLK_TCK")

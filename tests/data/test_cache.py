@@ -289,12 +289,12 @@ def test_a_failed_shm_write_leaves_its_line_for_the_ranks_that_wait(tmp_path, mo
     with pytest.raises(ConfigError, match=r"local rank 0 failed to write it: .*bad sample"):
         cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, owner=me,
                             alive=runlock.owner_alive)
-    # a launch begun after that failure (its ids the same) waits for its own writer instead
+    # the ranks of a later launch (of the same job: a second srun) wait for their own writer
     from data.cachewait import WriterGone
 
     with pytest.raises(WriterGone, match="did not begin writing it within 0.5 s"):
         cache.cache_dataset(Broken(), "shm", tag="t", local_rank=1, alive=runlock.owner_alive,
-                            owner={**me, "started": time.time() + 60}, start_s=0.5)
+                            owner={**me, "launch": "SLURM_STEP_ID=9"}, start_s=0.5)
     # another run on the node leaves it to the ranks on their way to read it, for a while
     assert cache.reclaim_shm(lambda who: False, root=tmp_path) == [] and root.exists()
     monkeypatch.setattr(cache, "FAILED_KEEP_S", 0.0)

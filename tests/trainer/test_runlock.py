@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -160,12 +161,34 @@ def test_an_owner_record_whose_pid_is_no_process_id_names_no_live_owner(make_cfg
     assert (shm / "stoker-list" / "train").is_dir()
 
 
-def test_the_launch_of_a_process_is_its_srun_step_and_its_torchrun_run_id():
-    """Two launches of one job (two sruns in one allocation, two torchruns in one step)
-    are told apart: a node cache's record of the first is not the second's writer."""
+def test_the_launch_of_a_process_is_its_srun_step_and_its_torchrun_agent():
+    """Two launches of one job (two sruns in one allocation, two torchruns in one step, a
+    torchrun started again with the same --rdzv-id or none) are told apart: a node cache's
+    record of the first is not the second's writer. A torchrun's local ranks share theirs."""
+    from trainer import stamp
+
     assert runlock.launch_id({}) is None
+    assert runlock.launch_id({"SLURM_STEP_ID": "3"}) == "SLURM_STEP_ID=3"
+    agent = f"agent={os.getppid()}@{stamp.process_ticks(os.getppid())}"  # (this one's parent)
     assert runlock.launch_id({"SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "none"}) == \
-        "SLURM_STEP_ID=3"
-    assert runlock.launch_id({"SLURM_STEP_ID": "3", "TORCHELASTIC_RUN_ID": "ab"}) == \
-        "SLURM_STEP_ID=3 TORCHELASTIC_RUN_ID=ab"
+        f"SLURM_STEP_ID=3 {agent}"
+    assert runlock.launch_id({"TORCHELASTIC_RUN_ID": "ab"}) == f"TORCHELASTIC_RUN_ID=ab {agent}"
     assert runlock.owner()["launch"] == runlock.launch_id()
+
+
+@pytest.mark.slow
+def test_a_torchruns_local_ranks_share_their_launch(tmp_path):
+    """What a node cache's waiting ranks compare with their writer's record: the same on
+    every local rank of one torchrun (else they took their own writer for another launch's,
+    and waited on for it when it died or failed)."""
+    from tests.helpers import ROOT, TORCHRUN, launch
+
+    script = tmp_path / "launch.py"
+    script.write_text("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom trainer import "
+                      "runlock\nprint('launch', runlock.launch_id(), flush=True)\n")
+    proc = launch([*TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(ROOT)],
+                  tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = {line for line in proc.stdout.splitlines() if line.startswith("launch ")}
+    assert len(ids) == 1 and proc.stdout.count("launch ") == 2, proc.stdout
+    assert re.fullmatch(r"launch TORCHELASTIC_RUN_ID=\S+ agent=\d+@\d+", ids.pop())
