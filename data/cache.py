@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from data.advice import count_of
 from data.cachewait import (WRITER, _await, _disk_writer_state, _reclaim_tmp, _writer_state,
-                            keep_record)
+                            keep_record, mark_failed)
 from data.datasets import MemmapDataset
 from data.loader import Unbatchable, readable
 from data.lrucache import LRUCache
@@ -156,12 +156,13 @@ def _in_memory(dataset: Dataset, num_workers: int) -> TensorDataset:
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 
-def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path) -> None:
+def _write_marked(dataset: Dataset, folder: Path, num_workers: int, failed: Path,
+                  owner: Optional[dict]) -> None:
     """write_arrays, leaving `failed` (the error's one line) for the waiting ranks if it fails."""
     try:
         write_arrays(dataset, folder, num_workers)
     except BaseException as e:
-        failed.write_text(first_line(e))
+        mark_failed(failed, first_line(e), owner)
         raise
 
 
@@ -179,19 +180,13 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
         (root / OWNER).write_text(json.dumps(owner or {}))
         _MADE.append((root, failed))  # removed at the job's end (release_shm) or at exit
         atexit.register(_remove_shm, root, failed)
-        _write_marked(dataset, root / "train", num_workers, failed)  # MemmapDataset's layout
+        # (MemmapDataset's layout)
+        _write_marked(dataset, root / "train", num_workers, failed, owner)
     else:
-        # (the writer removes a failed line before it records itself: a line beside another
-        # launch's record is that launch's)
         _await(done, failed, f"data.cache=shm in {root}",
-               lambda: _writer_state(root / OWNER, owner, alive), start_s,
-               lambda: owner is None or _writer_state(root / OWNER, owner, _any) is not None)
+               lambda: _writer_state(root / OWNER, owner, alive), start_s, owner)
     wait()
     return MemmapDataset("train", str(root))
-
-
-def _any(who: dict) -> bool:
-    return True
 
 
 # the /dev/shm copies this process wrote for its current job
@@ -249,13 +244,13 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
             incomplete = ConfigError(f"data.cache=disk: the cache {root} is incomplete (no "
                                      "done.json, which a finished write leaves in it); delete "
                                      "that folder and the next run writes it again")
-            failed.write_text(str(incomplete))
+            mark_failed(failed, str(incomplete), owner)
             raise incomplete
         tmp = cache_dir / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         start = time.perf_counter()
         writer.write_text(json.dumps(owner or {}))
         try:
-            _write_marked(dataset, tmp / "train", num_workers, failed)
+            _write_marked(dataset, tmp / "train", num_workers, failed, owner)
             skipped = getattr(dataset, "skipped", None)  # unreadable files, left out
             record = {"dataset": describe, "skipped": skipped() if callable(skipped) else []}
             (tmp / "done.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -276,7 +271,7 @@ def _on_disk(dataset: Dataset, cache_dir: Path, key: str, describe: str, local_r
         reused = True
     else:
         _await(done, failed, f"data.cache=disk in {root}",
-               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s)
+               lambda: _disk_writer_state(cache_dir, key, owner, alive), start_s, owner)
     wait()
     # every rank reads the same files to the same verdict: a damaged cache is refused by all
     # of them here, after the barrier, not by local rank 0 alone while the others wait in it

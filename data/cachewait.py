@@ -78,10 +78,34 @@ def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
     return True if True in states else False if False in states else None
 
 
+def mark_failed(failed: Path, line: str, owner: Optional[dict]) -> None:
+    """`failed`: a failed write's one line for the ranks waiting for it, and whose it is (the
+    writer's `owner`: a later launch's ranks, there before their own writer removed it, do
+    not take it for their writer's). Written whole: a waiting rank never reads half of it."""
+    part = failed.with_name(f"{failed.name}.{os.getpid()}.tmp")
+    part.write_text(json.dumps({"error": line, "writer": owner or {}}))
+    os.replace(part, failed)
+
+
+def _failure(failed: Path, me: Optional[dict]) -> Optional[str]:
+    """The line in `failed` (mark_failed) where it is this launch's writer's (`me`: this
+    process's `owner`; None: any)."""
+    try:
+        said = json.loads(failed.read_text())
+    except (OSError, ValueError):  # none (or removed meanwhile: its writer's next launch began)
+        return None
+    if not isinstance(said, dict) or not isinstance(said.get("error"), str):
+        return None  # (not a line of this version's)
+    writer = said.get("writer") if isinstance(said.get("writer"), dict) else {}
+    if me is not None and [writer.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
+        return None
+    return said["error"]
+
+
 def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bool]] = lambda:
-           None, start_s: float = 0.0, ours: Callable[[], bool] = lambda: True) -> None:
-    """Blocks until another process wrote `done` (or `failed`, where `ours()` says it is this
-    launch's: then raises its message).
+           None, start_s: float = 0.0, me: Optional[dict] = None) -> None:
+    """Blocks until another process wrote `done` (or `failed`, where it is the failure of this
+    launch's writer, `_failure`: then raises its message).
 
     Ranks that wait for local rank 0 to materialise a dataset poll for its completion rather
     than wait in a collective, whose timeout (trainer.ddp.timeout_s) a long decode outlasts.
@@ -89,20 +113,13 @@ def _await(done: Path, failed: Path, what: str, writer: Callable[[], Optional[bo
     ended without a word, or that has not begun within `start_s` seconds (0: no limit; it does
     the same work as this rank until then), raises WriterGone, so that no rank waits on for a
     writer that is gone (a launch without torchrun's agent would never end it)."""
-    def failure() -> Optional[str]:
-        try:
-            said = failed.read_text()
-        except OSError:  # none (or removed meanwhile: its writer's next launch began)
-            return None
-        return said if ours() else None
-
     start = last = time.monotonic()
     while not done.exists():
-        said = failure()
+        said = _failure(failed, me)
         if said is not None:
             raise ConfigError(f"{what}: local rank 0 failed to write it: {said}")
         state = writer()
-        if state is False and not done.exists() and failure() is None:
+        if state is False and not done.exists() and _failure(failed, me) is None:
             raise WriterGone(f"{what}: local rank 0, which was writing it, ended before it "
                              "finished; its own error, if it had one, is in its output")
         if state is None and start_s and time.monotonic() - start > start_s:

@@ -153,10 +153,21 @@ def test_a_failed_disk_write_leaves_no_folder_that_a_later_run_would_trust(tmp_p
             return super().__getitem__(i)
 
     with pytest.raises(RuntimeError, match="disk full"):
-        cache.cache_dataset(Broken(), "disk", tag="cfg", cache_dir=str(tmp_path))
+        cache.cache_dataset(Broken(), "disk", tag="cfg", cache_dir=str(tmp_path),
+                            owner={"job": "SLURM_JOB_ID=7"})
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # no partial folder
     failed = [p for p in tmp_path.iterdir() if ".failed-" in p.name]
-    assert len(failed) == 1 and failed[0].read_text() == "disk full"  # for the waiting ranks
+    assert len(failed) == 1  # for the waiting ranks
+    with pytest.raises(ConfigError, match="failed to write it: disk full"):
+        cache.cache_dataset(Broken(), "disk", tag="cfg", local_rank=1, cache_dir=str(tmp_path),
+                            owner={"job": "SLURM_JOB_ID=7"}, start_s=30)
+    # a rerun's ranks, there before their writer removed the line, wait for their own writer
+    from data.cachewait import WriterGone
+
+    with pytest.raises(WriterGone, match="did not begin writing it within 0.5 s"):
+        cache.cache_dataset(Broken(), "disk", tag="cfg", local_rank=1, cache_dir=str(tmp_path),
+                            owner={"job": "SLURM_JOB_ID=7", "launch": "SLURM_STEP_ID=1"},
+                            start_s=0.5)
     ok = Counting()
     cache.cache_dataset(ok, "disk", tag="cfg", cache_dir=str(tmp_path))
     assert ok.made == 10 and not any(".failed-" in p.name for p in tmp_path.iterdir())

@@ -18,7 +18,7 @@ def test_waiting_ranks_poll_for_the_writer_and_hear_of_its_failure(tmp_path):
     threading.Timer(0.3, done.write_text, args=("{}",)).start()
     cachewait._await(done, failed, "the cache")  # returns once the writer is done
     with pytest.raises(ConfigError, match="the other: local rank 0 failed to write it: boom"):
-        failed.write_text("boom")
+        cachewait.mark_failed(failed, "boom", None)
         cachewait._await(tmp_path / "never", failed, "the other")
 
 
@@ -95,15 +95,22 @@ def test_a_waiting_rank_stops_when_the_writer_of_its_launch_is_gone(tmp_path):
                  lambda: cachewait._writer_state(record, me, lambda who: True), start_s=0.1)
 
 
-def test_a_failed_line_that_is_not_this_launchs_is_not_its_writers_failure(tmp_path):
-    """A line left by another launch's writer (`ours()` False: an shm copy's record of another
-    launch beside it) does not stop this launch's ranks, which wait for their own writer."""
-    done, failed = tmp_path / "done", tmp_path / "failed.txt"
-    failed.write_text("boom")
+def test_a_failed_line_of_another_launch_is_not_its_writers_failure(tmp_path):
+    """A line left by another launch's writer (a rerun after a full disk, there before its own
+    writer removed the line) does not stop this launch's ranks: they wait for their writer.
+    A line is read whole or not at all."""
+    me = {"job": "SLURM_JOB_ID=7", "attempt": 0, "launch": "SLURM_STEP_ID=2"}
+    done, failed = tmp_path / "done", tmp_path / "failed"
+    cachewait.mark_failed(failed, "boom", {**me, "launch": "SLURM_STEP_ID=1"})
     with pytest.raises(cachewait.WriterGone, match="did not begin writing it within 0.3 s"):
-        cachewait._await(done, failed, "the cache", start_s=0.3, ours=lambda: False)
+        cachewait._await(done, failed, "the cache", start_s=0.3, me=me)
+    cachewait.mark_failed(failed, "boom", me)
     with pytest.raises(ConfigError, match="the cache: local rank 0 failed to write it: boom"):
-        cachewait._await(done, failed, "the cache", start_s=0.3, ours=lambda: True)
+        cachewait._await(done, failed, "the cache", start_s=0.3, me=me)
+    assert [p.name for p in tmp_path.iterdir()] == ["failed"]  # (written beside, renamed)
+    failed.write_text('{"error": "bo')  # (half a line: none yet)
+    with pytest.raises(cachewait.WriterGone, match="did not begin"):
+        cachewait._await(done, failed, "the cache", start_s=0.3, me=me)
 
 
 def test_two_jobs_writing_one_disk_cache_at_once_keep_their_own_writer_records(tmp_path):
