@@ -33,6 +33,11 @@ WRITER = "{key}.writer-{host}-{pid}.json"
 LAUNCH = ("job", "attempt", "launch")  # the keys of an `owner` record that name its launch
 
 
+def _same_launch(who: dict, me: dict) -> bool:
+    """Whether two `owner` records are of one launch (LAUNCH)."""
+    return [who.get(k) for k in LAUNCH] == [me.get(k) for k in LAUNCH]
+
+
 def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool]
                   ) -> Optional[bool]:
     """Whether the writer that `record` names is alive: None while no writer of this launch
@@ -43,8 +48,7 @@ def _writer_state(record: Path, me: Optional[dict], alive: Callable[[dict], bool
         who = json.loads(record.read_text())
     except (OSError, ValueError):  # not there yet, or being written
         return None
-    if not isinstance(who, dict) or me is None or \
-            [who.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
+    if not isinstance(who, dict) or me is None or not _same_launch(who, me):
         return None
     return alive(who)
 
@@ -97,7 +101,7 @@ def _failure(failed: Path, me: Optional[dict]) -> Optional[str]:
     if not isinstance(said, dict) or not isinstance(said.get("error"), str):
         return None  # (not a line of this version's)
     writer = said.get("writer") if isinstance(said.get("writer"), dict) else {}
-    if me is not None and [writer.get(k) for k in LAUNCH] != [me.get(k) for k in LAUNCH]:
+    if me is not None and not _same_launch(writer, me):
         return None
     return said["error"]
 
