@@ -535,8 +535,8 @@ class SlowToBuildDigits(DigitsDataset):
 class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
-    __main__'s file, its session, whether stdout is a pipe and torch's threads
-    (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the interpreter's own
+    __main__'s file, its session, whether stdout is a pipe, torch's threads and whether
+    SIGHUP is ignored (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the interpreter's own
     command line and its parent's pid."""
 
     def __init__(self, split: str = "train", report: str = "", **kw):
@@ -549,7 +549,8 @@ class ProcessReportingDigits(DigitsDataset):
                 "argv": sys.argv, "cwd": os.getcwd(), "say": os.environ.get("STOKER_TEST_SAY"),
                 "path0": sys.path[0], "main": getattr(main, "__file__", None),
                 "session": os.getsid(0) == os.getpid(),
-                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode), "threads": torch.get_num_threads()}
+                "pipe": stat.S_ISFIFO(os.fstat(1).st_mode), "threads": torch.get_num_threads(),
+                "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN}
             if "RANK" in os.environ:
                 said.update(cmdline=Path("/proc/self/cmdline").read_text().split("\0")[:-1],
                             parent=os.getppid())

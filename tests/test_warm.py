@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 
 import pytest
@@ -58,7 +59,8 @@ def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
     assert runs["warm"].pop("say") == "warm" and runs["cold"].pop("say") == "cold"
     assert runs["warm"] == runs["cold"] == {
         "argv": [warm.TRAIN, *args], "cwd": str(tmp_path), "path0": str(ROOT),
-        "main": warm.TRAIN, "session": True, "pipe": True, "threads": runs["cold"]["threads"]}
+        "main": warm.TRAIN, "session": True, "pipe": True, "threads": runs["cold"]["threads"],
+        "sighup_ignored": runs["cold"]["sighup_ignored"]}
 
 
 def test_another_startup_environment_asked_for_twice_gets_a_warm_process_of_its_own(
@@ -119,7 +121,45 @@ def test_torchruns_agent_starts_warm_and_its_ranks_as_torchrun_starts_them(tmp_p
             said["cmdline"] = said["cmdline"][:3]
         assert w == c == {"cmdline": [sys.executable, "-u", warm.TRAIN], "cwd": str(tmp_path),
                           "path0": str(ROOT), "main": warm.TRAIN, "session": True,
-                          "pipe": True, "threads": 1}  # (torchrun's OMP_NUM_THREADS=1)
+                          "pipe": True, "threads": 1,  # (torchrun's OMP_NUM_THREADS=1)
+                          "sighup_ignored": c["sighup_ignored"]}
+
+
+def test_a_warm_run_merges_its_output_and_takes_signals_at_their_default_as_asked(tmp_path):
+    """test_resilience's runs: stderr into stdout's pipe (Popen's stderr=STDOUT), SIGHUP at
+    its default although the warm process ignores it (a suite under nohup), as their cold
+    preexec_fn sets it; poll and send_signal as Popen's."""
+    report, args = _reporting(tmp_path)
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited by the warm process)
+    try:
+        server = warm._Warm(_started())
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
+    try:
+        sighup_ignored = []
+        for default in ([], [signal.SIGHUP]):
+            proc = server.start([sys.executable, warm.TRAIN, *args], tmp_path, _started(),
+                                merged=True, default_signals=default)
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0 and err is None, out[-3000:]
+            assert "reported to stdout\nreported to stderr\n" in out
+            sighup_ignored.append(json.loads(report.read_text())["sighup_ignored"])
+        assert sighup_ignored == [True, False]  # (the trainer's own handler, not nohup's)
+        marker = tmp_path / "building"
+        proc = server.start([sys.executable, warm.TRAIN, f"hydra.run.dir={tmp_path / 'slow'}",
+                             "trainer.progress_bar=false", f"+data.dataset.marker={marker}",
+                             "data.dataset._target_=tests.helpers.SlowToBuildDigits",
+                             "+data.dataset.seconds=3"], tmp_path, _started(), merged=True,
+                            default_signals=[signal.SIGHUP])
+        while not marker.exists():
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGHUP)  # (a closed terminal: a preemption)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == proc.poll() == 75, out[-3000:]
+        assert "stopped on a preemption signal before the first step" in out
+        proc.send_signal(signal.SIGHUP)  # (ended: nothing is sent)
+    finally:
+        server.close()
 
 
 def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):

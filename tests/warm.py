@@ -1,7 +1,8 @@
-"""Warm starts for the suite's `python train.py` runs (`helpers.bounded`): a process that has
-imported torch (and torch._dynamo, which torch's optimizers import when the first one is built),
-Hydra and OmegaConf forks each run instead of a new interpreter importing them again, about 5 s
-of CPU a run on a 2-core machine, where the suite starts hundreds. The forked run is what
+"""Warm starts for the suite's `python train.py` runs (`helpers.bounded`, test_resilience's
+`start_and_wait`): a process that has imported torch (and torch._dynamo, which torch's
+optimizers import when the first one is built), Hydra and OmegaConf forks each run instead of
+a new interpreter importing them again, about 5 s of CPU a run on a 2-core machine, where the
+suite starts hundreds. The forked run is what
 `python train.py ARGS` is from its first line on: train.py run as `__main__` with its own
 argv, working dir, environment (the sitecustomize of `helpers.STACKS` read again under it),
 stdio, session and exit code.
@@ -27,6 +28,7 @@ import atexit
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -59,17 +61,19 @@ def _startup_env(env: Dict[str, str]) -> Dict[str, str]:
 
 
 class WarmRun:
-    """The part of subprocess.Popen that `bounded` uses, for a forked run: pid, args,
-    returncode, communicate(timeout) (text, both pipes; again after a timeout); and `warm`,
-    the pid of the warm process it was forked from."""
+    """The part of subprocess.Popen that the suite uses, for a forked run: pid, args,
+    returncode, communicate(timeout) (text, both pipes, or stderr in stdout's and None for
+    it; again after a timeout), poll, wait, send_signal, kill; and `warm`, the pid of the warm
+    process it was forked from."""
 
-    def __init__(self, args: List[str], pid: int, status: socket.socket, out: int, err: int,
-                 warm: int):
+    def __init__(self, args: List[str], pid: int, status: socket.socket, out: int,
+                 err: Optional[int], warm: int):
         self.args, self.pid, self.returncode, self.warm = args, pid, None, warm
         self._status = status
         self._sel = selectors.DefaultSelector()
-        self._chunks = {out: [], err: []}
-        for fd in (out, err):
+        self._merged = err is None
+        self._chunks = {fd: [] for fd in (out, err) if fd is not None}
+        for fd in self._chunks:
             os.set_blocking(fd, False)
             self._sel.register(fd, selectors.EVENT_READ)
 
@@ -88,9 +92,21 @@ class WarmRun:
                     os.close(key.fd)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         # (as Popen's text mode reads them: the locale's UTF-8, universal newlines)
-        out, err = (b"".join(c).decode().replace("\r\n", "\n").replace("\r", "\n")
-                    for c in self._chunks.values())
-        return out, err
+        out, *err = (b"".join(c).decode().replace("\r\n", "\n").replace("\r", "\n")
+                     for c in self._chunks.values())
+        return out, None if self._merged else err[0]
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
+            self.wait()  # (its exit code, or the keeper's end, is there to read)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # (an ended run's pid may be another process's by now)
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
@@ -120,20 +136,21 @@ class _Warm:
         self.lock = threading.Lock()  # (one request at a time on the socket)
         atexit.register(self.close)
 
-    def start(self, cmd: List[str], cwd, env: Dict[str, str]) -> WarmRun:
+    def start(self, cmd: List[str], cwd, env: Dict[str, str], merged: bool,
+              default_signals) -> WarmRun:
         mine, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        err_r, err_w = (None, out_w) if merged else os.pipe()
         module = cmd[2] if cmd[1] == "-m" else None
         argv = cmd[3:] if module else cmd[1:]
-        request = json.dumps({"argv": argv, "module": module, "cwd": str(cwd),
-                              "env": env}).encode()
+        request = json.dumps({"argv": argv, "module": module, "cwd": str(cwd), "env": env,
+                              "default_signals": [int(s) for s in default_signals]}).encode()
         try:
             with self.lock:
                 socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
                                 [theirs.fileno(), out_w, err_w])
         finally:
-            for fd in (out_w, err_w):
+            for fd in {out_w, err_w}:
                 os.close(fd)
             theirs.close()
         mine.settimeout(60)
@@ -151,8 +168,12 @@ class _Warm:
             self.proc.kill()
 
 
-def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None):
-    """The run `cmd` forked from the warm process, or None where it must start cold."""
+def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None, merged: bool = False,
+          default_signals=()):
+    """The run `cmd` forked from the warm process, or None where it must start cold.
+    `merged`: its stderr into its stdout's pipe (Popen's stderr=STDOUT); `default_signals`:
+    signals it takes at their default disposition whatever the suite's (what a cold run's
+    preexec_fn would set)."""
     global _failed
     if (_failed or preexec_fn is not None or os.environ.get("STOKER_TEST_COLD") == "1"
             or len(cmd) < 2 or cmd[0] != sys.executable
@@ -167,7 +188,7 @@ def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None):
             if (others and _asked[key] < 2) or len(others) >= MAX_WARM:
                 return None
             server = _servers[key] = _Warm(env)
-        return server.start(cmd, cwd, env)
+        return server.start(cmd, cwd, env, merged, default_signals)
     except OSError as e:  # (no warm process: every run starts cold, said once)
         _failed = True
         print(f"tests.warm: runs start cold: {e}", file=sys.stderr)
@@ -252,6 +273,8 @@ def _run(request: dict, out: int, err: int) -> None:
             setattr(sys, f"__{name}__", stream)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for sig in request["default_signals"]:
+            signal.signal(sig, signal.SIG_DFL)
         import runpy
 
         stacks = ROOT / "tests" / "stacks" / "sitecustomize.py"

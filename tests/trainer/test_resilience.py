@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from scripts.processes import descendants
-from tests.helpers import ROOT, bounded, kill_tree, read_metrics
+from tests import warm
+from tests.helpers import ROOT, bounded, kill_tree, read_metrics, with_stacks
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -79,9 +80,11 @@ def start_and_wait(cmd, until, timeout=120):
     """The run started in a session of its own, once `until()` holds (the point a test stops
     it at); a run that ended first, or did not get there in `timeout` s, fails the test with
     its output (killed first, tree and all)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=_hangup_by_default)
+    run_env = with_stacks(env())  # (as `run` starts them: the same warm process serves both)
+    proc = warm.start(cmd, ROOT, run_env, merged=True, default_signals=[signal.SIGHUP]) or \
+        subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         preexec_fn=_hangup_by_default)  # (tests/warm.py: forked warm)
     deadline = time.monotonic() + timeout
     while not until():
         ended = proc.poll() is not None
