@@ -34,6 +34,15 @@ def make_cfg(tmp_path) -> Callable[..., DictConfig]:
     return _make
 
 
+@pytest.fixture(scope="session")
+def suite_dir(tmp_path_factory) -> Path:
+    """A folder that every pytest worker of this suite run shares (helpers.made_once)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "suite"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request, monkeypatch):
     """Every test but the `gpu`-marked ones runs on the CPU, on a GPU machine too, as in CI:

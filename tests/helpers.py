@@ -278,6 +278,24 @@ def torchrun(nproc, args, cwd, timeout=180, multirun=False, env=None):
     return launch(cmd, cwd, timeout, env)
 
 
+def made_once(suite_dir: Path, name: str, make) -> Path:
+    """`suite_dir / name`, made by `make(folder)` once for the whole suite run (conftest's
+    `suite_dir`): the first worker to ask makes it, the others wait for it and share it (to
+    read, not to change). A make that raises leaves it unmade: the next to ask makes it again,
+    in an empty folder."""
+    import fcntl
+    import shutil
+
+    folder, done = suite_dir / name, suite_dir / f"{name}.done"
+    with open(suite_dir / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes, or its worker dies)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            make(folder)
+            done.touch()
+    return folder
+
+
 def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

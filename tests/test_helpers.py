@@ -1,13 +1,14 @@
 """The test harness itself: a process a test starts that hangs is ended, tree and all, and
-the failure says where each of its processes was."""
+the failure says where each of its processes was; a folder the tests share is made once."""
 import os
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import Hung, bounded
+from tests.helpers import Hung, bounded, made_once
 
 
 def test_a_hung_tree_is_killed_and_says_where_it_waited(tmp_path):
@@ -57,3 +58,32 @@ def test_srun_style_tasks_that_outlive_their_timeout_say_where_they_waited(tmp_p
     assert message.startswith("not all ended after 45 s: train.py "), message[:300]
     assert "task 0 (exit -9; " in message and " wchan=" in message, message[-3000:]
     assert "in __getitem__" in message, message[-3000:]  # its stack, from its own output
+
+
+def test_a_folder_made_once_is_made_by_the_first_to_ask_and_the_others_wait_for_it(tmp_path):
+    made = []
+
+    def make(folder):
+        made.append(folder)
+        folder.mkdir()
+        time.sleep(0.5)  # (the others asked meanwhile)
+        (folder / "result").write_text("whole")
+
+    with ThreadPoolExecutor(3) as pool:
+        folders = list(pool.map(lambda _: made_once(tmp_path, "ref", make), range(3)))
+    assert made == [tmp_path / "ref"] and folders == [tmp_path / "ref"] * 3
+    assert (tmp_path / "ref" / "result").read_text() == "whole"
+    assert made_once(tmp_path, "ref", make) == tmp_path / "ref" and len(made) == 1
+
+
+def test_a_folder_whose_make_failed_is_made_again_from_empty_by_the_next_to_ask(tmp_path):
+    def fails(folder):
+        folder.mkdir()
+        (folder / "half").write_text("half")
+        raise RuntimeError("the reference run failed")
+
+    with pytest.raises(RuntimeError, match="the reference run failed"):
+        made_once(tmp_path, "ref", fails)
+    seen = []
+    folder = made_once(tmp_path, "ref", lambda f: seen.append(f.exists()) or f.mkdir())
+    assert seen == [False] and list(folder.iterdir()) == []

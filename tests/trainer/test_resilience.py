@@ -16,7 +16,7 @@ import torch
 
 from scripts.processes import descendants
 from tests import warm
-from tests.helpers import ROOT, bounded, kill_tree, read_metrics, with_stacks
+from tests.helpers import ROOT, bounded, kill_tree, made_once, read_metrics, with_stacks
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -98,6 +98,17 @@ def start_and_wait(cmd, until, timeout=120):
     return proc
 
 
+def uninterrupted(suite_dir: Path, nproc: int) -> Path:
+    """The run dir of JOB run through on `nproc` processes, which the runs stopped and resumed
+    here must match bit for bit (whatever their checkpoint cadence or loader workers): made
+    once for the suite, shared by the tests (to read)."""
+    def make(run_dir: Path) -> None:
+        ref = run(command(run_dir, nproc=nproc))
+        assert ref.returncode == 0, ref.stderr[-3000:]
+
+    return made_once(suite_dir, f"resilience-uninterrupted-{nproc}", make)
+
+
 def weights(run_dir: Path):
     return checkpoint.load(run_dir / "checkpoints" / "last.pt")["model"]
 
@@ -109,10 +120,9 @@ def assert_bitwise_equal(a, b, context=""):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_then_resume_is_bit_exact(tmp_path, nproc):
+def test_sigkill_then_resume_is_bit_exact(tmp_path, suite_dir, nproc):
     extra = ["trainer.checkpoint.every_n_steps=4"]
-    ref = run(command(tmp_path / "ref", extra, nproc))
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref = uninterrupted(suite_dir, nproc)
     total = 48 // nproc if nproc > 1 else 48  # 2 ranks: 8 batches of 32 each per epoch
     kill_at = random.Random().randint(5, total - 6)
     run_dir = tmp_path / "killed"
@@ -124,11 +134,11 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, nproc):
     resumed = run(command(run_dir, [*extra, "trainer.resume=auto"], nproc))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"),
+    assert_bitwise_equal(weights(run_dir), weights(ref),
                          f"(killed at step ~{kill_at}, newest checkpoint {killed_after})")
     # the steps the killed attempt logged past its checkpoint were trained again: one row each
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ref_rows = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    ref_rows = (ref / "metrics.jsonl").read_text().splitlines()
     assert [(r["split"], r["step"]) for r in rows] == [
         (r["split"], r["step"]) for r in map(json.loads, ref_rows)]
 
@@ -156,9 +166,7 @@ def children(pid: int):
     return out
 
 
-def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path):
-    ref = run(command(tmp_path / "ref", nproc=2))
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path, suite_dir):
     run_dir = tmp_path / "preempted"
     proc = start_and_wait(command(run_dir, nproc=2, torchrun_args=["--max-restarts=1"]),
                           until=lambda: logged_step(run_dir) >= 10)
@@ -169,7 +177,8 @@ def test_sigterm_checkpoints_exits_75_and_torchrun_restart_resumes(tmp_path):
     assert "stopped on a preemption signal" in out
     assert "torchrun restart 1: resuming" in out and "resumed from" in out
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
-    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after preemption")
+    assert_bitwise_equal(weights(run_dir), weights(uninterrupted(suite_dir, 2)),
+                         "after preemption")
 
 
 def preempted(run_dir: Path, extra, at_step: int):
@@ -232,12 +241,10 @@ def test_a_preempted_run_without_checkpoints_names_no_resume(tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
+def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, suite_dir, nproc):
     """A Ctrl-C reaches every process of the terminal's group (torchrun, its ranks, their
     loader workers): the run stops at a step boundary with a checkpoint, like a preemption,
     exits 130 and names the overrides that resume it; the workers do not die first."""
-    ref = run(command(tmp_path / "ref", ["data.num_workers=1"], nproc=nproc))
-    assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "run"
     proc = start_and_wait(command(run_dir, ["data.num_workers=1"], nproc=nproc),
                           until=lambda: logged_step(run_dir) >= 10)
@@ -256,7 +263,8 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_bit_exact(tmp_path, nproc):
     # resumed with the printed overrides alone, as a user pastes them
     resumed = run(launcher(nproc) + shlex.split(status["resume"]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(weights(run_dir), weights(tmp_path / "ref"), "after a Ctrl-C")
+    assert_bitwise_equal(weights(run_dir), weights(uninterrupted(suite_dir, nproc)),
+                         "after a Ctrl-C")
 
 
 def test_a_run_started_with_nohup_trains_on_through_a_sighup(tmp_path):
