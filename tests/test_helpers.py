@@ -1,5 +1,6 @@
 """The test harness itself: a process a test starts that hangs is ended, tree and all, and
-the failure says where each of its processes was; a folder the tests share is made once."""
+the failure says where each of its processes was; a folder the tests share is made once; a
+config composed once is each test's own copy."""
 import os
 import sys
 import textwrap
@@ -8,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import Hung, bounded, made_once
+from tests.helpers import CONF, CPU_OVERRIDES, Hung, bounded, compose_cfg, made_once
 
 
 def test_a_hung_tree_is_killed_and_says_where_it_waited(tmp_path):
@@ -87,3 +88,19 @@ def test_a_folder_whose_make_failed_is_made_again_from_empty_by_the_next_to_ask(
     seen = []
     folder = made_once(tmp_path, "ref", lambda f: seen.append(f.exists()) or f.mkdir())
     assert seen == [False] and list(folder.iterdir()) == []
+
+
+def test_a_config_composed_before_is_a_copy_of_its_own_as_hydra_composes_it(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = ("data=synthetic", "trainer.resume=${run_dir}/c.pt")
+    first = compose_cfg(tmp_path / "a", *overrides)
+    first.trainer.max_steps = 7  # (a test's own change)
+    second = compose_cfg(tmp_path / "b", *overrides)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        fresh = compose("train", overrides=[f"run_dir={tmp_path / 'b'}", *CPU_OVERRIDES,
+                                            *overrides])
+    assert OmegaConf.to_yaml(second, resolve=True) == OmegaConf.to_yaml(fresh, resolve=True)
+    assert second.trainer.resume == f"{tmp_path / 'b'}/c.pt" and first.trainer.max_steps == 7
+    assert OmegaConf.is_struct(second) and second.trainer.max_steps == fresh.trainer.max_steps
