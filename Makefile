@@ -17,10 +17,16 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-compile $(TORCH_INDEX) "$(TORCH_SPEC)"
 	# pin the torch just installed, so no dependency (torchmetrics, transformers) replaces it
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
-	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt -e ".[dev]"
+	$(PY) -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+		> $(VENV)/constraints.txt
+	$(PY) -m pip install --quiet --no-compile -c $(VENV)/constraints.txt -e ".[dev]"
+	# what pip would have byte-compiled one file at a time (torch's and transformers' 14,000
+	# modules: a minute of a 2-core machine's install), compiled on every core; like pip,
+	# it passes over the few files that are not for this Python (a test of torch's)
+	$(PY) -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" \
+		$(VENV)/lib
 	touch $(STAMP)
 
 train: $(STAMP)
