@@ -82,10 +82,7 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
     """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own, ended
     within `timeout` seconds: past it, every process of its tree is asked for its stacks
     (SIGUSR2, see STACKS), then killed, and Hung is raised with what they said."""
-    env = with_stacks(env)
-    proc = warm.start(cmd, cwd, env, preexec_fn) or subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=preexec_fn)  # (tests/warm.py: forked warm)
+    proc = started(cmd, cwd, with_stacks(env), preexec_fn=preexec_fn)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,6 +92,26 @@ def bounded(cmd, cwd, env, timeout, preexec_fn=None) -> subprocess.CompletedProc
                    f"its processes: {states}\nits stdout's end:\n{out[-2000:]}\n"
                    f"its stderr's end (stacks after SIGUSR2):\n{err[-12000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def started(cmd, cwd, env, preexec_fn=None, merged: bool = False, default_signals=()):
+    """`subprocess.Popen(cmd, ...)` in a session of its own, text pipes (`merged`: stderr into
+    stdout's), the signals `default_signals` at their default disposition whatever the
+    suite's: forked from a warm process where it can be (tests/warm.py), else a new
+    interpreter (always with a `preexec_fn`)."""
+    proc = warm.start(cmd, cwd, env, preexec_fn, merged, default_signals)
+    if proc is None:
+        def defaults() -> None:
+            for sig in default_signals:
+                signal.signal(sig, signal.SIG_DFL)
+            if preexec_fn is not None:
+                preexec_fn()
+
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                                text=True, start_new_session=True, preexec_fn=defaults
+                                if default_signals or preexec_fn is not None else None)
+    return proc
 
 
 def with_stacks(env: dict) -> dict:
@@ -565,8 +582,8 @@ class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
     __main__'s file, its session, whether stdout is a pipe, torch's threads and whether
-    SIGHUP is ignored (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the interpreter's own
-    command line and its parent's pid."""
+    SIGHUP is ignored (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the
+    interpreter's own command line and its parent's pid."""
 
     def __init__(self, split: str = "train", report: str = "", **kw):
         super().__init__(split, **kw)

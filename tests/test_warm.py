@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests import warm
+from tests import helpers, warm
 from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli, torchrun
 
 
@@ -160,6 +160,27 @@ def test_a_warm_run_merges_its_output_and_takes_signals_at_their_default_as_aske
         proc.send_signal(signal.SIGHUP)  # (ended: nothing is sent)
     finally:
         server.close()
+
+
+def test_a_cold_run_merges_its_output_and_takes_signals_at_their_default_as_asked(
+        tmp_path, monkeypatch):
+    """helpers.started's other way, a new interpreter (here with STOKER_TEST_COLD=1): the
+    same as the warm fork's, from a suite that ignores SIGHUP."""
+    report, args = _reporting(tmp_path)
+    monkeypatch.setenv("STOKER_TEST_COLD", "1")
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited by the run)
+    try:
+        sighup_ignored = []
+        for default in ([], [signal.SIGHUP]):
+            proc = helpers.started([sys.executable, warm.TRAIN, *args], tmp_path, _started(),
+                                   merged=True, default_signals=default)
+            out, err = proc.communicate(timeout=240)
+            assert not isinstance(proc, warm.WarmRun) and proc.returncode == 0, out[-3000:]
+            assert err is None and "reported to stdout\nreported to stderr\n" in out
+            sighup_ignored.append(json.loads(report.read_text())["sighup_ignored"])
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
+    assert sighup_ignored == [True, False]
 
 
 def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):

@@ -6,7 +6,6 @@ import os
 import random
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 from scripts.processes import descendants
-from tests import warm
-from tests.helpers import ROOT, bounded, kill_tree, made_once, read_metrics, with_stacks
+from tests.helpers import (ROOT, bounded, kill_tree, made_once, read_metrics, started,
+                           with_stacks)
 from trainer import checkpoint
 
 pytestmark = pytest.mark.slow
@@ -70,21 +69,13 @@ def logged_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def _hangup_by_default() -> None:
-    """A child's SIGHUP as in a terminal's run, also where the suite itself runs under
-    nohup (which the child would inherit: it would train on through the test's SIGHUP)."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-
-
 def start_and_wait(cmd, until, timeout=120):
     """The run started in a session of its own, once `until()` holds (the point a test stops
     it at); a run that ended first, or did not get there in `timeout` s, fails the test with
     its output (killed first, tree and all)."""
-    run_env = with_stacks(env())  # (as `run` starts them: the same warm process serves both)
-    proc = warm.start(cmd, ROOT, run_env, merged=True, default_signals=[signal.SIGHUP]) or \
-        subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=_hangup_by_default)  # (tests/warm.py: forked warm)
+    # (SIGHUP as in a terminal's run, also where the suite itself runs under nohup, which the
+    # run would inherit: it would train on through the test's SIGHUP)
+    proc = started(cmd, ROOT, with_stacks(env()), merged=True, default_signals=[signal.SIGHUP])
     deadline = time.monotonic() + timeout
     while not until():
         ended = proc.poll() is not None
