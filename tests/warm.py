@@ -1,8 +1,8 @@
 """Warm starts for the suite's `python train.py` runs (`helpers.bounded`, test_resilience's
 `start_and_wait`): a process that has imported torch (and torch._dynamo, which torch's
-optimizers import when the first one is built), Hydra and OmegaConf forks each run instead of
-a new interpreter importing them again, about 5 s of CPU a run on a 2-core machine, where the
-suite starts hundreds. The forked run is what
+optimizers import when the first one is built), Hydra, OmegaConf and the TensorBoard records a
+run writes forks each run instead of a new interpreter importing them again, about 5 s of CPU
+a run on a 2-core machine, where the suite starts hundreds. The forked run is what
 `python train.py ARGS` is from its first line on: train.py run as `__main__` with its own
 argv, working dir, environment (the sitecustomize of `helpers.STACKS` read again under it),
 stdio, session and exit code.
@@ -202,6 +202,10 @@ def _serve(fd: int) -> None:
     import omegaconf  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (an optimizer's constructor imports it)
+    # what rank 0 of every run imports for its TensorBoard events (trainer/logging.py): 0.1 s
+    import tensorboard.compat.proto.event_pb2  # noqa: F401
+    import tensorboard.compat.proto.summary_pb2  # noqa: F401
+    import tensorboard.summary.writer.record_writer  # noqa: F401
 
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its keepers: reaped as they end
