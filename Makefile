@@ -40,3 +40,4 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
