@@ -32,9 +32,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
-# the suite starts about 700 Python processes, each of which would compile the project's own
-# modules again from source where the environment holds PYTHONDONTWRITEBYTECODE=1 (0.18 s
-# of CPU each): the suite writes them to __pycache__ once (git-ignored) and reads them after
+# the suite starts about 600 Python processes, each of which would compile the project's own
+# modules again from source where the environment holds PYTHONDONTWRITEBYTECODE=1 (up to
+# 0.18 s of CPU each): the suite writes them to __pycache__ once (git-ignored), then reads them
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest $(PYTEST_ARGS)
 
