@@ -45,6 +45,7 @@ from trainer.config import ConfigError, first_line
 log = logging.getLogger("stoker")
 SHM_ROOT = Path("/dev/shm")
 OWNER = "owner.json"  # who wrote a /dev/shm cache: see reclaim_shm
+FAILED = "failed.txt"  # a failed write's line for the ranks waiting for it (cachewait.mark_failed)
 
 
 def pair_batches(dataset: Dataset, num_workers: int, batch_size: int = 256):
@@ -171,7 +172,7 @@ def _in_shm(dataset: Dataset, key: str, local_rank: int, num_workers: int,
             start_s: float) -> MemmapDataset:
     """One copy per node in /dev/shm: local rank 0 writes it while the other ranks wait."""
     root = SHM_ROOT / f"stoker-{key}"
-    done, failed = root / "train" / "y.npy", root / "failed.txt"  # y.npy: renamed in last
+    done, failed = root / "train" / "y.npy", root / FAILED  # y.npy: renamed in last
     if local_rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         failed.unlink(missing_ok=True)
@@ -215,7 +216,7 @@ def _remove_shm(root: Path, failed: Path) -> None:
 def _strip(root: Path) -> bool:
     """Removes a /dev/shm cache's data, leaving its owner record and a failed write's line;
     whether it had any data. (Raises OSError when the folder is gone.)"""
-    data = [path for path in root.iterdir() if path.name not in (OWNER, "failed.txt")]
+    data = [path for path in root.iterdir() if path.name not in (OWNER, FAILED)]
     for path in data:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -320,7 +321,7 @@ def reclaim_shm(alive: Callable[[dict], bool], root: Path = SHM_ROOT) -> List[Pa
     record changed since it was read (a next attempt of its job began writing there)."""
     freed = []
     for folder in root.glob("stoker-*"):
-        record, failed = folder / OWNER, folder / "failed.txt"
+        record, failed = folder / OWNER, folder / FAILED
         try:
             who = json.loads(record.read_text())
             if not isinstance(who, dict) or alive(who):  # (not a record of ours: left alone)
