@@ -125,26 +125,35 @@ def test_torchruns_agent_starts_warm_and_its_ranks_as_torchrun_starts_them(tmp_p
                           "sighup_ignored": c["sighup_ignored"]}
 
 
+def _merged_reporting_runs(start, tmp_path):
+    """Two `_reporting` runs by `start(cmd, cwd, env, merged=True, default_signals=...)`, the
+    second asking for SIGHUP at its default: (each run, whether it found SIGHUP ignored),
+    once each ended 0 with its stderr in its stdout."""
+    report, args = _reporting(tmp_path)
+    runs = []
+    for default in ([], [signal.SIGHUP]):
+        proc = start([sys.executable, warm.TRAIN, *args], tmp_path, _started(), merged=True,
+                     default_signals=default)
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0 and err is None, out[-3000:]
+        assert "reported to stdout\nreported to stderr\n" in out
+        runs.append((proc, json.loads(report.read_text())["sighup_ignored"]))
+    return runs
+
+
 def test_a_warm_run_merges_its_output_and_takes_signals_at_their_default_as_asked(tmp_path):
     """test_resilience's runs: stderr into stdout's pipe (Popen's stderr=STDOUT), SIGHUP at
     its default although the warm process ignores it (a suite under nohup), as their cold
     preexec_fn sets it; poll and send_signal as Popen's."""
-    report, args = _reporting(tmp_path)
     ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited by the warm process)
     try:
         server = warm._Warm(_started())
     finally:
         signal.signal(signal.SIGHUP, ignored)
     try:
-        sighup_ignored = []
-        for default in ([], [signal.SIGHUP]):
-            proc = server.start([sys.executable, warm.TRAIN, *args], tmp_path, _started(),
-                                merged=True, default_signals=default)
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0 and err is None, out[-3000:]
-            assert "reported to stdout\nreported to stderr\n" in out
-            sighup_ignored.append(json.loads(report.read_text())["sighup_ignored"])
-        assert sighup_ignored == [True, False]  # (the trainer's own handler, not nohup's)
+        runs = _merged_reporting_runs(server.start, tmp_path)
+        # (SIGHUP: the trainer's own handler, not nohup's, where asked)
+        assert [ignored for _, ignored in runs] == [True, False]
         marker = tmp_path / "building"
         proc = server.start([sys.executable, warm.TRAIN, f"hydra.run.dir={tmp_path / 'slow'}",
                              "trainer.progress_bar=false", f"+data.dataset.marker={marker}",
@@ -166,21 +175,14 @@ def test_a_cold_run_merges_its_output_and_takes_signals_at_their_default_as_aske
         tmp_path, monkeypatch):
     """helpers.started's other way, a new interpreter (here with STOKER_TEST_COLD=1): the
     same as the warm fork's, from a suite that ignores SIGHUP."""
-    report, args = _reporting(tmp_path)
     monkeypatch.setenv("STOKER_TEST_COLD", "1")
     ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited by the run)
     try:
-        sighup_ignored = []
-        for default in ([], [signal.SIGHUP]):
-            proc = helpers.started([sys.executable, warm.TRAIN, *args], tmp_path, _started(),
-                                   merged=True, default_signals=default)
-            out, err = proc.communicate(timeout=240)
-            assert not isinstance(proc, warm.WarmRun) and proc.returncode == 0, out[-3000:]
-            assert err is None and "reported to stdout\nreported to stderr\n" in out
-            sighup_ignored.append(json.loads(report.read_text())["sighup_ignored"])
+        runs = _merged_reporting_runs(helpers.started, tmp_path)
     finally:
         signal.signal(signal.SIGHUP, ignored)
-    assert sighup_ignored == [True, False]
+    assert not any(isinstance(proc, warm.WarmRun) for proc, _ in runs)
+    assert [ignored for _, ignored in runs] == [True, False]
 
 
 def test_a_run_whose_interpreter_starts_otherwise_starts_cold(tmp_path):
