@@ -581,9 +581,10 @@ class SlowToBuildDigits(DigitsDataset):
 class ProcessReportingDigits(DigitsDataset):
     """Digits whose train split writes, as JSON into `report`, what its process was started
     with: argv, working dir, the variable STOKER_TEST_SAY, the script's folder on sys.path,
-    __main__'s file, its session, whether stdout is a pipe, torch's threads and whether
-    SIGHUP is ignored (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the
-    interpreter's own command line and its parent's pid."""
+    __main__'s file, its session, whether stdout is a pipe, torch's threads, whether SIGHUP
+    is ignored, every signal's disposition and how each standard stream buffers
+    (tests/test_warm.py); on a torchrun rank, into `report`.RANK, with the interpreter's own
+    command line, its parent's pid and its hash of a string."""
 
     def __init__(self, split: str = "train", report: str = "", **kw):
         super().__init__(split, **kw)
@@ -596,14 +597,31 @@ class ProcessReportingDigits(DigitsDataset):
                 "path0": sys.path[0], "main": getattr(main, "__file__", None),
                 "session": os.getsid(0) == os.getpid(),
                 "pipe": stat.S_ISFIFO(os.fstat(1).st_mode), "threads": torch.get_num_threads(),
-                "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN}
+                "sighup_ignored": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+                "signals": {str(int(sig)): _disposition(sig)
+                            for sig in sorted(signal.valid_signals())},
+                "streams": {name: [type(getattr(sys, name).buffer).__name__,
+                                   getattr(sys, name).name,
+                                   getattr(sys, name).line_buffering,
+                                   getattr(sys, name).write_through,
+                                   getattr(sys, name).encoding, getattr(sys, name).errors]
+                            for name in ("stdin", "stdout", "stderr")}}
             if "RANK" in os.environ:
                 said.update(cmdline=Path("/proc/self/cmdline").read_text().split("\0")[:-1],
-                            parent=os.getppid())
+                            parent=os.getppid(), hash=hash("stoker"))
                 report = f"{report}.{os.environ['RANK']}"
             Path(report).write_text(json.dumps(said))
             print("reported to stdout")
             print("reported to stderr", file=sys.stderr)
+
+
+def _disposition(sig: int) -> str:
+    """A signal's disposition as Python knows it: "default", "ignored", a handler's name, or
+    "other" (set outside Python)."""
+    handler = signal.getsignal(sig)
+    if handler in (signal.SIG_DFL, signal.SIG_IGN):
+        return {signal.SIG_DFL: "default", signal.SIG_IGN: "ignored"}[handler]
+    return getattr(handler, "__name__", "other") if handler is not None else "other"
 
 
 class DictDigits(DigitsDataset):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 
 import pytest
@@ -60,7 +61,8 @@ def test_a_warm_run_starts_as_python_train_py_does(tmp_path, started):
     assert runs["warm"] == runs["cold"] == {
         "argv": [warm.TRAIN, *args], "cwd": str(tmp_path), "path0": str(ROOT),
         "main": warm.TRAIN, "session": True, "pipe": True, "threads": runs["cold"]["threads"],
-        "sighup_ignored": runs["cold"]["sighup_ignored"]}
+        "sighup_ignored": runs["cold"]["sighup_ignored"], "signals": runs["cold"]["signals"],
+        "streams": runs["cold"]["streams"]}
 
 
 def test_another_startup_environment_asked_for_twice_gets_a_warm_process_of_its_own(
@@ -92,37 +94,115 @@ def test_a_warm_runs_error_and_exit_code_are_the_cold_runs(tmp_path, override, m
     assert warm_run.returncode == 2 and warm_run.stderr.startswith("stoker: error:")
 
 
-def test_torchruns_agent_starts_warm_and_its_ranks_as_torchrun_starts_them(tmp_path, started):
+def test_torchruns_agent_and_its_ranks_start_warm_as_torchrun_starts_them(tmp_path,
+                                                                         monkeypatch):
+    """The warm agent's rank 0 is a copy of it, its last rank a new interpreter, each started
+    as in a cold job; from a suite under nohup (SIGHUP ignored, in the warm process too)
+    too: torchrun's agent handles SIGHUP, so the ranks it starts find it at its default.
+    The two ranks hash strings apart, as ranks do (no PYTHONHASHSEED)."""
     report = tmp_path / "report.json"
-    args = ["trainer.max_epochs=1", "data.dataset._target_=tests.helpers.ProcessReportingDigits",
-            f"+data.dataset.report={report}"]
-    jobs = {}
-    for how, cold in (("warm", "0"), ("cold", "1")):
-        os.environ["STOKER_TEST_COLD"] = cold
+    cmd = [*helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", warm.TRAIN, *helpers.QUIET,
+           "trainer.max_epochs=1", "data.dataset._target_=tests.helpers.ProcessReportingDigits",
+           f"+data.dataset.report={report}"]
+    jobs, agents = {}, {}
+    env = _started()
+    env.pop("PYTHONHASHSEED", None)
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        server = warm._Warm(env)
         try:
-            job = torchrun(2, [*args, f"hydra.run.dir={tmp_path / how}"], tmp_path,
-                           env={"STOKER_TEST_SAY": how})
+            for how in ("warm", "cold"):
+                start = helpers.started if how == "cold" else (
+                    lambda *a: server.start(*a, merged=False, default_signals=()))
+                if how == "cold":
+                    monkeypatch.setenv("STOKER_TEST_COLD", "1")
+                agents[how] = start([*cmd, f"hydra.run.dir={tmp_path / how}"], tmp_path,
+                                    {**env, "STOKER_TEST_SAY": how})
+                out, err = agents[how].communicate(timeout=240)
+                assert agents[how].returncode == 0, err[-3000:]
+                jobs[how] = [json.loads(report.with_name(f"report.json.{rank}").read_text())
+                             for rank in range(2)]
         finally:
-            del os.environ["STOKER_TEST_COLD"]
-        assert job.returncode == 0, job.stderr[-3000:]
-        jobs[how] = [json.loads(report.with_name(f"report.json.{rank}").read_text())
-                     for rank in range(2)]
-    agent = started[0]
-    assert isinstance(agent, warm.WarmRun) and started[1] is None
-    assert agent.args[1:3] == ["-m", "torch.distributed.run"]
+            server.close()
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
+    assert isinstance(agents["warm"], warm.WarmRun)
+    assert not isinstance(agents["cold"], warm.WarmRun)
+    hashes = [job[rank]["hash"] for job in jobs.values() for rank in range(2)]
     for rank in range(2):
         w, c = jobs["warm"][rank], jobs["cold"][rank]
-        assert w.pop("parent") == agent.pid  # (the agent forked warm; the ranks its children)
-        c.pop("parent")
+        # (each agent forked warm or started cold; the ranks its children)
+        assert (w.pop("parent"), c.pop("parent")) == (agents["warm"].pid, agents["cold"].pid)
         assert (w.pop("say"), c.pop("say")) == ("warm", "cold")
         assert w.pop("argv")[-1] == f"hydra.run.dir={tmp_path / 'warm'}"
         assert c.pop("argv")[-1] == f"hydra.run.dir={tmp_path / 'cold'}"
-        for said in (w, c):  # (a new interpreter: `python -u train.py ARGS`, as torchrun runs it)
-            said["cmdline"] = said["cmdline"][:3]
-        assert w == c == {"cmdline": [sys.executable, "-u", warm.TRAIN], "cwd": str(tmp_path),
-                          "path0": str(ROOT), "main": warm.TRAIN, "session": True,
-                          "pipe": True, "threads": 1,  # (torchrun's OMP_NUM_THREADS=1)
-                          "sighup_ignored": c["sighup_ignored"]}
+        # the warm rank 0, a copy of its agent's interpreter; the others `python -u train.py
+        # ARGS` as torchrun runs it; all started alike in all they report
+        assert w.pop("cmdline")[:3] == ([sys.executable, "-m", "tests.warm"] if rank == 0
+                                        else [sys.executable, "-u", warm.TRAIN])
+        assert c.pop("cmdline")[:3] == [sys.executable, "-u", warm.TRAIN]
+        w.pop("hash"), c.pop("hash")
+        assert w == c
+        assert {k: c[k] for k in ("cwd", "path0", "main", "session", "pipe", "threads",
+                                  "sighup_ignored")} == {
+            "cwd": str(tmp_path), "path0": str(ROOT), "main": warm.TRAIN, "session": True,
+            "pipe": True, "threads": 1,  # (torchrun's OMP_NUM_THREADS=1)
+            "sighup_ignored": False}  # (the trainer's own handler: torchrun's was not ignored)
+        assert c["streams"]["stdout"][2:4] == [False, True]  # (-u: written through)
+    assert len(set(hashes)) == 4, hashes  # (each process's own seed; the warm job's rank 0
+    # the warm process's)
+
+
+def test_a_torchrun_rank_starts_warm_only_as_its_interpreter_would(tmp_path, monkeypatch):
+    """A waiting copy of the agent becomes the rank `python -u train.py ARGS` whose startup
+    environment is the agent's but for torchrun's own variables: the request it is sent
+    holds the rank's argv, working dir, environment, stdio and the signals the agent
+    ignores. Another script, interpreter or startup environment is torchrun's own Popen;
+    so is every rank once no copy waits."""
+    env = {**_started(), "TORCHELASTIC_RUN_ID": "none"}
+    copy, agent_end = socket.socketpair()
+    ranks = warm._Ranks(0, env)  # (none forked: this one's end of a socketpair stands in)
+    ranks.waiting.append((os.getpid(), agent_end))
+    rank = [sys.executable, "-u", "train.py", "trainer.max_epochs=1"]
+    ignored = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    monkeypatch.chdir(ROOT)
+    try:
+        for other in ([sys.executable, "-u", str(ROOT / "scripts" / "bench_overhead.py")],
+                      ["/usr/bin/python3", *rank[1:]], [sys.executable, *rank[2:]]):
+            assert ranks.start(other, env, None, None) is None
+        for startup in ({"LC_ALL": "C"}, {"OMP_NUM_THREADS": "4"}, {"PYTHONHASHSEED": "1"},
+                        {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}):  # (the last: a seed)
+            assert ranks.start(rank, {**env, **startup}, None, None) is None
+        assert len(ranks.waiting) == 1
+        ours = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "2", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+        with open(tmp_path / "out", "w") as out:
+            proc = ranks.start(rank, {**env, **ours}, out, None)
+        assert isinstance(proc, warm._Rank) and proc.pid == os.getpid() and not ranks.waiting
+        assert ranks.start(rank, env, None, None) is None  # (no copy left)
+    finally:
+        signal.signal(signal.SIGHUP, ignored)
+    request, *fds = warm._receive(copy)
+    assert request == {"argv": rank[2:], "module": None, "cwd": str(ROOT), "env": {**env, **ours},
+                       "default_signals": [], "unbuffered": True,
+                       "ignored": request["ignored"]}
+    assert int(signal.SIGHUP) in request["ignored"] and int(signal.SIGTERM) not in \
+        request["ignored"]
+    same = [os.path.samestat(os.fstat(fd), os.fstat(to)) for fd, to in zip(fds, (0, 2, 2))]
+    assert same == [True, False, True] and os.path.samestat(
+        os.fstat(fds[1]), os.stat(tmp_path / "out"))  # (its stdin and stderr the agent's)
+    for fd in fds:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("argv, count", [
+    (["--standalone", "--nproc_per_node=2", "train.py", "x=1"], 1),
+    (["--nproc-per-node", "3", "--max-restarts=1", "train.py"], 4),
+    (["--nproc_per_node=1", "train.py"], 1),
+    (["--nproc_per_node=auto", "train.py"], 0),
+    (["--standalone", "train.py", "--nproc_per_node"], 0)])  # (torchrun's: the script's)
+def test_torchruns_agent_forks_a_copy_for_each_rank_it_starts(argv, count):
+    assert warm._Ranks._asked(argv) == count
 
 
 def _merged_reporting_runs(start, tmp_path):

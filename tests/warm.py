@@ -7,8 +7,11 @@ a run on a 2-core machine, where the suite starts hundreds. The forked run is wh
 argv, working dir, environment (the sitecustomize of `helpers.STACKS` read again under it),
 stdio, session and exit code.
 
-torchrun's agent (`python -m torch.distributed.run ARGS`) is forked likewise, as `-m` runs it
-(its ranks, the agent's children, start as torchrun starts them: new interpreters).
+torchrun's agent (`python -m torch.distributed.run ARGS`) is forked likewise, as `-m` runs it,
+and so are its ranks but the last (`_Ranks`): copies of the agent forked before it starts, each
+the agent's child as torchrun's own ranks are, started as `python -u train.py ARGS` would be.
+The last local rank of each job starts as torchrun starts it, a new interpreter with a
+string-hash seed of its own.
 
 A run is forked only from a warm process that started as its own interpreter would: with the
 same PYTHON*, locale, torch and thread variables. The first such environment a pytest worker
@@ -125,6 +128,9 @@ class _Warm:
 
     def __init__(self, env: Dict[str, str]):
         self.sock, theirs = socket.socketpair()
+        # (without the suite's STOKER_TEST_ variables: STACKS' sitecustomize reads them as
+        # each run starts, and would read them as the warm process starts, for all its runs)
+        env = {k: v for k, v in env.items() if not k.startswith("STOKER_TEST_")}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm", str(theirs.fileno())],
                                      cwd=ROOT, env=env, pass_fds=[theirs.fileno()],
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -143,12 +149,11 @@ class _Warm:
         err_r, err_w = (None, out_w) if merged else os.pipe()
         module = cmd[2] if cmd[1] == "-m" else None
         argv = cmd[3:] if module else cmd[1:]
-        request = json.dumps({"argv": argv, "module": module, "cwd": str(cwd), "env": env,
-                              "default_signals": [int(s) for s in default_signals]}).encode()
+        request = {"argv": argv, "module": module, "cwd": str(cwd), "env": env,
+                   "default_signals": [int(s) for s in default_signals]}
         try:
             with self.lock:
-                socket.send_fds(self.sock, [struct.pack("Q", len(request)) + request],
-                                [theirs.fileno(), out_w, err_w])
+                _send(self.sock, request, [theirs.fileno(), out_w, err_w])
         finally:
             for fd in {out_w, err_w}:
                 os.close(fd)
@@ -197,6 +202,8 @@ def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None, merged: boo
 
 # ---- the warm process -------------------------------------------------------------------
 
+_STDIO: Dict[str, tuple] = {}  # (its standard streams' encoding and errors, as it started)
+
 def _serve(fd: int) -> None:
     import hydra  # noqa: F401
     import omegaconf  # noqa: F401
@@ -207,28 +214,44 @@ def _serve(fd: int) -> None:
     import tensorboard.compat.proto.summary_pb2  # noqa: F401
     import tensorboard.summary.writer.record_writer  # noqa: F401
 
+    _STDIO.update({name: (getattr(sys, name).encoding, getattr(sys, name).errors)
+                   for name in ("stdin", "stdout", "stderr")})
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its keepers: reaped as they end
     sock.sendall(b"ready")
     while True:
-        try:
-            head, fds, _, _ = socket.recv_fds(sock, 8, 3)
-        except OSError:
-            return
-        if len(head) < 8:
+        got = _receive(sock)
+        if got is None:
             return  # the suite ended
-        size = struct.unpack("Q", head)[0]
-        body = b""
-        while len(body) < size:
-            chunk = sock.recv(size - len(body))
-            if not chunk:
-                return
-            body += chunk
         if os.fork() == 0:
             sock.close()
-            _keep(json.loads(body), *fds)
-        for f in fds:
+            _keep(*got)
+        for f in got[1:]:
             os.close(f)
+
+
+def _send(sock: socket.socket, request: dict, fds: List[int]) -> None:
+    """`request` and three file descriptors, as `_receive` reads them."""
+    body = json.dumps(request).encode()
+    socket.send_fds(sock, [struct.pack("Q", len(body)) + body], fds)
+
+
+def _receive(sock: socket.socket) -> Optional[tuple]:
+    """(request, fd, fd, fd) sent by `_send`, or None when the other end closed first."""
+    try:
+        head, fds, _, _ = socket.recv_fds(sock, 8, 3)
+    except OSError:
+        return None
+    if len(head) < 8 or len(fds) != 3:
+        return None
+    size = struct.unpack("Q", head)[0]
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return (json.loads(body), *fds)
 
 
 def _keep(request: dict, status_fd: int, out: int, err: int) -> None:
@@ -251,36 +274,48 @@ def _keep(request: dict, status_fd: int, out: int, err: int) -> None:
         os._exit(code)
 
 
-def _run(request: dict, out: int, err: int) -> None:
-    """The run, as `python train.py ARGS` would start it in a session of its own."""
+def _run(request: dict, out: int, err: int, stdin: Optional[int] = None) -> None:
+    """The run, as `python train.py ARGS` would start it in a session of its own (its stdin
+    /dev/null, or `stdin`). A torchrun rank's request (`_Ranks`) also holds "unbuffered"
+    (`python -u`) and "ignored" (the signals its agent ignores, which a new interpreter
+    finds ignored; every other one at its default)."""
     code = 1
     try:
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
+        if os.getsid(0) != os.getpid():  # (a rank's copy has a session of its own already)
+            os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY) if stdin is None else stdin
         for fd, to in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, to)
             os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        # the standard streams as an interpreter opens them (PYTHONUNBUFFERED: write-through)
-        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-        for fd, name, errors in ((0, "stdin", "strict"), (1, "stdout", "strict"),
-                                 (2, "stderr", "backslashreplace")):
+        # the standard streams as an interpreter opens them (its create_stdio: PYTHONUNBUFFERED
+        # or -u, written through; else line-buffered to a terminal, and stderr always; the
+        # encoding and errors of this process's own, which started with the same locale)
+        unbuffered = bool(os.environ.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False)
+        for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
             raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
+            raw.name = f"<{name}>"
             buffered = raw if unbuffered and fd else (io.BufferedReader(raw) if fd == 0 else
                                                       io.BufferedWriter(raw))
-            stream = io.TextIOWrapper(buffered, encoding="utf-8", errors=errors,
-                                      line_buffering=fd == 2 or (unbuffered and fd == 1),
-                                      write_through=unbuffered and fd != 0)
+            encoding, errors = _STDIO[name]
+            stream = io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n",
+                                      line_buffering=not unbuffered and (raw.isatty() or fd == 2),
+                                      write_through=unbuffered)
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if "ignored" in request:
+            _signals_of_a_new_interpreter(set(request["ignored"]))
+        else:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for sig in request["default_signals"]:
             signal.signal(sig, signal.SIG_DFL)
         import runpy
 
+        if request.get("module") == TORCHRUN[1]:
+            _Ranks.ready(request)  # (before its stacks' sitecustomize: the ranks run their own)
         stacks = ROOT / "tests" / "stacks" / "sitecustomize.py"
         if str(stacks.parent) in os.environ.get("PYTHONPATH", "").split(os.pathsep):
             runpy.run_path(str(stacks))  # (as it read its environment at start-up)
@@ -316,6 +351,185 @@ def _run(request: dict, out: int, err: int) -> None:
         atexit._run_exitfuncs()
     finally:
         os._exit(code)
+
+
+# the signals a handler of faulthandler's may hold (PYTHONFAULTHANDLER): left as they are
+_FATAL = {signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL}
+
+
+def _signals_of_a_new_interpreter(ignored: set) -> None:
+    """Every signal as a new interpreter started by Popen finds and sets it: those `ignored`
+    by its parent stay ignored, every other one at its default (Popen's exec), then Python's
+    own: SIGPIPE and SIGXFSZ ignored, SIGINT raising KeyboardInterrupt unless ignored.
+    faulthandler's registrations (STACKS' SIGUSR2) are undone: the run registers its own."""
+    import faulthandler
+
+    for sig in signal.valid_signals() - _FATAL - {signal.SIGKILL, signal.SIGSTOP}:
+        try:
+            faulthandler.unregister(sig)
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):  # (one the C library keeps for itself)
+            pass
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class _Rank:
+    """What torchrun's agent keeps of a rank it started (a subprocess.Popen's pid, args,
+    returncode, poll, wait, send_signal, terminate, kill), for a rank that one of its
+    `_Ranks` copies became: its own child, waited for as Popen waits for one."""
+
+    def __init__(self, args: List[str], pid: int):
+        self.args, self.pid, self.returncode = args, pid, None
+        self.stdin = self.stdout = self.stderr = None
+
+    def _reaped(self, flags: int) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # (reaped elsewhere: as Popen says then)
+                pid, status = self.pid, 0
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if timeout is None:
+            return self._reaped(0)
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(min(delay, left, 0.05))
+            delay *= 2
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Ranks:
+    """Warm ranks for torchrun's agent, itself a warm run: before it starts (while it is one
+    thread), it forks a copy of itself for each rank but the last it will start (twice as
+    many where it may restart them), which waits in a session of its own. torchrun's
+    `Popen([python, "-u", train.py, ARGS], env=..., start_new_session=True)` of a rank then
+    sends that rank's argv, working dir, environment, standard streams and ignored signals
+    to a waiting copy, which runs it as `_run` runs a run; the rank is the agent's child, as
+    torchrun's own are (the run stamp, launch id and parent-death signal read the agent as
+    the parent).
+
+    The copies share the warm process's string-hash seed, so the job's last local rank
+    starts as torchrun starts it, a new interpreter with a seed of its own: an order of a
+    set of strings that differs between processes still differs between the ranks of every
+    job. So does a rank where no copy is left, one that is not `python -u` of this train.py,
+    and one whose startup environment differs from the agent's other than by torchrun's own
+    TORCHELASTIC_ and TORCH_NCCL_ variables (read as they are used): an OMP_NUM_THREADS=1
+    that torchrun sets where the agent found none, say (the suite sets it). Copies left
+    waiting end as the agent does (their socket's other end closes)."""
+
+    _RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_")
+
+    @classmethod
+    def ready(cls, request: dict) -> None:
+        count = cls._asked(request["argv"])
+        if count and len(os.listdir("/proc/self/task")) == 1:  # (a fork of one thread only)
+            cls(count, request["env"]).replace_popen()
+
+    @staticmethod
+    def _asked(argv: List[str]) -> int:
+        """The warm ranks torchrun's `argv` starts (every local rank but the last, or its
+        one), twice where it may restart them; 0 where it does not say in numbers, or the
+        script's arguments hold one of these options."""
+        import argparse
+
+        parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False,
+                                         exit_on_error=False)
+        parser.add_argument("--nproc-per-node", "--nproc_per_node", default="1")
+        parser.add_argument("--max-restarts", "--max_restarts", default="0")
+        try:
+            known, _ = parser.parse_known_args(argv)
+            nproc, restarts = int(known.nproc_per_node), int(known.max_restarts)
+        except (argparse.ArgumentError, ValueError):
+            return 0
+        return max(0, min(nproc, max(1, nproc - 1))) * (2 if restarts > 0 else 1)
+
+    def __init__(self, count: int, env: Dict[str, str]):
+        self.env, self.waiting = dict(env), []  # (pid, socket) of each copy
+        for _ in range(count):
+            mine, theirs = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:
+                mine.close()
+                for _, other in self.waiting:
+                    other.close()
+                self._wait(theirs)
+            theirs.close()
+            self.waiting.append((pid, mine))
+
+    def replace_popen(self) -> None:
+        """torchrun's Popen of a rank: `start`, else Popen."""
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler)
+
+        handler = subprocess_handler.SubprocessHandler
+        popen, ranks = handler._popen, self
+
+        def _popen(self, args, env):
+            proc = ranks.start(list(args), env, self._stdout, self._stderr)
+            return popen(self, args, env) if proc is None else proc
+
+        handler._popen = _popen
+
+    @staticmethod
+    def _wait(sock: socket.socket) -> None:
+        """A copy: waits for its rank's request (or the agent's end), then runs it."""
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (until it is a rank)
+            os.setsid()
+            got = _receive(sock)
+            if got is not None:
+                sock.close()
+                request, stdin, out, err = got
+                _run(request, out, err, stdin)
+        finally:
+            os._exit(0)
+
+    def start(self, args: List[str], env: Dict[str, str], stdout, stderr) -> Optional[_Rank]:
+        """The rank `args` run by a waiting copy, or None where it must start cold."""
+        if (not self.waiting or len(args) < 3 or args[:2] != [sys.executable, "-u"]
+                or os.path.realpath(args[2]) != os.path.realpath(TRAIN)
+                or int(env.get("LOCAL_RANK", 0)) == int(env.get("LOCAL_WORLD_SIZE", 1)) - 1 > 0):
+            return None
+        mine, theirs = _startup_env(self.env), _startup_env(env)
+        if any(mine.get(k) != theirs.get(k) for k in set(mine) | set(theirs)
+               if not k.startswith(self._RUNTIME)):
+            return None
+        ignored = [int(sig) for sig in signal.valid_signals()
+                   if signal.getsignal(sig) == signal.SIG_IGN]
+        request = {"argv": args[2:], "module": None, "cwd": os.getcwd(), "env": env,
+                   "default_signals": [], "ignored": ignored, "unbuffered": True}
+        pid, sock = self.waiting.pop(0)
+        try:
+            _send(sock, request, [0, stdout.fileno() if stdout else 1,
+                                  stderr.fileno() if stderr else 2])
+        except OSError:  # (that copy is gone: killed while it waited)
+            return None
+        finally:
+            sock.close()
+        return _Rank(args, pid)
 
 
 if __name__ == "__main__":
