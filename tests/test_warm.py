@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests import helpers, warm
-from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli, torchrun
+from tests.helpers import ROOT, STACKS, Hung, bounded, run_cli
 
 
 def _env(**extra):
@@ -97,9 +97,10 @@ def test_a_warm_runs_error_and_exit_code_are_the_cold_runs(tmp_path, override, m
 def test_torchruns_agent_and_its_ranks_start_warm_as_torchrun_starts_them(tmp_path,
                                                                          monkeypatch):
     """The warm agent's rank 0 is a copy of it, its last rank a new interpreter, each started
-    as in a cold job; from a suite under nohup (SIGHUP ignored, in the warm process too)
-    too: torchrun's agent handles SIGHUP, so the ranks it starts find it at its default.
-    The two ranks hash strings apart, as ranks do (no PYTHONHASHSEED)."""
+    as the ranks of a cold job are, from a suite under nohup (SIGHUP ignored, in the warm
+    process too): torchrun's agent handles SIGHUP, so its ranks find it at its default. The
+    four ranks of the two jobs hash a string four ways (no PYTHONHASHSEED): the warm rank 0
+    with its warm process's seed, each other one with its own."""
     report = tmp_path / "report.json"
     cmd = [*helpers.TORCHRUN, "--standalone", "--nproc_per_node=2", warm.TRAIN, *helpers.QUIET,
            "trainer.max_epochs=1", "data.dataset._target_=tests.helpers.ProcessReportingDigits",
@@ -149,8 +150,7 @@ def test_torchruns_agent_and_its_ranks_start_warm_as_torchrun_starts_them(tmp_pa
             "pipe": True, "threads": 1,  # (torchrun's OMP_NUM_THREADS=1)
             "sighup_ignored": False}  # (the trainer's own handler: torchrun's was not ignored)
         assert c["streams"]["stdout"][2:4] == [False, True]  # (-u: written through)
-    assert len(set(hashes)) == 4, hashes  # (each process's own seed; the warm job's rank 0
-    # the warm process's)
+    assert len(set(hashes)) == 4, hashes
 
 
 def test_a_torchrun_rank_starts_warm_only_as_its_interpreter_would(tmp_path, monkeypatch):
@@ -201,7 +201,7 @@ def test_a_torchrun_rank_starts_warm_only_as_its_interpreter_would(tmp_path, mon
     (["--nproc_per_node=1", "train.py"], 1),
     (["--nproc_per_node=auto", "train.py"], 0),
     (["--standalone", "train.py", "--nproc_per_node"], 0)])  # (torchrun's: the script's)
-def test_torchruns_agent_forks_a_copy_for_each_rank_it_starts(argv, count):
+def test_torchruns_agent_forks_a_copy_for_each_rank_but_the_last(argv, count):
     assert warm._Ranks._asked(argv) == count
 
 

@@ -204,6 +204,7 @@ def start(cmd: List[str], cwd, env: Dict[str, str], preexec_fn=None, merged: boo
 
 _STDIO: Dict[str, tuple] = {}  # (its standard streams' encoding and errors, as it started)
 
+
 def _serve(fd: int) -> None:
     import hydra  # noqa: F401
     import omegaconf  # noqa: F401
