@@ -257,7 +257,7 @@ def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, work
     tarfile's traceback."""
     import shutil
 
-    from data.loader import readable
+    from data.loader import readable, shut_down
     from trainer.config import ConfigError
 
     root = tmp_path / "shards"
@@ -273,9 +273,12 @@ def test_a_damaged_or_missing_shard_is_one_line_naming_it(tmp_path, damage, work
         index = json.loads((root / "train" / "index.json").read_text())
         index["shards"][1]["samples"] = 50 if damage == "short index" else 7
         (root / "train" / "index.json").write_text(json.dumps(index))
-    ld = loader(root, workers=workers, shuffle=False)
-    with pytest.raises(ConfigError) as info:
-        list(readable(iter(ld)))
+    batches = iter(loader(root, workers=workers, shuffle=False))
+    try:
+        with pytest.raises(ConfigError) as info:
+            list(readable(batches))
+    finally:  # (as the trainer ends a loader: left to the garbage collector, its worker's
+        shut_down(batches)  # shutdown waited 10-20 s on it)
     message = str(info.value)
     assert "\n" not in message and "shard-000001.tar" in message, message
     assert message.startswith("data: shard "), message
