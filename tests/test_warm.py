@@ -193,16 +193,20 @@ def test_a_torchrun_rank_starts_warm_only_as_its_interpreter_would(tmp_path, mon
         os.fstat(fds[1]), os.stat(tmp_path / "out"))  # (its stdin and stderr the agent's)
     for fd in fds:
         os.close(fd)
+    copy.close()
 
 
-@pytest.mark.parametrize("argv, count", [
-    (["--standalone", "--nproc_per_node=2", "train.py", "x=1"], 1),
-    (["--nproc-per-node", "3", "--max-restarts=1", "train.py"], 4),
-    (["--nproc_per_node=1", "train.py"], 1),
-    (["--nproc_per_node=auto", "train.py"], 0),
-    (["--standalone", "train.py", "--nproc_per_node"], 0)])  # (torchrun's: the script's)
-def test_torchruns_agent_forks_a_copy_for_each_rank_but_the_last(argv, count):
-    assert warm._Ranks._asked(argv) == count
+@pytest.mark.parametrize("argv, env, count", [
+    (["--standalone", "--nproc_per_node=2", "train.py", "x=1"], {}, 1),
+    (["--nproc-per-node", "3", "--max-restarts=1", "train.py"], {}, 2),  # (not its restarts)
+    (["--nproc_per_node=1", "train.py"], {}, 1),
+    (["--standalone", "train.py"], {"PET_NPROC_PER_NODE": "4"}, 3),  # (torchrun's default)
+    (["--standalone", "train.py", "--nproc_per_node=4"], {}, 1),  # (the script's own)
+    (["--nproc_per_node=auto", "train.py"], {}, 0),
+    (["--nproc_per_node=2", "scripts/bench_overhead.py"], {}, 0)])
+def test_torchruns_agent_forks_a_copy_for_each_rank_but_the_last(argv, env, count, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert warm._Ranks._asked(argv, env) == count
 
 
 def _merged_reporting_runs(start, tmp_path):

@@ -10,8 +10,8 @@ stdio, session and exit code.
 torchrun's agent (`python -m torch.distributed.run ARGS`) is forked likewise, as `-m` runs it,
 and so are its ranks but the last (`_Ranks`): copies of the agent forked before it starts, each
 the agent's child as torchrun's own ranks are, started as `python -u train.py ARGS` would be.
-The last local rank of each job starts as torchrun starts it, a new interpreter with a
-string-hash seed of its own.
+The last local rank of a job of two or more starts as torchrun starts it, a new interpreter
+with a string-hash seed of its own.
 
 A run is forked only from a warm process that started as its own interpreter would: with the
 same PYTHON*, locale, torch and thread variables. The first such environment a pytest worker
@@ -298,12 +298,15 @@ def _run(request: dict, out: int, err: int, stdin: Optional[int] = None) -> None
         for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
             raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
             raw.name = f"<{name}>"
-            buffered = raw if unbuffered and fd else (io.BufferedReader(raw) if fd == 0 else
-                                                      io.BufferedWriter(raw))
+            size = os.fstat(fd).st_blksize  # (io.open's buffer: the file's block size)
+            size = size if size > 1 else io.DEFAULT_BUFFER_SIZE
+            buffered = raw if unbuffered and fd else (io.BufferedReader(raw, size) if fd == 0
+                                                      else io.BufferedWriter(raw, size))
             encoding, errors = _STDIO[name]
             stream = io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n",
                                       line_buffering=not unbuffered and (raw.isatty() or fd == 2),
                                       write_through=unbuffered)
+            stream.mode = "r" if fd == 0 else "w"
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
         if "ignored" in request:
@@ -344,12 +347,15 @@ def _run(request: dict, out: int, err: int, stdin: Optional[int] = None) -> None
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             code = 1
+        # the interpreter's exit: its threads that are no daemons waited for, its exit
+        # handlers, then its streams flushed
+        threading._shutdown()
+        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
-        atexit._run_exitfuncs()
     finally:
         os._exit(code)
 
@@ -424,48 +430,59 @@ class _Rank:
 
 class _Ranks:
     """Warm ranks for torchrun's agent, itself a warm run: before it starts (while it is one
-    thread), it forks a copy of itself for each rank but the last it will start (twice as
-    many where it may restart them), which waits in a session of its own. torchrun's
+    thread), it forks a copy of itself for each local rank but the last of its first start
+    (for the one of a job of one), which waits in a session of its own. torchrun's
     `Popen([python, "-u", train.py, ARGS], env=..., start_new_session=True)` of a rank then
     sends that rank's argv, working dir, environment, standard streams and ignored signals
     to a waiting copy, which runs it as `_run` runs a run; the rank is the agent's child, as
     torchrun's own are (the run stamp, launch id and parent-death signal read the agent as
     the parent).
 
-    The copies share the warm process's string-hash seed, so the job's last local rank
-    starts as torchrun starts it, a new interpreter with a seed of its own: an order of a
-    set of strings that differs between processes still differs between the ranks of every
-    job. So does a rank where no copy is left, one that is not `python -u` of this train.py,
-    and one whose startup environment differs from the agent's other than by torchrun's own
-    TORCHELASTIC_ and TORCH_NCCL_ variables (read as they are used): an OMP_NUM_THREADS=1
-    that torchrun sets where the agent found none, say (the suite sets it). Copies left
-    waiting end as the agent does (their socket's other end closes)."""
+    The copies share the warm process's string-hash seed, so the last local rank of a job of
+    two or more starts as torchrun starts it, a new interpreter with a seed of its own: an
+    order of a set of strings that differs between processes still differs between the
+    ranks of every such job. So do the ranks torchrun starts again (--max-restarts: no copy
+    is left), one that is not `python -u` of this train.py, and one whose startup
+    environment differs from the agent's other than by torchrun's own TORCHELASTIC_ and
+    TORCH_NCCL_ variables (read as they are used): an OMP_NUM_THREADS=1 that torchrun sets
+    where the agent found none, say (the suite sets it). A copy that waits ignores the
+    signals a test may send every process of the job; copies left waiting end as the agent
+    does (their socket's other end closes). Where they cannot be forked, the ranks start
+    cold."""
 
     _RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_")
+    _IGNORED_WHILE_WAITING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                              signal.SIGUSR1)
 
     @classmethod
     def ready(cls, request: dict) -> None:
-        count = cls._asked(request["argv"])
+        count = cls._asked(request["argv"], request["env"])
         if count and len(os.listdir("/proc/self/task")) == 1:  # (a fork of one thread only)
-            cls(count, request["env"]).replace_popen()
+            try:
+                cls(count, request["env"]).replace_popen()
+            except OSError:  # (no process or socket to be had: cold ranks)
+                pass
 
     @staticmethod
-    def _asked(argv: List[str]) -> int:
-        """The warm ranks torchrun's `argv` starts (every local rank but the last, or its
-        one), twice where it may restart them; 0 where it does not say in numbers, or the
-        script's arguments hold one of these options."""
+    def _asked(argv: List[str], env: Dict[str, str]) -> int:
+        """How many copies torchrun's `argv` asks for: its local ranks but the last, or its
+        one; 0 where its script is not this train.py or its --nproc-per-node (or torchrun's
+        PET_NPROC_PER_NODE) is no number."""
         import argparse
 
+        script = next((i for i, arg in enumerate(argv) if not arg.startswith("-")
+                       and os.path.realpath(arg) == os.path.realpath(TRAIN)), None)
+        if script is None:
+            return 0
         parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False,
                                          exit_on_error=False)
-        parser.add_argument("--nproc-per-node", "--nproc_per_node", default="1")
-        parser.add_argument("--max-restarts", "--max_restarts", default="0")
+        parser.add_argument("--nproc-per-node", "--nproc_per_node",
+                            default=env.get("PET_NPROC_PER_NODE", "1"))
         try:
-            known, _ = parser.parse_known_args(argv)
-            nproc, restarts = int(known.nproc_per_node), int(known.max_restarts)
+            nproc = int(parser.parse_known_args(argv[:script])[0].nproc_per_node)
         except (argparse.ArgumentError, ValueError):
             return 0
-        return max(0, min(nproc, max(1, nproc - 1))) * (2 if restarts > 0 else 1)
+        return nproc - 1 if nproc > 1 else max(0, nproc)
 
     def __init__(self, count: int, env: Dict[str, str]):
         self.env, self.waiting = dict(env), []  # (pid, socket) of each copy
@@ -498,7 +515,8 @@ class _Ranks:
     def _wait(sock: socket.socket) -> None:
         """A copy: waits for its rank's request (or the agent's end), then runs it."""
         try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (until it is a rank)
+            for sig in _Ranks._IGNORED_WHILE_WAITING:  # (until it is a rank)
+                signal.signal(sig, signal.SIG_IGN)
             os.setsid()
             got = _receive(sock)
             if got is not None:
@@ -520,7 +538,11 @@ class _Ranks:
             return None
         ignored = [int(sig) for sig in signal.valid_signals()
                    if signal.getsignal(sig) == signal.SIG_IGN]
-        request = {"argv": args[2:], "module": None, "cwd": os.getcwd(), "env": env,
+        try:
+            cwd = os.getcwd()
+        except OSError:  # (removed: a new interpreter would start in it all the same)
+            return None
+        request = {"argv": args[2:], "module": None, "cwd": cwd, "env": env,
                    "default_signals": [], "ignored": ignored, "unbuffered": True}
         pid, sock = self.waiting.pop(0)
         try:
