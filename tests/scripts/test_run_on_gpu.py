@@ -37,10 +37,16 @@ def test_a_call_cut_off_by_its_limit_still_leaves_its_archive_and_no_process(tmp
     proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "run_on_gpu.sh"), "checkpoint"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    pid_file = tmp_path / "step.pid"
+
+    def step_started() -> bool:  # (its log opened and the stand-in's pid written: it hangs)
+        return (results / "bench_checkpoint.log").exists() and pid_file.exists() and \
+            pid_file.read_text().endswith("\n")
+
     deadline = time.monotonic() + 30
-    while not (results / "bench_checkpoint.log").exists() and time.monotonic() < deadline:
+    while not step_started() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert (results / "bench_checkpoint.log").exists(), proc.stdout.read() if proc.poll() else ""
+    assert step_started(), proc.stdout.read() if proc.poll() else ""
     os.killpg(proc.pid, signal.SIGTERM)  # the whole call, as a limit ends it
     assert proc.wait(timeout=30) == 124
     assert (out / "gpu-results.tar.gz").stat().st_size > 0
@@ -54,7 +60,7 @@ def test_a_call_cut_off_by_its_limit_still_leaves_its_archive_and_no_process(tmp
         time.sleep(0.1)
     else:
         raise AssertionError("a process of the call outlived it")
-    step = int((tmp_path / "step.pid").read_text())  # (timeout leads a group of its own)
+    step = int(pid_file.read_text())  # (timeout leads a group of its own)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
