@@ -46,6 +46,13 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
 TORCHRUN = ["-m", "torch.distributed.run"]
+
+
+def _is_train(arg: str) -> bool:
+    """Whether the path `arg` names this train.py (TRAIN is resolved already)."""
+    return os.path.realpath(arg) == TRAIN
+
+
 # what an interpreter reads as it starts (or torch and its OpenMP runtime as they are
 # imported): a run whose values differ from the warm process's starts cold (KMP_ is the Intel
 # runtime's, which a library in the suite's process sets; torch's Linux wheels use GNU's)
@@ -470,8 +477,8 @@ class _Ranks:
         PET_NPROC_PER_NODE) is no number."""
         import argparse
 
-        script = next((i for i, arg in enumerate(argv) if not arg.startswith("-")
-                       and os.path.realpath(arg) == os.path.realpath(TRAIN)), None)
+        script = next((i for i, arg in enumerate(argv)
+                       if not arg.startswith("-") and _is_train(arg)), None)
         if script is None:
             return 0
         parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False,
@@ -529,7 +536,7 @@ class _Ranks:
     def start(self, args: List[str], env: Dict[str, str], stdout, stderr) -> Optional[_Rank]:
         """The rank `args` run by a waiting copy, or None where it must start cold."""
         if (not self.waiting or len(args) < 3 or args[:2] != [sys.executable, "-u"]
-                or os.path.realpath(args[2]) != os.path.realpath(TRAIN)
+                or not _is_train(args[2])
                 or int(env.get("LOCAL_RANK", 0)) == int(env.get("LOCAL_WORLD_SIZE", 1)) - 1 > 0):
             return None
         mine, theirs = _startup_env(self.env), _startup_env(env)
