@@ -85,10 +85,21 @@ def _disk_writer_state(cache_dir: Path, key: str, me: Optional[dict],
 def mark_failed(failed: Path, line: str, owner: Optional[dict]) -> None:
     """`failed`: a failed write's one line for the ranks waiting for it, and whose it is (the
     writer's `owner`: a later launch's ranks, there before their own writer removed it, do
-    not take it for their writer's). Written whole: a waiting rank never reads half of it."""
+    not take it for their writer's). Written whole: a waiting rank never reads half of it.
+    Where it cannot be written (the full disk that failed the write, say), its partial file is
+    removed and a warning says so, and the error being marked goes on unmasked: the waiting
+    ranks learn of the writer's end from its exit (WriterGone) instead."""
     part = failed.with_name(f"{failed.name}.{os.getpid()}.tmp")
-    part.write_text(json.dumps({"error": line, "writer": owner or {}}))
-    os.replace(part, failed)
+    try:
+        part.write_text(json.dumps({"error": line, "writer": owner or {}}))
+        os.replace(part, failed)
+    except OSError as e:
+        try:
+            part.unlink(missing_ok=True)
+        except OSError:
+            pass
+        log.warning("could not leave the failed write's line for the waiting ranks in %s (%s); "
+                    "they learn of it as this rank ends", failed, e.strerror or e)
 
 
 def _failure(failed: Path, me: Optional[dict]) -> Optional[str]:

@@ -22,6 +22,36 @@ def test_waiting_ranks_poll_for_the_writer_and_hear_of_its_failure(tmp_path):
         cachewait._await(tmp_path / "never", failed, "the other")
 
 
+def test_a_failure_line_the_disk_cannot_take_leaves_nothing_and_hides_no_error(
+        tmp_path, monkeypatch, caplog):
+    """The full disk that failed a cache's write can refuse its one line too: the partial
+    file goes, a warning says so, and the write's own error is the one raised (the line's
+    OSError took its place, and a failed.txt.<pid>.tmp stayed behind)."""
+    from pathlib import Path
+
+    from data import cache
+
+    real = Path.write_text
+
+    def full(self, text, *args, **kwargs):
+        real(self, text[:5], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    def write_fails(*args):
+        raise ValueError("bad sample")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(cache, "write_arrays", write_fails)
+    failed = tmp_path / "failed.txt"
+    with pytest.raises(ValueError, match="bad sample"):
+        cache._write_marked(None, tmp_path / "train", 0, failed, None)
+    assert list(tmp_path.iterdir()) == []
+    warned = [r.getMessage() for r in caplog.records if r.name == "stoker"]
+    assert warned == [f"could not leave the failed write's line for the waiting ranks in "
+                      f"{failed} (No space left on device); they learn of it as this rank "
+                      "ends"]
+
+
 def test_unfinished_folders_of_dead_writers_on_this_host_are_reclaimed(tmp_path):
     import socket
     import subprocess
