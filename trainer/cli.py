@@ -304,6 +304,35 @@ def _met_a_ctrl_c(e: BaseException) -> bool:
     return False
 
 
+# where Hydra reads a config file: a YAML error raised through one is that file's syntax
+_CONFIG_READERS = ("config_repository.py", "config_source.py")
+
+
+def _config_file_syntax(e: BaseException) -> "str | None":
+    """A YAML syntax error in a config file Hydra was reading (conf/, a hydra.searchpath of
+    one's own), as one line naming the file, line and column; None for any other error (a
+    YAML file one's own code reads keeps its traceback)."""
+    import traceback
+
+    import yaml
+
+    if not isinstance(e, yaml.YAMLError) or not any(
+            os.path.basename(frame.filename).endswith(_CONFIG_READERS)
+            and f"{os.sep}hydra{os.sep}" in frame.filename
+            for frame in traceback.extract_tb(e.__traceback__)):
+        return None
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if mark is None or not problem:
+        return "a config file is not valid YAML: " + " ".join(str(e).split())
+    line = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
+    context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        line += f" ({context}" + (f" that begins at line {at.line + 1}, column {at.column + 1}"
+                                  if at is not None and at.name == mark.name else "") + ")"
+    return line
+
+
 def _one_line_errors(main: Callable[[], None]) -> None:
     try:
         _ctrl_c_kept(main)
@@ -317,6 +346,12 @@ def _one_line_errors(main: Callable[[], None]) -> None:
             reap_children()
             raise
         fail(e, code=1)
+    except Exception as e:  # (yaml's errors: a config file Hydra read is not valid YAML)
+        line = _config_file_syntax(e)
+        if line is None or wants_traceback():
+            reap_children()
+            raise
+        fail(ConfigError(line))
     except RuntimeError as e:
         if wants_traceback() or 'Could not detect "srun"' not in str(e):
             reap_children()

@@ -233,6 +233,35 @@ def test_a_misspelt_key_in_a_config_file_of_ones_own_lists_the_valid_keys(tmp_pa
     assert "\n" not in proc.stderr.strip() and not (tmp_path / "run").exists()
 
 
+def test_a_config_file_of_ones_own_that_is_not_yaml_is_one_line_naming_where(tmp_path):
+    """A syntax error in a config file Hydra reads was yaml's 111-line traceback, exit 1; a
+    YAML file one's own code reads keeps its traceback (it is that code's error)."""
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "broken.yaml").write_text(
+        "dataset: {_target_: mine.Bad\nbatch_size: 16\n")
+    proc = run_cli([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data=broken",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"stoker: error: {tmp_path / 'conf' / 'data' / 'broken.yaml'}, line 2, column 11: not "
+        "valid YAML: expected ',' or '}', but got ':' (while parsing a flow mapping that begins "
+        "at line 1, column 10)\n")), proc.stderr
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine.py").write_text(
+        "import torch, yaml\n\n"
+        "class Bad(torch.utils.data.Dataset):\n"
+        "    def __init__(self, split):\n"
+        "        pass\n\n"
+        "    def __len__(self):\n"
+        "        return 4\n\n"
+        "    def __getitem__(self, i):\n"
+        "        return yaml.safe_load('labels: {a: 1')\n")
+    proc = run_cli(["data=custom", "+data.dataset._target_=mine.Bad", "data.input_shape=[2]",
+                    "data.num_classes=2", "data.num_workers=0",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-2000:]
+    assert "yaml.parser.ParserError" in proc.stderr and 'mine.py", line 11' in proc.stderr
+
+
 def test_a_file_where_the_run_dir_must_be_is_named_in_one_line(tmp_path):
     (tmp_path / "afile").write_text("mine")
     proc = run_cli([f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
