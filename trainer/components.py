@@ -284,10 +284,22 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
         if misspelt:  # (a target taking **kwargs took the misspelt key, then missed the other)
             raise ConfigError(f"{where}.{misspelt[0]}: {called} needs '{misspelt[1]}', which it "
                               f"was not given (did you mean {where}.{misspelt[1]}?)") from None
+        target = _target_or_none(inner, where)
         raise ConfigError(f"{where}: {called} refused its arguments "
                           f"({type(cause).__name__}: {first_line(cause)})"
-                          + spelling.unexpected_meant(cause, _target_or_none(inner, where),
-                                                      where)) from None
+                          + spelling.unexpected_meant(cause, target, where)
+                          + _not_a_metric(where, target)) from None
+
+
+def _not_a_metric(where: str, target: Optional[Callable]) -> str:
+    """What to say where a task's metric names a function: it is called with no arguments
+    as the task is built, and a function such as sklearn's f1_score is no metric."""
+    if not where.startswith("task.metrics.") or not inspect.isroutine(target):
+        return ""
+    from trainer.task import METRIC_KINDS
+
+    return (f"; a function is not a metric: give an object with update/compute/reset "
+            f"({METRIC_KINDS})")
 
 
 def _target_or_none(node: Any, key: str) -> Optional[Callable]:

@@ -21,6 +21,7 @@ trainer/tasks.py. A task of your own subclasses `Task` and overrides what differ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -139,6 +140,23 @@ def batch_size(batch: Any) -> int:
     return 0
 
 
+METRIC_KINDS = "e.g. a torchmetrics.Metric, or a class of your own"
+
+
+def _described(given: Any) -> str:
+    """What a configured metric turned out to be, named as the user gave it (a function given
+    `_partial_: true` is a partial of Hydra's own class: its name said nothing)."""
+    func = given.func if isinstance(given, functools.partial) else given
+    name = f"{getattr(func, '__module__', None) or '?'}.{getattr(func, '__qualname__', '?')}"
+    if isinstance(given, functools.partial):
+        return f"{name} given _partial_: true (a function waiting for its arguments)"
+    if isinstance(given, type):
+        return f"{name} (a class, not an object of it)"
+    if inspect.isroutine(given):
+        return f"{name} (a function)"
+    return type(given).__name__
+
+
 class Task:
     """Base of every task. Subclasses override `loss` (and usually `count`, `metric_inputs`).
 
@@ -166,8 +184,8 @@ class Task:
                                   "logs; give the metric another name")
             if not all(callable(getattr(metric, name, None))
                        for name in ("update", "compute", "reset")):
-                raise ConfigError(f"task.metrics.{key}: {type(metric).__name__} is not a metric "
-                                  "with update/compute/reset (e.g. a torchmetrics.Metric)")
+                raise ConfigError(f"task.metrics.{key}: {_described(metric)} is not a metric "
+                                  f"with update/compute/reset ({METRIC_KINDS})")
         self.metrics = nn.ModuleDict(metrics) if all(
             isinstance(m, nn.Module) for m in metrics.values()) else metrics
         # (a null target: a model that computes a loss of its own, with no labels)

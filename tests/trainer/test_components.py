@@ -203,6 +203,17 @@ def test_a_function_given_arguments_but_not_its_samples_is_told_to_be_partial():
     (dict(_target_="tests.helpers.KeywordMetric", num_clases=3),
      r"^task.metrics.acc.num_clases: tests.helpers.KeywordMetric needs 'num_classes', which it "
      r"was not given \(did you mean task.metrics.acc.num_classes\?\)$"),
+    # a function (sklearn's f1_score) is called as the task is built, and is no metric
+    (dict(_target_="sklearn.metrics.f1_score"),
+     r"^task.metrics.acc: sklearn.metrics._classification.f1_score refused its arguments "
+     r"\(TypeError: missing a required argument: 'y_true'\); a function is not a metric: give "
+     r"an object with update/compute/reset \(e.g. a torchmetrics.Metric, or a class of your "
+     r"own\)$"),
+    # given _partial_: true, it is no metric either: named, not as Hydra's partial class
+    (dict(_target_="sklearn.metrics.f1_score", _partial_=True),
+     r"^task.metrics.acc: sklearn.metrics._classification.f1_score given _partial_: true \(a "
+     r"function waiting for its arguments\) is not a metric with update/compute/reset \(e.g. "
+     r"a torchmetrics.Metric, or a class of your own\)$"),
 ])
 def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
     """A task's metrics are built inside it (Hydra's recursion): their mistakes name

@@ -523,7 +523,8 @@ def test_a_metric_is_refused_at_build_without_update_compute_or_reset():
             pass
 
     with pytest.raises(ConfigError, match=r"^task.metrics.x: NoReset is not a metric with "
-                                          r"update/compute/reset \(e.g. a torchmetrics.Metric\)"):
+                                          r"update/compute/reset \(e.g. a torchmetrics.Metric, or a class "
+                                          r"of your own\)$"):
         Task(metrics={"x": NoReset()})
     # a metric named loss is refused for its name, not called "not a metric"
     with pytest.raises(ConfigError, match=r"^task.metrics.loss: the name is val_loss's, which "
