@@ -277,15 +277,22 @@ def head_mismatch(model: nn.Module, classes: Any) -> Optional[str]:
     """A warning where a Hugging Face classifier's head (its config's num_labels) is not the
     data's class count (data.num_classes) under task=model_loss, whose loss is the model's own:
     a larger head trained silently on classes no sample has; a smaller one failed at the first
-    label past it. task=classification refuses both at its first step."""
+    label past it, but for a head of one, which Hugging Face trains as a regression (the
+    warning said it would fail). task=classification refuses them all at its first step."""
     config = getattr(unwrap(model), "config", None)
     heads = getattr(config, "num_labels", None)
     if not type(unwrap(model)).__name__.endswith(_CLASSIFIERS) or not isinstance(heads, int) \
             or not isinstance(classes, int) or classes < 2 or heads == classes or \
             getattr(config, "problem_type", None) not in (None, "single_label_classification"):
         return None
-    return (f"model: {type(unwrap(model)).__name__} has {heads} labels (its config's "
-            f"num_labels) and the data {classes} classes (data.num_classes): "
+    name = type(unwrap(model)).__name__
+    if heads == 1:  # (Hugging Face's classifiers regress on one label: no label is past it)
+        return (f"model: {name} has 1 label (its config's num_labels), which Hugging Face "
+                f"trains as a regression (mean squared error on the labels as numbers), and "
+                f"the data {classes} classes (data.num_classes): give the model's config "
+                f"num_labels={classes} to classify them")
+    return (f"model: {name} has {heads} labels (its config's num_labels) and the data "
+            f"{classes} classes (data.num_classes): "
             + ("its head scores classes no sample has" if heads > classes else
                "a label past its head fails the run")
             + f"; give the model's config num_labels={classes}")

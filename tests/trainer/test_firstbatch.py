@@ -265,6 +265,28 @@ def test_a_vision_classifiers_tuple_batch_labels_and_head_are_checked_under_mode
     assert head_mismatch(torch.nn.Linear(2, 3), 4) is None  # (not a Hugging Face classifier)
 
 
+def test_a_hugging_face_head_of_one_label_is_said_to_regress_not_to_fail():
+    """num_labels=1 was warned of as 'a label past its head fails the run', and the run then
+    completed: Hugging Face trains a head of one as a regression on the labels."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from trainer.firstbatch import head_mismatch, out_of_range
+
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, num_labels=1))
+    batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]]), "labels": torch.tensor([0, 1])}
+    assert out_of_range(batch, model) is None
+    assert head_mismatch(model, 2) == (
+        "model: BertForSequenceClassification has 1 label (its config's num_labels), which "
+        "Hugging Face trains as a regression (mean squared error on the labels as numbers), "
+        "and the data 2 classes (data.num_classes): give the model's config num_labels=2 to "
+        "classify them")
+    out = model(**batch)  # (what the warning says: the loss is a regression's)
+    assert out.loss == torch.nn.functional.mse_loss(out.logits.squeeze(), batch["labels"].float())
+
+
 def test_integers_are_judged_only_by_the_table_the_model_names_as_its_inputs():
     """Categorical features with tables of their own, a class embedding beside uint8 images,
     a decoder's ids beside an encoder's: which table the integers index is not known, so no
