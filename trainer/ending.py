@@ -201,8 +201,12 @@ def status_error(e: BaseException) -> str:
     crash = exit_code(e) == 1 and not isinstance(e, ONE_LINE)
     text = describe(e) + raised_in_users_code(e)
     if crash and not text.startswith(f"{type(e).__name__}:"):  # (a worker's line has it)
-        return f"{type(e).__name__}: {text}"
-    return text
+        text = f"{type(e).__name__}: {text}"
+    # the lines Stoker put under the traceback (what the failing code was given, which key it
+    # is): the record and a peer's word kept the exception's line alone
+    notes = [" ".join(str(n)[len("stoker:"):].split()) for n in getattr(e, "__notes__", ())
+             if str(n).startswith("stoker:")]
+    return "; ".join([text, *notes])
 
 
 def exit_code(e: Optional[BaseException]) -> int:

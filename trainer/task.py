@@ -157,6 +157,15 @@ def _described(given: Any) -> str:
     return type(given).__name__
 
 
+def _key_meant(option: str, key: Any, batch: Mapping) -> str:
+    """`did you mean task.<option>=<entry>?` where `key` misspells one of the dict batch's
+    entries ("" where none is near)."""
+    from trainer.spelling import meant
+
+    near = meant(key, [k for k in batch if isinstance(k, str)]) if isinstance(key, str) else None
+    return f"did you mean task.{option}={near}?" if near else ""
+
+
 class Task:
     """Base of every task. Subclasses override `loss` (and usually `count`, `metric_inputs`).
 
@@ -489,14 +498,17 @@ class Task:
             if self.input_key is not None:
                 if self.input_key not in batch:
                     raise self.error(f"a dict batch without the input key "
-                                     f"'{self.input_key}' (task.input_key)", batch)
+                                     f"'{self.input_key}' (task.input_key)", batch,
+                                     fix=_key_meant("input_key", self.input_key, batch))
                 return batch[self.input_key], target
             return {k: v for k, v in batch.items() if k != self.target_key}, target
         raise self.error("a batch it cannot unpack", batch,
                          f"(inputs, target) or a dict with the target key '{self.target_key}' "
                          "(task.target_key)" + ("" if self.name == "model_loss" else
                                                 "; or task=model_loss if the model computes "
-                                                "its loss"))
+                                                "its loss"),
+                         fix=_key_meant("target_key", self.target_key, batch)
+                         if isinstance(batch, Mapping) else "")
 
     def predictions(self, output: Any) -> torch.Tensor:
         """The prediction tensor inside a model output (a tensor, `.logits`, ["logits"], or a

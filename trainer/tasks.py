@@ -398,10 +398,14 @@ class ModelLoss(Task):
         if isinstance(loss, torch.Tensor) and loss.dim() == 1 and self._replicas > 1:
             loss = self._replica_mean(loss, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            number = isinstance(loss, (int, float)) and not isinstance(loss, bool)
             raise self.error("no scalar loss in the model output", output,
                              "an output with .loss, a dict with 'loss', a 0-d tensor, or a "
                              "tuple whose first item is one (give the model its labels, or use "
-                             "task=classification)")
+                             "task=classification)",
+                             fix="the model's loss is a number: return the tensor itself "
+                             "(.item() or float() of it is a number backward cannot start from)"
+                             if number else "")
         return loss
 
     def _replica_mean(self, losses: torch.Tensor, batch: Any) -> torch.Tensor:

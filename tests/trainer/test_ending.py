@@ -32,6 +32,16 @@ def test_status_lines_keep_a_crashs_type_and_a_workers_origin():
     assert status_error(ConfigError("data.batch_size=0: must be > 0")) == \
         "data.batch_size=0: must be > 0"  # a mistake the run names: its line alone
     assert status_error(SystemExit(3)) == "SystemExit(3)"
+    # the lines Stoker puts under a crash's traceback (which metric, what it was given) are
+    # the record's too: it kept the IndexError's line alone; a note of another's is left out
+    crash = IndexError("index 2415 is out of bounds")
+    crash.add_note("stoker: task.metrics.auc: BinaryAUROC.compute() failed ...: does the "
+                   "metric take these?")
+    crash.add_note("a note of a library's own")
+    crash.add_note("stoker: in the first validation batch")
+    assert status_error(crash) == (
+        "IndexError: index 2415 is out of bounds; task.metrics.auc: BinaryAUROC.compute() "
+        "failed ...: does the metric take these?; in the first validation batch")
 
 
 def test_a_resume_past_a_lowered_limit_is_one_line_leaving_the_run_as_it_is(make_cfg, tmp_path,

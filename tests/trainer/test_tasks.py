@@ -69,6 +69,19 @@ def test_classification_errors_are_one_line_naming_the_task(batch, output, fragm
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_misspelt_input_or_target_key_names_the_batch_entry_it_misspells():
+    batch = {"features": torch.zeros(2, 3), "target": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(TaskError, match=r"a dict batch without the input key 'feature' "
+                                        r"\(task.input_key\): got dict\{features: .*; did you "
+                                        r"mean task.input_key=features\?$"):
+        Classification(input_key="feature", target_key="target").split(batch)
+    with pytest.raises(TaskError, match=r"a batch it cannot unpack: .*; did you mean "
+                                        r"task.target_key=target\?$"):
+        Classification(input_key="features", target_key="targt").split(batch)
+    with pytest.raises(TaskError, match=r"\(task.input_key\): got dict\{[^}]*\}$"):
+        Classification(input_key="pixels", target_key="target").split(batch)  # (none near)
+
+
 def test_targets_beyond_the_logits_are_caught_on_the_first_batch():
     with pytest.raises(TaskError, match="a target outside 0..2"):
         Classification().loss(torch.zeros(2, 3), (None, torch.tensor([0, 7])))
@@ -310,6 +323,11 @@ def test_model_loss_needs_a_scalar_loss():
     with pytest.raises(TaskError, match="task model_loss: no scalar loss in the model output: "
                                         "got dict{logits: tensor"):
         ModelLoss().loss({"logits": torch.zeros(2, 3)}, {})
+    # a loss the model made a number (.item()): told to return the tensor, as a task's is
+    with pytest.raises(TaskError, match=r"; the model's loss is a number: return the tensor "
+                                        r"itself \(\.item\(\) or float\(\) of it is a number "
+                                        r"backward cannot start from\)$"):
+        ModelLoss().loss({"loss": 0.5, "logits": torch.zeros(2, 3)}, {})
 
 
 @pytest.mark.parametrize("count", ["samples", "tokens"])
