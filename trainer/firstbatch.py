@@ -20,7 +20,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -243,6 +243,16 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
                         f"model's input embedding ({where or type(embedding).__name__}) has "
                         f"{rows} rows: ids must be from 0 to {rows - 1} (does the tokenizer's "
                         "vocabulary fit the model's vocab_size?)")
+        positions = _position_table(model)
+        for name, k, t in ints:
+            if k != "labels" and positions is not None and t.dim() >= 2 \
+                    and t.shape[-1] > positions[1]:
+                where, limit, key = positions
+                return (f"data: the batch's {name} holds sequences of {t.shape[-1]} tokens, "
+                        f"but the model's position embedding ({where}) has {limit} rows (its "
+                        f"config's {key}): give sequences of at most {limit} tokens (a "
+                        f"tokenizer's max_length with truncation) or the model's config "
+                        f"{key}={t.shape[-1]} or more")
     config = getattr(model, "config", None)
     classes = getattr(config, "num_labels", None)
     if isinstance(classes, int) and classes > 1 and type(model).__name__.endswith(
@@ -257,6 +267,25 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
                         f"{type(model).__name__} has {classes} labels (its config's "
                         f"num_labels): labels must be from 0 to {classes - 1} (-100 leaves one "
                         "out); give the model's config num_labels=<the data's class count>")
+    return None
+
+
+def _position_table(model: nn.Module) -> Optional[Tuple[str, int, str]]:
+    """(its name, its rows, the config key) of a Hugging Face model's learned position
+    embedding, whose rows bound a sequence's length (GPT-2's wpe, BERT's
+    position_embeddings: a longer one was an IndexError traceback); None where the model has
+    none of its config's size (rotary positions, as Llama's, take any length)."""
+    config = getattr(model, "config", None)
+    key = next((k for k in ("n_positions", "max_position_embeddings")
+                if isinstance(getattr(config, k, None), int) and getattr(config, k) > 0), None)
+    if key is None:
+        return None
+    limit = getattr(config, key)
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and module.num_embeddings == limit and (
+                "position" in last or last == "wpe"):
+            return name, limit, key
     return None
 
 

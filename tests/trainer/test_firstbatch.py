@@ -265,6 +265,38 @@ def test_a_vision_classifiers_tuple_batch_labels_and_head_are_checked_under_mode
     assert head_mismatch(torch.nn.Linear(2, 3), 4) is None  # (not a Hugging Face classifier)
 
 
+def test_sequences_longer_than_a_models_learned_positions_are_one_line():
+    """GPT-2 with n_positions=8 given 20 tokens was an IndexError traceback, exit 1; BERT's
+    max_position_embeddings alike; a rotary model (Llama) takes any length."""
+    pytest.importorskip("transformers")
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel,
+                              LlamaConfig, LlamaForCausalLM)
+
+    from trainer.firstbatch import out_of_range
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=8, n_embd=8, n_layer=1,
+                                      n_head=2))
+    long, short = torch.ones(2, 20, dtype=torch.int64), torch.ones(2, 8, dtype=torch.int64)
+    assert out_of_range({"input_ids": long, "labels": long}, gpt2) == (
+        "data: the batch's 'input_ids' holds sequences of 20 tokens, but the model's position "
+        "embedding (transformer.wpe) has 8 rows (its config's n_positions): give sequences of "
+        "at most 8 tokens (a tokenizer's max_length with truncation) or the model's config "
+        "n_positions=20 or more")
+    assert out_of_range({"input_ids": short, "labels": short}, gpt2) is None
+    with pytest.raises(IndexError):  # (what the line stands for)
+        gpt2(input_ids=long)
+    bert = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=16,
+                                      max_position_embeddings=16))
+    assert "model's position embedding (bert.embeddings.position_embeddings) has 16 rows (its " \
+        "config's max_position_embeddings)" in out_of_range({"input_ids": long}, bert)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=8, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         max_position_embeddings=8))
+    assert out_of_range({"input_ids": long}, llama) is None
+    assert llama(input_ids=long).logits.shape == (2, 20, 40)
+
+
 def test_a_hugging_face_head_of_one_label_is_said_to_regress_not_to_fail():
     """num_labels=1 was warned of as 'a label past its head fails the run', and the run then
     completed: Hugging Face trains a head of one as a regression on the labels."""
