@@ -14,6 +14,7 @@ import re
 import sys
 from typing import Any, Callable, List, NoReturn
 
+import yaml
 from hydra.errors import HydraException
 from torch.distributed.elastic.multiprocessing.errors import record
 from omegaconf.errors import OmegaConfBaseException
@@ -314,9 +315,7 @@ def _config_file_syntax(e: BaseException) -> "str | None":
     YAML file one's own code reads keeps its traceback)."""
     import traceback
 
-    import yaml
-
-    if not isinstance(e, yaml.YAMLError) or not any(
+    if not any(
             os.path.basename(frame.filename).endswith(_CONFIG_READERS)
             and f"{os.sep}hydra{os.sep}" in frame.filename
             for frame in traceback.extract_tb(e.__traceback__)):
@@ -346,7 +345,7 @@ def _one_line_errors(main: Callable[[], None]) -> None:
             reap_children()
             raise
         fail(e, code=1)
-    except Exception as e:  # (yaml's errors: a config file Hydra read is not valid YAML)
+    except yaml.YAMLError as e:  # a config file Hydra read is not valid YAML
         line = _config_file_syntax(e)
         if line is None or wants_traceback():
             reap_children()
