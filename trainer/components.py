@@ -411,7 +411,10 @@ def build_model(cfg: Any) -> Any:
                                                         "but _target_")
     except InstantiationException as e:  # (a size of the model's too big for the machine)
         if e.__cause__ is None or not says_no_memory(e.__cause__):
-            raise
+            suspect = _unlike_its_default(cfg.model, e.__cause__)
+            if suspect is None:
+                raise
+            raise ConfigError(suspect) from None
         raise ConfigError(_too_big(cfg.model, offered, e.__cause__)) from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model._target_={cfg.model._target_}: builds a "
@@ -423,6 +426,42 @@ def build_model(cfg: Any) -> Any:
                           "device, a shape with no data; build the model with its weights "
                           "(or materialise them, e.g. to_empty() then their initialisation)")
     return model
+
+
+def _unlike_its_default(node: Any, cause: BaseException) -> Optional[str]:
+    """Where a model's constructor failed with a TypeError or ValueError and exactly one of the
+    arguments the config gave is of another kind than its default (`+model.hidden=abc` for a
+    `hidden=32`: a string where a number goes), the line naming that key, its value and its
+    default; None else (the error's own line names only the code that raised it)."""
+    if not isinstance(cause, (TypeError, ValueError)):
+        return None
+    try:
+        target = target_of(node, "model")
+        params = inspect.signature(target).parameters
+    except (ConfigError, TypeError, ValueError):
+        return None
+    kinds = ((bool,), (int, float), (str,), (list, tuple))
+    odd = []
+    for key in node:
+        param = params.get(str(key))
+        if key in RESERVED or param is None or param.default is inspect.Parameter.empty \
+                or param.default is None:
+            continue
+        value = plain(node[key])
+        mine = next((k for k in kinds if isinstance(param.default, k)), None)
+        if mine is not None and not isinstance(value, mine) or \
+                isinstance(value, bool) != isinstance(param.default, bool):
+            odd.append((key, value, param.default))
+    if len(odd) != 1:
+        return None
+    key, value, default = odd[0]
+    return (f"model.{key}={value}: {node['_target_']} failed with it ({type(cause).__name__}: "
+            f"{first_line(cause)}); its default is {default!r}, {_a(type(default).__name__)}, "
+            f"where {value!r} is {_a(type(value).__name__)}")
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
 
 
 _NO_MEMORY = re.compile(r"can't allocate memory|out of memory|^MemoryError", re.IGNORECASE)

@@ -238,6 +238,27 @@ def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
         build(node(_target_="trainer.tasks.Classification", metrics=metrics), "task")
 
 
+def test_a_model_argument_unlike_its_default_is_named_where_the_constructor_fails():
+    """`+model.width=abc` failed inside the model's own code, and the line named only the
+    model's class and torch's words about a size."""
+    from trainer.components import build_model
+
+    def cfg(**given):
+        return OmegaConf.create({"model": {"_target_": "tests.helpers.TwoHeads", **given},
+                                 "data": {"input_shape": [4], "num_classes": 2}})
+
+    with pytest.raises(ConfigError) as info:
+        build_model(cfg(width="abc"))
+    assert str(info.value).startswith("model.width=abc: tests.helpers.TwoHeads failed with it "
+                                      "(TypeError: ")
+    assert str(info.value).endswith("; its default is 64, an int, where 'abc' is a str")
+    # an error of the constructor's own, with every argument of its default's kind, is not
+    # pinned on a key
+    with pytest.raises(Exception) as info:
+        build_model(cfg(width=-3))
+    assert not str(info.value).startswith("model.width")
+
+
 def test_a_model_too_big_for_the_machine_names_the_sizes_it_was_built_with():
     """More classes than any address space holds (a typo's extra zeros): one line with the
     sizes, not the allocator's enforce text."""
