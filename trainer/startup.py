@@ -405,6 +405,6 @@ def open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger
     rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)
     dropped = logger.open(step, validated_step)
     if dropped:
-        logger.info("metrics.jsonl: %d rows an earlier attempt logged after step %d (the "
-                    "resumed one) were dropped: those steps are trained again", dropped,
-                    step)
+        logger.info("metrics.jsonl: %d %s an earlier attempt logged after step %d (the "
+                    "resumed one) %s dropped: those steps are trained again", dropped,
+                    "row" if dropped == 1 else "rows", step, "was" if dropped == 1 else "were")
