@@ -82,12 +82,16 @@ def locate(path: str, key: str) -> Callable:
 
 
 def _meant(owner: Any, attr: str) -> Optional[str]:
-    """The public name of `owner` that `attr` misspells (`Adamw` for AdamW, `MLPP`), or None."""
+    """The public name of `owner` that `attr` misspells (`Adamw` for AdamW, `MLPP`), or the
+    one name that is `attr` and a capitalised word more (a class renamed so: torchmetrics'
+    `F1`, now `F1Score`), or None."""
     try:
         names = [n for n in dir(owner) if not n.startswith("_")]
     except Exception:  # noqa: BLE001  (a module's own __dir__ that fails)
         return None
-    return spelling.meant(attr, names)
+    longer = [n for n in names if len(attr) >= 2 and n.startswith(attr)
+              and n[len(attr)].isupper() and n[len(attr):].isalnum()]
+    return spelling.meant(attr, names) or (longer[0] if len(longer) == 1 else None)
 
 
 def _meant_module(package: Any, attr: str) -> Optional[str]:

@@ -110,6 +110,12 @@ def test_unknown_and_missing_arguments_are_named():
     ("torch.optim.Adamw", r"torch.optim has no attribute 'Adamw' \(did you mean "
                           r"torch.optim.AdamW\?\)$"),  # (letters of another case)
     ("trainer.models.Perceptron", r"trainer.models has no attribute 'Perceptron'$"),  # (none)
+    # a class renamed with a word more (torchmetrics' F1, F1Score since 0.7); not a guess
+    # between several (Conv1d, Conv2d, Conv3d) nor a word cut short (Lin)
+    ("torchmetrics.F1", r"torchmetrics has no attribute 'F1' \(did you mean "
+                        r"torchmetrics.F1Score\?\)$"),
+    ("torch.nn.Conv", r"torch.nn has no attribute 'Conv'$"),
+    ("torch.nn.Lin", r"torch.nn has no attribute 'Lin'$"),
     # a module named where a class goes: Hydra's "Expected a callable target" named no key
     ("trainer.models", r"a module, not a class or function in it \(it defines .*\bMLP\b"),
     ("nopkg.models.MLP", r"no module named 'nopkg' \(is it installed, or in the directory "),
