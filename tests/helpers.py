@@ -647,6 +647,24 @@ def stack_images(samples):
             "names": [s["name"] for s in samples]}
 
 
+class PickyNet(torch.nn.Module):
+    """A model whose constructor fails on some values of the right kind (a width that is no
+    multiple of 8: ValueError) and on values of another (torch's TypeError)."""
+
+    def __init__(self, input_shape, num_classes: int, width: int = 64, norm: "str | None" = "bn",
+                 hidden: "int | list" = 32, bias=True):
+        super().__init__()
+        self.layer = torch.nn.Linear(int(torch.tensor(input_shape).prod()), width, bias=bias)
+        if width % 8:
+            raise ValueError("width must be a multiple of 8")
+        if norm not in ("bn", "ln", None):
+            raise ValueError(f"unknown norm {norm}")
+        self.head = torch.nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.layer(x.flatten(1)))
+
+
 class TwoHeads(torch.nn.Module):
     """Digit class and parity from one trunk: a dict output."""
 
@@ -900,6 +918,13 @@ class KeywordMetric(torch.nn.Module):
     def __init__(self, num_classes: int, **kwargs):
         super().__init__()
         self.num_classes = num_classes
+
+
+def accuracy_of(num_classes: int = 3):
+    """A factory of metrics: a function that returns one."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    return MulticlassAccuracy(num_classes=num_classes)
 
 
 class BrokenMetric(torch.nn.Module):

@@ -292,13 +292,15 @@ def build(node: Any, key: str, offered: Optional[Dict[str, Any]] = None, hint: s
         raise ConfigError(f"{where}: {called} refused its arguments "
                           f"({type(cause).__name__}: {first_line(cause)})"
                           + spelling.unexpected_meant(cause, target, where)
-                          + _not_a_metric(where, target)) from None
+                          + _not_a_metric(where, target, cause)) from None
 
 
-def _not_a_metric(where: str, target: Optional[Callable]) -> str:
-    """What to say where a task's metric names a function: it is called with no arguments
-    as the task is built, and a function such as sklearn's f1_score is no metric."""
-    if not where.startswith("task.metrics.") or not inspect.isroutine(target):
+def _not_a_metric(where: str, target: Optional[Callable], cause: BaseException) -> str:
+    """What to say where a task's metric names a function that missed its arguments as the
+    task was built: a function such as sklearn's f1_score, which wants the samples, is no
+    metric (a factory of metrics failing on its own arguments is said as it is)."""
+    if not where.startswith("task.metrics.") or not inspect.isroutine(target) or not (
+            isinstance(cause, TypeError) and "missing" in str(cause)):
         return ""
     from trainer.task import METRIC_KINDS
 
@@ -435,8 +437,11 @@ def build_model(cfg: Any) -> Any:
 def _unlike_its_default(node: Any, cause: BaseException) -> Optional[str]:
     """Where a model's constructor failed with a TypeError or ValueError and exactly one of the
     arguments the config gave is of another kind than its default (`+model.hidden=abc` for a
-    `hidden=32`: a string where a number goes), the line naming that key, its value and its
-    default; None else (the error's own line names only the code that raised it)."""
+    `hidden=32`: a string where a number goes; a float where an int goes, for a TypeError),
+    the line naming that key, its value and its default; None else (the error's own line
+    names only the code that raised it). Not judged: nulls, nodes Hydra builds (`_target_`),
+    parameters whose annotation admits other kinds (`hidden: int | list`), and an error whose
+    words name another key it was given."""
     if not isinstance(cause, (TypeError, ValueError)):
         return None
     try:
@@ -444,24 +449,68 @@ def _unlike_its_default(node: Any, cause: BaseException) -> Optional[str]:
         params = inspect.signature(target).parameters
     except (ConfigError, TypeError, ValueError):
         return None
-    kinds = ((bool,), (int, float), (str,), (list, tuple))
     odd = []
     for key in node:
         param = params.get(str(key))
-        if key in RESERVED or param is None or param.default is inspect.Parameter.empty \
-                or param.default is None:
+        if key in RESERVED or param is None or param.default in (inspect.Parameter.empty, None) \
+                or _takes_more_kinds(param):
             continue
-        value = plain(node[key])
-        mine = next((k for k in kinds if isinstance(param.default, k)), None)
-        if mine is not None and not isinstance(value, mine) or \
-                isinstance(value, bool) != isinstance(param.default, bool):
-            odd.append((key, value, param.default))
+        value = node[key]
+        if value is None or OmegaConf.is_dict(value) or isinstance(value, dict):
+            continue
+        value, default = plain(value), param.default
+        if isinstance(default, bool) or isinstance(value, bool):
+            unlike = isinstance(default, bool) != isinstance(value, bool)
+        elif isinstance(default, int):
+            unlike = not argvalues.is_number(value) or (
+                isinstance(value, float) and isinstance(cause, TypeError))
+        elif isinstance(default, float):
+            unlike = not argvalues.is_number(value)
+        elif isinstance(default, str):
+            unlike = not isinstance(value, str)
+        elif isinstance(default, (list, tuple)):
+            unlike = not isinstance(value, (list, tuple))
+        else:
+            continue
+        if unlike:
+            odd.append((key, value, default))
     if len(odd) != 1:
         return None
     key, value, default = odd[0]
-    return (f"model.{key}={value}: {node['_target_']} failed with it ({type(cause).__name__}: "
-            f"{first_line(cause)}); its default is {default!r}, {_a(type(default).__name__)}, "
-            f"where {value!r} is {_a(type(value).__name__)}")
+    text = str(cause).lower()
+    named = [str(k) for k in node if k not in RESERVED and str(k).lower() in text]
+    if named and str(key) not in named:  # (the error names another key it was given)
+        return None
+    return (f"model.{key}={_as_given(value)}: {node['_target_']} failed with it "
+            f"({type(cause).__name__}: {first_line(cause)}); its default is "
+            f"{_as_given(default)}, {_kind(default)}, where {_as_given(value)} is "
+            f"{_kind(value)}")
+
+
+def _takes_more_kinds(param: inspect.Parameter) -> bool:
+    """Whether the parameter's annotation admits other kinds than its default's (a number's
+    `int | str`, a string's `str | list`): then its default says nothing of its kind."""
+    if argvalues.is_number(param.default) or isinstance(param.default, bool):
+        return argvalues._takes_other_kinds(param)
+    text = argvalues._annotation(param) or ""
+    return any(word in text for word in ("int", "float", "bool", "list", "List", "tuple",
+                                         "Tuple", "Sequence", "Any", "Callable", "object",
+                                         "Union", "Mapping", "dict", "Dict"))
+
+
+def _as_given(value: Any) -> str:
+    """`value` as a command line's override gives it (true, [1, 2], abc)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_as_given, value)) + "]"
+    return str(value)
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        type(value), "a list" if isinstance(value, (list, tuple)) else
+        _a(type(value).__name__))
 
 
 def _a(noun: str) -> str:

@@ -148,6 +148,8 @@ def _described(given: Any) -> str:
     `_partial_: true` is a partial of Hydra's own class: its name said nothing)."""
     func = given.func if isinstance(given, functools.partial) else given
     name = f"{getattr(func, '__module__', None) or '?'}.{getattr(func, '__qualname__', '?')}"
+    if isinstance(given, functools.partial) and isinstance(func, type):
+        return f"{name} given _partial_: true (a class left unbuilt: leave _partial_ out)"
     if isinstance(given, functools.partial):
         return f"{name} given _partial_: true (a function waiting for its arguments)"
     if isinstance(given, type):

@@ -220,6 +220,15 @@ def test_a_function_given_arguments_but_not_its_samples_is_told_to_be_partial():
      r"^task.metrics.acc: sklearn.metrics._classification.f1_score given _partial_: true \(a "
      r"function waiting for its arguments\) is not a metric with update/compute/reset \(e.g. "
      r"a torchmetrics.Metric, or a class of your own\)$"),
+    # a class given _partial_: true is left unbuilt
+    (dict(_target_="torchmetrics.classification.MulticlassAccuracy", _partial_=True,
+          num_classes=3),
+     r"^task.metrics.acc: torchmetrics.classification.accuracy.MulticlassAccuracy given "
+     r"_partial_: true \(a class left unbuilt: leave _partial_ out\) is not a metric"),
+    # a factory of metrics failing on its own argument is no function mistaken for a metric
+    (dict(_target_="tests.helpers.accuracy_of", num_classes=0),
+     r"^task.metrics.acc: tests.helpers.accuracy_of refused its arguments \(ValueError: "
+     r"[^;]*\)$"),
 ])
 def test_the_nodes_inside_a_node_are_named_by_their_own_keys(metric, message):
     """A task's metrics are built inside it (Hydra's recursion): their mistakes name
@@ -244,25 +253,36 @@ def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
         build(node(_target_="trainer.tasks.Classification", metrics=metrics), "task")
 
 
-def test_a_model_argument_unlike_its_default_is_named_where_the_constructor_fails():
+@pytest.mark.parametrize("given,line", [
+    (dict(width="abc"), "model.width=abc: tests.helpers.PickyNet failed with it (TypeError: "),
+    (dict(width=64.5), "model.width=64.5: tests.helpers.PickyNet failed with it (TypeError: "),
+    (dict(width=12), None),  # its own ValueError, the width of its default's kind
+    (dict(width=12, norm=None), None),  # a null is no kind of its own
+    (dict(width=12, hidden=[64, 32]), None),  # an annotation that admits lists
+    (dict(width=12, bias="yes"), None),  # the error names another key it was given
+    (dict(width=32, norm=3), "model.norm=3: tests.helpers.PickyNet failed with it (ValueError: "
+                             "unknown norm 3); its default is bn, a string, where 3 is an "
+                             "integer"),
+    (dict(width=32, norm=3, bias="yes"), None),  # two of another kind: which is not known
+    (dict(width="abc", bias="yes"), None),  # two of another kind: which is not known
+])
+def test_a_model_argument_unlike_its_default_is_named_where_the_constructor_fails(given, line):
     """`+model.width=abc` failed inside the model's own code, and the line named only the
-    model's class and torch's words about a size."""
+    model's class and torch's words about a size; a failure with no one argument of another
+    kind than its default is not pinned on a key."""
     from trainer.components import build_model
 
-    def cfg(**given):
-        return OmegaConf.create({"model": {"_target_": "tests.helpers.TwoHeads", **given},
-                                 "data": {"input_shape": [4], "num_classes": 2}})
-
-    with pytest.raises(ConfigError) as info:
-        build_model(cfg(width="abc"))
-    assert str(info.value).startswith("model.width=abc: tests.helpers.TwoHeads failed with it "
-                                      "(TypeError: ")
-    assert str(info.value).endswith("; its default is 64, an int, where 'abc' is a str")
-    # an error of the constructor's own, with every argument of its default's kind, is not
-    # pinned on a key
+    cfg = OmegaConf.create({"model": {"_target_": "tests.helpers.PickyNet", **given},
+                            "data": {"input_shape": [4], "num_classes": 2}})
     with pytest.raises(Exception) as info:
-        build_model(cfg(width=-3))
-    assert not str(info.value).startswith("model.width")
+        build_model(cfg)
+    if line is None:
+        assert not isinstance(info.value, ConfigError), info.value
+    else:
+        assert isinstance(info.value, ConfigError) and str(info.value).startswith(line)
+    if given == dict(width="abc"):
+        assert str(info.value).endswith("; its default is 64, an integer, where abc is a "
+                                        "string")
 
 
 def test_a_model_too_big_for_the_machine_names_the_sizes_it_was_built_with():
