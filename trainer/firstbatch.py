@@ -243,19 +243,13 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
                         f"model's input embedding ({where or type(embedding).__name__}) has "
                         f"{rows} rows: ids must be from 0 to {rows - 1} (does the tokenizer's "
                         "vocabulary fit the model's vocab_size?)")
-        positions = _position_table(model)
-        for name, k, t in ints:
-            if k != "labels" and positions is not None and t.dim() >= 2 \
-                    and t.shape[-1] > positions[1]:
-                where, limit, key = positions
-                return (f"data: the batch's {name} holds sequences of {t.shape[-1]} tokens, "
-                        f"but the model's position embedding ({where}) has {limit} rows (its "
-                        f"config's {key}): give sequences of at most {limit} tokens (a "
-                        f"tokenizer's max_length with truncation) or the model's config "
-                        f"{key}={t.shape[-1]} or more")
+        said = _past_positions(batch, model, ints)
+        if said is not None:
+            return said
     config = getattr(model, "config", None)
     classes = getattr(config, "num_labels", None)
-    if isinstance(classes, int) and classes > 1 and type(model).__name__.endswith(
+    if isinstance(classes, int) and (classes > 1 or type(model).__name__.endswith(
+            "ForTokenClassification")) and type(model).__name__.endswith(
             _CLASSIFIERS) and getattr(config, "problem_type", None) in (
             None, "single_label_classification"):
         for name, k, t in ints:
@@ -270,9 +264,45 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
     return None
 
 
-def _position_table(model: nn.Module) -> Optional[Tuple[str, int, str]]:
-    """(its name, its rows, the config key) of a Hugging Face model's learned position
-    embedding, whose rows bound a sequence's length (GPT-2's wpe, BERT's
+def _past_positions(batch: Any, model: nn.Module, ints: Sequence[Tuple[str, Any, torch.Tensor]]
+                    ) -> Optional[str]:
+    """Why the batch's token sequences are too long for the model's learned position
+    embedding (`_position_table`), or None. The rows a batch asks of the table: the largest
+    of its own `position_ids` plus one where it gives them (packed sequences, each from 0),
+    else its sequences' length, counted from the table's padding row plus one over the
+    tokens that are not padding where the table has one (RoBERTa's: positions from 2)."""
+    table = _position_table(model)
+    if table is None:
+        return None
+    where, rows, key, pad = table
+    fits = rows if pad is None else rows - pad - 1  # (tokens a sequence can hold)
+    given = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if isinstance(given, torch.Tensor) and given.numel() and not given.is_floating_point():
+        if int(given.max()) >= rows:
+            return (f"data: the batch's 'position_ids' go up to {int(given.max())}, but the "
+                    f"model's position embedding ({where}) has {rows} rows (its config's "
+                    f"{key}): give positions below {rows}, or the model's config "
+                    f"{key}={int(given.max()) + 1} or more")
+        return None
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    for name, k, t in ints:
+        if k == "labels" or t.dim() < 2:
+            continue
+        tokens = int((t != pad_id).sum(-1).max()) if pad is not None and isinstance(
+            pad_id, int) else t.shape[-1]
+        if tokens > fits:
+            return (f"data: the batch's {name} holds sequences of {tokens} tokens, but the "
+                    f"model's position embedding ({where}) has {rows} rows (its config's "
+                    f"{key}" + (f"; positions from {pad + 1} on" if pad is not None else "")
+                    + f"): give sequences of at most {fits} tokens (a tokenizer's max_length "
+                    f"with truncation) or the model's config {key}={tokens + rows - fits} or "
+                    "more")
+    return None
+
+
+def _position_table(model: nn.Module) -> Optional[Tuple[str, int, str, Optional[int]]]:
+    """(its name, its rows, the config key, its padding row) of a Hugging Face model's
+    learned position embedding, whose rows bound a sequence's length (GPT-2's wpe, BERT's
     position_embeddings: a longer one was an IndexError traceback); None where the model has
     none of its config's size (rotary positions, as Llama's, take any length)."""
     config = getattr(model, "config", None)
@@ -285,7 +315,7 @@ def _position_table(model: nn.Module) -> Optional[Tuple[str, int, str]]:
         last = name.rsplit(".", 1)[-1].lower()
         if isinstance(module, nn.Embedding) and module.num_embeddings == limit and (
                 "position" in last or last == "wpe"):
-            return name, limit, key
+            return name, limit, key, module.padding_idx
     return None
 
 
@@ -315,7 +345,9 @@ def head_mismatch(model: nn.Module, classes: Any) -> Optional[str]:
             getattr(config, "problem_type", None) not in (None, "single_label_classification"):
         return None
     name = type(unwrap(model)).__name__
-    if heads == 1:  # (Hugging Face's classifiers regress on one label: no label is past it)
+    if heads == 1 and not name.endswith("ForTokenClassification"):
+        # (Hugging Face's sequence, image and audio classifiers regress on one label; its
+        # token classifiers take the cross-entropy over it, and label 1 is past it)
         return (f"model: {name} has 1 label (its config's num_labels), which Hugging Face "
                 f"trains as a regression (mean squared error on the labels as numbers), and "
                 f"the data {classes} classes (data.num_classes): give the model's config "

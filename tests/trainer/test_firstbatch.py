@@ -297,6 +297,45 @@ def test_sequences_longer_than_a_models_learned_positions_are_one_line():
     assert llama(input_ids=long).logits.shape == (2, 20, 40)
 
 
+def test_positions_are_judged_as_the_model_reads_them():
+    """Packed sequences give their own position_ids (each from 0): a long row of short ones
+    runs, and was refused by its length; RoBERTa's positions start past its padding row, so
+    a table of 16 rows takes 14 tokens, and a row padded past it with few tokens runs."""
+    pytest.importorskip("transformers")
+    from transformers import (GPT2Config, GPT2LMHeadModel, RobertaConfig,
+                              RobertaForMaskedLM)
+
+    from trainer.firstbatch import out_of_range
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=8, n_embd=8, n_layer=1,
+                                      n_head=2))
+    ids = torch.ones(1, 20, dtype=torch.int64)
+    packed = torch.cat([torch.arange(8), torch.arange(6), torch.arange(6)])[None]
+    assert out_of_range({"input_ids": ids, "position_ids": packed}, gpt2) is None
+    assert gpt2(input_ids=ids, position_ids=packed).logits.shape == (1, 20, 40)
+    assert out_of_range({"input_ids": ids, "position_ids": torch.arange(20)[None]}, gpt2) == (
+        "data: the batch's 'position_ids' go up to 19, but the model's position embedding "
+        "(transformer.wpe) has 8 rows (its config's n_positions): give positions below 8, or "
+        "the model's config n_positions=20 or more")
+    roberta = RobertaForMaskedLM(RobertaConfig(
+        vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, pad_token_id=1))
+    fits, over = torch.full((2, 14), 5), torch.full((2, 15), 5)
+    assert out_of_range({"input_ids": fits}, roberta) is None
+    roberta(input_ids=fits)
+    assert out_of_range({"input_ids": over}, roberta) == (
+        "data: the batch's 'input_ids' holds sequences of 15 tokens, but the model's position "
+        "embedding (roberta.embeddings.position_embeddings) has 16 rows (its config's "
+        "max_position_embeddings; positions from 2 on): give sequences of at most 14 tokens "
+        "(a tokenizer's max_length with truncation) or the model's config "
+        "max_position_embeddings=17 or more")
+    with pytest.raises((IndexError, RuntimeError)):  # (what the line stands for)
+        roberta(input_ids=over)
+    padded = torch.cat([torch.full((2, 10), 5), torch.ones(2, 10, dtype=torch.int64)], 1)
+    assert out_of_range({"input_ids": padded}, roberta) is None
+    roberta(input_ids=padded, token_type_ids=torch.zeros_like(padded))
+
+
 def test_a_hugging_face_head_of_one_label_is_said_to_regress_not_to_fail():
     """num_labels=1 was warned of as 'a label past its head fails the run', and the run then
     completed: Hugging Face trains a head of one as a regression on the labels."""
@@ -317,6 +356,19 @@ def test_a_hugging_face_head_of_one_label_is_said_to_regress_not_to_fail():
         "classify them")
     out = model(**batch)  # (what the warning says: the loss is a regression's)
     assert out.loss == torch.nn.functional.mse_loss(out.logits.squeeze(), batch["labels"].float())
+    # a token classifier takes the cross-entropy over its one label: label 1 is past it
+    from transformers import BertForTokenClassification
+
+    tagger = BertForTokenClassification(BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, num_labels=1))
+    tags = {"input_ids": batch["input_ids"], "labels": torch.tensor([[0, 1, 0], [0, 0, 0]])}
+    assert head_mismatch(tagger, 2).endswith("a label past its head fails the run; give the "
+                                             "model's config num_labels=2")
+    assert out_of_range(tags, tagger).startswith(
+        "data: the batch's 'labels' holds class 1, but BertForTokenClassification has 1 labels")
+    with pytest.raises(IndexError):
+        tagger(**tags)
 
 
 def test_integers_are_judged_only_by_the_table_the_model_names_as_its_inputs():
