@@ -405,6 +405,12 @@ def open_outputs(cfg: DictConfig, env: DistEnv, run_dir: Path, logger: RunLogger
     rundir.write_running(run_dir, resume if resume not in (None, "auto") else None)
     dropped = logger.open(step, validated_step)
     if dropped:
-        logger.info("metrics.jsonl: %d %s an earlier attempt logged after step %d (the "
-                    "resumed one) %s dropped: those steps are trained again", dropped,
-                    "row" if dropped == 1 else "rows", step, "was" if dropped == 1 else "were")
+        logger.info("%s", dropped_rows_line(dropped, step))
+
+
+def dropped_rows_line(dropped: int, step: int) -> str:
+    """The log's line for the rows of metrics.jsonl a resume dropped (those past its step)."""
+    one = dropped == 1
+    return (f"metrics.jsonl: {dropped} {'row' if one else 'rows'} an earlier attempt logged "
+            f"after step {step} (the resumed one) {'was' if one else 'were'} dropped: those "
+            "steps are trained again")

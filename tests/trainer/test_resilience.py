@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shlex
 import signal
 import sys
@@ -133,10 +132,6 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, suite_dir, nproc):
     ref_rows = (ref / "metrics.jsonl").read_text().splitlines()
     assert [(r["split"], r["step"]) for r in rows] == [
         (r["split"], r["step"]) for r in map(json.loads, ref_rows)]
-    said = re.search(r"metrics.jsonl: (\d+) (\w+) an earlier attempt logged after step \d+ "
-                     r"\(the resumed one\) (\w+) dropped", resumed.stdout)
-    if said:  # (its words agree with its count: "1 rows ... were")
-        assert said.group(2, 3) == (("row", "was") if said.group(1) == "1" else ("rows", "were"))
 
 
 def test_three_ranks_resume_bit_exact_with_trainer_deterministic(tmp_path):

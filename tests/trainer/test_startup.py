@@ -261,3 +261,14 @@ def test_resume_auto_in_a_new_dated_dir_is_a_warning_naming_the_key(tmp_path):
         return int(words[0]) if words[1:2] in (["warning"], ["warnings"]) else 0
 
     assert warnings(counted) == warnings(proc.stdout.splitlines()[-1]) + 1  # (counted)
+
+
+def test_the_dropped_rows_line_agrees_with_its_count():
+    """It said '1 rows ... were dropped'."""
+    from trainer.startup import dropped_rows_line
+
+    assert dropped_rows_line(1, 8) == ("metrics.jsonl: 1 row an earlier attempt logged after "
+                                       "step 8 (the resumed one) was dropped: those steps are "
+                                       "trained again")
+    assert dropped_rows_line(3, 8).startswith("metrics.jsonl: 3 rows an earlier attempt ")
+    assert " were dropped: " in dropped_rows_line(3, 8)
