@@ -649,10 +649,11 @@ def stack_images(samples):
 
 class PickyNet(torch.nn.Module):
     """A model whose constructor fails on some values of the right kind (a width that is no
-    multiple of 8: ValueError) and on values of another (torch's TypeError)."""
+    multiple of 8: ValueError) and on values of another (torch's TypeError); an array default
+    (`scale`), which == cannot compare with a bool's truth."""
 
     def __init__(self, input_shape, num_classes: int, width: int = 64, norm: "str | None" = "bn",
-                 hidden: "int | list" = 32, bias=True):
+                 hidden: "int | list" = 32, bias=True, scale=np.ones(2)):
         super().__init__()
         self.layer = torch.nn.Linear(int(torch.tensor(input_shape).prod()), width, bias=bias)
         if width % 8:

@@ -452,8 +452,8 @@ def _unlike_its_default(node: Any, cause: BaseException) -> Optional[str]:
     odd = []
     for key in node:
         param = params.get(str(key))
-        if key in RESERVED or param is None or param.default in (inspect.Parameter.empty, None) \
-                or _takes_more_kinds(param):
+        if key in RESERVED or param is None or param.default is inspect.Parameter.empty \
+                or param.default is None or _takes_more_kinds(param):
             continue
         value = node[key]
         if value is None or OmegaConf.is_dict(value) or isinstance(value, dict):

@@ -243,7 +243,7 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
                         f"model's input embedding ({where or type(embedding).__name__}) has "
                         f"{rows} rows: ids must be from 0 to {rows - 1} (does the tokenizer's "
                         "vocabulary fit the model's vocab_size?)")
-        said = _past_positions(batch, model, ints)
+        said = _past_positions(batch, model, ints, cpu_only)
         if said is not None:
             return said
     config = getattr(model, "config", None)
@@ -264,13 +264,14 @@ def out_of_range(batch: Any, model: nn.Module, cpu_only: bool = False) -> Option
     return None
 
 
-def _past_positions(batch: Any, model: nn.Module, ints: Sequence[Tuple[str, Any, torch.Tensor]]
-                    ) -> Optional[str]:
+def _past_positions(batch: Any, model: nn.Module, ints: Sequence[Tuple[str, Any, torch.Tensor]],
+                    cpu_only: bool = False) -> Optional[str]:
     """Why the batch's token sequences are too long for the model's learned position
     embedding (`_position_table`), or None. The rows a batch asks of the table: the largest
     of its own `position_ids` plus one where it gives them (packed sequences, each from 0),
     else its sequences' length, counted from the table's padding row plus one over the
-    tokens that are not padding where the table has one (RoBERTa's: positions from 2)."""
+    tokens that are not padding where the table has one (RoBERTa's: positions from 2).
+    `cpu_only`: position_ids in device memory are not read (nor judged by the length)."""
     table = _position_table(model)
     if table is None:
         return None
@@ -278,6 +279,8 @@ def _past_positions(batch: Any, model: nn.Module, ints: Sequence[Tuple[str, Any,
     fits = rows if pad is None else rows - pad - 1  # (tokens a sequence can hold)
     given = batch.get("position_ids") if isinstance(batch, Mapping) else None
     if isinstance(given, torch.Tensor) and given.numel() and not given.is_floating_point():
+        if cpu_only and given.device.type != "cpu":
+            return None
         if int(given.max()) >= rows:
             return (f"data: the batch's 'position_ids' go up to {int(given.max())}, but the "
                     f"model's position embedding ({where}) has {rows} rows (its config's "

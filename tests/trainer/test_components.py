@@ -256,6 +256,9 @@ def test_of_two_inner_nodes_with_one_target_the_failing_ones_key_is_named():
 @pytest.mark.parametrize("given,line", [
     (dict(width="abc"), "model.width=abc: tests.helpers.PickyNet failed with it (TypeError: "),
     (dict(width=64.5), "model.width=64.5: tests.helpers.PickyNet failed with it (TypeError: "),
+    # beside a given argument whose default is an array (whose == is no truth): the check
+    # raised numpy's "truth value of an array is ambiguous" in place of the line
+    (dict(width="abc", scale=[1.0, 2.0]), "model.width=abc: tests.helpers.PickyNet failed "),
     (dict(width=12), None),  # its own ValueError, the width of its default's kind
     (dict(width=12, norm=None), None),  # a null is no kind of its own
     (dict(width=12, hidden=[64, 32]), None),  # an annotation that admits lists

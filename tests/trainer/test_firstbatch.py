@@ -313,6 +313,9 @@ def test_positions_are_judged_as_the_model_reads_them():
     packed = torch.cat([torch.arange(8), torch.arange(6), torch.arange(6)])[None]
     assert out_of_range({"input_ids": ids, "position_ids": packed}, gpt2) is None
     assert gpt2(input_ids=ids, position_ids=packed).logits.shape == (1, 20, 40)
+    # (positions in device memory are not read where only host memory may be: meta here)
+    on_device = {"input_ids": ids, "position_ids": torch.arange(20, device="meta")[None]}
+    assert out_of_range(on_device, gpt2, cpu_only=True) is None
     assert out_of_range({"input_ids": ids, "position_ids": torch.arange(20)[None]}, gpt2) == (
         "data: the batch's 'position_ids' go up to 19, but the model's position embedding "
         "(transformer.wpe) has 8 rows (its config's n_positions): give positions below 8, or "
