@@ -459,19 +459,18 @@ def _unlike_its_default(node: Any, cause: BaseException) -> Optional[str]:
         if value is None or OmegaConf.is_dict(value) or isinstance(value, dict):
             continue
         value, default = plain(value), param.default
-        if isinstance(default, bool) or isinstance(value, bool):
-            unlike = isinstance(default, bool) != isinstance(value, bool)
-        elif isinstance(default, int):
-            unlike = not argvalues.is_number(value) or (
-                isinstance(value, float) and isinstance(cause, TypeError))
-        elif isinstance(default, float):
-            unlike = not argvalues.is_number(value)
+        if argvalues.is_number(default) or isinstance(default, bool):
+            # (the rule argvalues.check holds torch's own targets to, before the call; and a
+            # float for an int, where the call's error is a TypeError)
+            unlike = argvalues._not_like_default(value, param, sized=False) is not None or (
+                type(default) is int and isinstance(value, float)
+                and isinstance(cause, TypeError))
         elif isinstance(default, str):
             unlike = not isinstance(value, str)
         elif isinstance(default, (list, tuple)):
             unlike = not isinstance(value, (list, tuple))
         else:
-            continue
+            unlike = isinstance(value, bool)
         if unlike:
             odd.append((key, value, default))
     if len(odd) != 1:
