@@ -31,7 +31,7 @@ from trainer.logging import RunLogger
 from trainer.loop import Loop
 from trainer.preemption import Preempted
 from trainer.resilience import Checkpointing
-from trainer.task import raised_in_users_code
+from trainer.task import raised_in_users_code, stoker_notes
 from trainer.validation import PeerFailedValidation, values_line
 from trainer.windowlog import NonFiniteLoss, OutOfMemory, empty_hint
 
@@ -204,9 +204,7 @@ def status_error(e: BaseException) -> str:
         text = f"{type(e).__name__}: {text}"
     # the lines Stoker put under the traceback (what the failing code was given, which key it
     # is): the record and a peer's word kept the exception's line alone
-    notes = [" ".join(str(n)[len("stoker:"):].split()) for n in getattr(e, "__notes__", ())
-             if str(n).startswith("stoker:")]
-    return "; ".join([text, *notes])
+    return "; ".join([text, *(" ".join(note.split()) for note in stoker_notes(e))])
 
 
 def exit_code(e: Optional[BaseException]) -> int:

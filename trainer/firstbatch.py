@@ -29,7 +29,7 @@ from trainer import distributed
 from trainer.checkpoint import tensors_in
 from trainer.config import ConfigError
 from trainer.strategy import unwrap
-from trainer.task import Task, TaskError, _note, batch_size, describe
+from trainer.task import Task, TaskError, _note, batch_size, describe, stoker_notes
 
 log = logging.getLogger("stoker")
 
@@ -180,8 +180,7 @@ def _one_value_per_channel(e: ValueError, model: nn.Module, batch: Any) -> str:
 def _note_once(e: Exception, line: str) -> None:
     """`line` under `e`'s traceback, unless `e` is said in one line already (ConfigError) or
     carries a line of Stoker's (a note from deeper down)."""
-    if not isinstance(e, ConfigError) and not any(
-            str(n).startswith("stoker:") for n in getattr(e, "__notes__", ())):
+    if not isinstance(e, ConfigError) and not stoker_notes(e):
         _note(e, line)
 
 

@@ -118,6 +118,13 @@ def _note(e: BaseException, line: str) -> None:
         e.add_note(line)
 
 
+def stoker_notes(e: BaseException) -> List[str]:
+    """The lines of Stoker's (`_note`, "stoker: ...") under an error's traceback, without
+    their prefix (notes of other code's left out)."""
+    return [str(n)[len("stoker:"):].strip() for n in getattr(e, "__notes__", ())
+            if str(n).startswith("stoker:")]
+
+
 def batch_size(batch: Any) -> int:
     """Samples in `batch`: the first dimension of the first tensor found in it (shapes only)."""
     if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor \
